@@ -1,0 +1,3 @@
+from waferscale.cli.main import main
+
+raise SystemExit(main())

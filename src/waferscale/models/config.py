@@ -1,0 +1,147 @@
+"""ModelConfig: the one typed description of every zoo model (GPT and Llama families).
+
+Derived quantities (head_dim, parameter count, FLOPs per token) are properties so the compiler and the
+runtimes read them from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("gpt", "llama")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+POSITIONS = ("learned", "rotary")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "custom"
+    family: str = "gpt"
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None = n_head (multi-head); fewer = grouped-query attention
+    d_model: int = 768
+    d_ff: int | None = None  # None = 4 * d_model
+    max_seq_len: int = 1024
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu_tanh"
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = True
+    attn_bias: bool = True  # bias on q/k/v and output projections
+    mlp_bias: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"model config {self.name!r}: {msg}")
+
+        if self.family not in FAMILIES:
+            bad(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.norm not in NORMS:
+            bad(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.activation not in ACTIVATIONS:
+            bad(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.position not in POSITIONS:
+            bad(f"position must be one of {POSITIONS}, got {self.position!r}")
+        for k in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
+            if int(getattr(self, k)) <= 0:
+                bad(f"{k} must be a positive integer, got {getattr(self, k)!r}")
+        if self.d_model % self.n_head:
+            bad(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads:
+            bad(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
+        if self.position == "rotary" and self.head_dim % 2:
+            bad(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            bad(f"dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.rope_scaling, dict):  # accept a plain mapping (from YAML / JSON)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def params_per_block(self) -> int:
+        d, hd = self.d_model, self.head_dim
+        q_out, kv_out = self.n_head * hd, 2 * self.kv_heads * hd
+        attn = d * (q_out + kv_out) + q_out * d
+        if self.attn_bias:
+            attn += q_out + kv_out + d
+        n_mats = 3 if self.activation == "swiglu" else 2
+        mlp = n_mats * d * self.ffn_dim
+        if self.mlp_bias:
+            mlp += (n_mats - 1) * self.ffn_dim + d
+        norm = d if self.norm == "rmsnorm" else 2 * d
+        return attn + mlp + 2 * norm
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d = self.d_model
+        emb = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0)
+        final_norm = d if self.norm == "rmsnorm" else 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return emb + self.n_layer * self.params_per_block + final_norm + head
+
+    def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
+        """Model FLOPs per token (PaLM appendix B): 6N + 12·L·H·T (training) or a third of it (forward).
+
+        N excludes the embedding lookups (they are gathers, not matmuls) but includes the LM head.
+        """
+        t = seq_len or self.max_seq_len
+        n = self.n_layer * self.params_per_block + self.vocab_size * self.d_model
+        fwd = 2 * n + 4 * self.n_layer * t * self.d_model  # + QK^T and AV over the full window, as PaLM counts
+        return 3 * fwd if training else fwd
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            import difflib
+
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else repr(k)
+                     for k in unknown]
+            raise ValueError(f"model config {self.name!r}: unknown field(s) {', '.join(hints)}; "
+                             f"known fields: {', '.join(sorted(known))}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+__all__ = ["ModelConfig", "RopeScaling", "field"]

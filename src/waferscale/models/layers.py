@@ -1,0 +1,255 @@
+"""Building blocks shared by the GPT and Llama families: norms, rotary embeddings, attention, MLPs, the block.
+
+Every block is pre-norm: x = x + attn(norm(x)); x = x + mlp(norm(x)). Shapes: B batch, T time, C d_model,
+nh query heads, nkv key/value heads, hd head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from waferscale.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+# ---- rotary position embeddings (Hugging Face "rotate_half" layout) ------------------------------------
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, device=None) -> Tensor:
+    """(hd/2,) inverse frequencies; with Llama-3.1 scaling, low frequencies are divided by `factor`."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    if scaling is None:
+        return inv.float()
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+def rope_cos_sin(inv_freq: Tensor, start: int, length: int) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (T, hd) for positions start .. start+T-1."""
+    pos = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, n, T, hd); cos/sin: (T, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ---- KV cache ------------------------------------------------------------------------------------------
+
+class KVCache(nn.Module):
+    """A contiguous per-layer cache: k, v of shape (B, nkv, max_T, hd). Positions are written in order."""
+
+    def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        shape = (batch, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+# ---- attention and MLP ---------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, self.n_head * self.hd, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.d_model, bias=cfg.attn_bias)
+        self.dropout = cfg.dropout
+        self.rotary = cfg.position == "rotary"
+        if self.rotary:
+            self.register_buffer("inv_freq", rope_inv_freq(self.hd, cfg.rope_theta, cfg.rope_scaling),
+                                 persistent=False)
+
+    def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.rotary:
+            cos, sin = rope_cos_sin(self.inv_freq, start_pos, T)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(start_pos, k, v)  # (B, nkv, start_pos+T, hd)
+        S = k.shape[2]
+        if S == T:
+            mask, causal = None, True
+        else:  # queries sit at positions start_pos.. of a longer key sequence
+            qpos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
+            mask, causal = qpos >= torch.arange(S, device=x.device)[None, :], False  # (T, S)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv != self.n_head)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, C)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """Two-matrix MLP (GPT): down(act(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.mlp_bias)
+        self.act = {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "relu": nn.ReLU()}[cfg.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP (Llama): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One transformer layer, a streamable unit: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), start_pos, kv_cache))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+# ---- the three kinds of streamable unit and the model that chains them ---------------------------------
+
+class Embedding(nn.Module):
+    """Unit 0: token ids (B, T) -> activations (B, T, C); learned positions for the GPT family."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.max_seq_len = cfg.max_seq_len
+
+    def forward(self, idx: Tensor, start_pos: int = 0) -> Tensor:
+        T = idx.shape[1]
+        if start_pos + T > self.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len {self.max_seq_len}")
+        x = self.tok(idx)  # (B, T, C)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(start_pos, start_pos + T, device=idx.device))
+        return self.drop(x)
+
+
+class Head(nn.Module):
+    """Last unit: final norm and the LM head, (B, T, C) -> logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))
+
+
+class CausalLM(nn.Module):
+    """embedding -> blocks -> head. `units()` lists them in order for runtimes that run unit by unit."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.head = Head(cfg)
+        if cfg.tie_embeddings:
+            self.head.lm_head.weight = self.embed.tok.weight
+        if not self.head.lm_head.weight.is_meta:
+            self.reset_parameters()
+
+    def units(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None) -> Tensor:
+        """idx (B, T) int64 -> logits (B, T, V)."""
+        x = self.embed(idx, start_pos)
+        for i, block in enumerate(self.blocks):
+            x = block(x, start_pos, kv_caches[i] if kv_caches is not None else None)
+        return self.head(x)
+
+    def make_kv_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> list[KVCache]:
+        cfg = self.config
+        p = self.head.lm_head.weight
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, device or p.device)
+                for _ in range(cfg.n_layer)]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2·n_layer)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy over all target tokens (Model Zoo `loss_scaling: num_tokens`)."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)

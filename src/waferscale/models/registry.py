@@ -1,0 +1,55 @@
+"""Model registry: preset names -> ModelConfig -> model, with big presets built on the meta device."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch
+
+from waferscale.models import gpt, llama
+from waferscale.models.config import ModelConfig
+from waferscale.models.layers import CausalLM
+
+PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS}
+ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES}
+FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama}
+
+# Above this many parameters, `from_name(..., device="auto")` builds on the meta device: shapes and counts
+# without memory. 1 B fp32 parameters = 4 GB, a sixth of this machine's RAM.
+META_THRESHOLD_PARAMS = 1_000_000_000
+
+
+def names() -> list[str]:
+    return sorted(PRESETS) + sorted(ALIASES)
+
+
+def canonical_name(name: str) -> str:
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in PRESETS:
+        close = difflib.get_close_matches(name.lower(), names(), n=3)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        raise ValueError(f"unknown model {name!r}{hint}; known models: {', '.join(names())}")
+    return key
+
+
+def config_from_name(name: str, **overrides: Any) -> ModelConfig:
+    cfg = PRESETS[canonical_name(name)]
+    return cfg.replace(name=name.strip().lower(), **overrides) if overrides or name != cfg.name else cfg
+
+
+def build(cfg: ModelConfig, device: torch.device | str | None = "auto",
+          dtype: torch.dtype | None = None) -> CausalLM:
+    """Instantiate a model. device="auto": meta for presets above META_THRESHOLD_PARAMS, else CPU."""
+    if device == "auto":
+        device = "meta" if cfg.num_params > META_THRESHOLD_PARAMS else "cpu"
+    with torch.device(device or "cpu"):
+        model = FAMILY_CLASSES[cfg.family](cfg)
+    return model.to(dtype) if dtype is not None else model
+
+
+def from_name(name: str, device: torch.device | str | None = "auto", dtype: torch.dtype | None = None,
+              **overrides: Any) -> CausalLM:
+    """`from_name("llama3.1-405b")` returns instantly on the meta device; tiny models are materialized."""
+    return build(config_from_name(name, **overrides), device=device, dtype=dtype)
