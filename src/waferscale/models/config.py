@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from waferscale.errors import ConfigError
+
 FAMILIES = ("gpt", "llama")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
@@ -51,7 +53,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
-            raise ValueError(f"model config {self.name!r}: {msg}")
+            raise ConfigError(f"model config {self.name!r}: {msg}")
 
         if self.family not in FAMILIES:
             bad(f"family must be one of {FAMILIES}, got {self.family!r}")
@@ -129,7 +131,7 @@ class ModelConfig:
 
             hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else repr(k)
                      for k in unknown]
-            raise ValueError(f"model config {self.name!r}: unknown field(s) {', '.join(hints)}; "
+            raise ConfigError(f"model config {self.name!r}: unknown field(s) {', '.join(hints)}; "
                              f"known fields: {', '.join(sorted(known))}")
         return dataclasses.replace(self, **overrides)
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from waferscale.errors import ConfigError
+
 from waferscale.models import gpt, llama
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM
@@ -30,7 +32,7 @@ def canonical_name(name: str) -> str:
     if key not in PRESETS:
         close = difflib.get_close_matches(name.lower(), names(), n=3)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-        raise ValueError(f"unknown model {name!r}{hint}; known models: {', '.join(names())}")
+        raise ConfigError(f"unknown model {name!r}{hint}; known models: {', '.join(names())}")
     return key
 
 

@@ -1,0 +1,214 @@
+"""`wsc`: one table of commands. Each command is a typed function usable as a library call.
+
+    wsc run      --params P.yaml --mode train|eval|train_and_eval [--num_csx N] [--model_dir D] ...
+    wsc fit      P.yaml [-o D]            (= run --mode train_and_eval, the cszoo form)
+    wsc validate P.yaml                   (check a params file and print the model it describes)
+    wsc generate (--model NAME | --checkpoint PATH) (--prompt TEXT | --chat TEXT) ...
+    wsc export   (--model NAME | --checkpoint PATH) --format hf --out DIR
+    wsc plot     MODEL_DIR [--out loss.png]
+    wsc models   (list the zoo)
+
+Bad input prints one `error:` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from waferscale.errors import ConfigError, UserError
+
+EXIT_USAGE = 2
+
+
+# ---- commands ------------------------------------------------------------------------------------------
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from waferscale.config import load_params
+    from waferscale.runtime.trainer import RunOptions, run
+
+    params = load_params(a.params)
+    if a.validate_only:
+        print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
+        return 0
+    num_csx = a.num_csx if a.num_csx is not None else params.runconfig.num_csx
+    if num_csx != 1:
+        raise ConfigError(f"--num_csx {num_csx}: data-parallel execution over several systems is not available "
+                          f"yet in this build; run with --num_csx 1")
+    if a.compile_only:
+        raise ConfigError("--compile_only needs the wafer compiler, which this build does not include yet")
+    model_dir = a.model_dir or params.runconfig.model_dir or "model_dir"
+    opts = RunOptions(mode=a.mode, model_dir=Path(model_dir), num_steps=a.num_steps, max_steps=a.max_steps,
+                      eval_steps=a.eval_steps, checkpoint_path=a.checkpoint_path,
+                      load_checkpoint_states=a.load_checkpoint_states, device=a.device, execution=a.execution,
+                      progress=not a.no_progress)
+    run(params, opts)
+    return 0
+
+
+def cmd_fit(a: argparse.Namespace) -> int:
+    a.mode = "train_and_eval"
+    return cmd_run(a)
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    a.validate_only = True
+    return cmd_run(a)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from waferscale.runtime.generation import load_for_generation, stream_text
+
+    if (a.model is None) == (a.checkpoint is None):
+        raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
+    if (a.prompt is None) == (a.chat is None):
+        raise ConfigError("give exactly one of --prompt TEXT or --chat TEXT")
+    if a.max_new_tokens <= 0:
+        raise ConfigError(f"--max_new_tokens must be positive, got {a.max_new_tokens}")
+    if a.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {a.temperature}")
+    if a.top_p is not None and not 0 < a.top_p <= 1:
+        raise ConfigError(f"--top_p must be in (0, 1], got {a.top_p}")
+    model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
+                                           device=a.device)
+    if note:
+        print(note, file=sys.stderr)
+    if a.chat is not None:
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.chat}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = a.prompt
+        sys.stdout.write(text)
+    for piece in stream_text(model, tok, text, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                             top_k=a.top_k, top_p=a.top_p, seed=a.seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from waferscale.runtime.generation import load_for_generation
+    from waferscale.models.hf import save_hf_dir
+
+    if a.format != "hf":
+        raise ConfigError(f"--format {a.format!r} is not supported; use --format hf")
+    if (a.model is None) == (a.checkpoint is None):
+        raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
+    model, tok, _ = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=None, device="cpu",
+                                        need_tokenizer=False)
+    save_hf_dir(model, Path(a.out), tokenizer=tok)
+    print(f"wrote a Hugging Face checkpoint of {model.config.name} to {a.out}")
+    return 0
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    from waferscale.plots import plot_loss
+
+    out = plot_loss(Path(a.model_dir), Path(a.out) if a.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from waferscale.models import PRESETS
+    from waferscale.models.registry import ALIASES
+
+    print(f"{'name':<16} {'family':<6} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>9} {'ctx':>7}")
+    for name, c in PRESETS.items():
+        heads = f"{c.n_head}/{c.kv_heads}" if c.kv_heads != c.n_head else str(c.n_head)
+        print(f"{name:<16} {c.family:<6} {c.num_params / 1e6:>9,.1f}M {c.n_layer:>6} {c.d_model:>7} {heads:>9} "
+              f"{c.max_seq_len:>7}")
+    print("aliases: " + ", ".join(f"{k} -> {v}" for k, v in ALIASES.items()))
+    return 0
+
+
+# ---- the table -----------------------------------------------------------------------------------------
+
+def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False) -> None:
+    if params_positional:
+        p.add_argument("params", help="params YAML (Model Zoo layout)")
+    else:
+        p.add_argument("-p", "--params", required=True, help="params YAML (Model Zoo layout)")
+        p.add_argument("-m", "--mode", default="train", choices=["train", "eval", "train_and_eval"])
+    p.add_argument("-o", "--model_dir", default=None, help="where checkpoints and metrics go (default: runconfig)")
+    p.add_argument("--num_csx", type=int, default=None, help="data-parallel systems (default: runconfig.num_csx)")
+    p.add_argument("--num_steps", type=int, default=None, help="steps to run in this invocation")
+    p.add_argument("--max_steps", type=int, default=None, help="total steps of the run (overrides runconfig)")
+    p.add_argument("--eval_steps", type=int, default=None, help="evaluation batches")
+    p.add_argument("--checkpoint_path", default=None, help="resume or evaluate from this checkpoint")
+    p.add_argument("--load_checkpoint_states", default="all", choices=["all", "model"])
+    p.add_argument("--num_wgt_servers", type=int, default=0, help="accepted for compatibility (0 = auto)")
+    p.add_argument("--compile_only", action="store_true")
+    p.add_argument("--validate_only", action="store_true")
+    p.add_argument("--logging", default="INFO", help="accepted for compatibility")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--execution", default="auto", choices=["auto", "resident", "streaming"])
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    for flag in ("--dist_addr", "--dist_backend", "--init_method"):
+        p.add_argument(flag, default=None, help="accepted for compatibility with Model Zoo's GPU runs")
+
+
+def _model_source_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a zoo name (see `wsc models`) or a HF dir / .gguf file")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint_{step}.json, or a model_dir (its latest)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsc", description="waferscale: the Cerebras wafer-scale system, in software")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+        "run": (cmd_run, "train / evaluate from a params YAML (Model Zoo run.py flags)"),
+        "fit": (cmd_fit, "train_and_eval (cszoo fit form)"),
+        "validate": (cmd_validate, "check a params YAML"),
+        "generate": (cmd_generate, "sample text from a zoo model or a checkpoint"),
+        "export": (cmd_export, "write a checkpoint in another format (Hugging Face)"),
+        "plot": (cmd_plot, "draw a run's loss curve to a PNG"),
+        "models": (cmd_models, "list the model zoo"),
+    }
+    for name, (fn, help_) in commands.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        if name == "run":
+            _run_flags(p)
+        elif name in ("fit", "validate"):
+            _run_flags(p, params_positional=True)
+        elif name == "generate":
+            _model_source_flags(p)
+            p.add_argument("--prompt", default=None, help="raw text to continue")
+            p.add_argument("--chat", default=None, help="a user message, wrapped in the model's chat template")
+            p.add_argument("--system", default=None, help="system message for --chat")
+            p.add_argument("--tokenizer", default=None, help="tokenizer for a zoo model without one (e.g. smollm2)")
+            p.add_argument("--max_new_tokens", type=int, default=100)
+            p.add_argument("--temperature", type=float, default=0.8)
+            p.add_argument("--top_k", type=int, default=None)
+            p.add_argument("--top_p", type=float, default=None)
+            p.add_argument("--seed", type=int, default=None)
+            p.add_argument("--device", default="auto")
+        elif name == "export":
+            _model_source_flags(p)
+            p.add_argument("--format", default="hf", help="hf")
+            p.add_argument("--out", required=True, help="output directory")
+        elif name == "plot":
+            p.add_argument("model_dir")
+            p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""Hugging Face checkpoints in and out: config.json <-> ModelConfig, HF parameter names <-> ours.
+
+Two HF architectures map onto the zoo:
+
+* ``gpt2`` (``GPT2LMHeadModel``): LayerNorm, learned positions, biases everywhere. Its ``Conv1D`` layers store
+  weights as (in, out), the transpose of ``nn.Linear``; ``c_attn`` packs q, k, v along the output dimension.
+* ``llama`` (``LlamaForCausalLM``): RMSNorm, rotary (rotate_half layout, as ours), SwiGLU, optional
+  llama3 ``rope_scaling``. Parameter names differ from ours only by renaming.
+
+Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
+``pytorch_model.bin`` files are refused, never unpickled. Writing goes to a temporary directory first and is
+moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from waferscale.errors import CheckpointError
+from waferscale.models.config import ModelConfig, RopeScaling
+from waferscale.models.layers import Attention, CausalLM, rope_inv_freq
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+_GPT2_ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                     "gelu": "gelu", "relu": "relu"}
+_GPT2_ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+
+
+# ---- configs ------------------------------------------------------------------------------------------
+
+def _hf_name(hf: dict[str, Any]) -> str:
+    if hf.get("waferscale_name"):
+        return str(hf["waferscale_name"])
+    src = str(hf.get("_name_or_path") or "").rstrip("/")
+    return src.rsplit("/", 1)[-1].lower() if src else f"hf-{hf.get('model_type')}"
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Read rope theta and scaling from either transformers>=5 `rope_parameters` or the legacy keys."""
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rs = params if params.get("rope_type", "default") != "default" else legacy
+    kind = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise CheckpointError(f"rope scaling type {kind!r} is not supported (only 'llama3' and none); "
+                              f"config: {rs}")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rs]
+    if missing:
+        raise CheckpointError(f"llama3 rope scaling lacks {missing}; config: {rs}")
+    return theta, RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+                              high_freq_factor=float(rs["high_freq_factor"]),
+                              original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    """A HF config.json (as a dict) -> ModelConfig. Options we cannot reproduce exactly raise CheckpointError."""
+    hf = hf_config
+    mt = hf.get("model_type")
+    try:
+        if mt == "gpt2":
+            act = hf.get("activation_function", "gelu_new")
+            if act not in _GPT2_ACT_FROM_HF:
+                raise CheckpointError(f"gpt2 activation_function {act!r} is not supported; "
+                                      f"supported: {sorted(_GPT2_ACT_FROM_HF)}")
+            if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+                raise CheckpointError("gpt2 configs with scale_attn_weights=false or "
+                                      "scale_attn_by_inverse_layer_idx=true are not supported")
+            return ModelConfig(
+                name=_hf_name(hf), family="gpt", vocab_size=int(hf["vocab_size"]), n_layer=int(hf["n_layer"]),
+                n_head=int(hf["n_head"]), d_model=int(hf["n_embd"]),
+                d_ff=int(hf["n_inner"]) if hf.get("n_inner") else None, max_seq_len=int(hf["n_positions"]),
+                norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                activation=_GPT2_ACT_FROM_HF[act], position="learned",
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=True, mlp_bias=True,
+                dropout=float(hf.get("resid_pdrop", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+        if mt == "llama":
+            if hf.get("hidden_act", "silu") != "silu":
+                raise CheckpointError(f"llama hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+            d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+            if hf.get("head_dim") not in (None, d // nh):
+                raise CheckpointError(f"llama head_dim {hf['head_dim']} != hidden_size / num_attention_heads "
+                                      f"({d // nh}); decoupled head sizes are not supported")
+            theta, scaling = _rope_from_hf(hf)
+            nkv = hf.get("num_key_value_heads")
+            return ModelConfig(
+                name=_hf_name(hf), family="llama", vocab_size=int(hf["vocab_size"]),
+                n_layer=int(hf["num_hidden_layers"]), n_head=nh, n_kv_head=int(nkv) if nkv else None, d_model=d,
+                d_ff=int(hf["intermediate_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+                norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+                position="rotary", rope_theta=theta, rope_scaling=scaling,
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attn_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+                dropout=float(hf.get("attention_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+    except KeyError as e:
+        raise CheckpointError(f"{mt} config.json lacks the key {e.args[0]!r}") from None
+    except ValueError as e:  # ModelConfig validation
+        raise CheckpointError(f"config.json describes an invalid model: {e}") from None
+    raise CheckpointError(f"unsupported model_type {mt!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _hf_model_type(cfg: ModelConfig) -> str:
+    """Which HF architecture expresses this config exactly (decided by structure, not by the family label)."""
+    if (cfg.norm, cfg.position) == ("layernorm", "learned") and cfg.activation in _GPT2_ACT_TO_HF \
+            and cfg.attn_bias and cfg.mlp_bias:
+        return "gpt2"
+    if (cfg.norm, cfg.position, cfg.activation) == ("rmsnorm", "rotary", "swiglu"):
+        return "llama"
+    raise CheckpointError(
+        f"model {cfg.name!r} (norm={cfg.norm}, position={cfg.position}, activation={cfg.activation}, "
+        f"attn_bias={cfg.attn_bias}, mlp_bias={cfg.mlp_bias}) has no Hugging Face equivalent; exportable are "
+        "GPT-2 shapes (layernorm, learned positions, gelu/gelu_tanh/relu, biases) and Llama shapes "
+        "(rmsnorm, rotary, swiglu)")
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """ModelConfig -> a config.json dict that `transformers.AutoConfig` reads (4.x legacy keys and 5.x keys)."""
+    mt = _hf_model_type(cfg)
+    if mt == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": cfg.d_ff, "activation_function": _GPT2_ACT_TO_HF[cfg.activation],
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "waferscale_name": cfg.name,
+        }
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                   "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+        rope = {**scaling, "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": rope, "attention_bias": cfg.attn_bias, "attention_dropout": cfg.dropout,
+        "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+        "pretraining_tp": 1, "waferscale_name": cfg.name,
+    }
+
+
+# ---- parameter names ----------------------------------------------------------------------------------
+
+def _t(x: Tensor) -> Tensor:
+    return x.t().contiguous()
+
+
+def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Our names -> HF names (GPT-2 weights transposed to Conv1D's (in, out), q/k/v packed into c_attn).
+
+    With tied embeddings `lm_head.weight` is omitted, as HF saves it.
+    """
+    out: dict[str, Tensor] = {}
+    if _hf_model_type(cfg) == "gpt2":
+        out["transformer.wte.weight"] = sd["embed.tok.weight"]
+        out["transformer.wpe.weight"] = sd["embed.pos.weight"]
+        for i in range(cfg.n_layer):
+            b, h = f"blocks.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[f"{h}{theirs}.weight"] = sd[f"{b}{ours}.weight"]
+                out[f"{h}{theirs}.bias"] = sd[f"{b}{ours}.bias"]
+            q, k, v = (sd[f"{b}attn.{n}_proj.weight"] for n in "qkv")  # each (C, C)
+            out[f"{h}attn.c_attn.weight"] = _t(torch.cat([q, k, v], dim=0))  # (C, 3C)
+            out[f"{h}attn.c_attn.bias"] = torch.cat([sd[f"{b}attn.{n}_proj.bias"] for n in "qkv"])
+            for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"),
+                                 ("mlp.down_proj", "mlp.c_proj")):
+                out[f"{h}{theirs}.weight"] = _t(sd[f"{b}{ours}.weight"])
+                out[f"{h}{theirs}.bias"] = sd[f"{b}{ours}.bias"]
+        out["transformer.ln_f.weight"] = sd["head.norm.weight"]
+        out["transformer.ln_f.bias"] = sd["head.norm.bias"]
+    else:
+        out["model.embed_tokens.weight"] = sd["embed.tok.weight"]
+        for i in range(cfg.n_layer):
+            b, h = f"blocks.{i}.", f"model.layers.{i}."
+            out[f"{h}input_layernorm.weight"] = sd[f"{b}attn_norm.weight"]
+            out[f"{h}post_attention_layernorm.weight"] = sd[f"{b}mlp_norm.weight"]
+            names = [f"attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
+            for ours in names:
+                theirs = ours.replace("attn.", "self_attn.")
+                for p in ("weight", "bias"):
+                    if f"{b}{ours}.{p}" in sd:
+                        out[f"{h}{theirs}.{p}"] = sd[f"{b}{ours}.{p}"]
+        out["model.norm.weight"] = sd["head.norm.weight"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["head.lm_head.weight"]
+    return out
+
+
+def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None:
+    """Full `*ForCausalLM` name for `key`, or None for entries HF itself ignores (buffers, tied head)."""
+    root = "transformer." if model_type == "gpt2" else "model."
+    if not key.startswith((root, "lm_head.")):
+        key = root + key  # saved from the bare GPT2Model / LlamaModel
+    if model_type == "gpt2" and re.search(r"\.attn\.(masked_)?bias$", key):
+        return None  # causal-mask buffers of old GPT-2 checkpoints
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    if key == "lm_head.weight" and cfg.tie_embeddings:
+        return None
+    return key
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_against(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                   where: str) -> None:
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    wrong = [k for k in expected if k in found and found[k] != expected[k]]
+    if not (missing or unexpected or wrong):
+        return
+    problems = []
+    if wrong:
+        problems.append("shape mismatch: " + "; ".join(
+            f"{k!r} is {list(found[k])} in the checkpoint but the model expects {list(expected[k])}"
+            for k in wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""))
+    if missing:
+        problems.append(f"{len(missing)} missing key(s), e.g. " + ", ".join(repr(k) for k in missing[:5]))
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s), e.g. " + ", ".join(repr(k) for k in unexpected[:5]))
+    raise CheckpointError(f"{where} does not fit model {cfg.name!r} ({cfg.n_layer} layers, d_model "
+                          f"{cfg.d_model}, vocab {cfg.vocab_size}): {'; '.join(problems)}. Is it a checkpoint of "
+                          "another architecture? Check that config.json belongs to these weights.")
+
+
+def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from waferscale.models.registry import build
+
+    return {k: _shape(v) for k, v in state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg).items()}
+
+
+def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = "checkpoint") -> dict[str, Tensor]:
+    """HF names -> ours, validated first: missing/unexpected keys or wrong shapes raise CheckpointError.
+
+    Accepts `*ForCausalLM` names and bare-model names (no `transformer.`/`model.` prefix). With tied
+    embeddings the result holds the embedding under both `embed.tok.weight` and `head.lm_head.weight`.
+    """
+    mt = _hf_model_type(cfg)
+    norm: dict[str, Tensor] = {}
+    for k, v in sd.items():
+        nk = _normalize_hf_key(k, mt, cfg)
+        if nk is not None:
+            norm[nk] = v
+    _check_against({k: _shape(v) for k, v in norm.items()}, _expected_hf_shapes(cfg), cfg, where)
+
+    out: dict[str, Tensor] = {}
+    C = cfg.d_model
+    if mt == "gpt2":
+        out["embed.tok.weight"] = norm["transformer.wte.weight"]
+        out["embed.pos.weight"] = norm["transformer.wpe.weight"]
+        for i in range(cfg.n_layer):
+            b, h = f"blocks.{i}.", f"transformer.h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[f"{b}{ours}.weight"] = norm[f"{h}{theirs}.weight"]
+                out[f"{b}{ours}.bias"] = norm[f"{h}{theirs}.bias"]
+            qkv_w = _t(norm[f"{h}attn.c_attn.weight"])  # (3C, C)
+            qkv_b = norm[f"{h}attn.c_attn.bias"]  # (3C,)
+            for j, n in enumerate("qkv"):
+                out[f"{b}attn.{n}_proj.weight"] = qkv_w[j * C:(j + 1) * C].contiguous()  # (C, C)
+                out[f"{b}attn.{n}_proj.bias"] = qkv_b[j * C:(j + 1) * C].contiguous()
+            for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"),
+                                 ("mlp.down_proj", "mlp.c_proj")):
+                out[f"{b}{ours}.weight"] = _t(norm[f"{h}{theirs}.weight"])
+                out[f"{b}{ours}.bias"] = norm[f"{h}{theirs}.bias"]
+        out["head.norm.weight"] = norm["transformer.ln_f.weight"]
+        out["head.norm.bias"] = norm["transformer.ln_f.bias"]
+    else:
+        out["embed.tok.weight"] = norm["model.embed_tokens.weight"]
+        for i in range(cfg.n_layer):
+            b, h = f"blocks.{i}.", f"model.layers.{i}."
+            out[f"{b}attn_norm.weight"] = norm[f"{h}input_layernorm.weight"]
+            out[f"{b}mlp_norm.weight"] = norm[f"{h}post_attention_layernorm.weight"]
+            for k in [k for k in norm if k.startswith(f"{h}self_attn.") or k.startswith(f"{h}mlp.")]:
+                out[b + k[len(h):].replace("self_attn.", "attn.")] = norm[k]
+        out["head.norm.weight"] = norm["model.norm.weight"]
+    out["head.lm_head.weight"] = out["embed.tok.weight"] if cfg.tie_embeddings else norm["lm_head.weight"]
+    return out
+
+
+# ---- building a model from a state dict without initialising it first --------------------------------
+
+def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch.device | str = "cpu",
+                          dtype: torch.dtype | None = None) -> CausalLM:
+    """Build `cfg` on the meta device and adopt the tensors of `sd` (our names): no random init, no double copy.
+
+    dtype=None keeps the dtype of `embed.tok.weight` in `sd` for every floating-point parameter.
+    """
+    from waferscale.models.registry import build
+
+    model = build(cfg, device="meta")
+    expected = {k: _shape(v) for k, v in model.state_dict().items()}
+    _check_against({k: _shape(v) for k, v in sd.items()}, expected, cfg, "state dict")
+    dtype = dtype or sd["embed.tok.weight"].dtype
+    moved: dict[int, Tensor] = {}  # a tensor stored under two names (tied embeddings) is moved once
+    for v in sd.values():
+        if id(v) not in moved:
+            moved[id(v)] = v.to(device=device, dtype=dtype)
+    sd = {k: moved[id(v)] for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign=True replaced the two references separately
+        model.head.lm_head.weight = model.embed.tok.weight
+    for m in model.modules():  # non-persistent buffers are computed, not stored
+        if isinstance(m, Attention) and m.rotary:
+            m.inv_freq = rope_inv_freq(m.hd, cfg.rope_theta, cfg.rope_scaling, device=device)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"model_from_state_dict left tensors on the meta device: {still_meta[:5]}")
+    return model.eval()
+
+
+# ---- directories --------------------------------------------------------------------------------------
+
+def _weight_files(d: Path) -> list[Path]:
+    index = d / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = [d / f for f in dict.fromkeys(weight_map.values())]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that are missing: {', '.join(absent)}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+        hint = (f" It holds {', '.join(pickles)}: pickled checkpoints are not loaded (they can run code); convert "
+                "them to safetensors first, e.g. `model.save_pretrained(dir, safe_serialization=True)` with "
+                "transformers.") if pickles else ""
+        raise CheckpointError(f"{d}: no *.safetensors weights found.{hint}")
+    return files
+
+
+def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """config.json and all safetensors tensors (HF names, as stored) of a HF model directory."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: not a directory; expected a Hugging Face model directory with config.json "
+                              "and *.safetensors")
+    cfg_path = d / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{d}: no {CONFIG_NAME}; a Hugging Face model directory needs one")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    cfg = config_from_hf(hf)
+    sd: dict[str, Tensor] = {}
+    for f in _weight_files(d):
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors file ({e}); is it truncated?") from None
+        dup = sorted(set(part) & set(sd))
+        if dup:
+            raise CheckpointError(f"{f}: tensor(s) {dup[:5]} also appear in another shard")
+        sd.update(part)
+    return cfg, sd
+
+
+def load_hf_dir(path: str | os.PathLike, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> CausalLM:
+    """Load a HF GPT-2 or Llama directory (config.json + safetensors, sharded or not) as a CausalLM in eval mode.
+
+    dtype=None keeps the checkpoint's dtype (that of its token embedding).
+    """
+    cfg, hf_sd = read_hf_dir(path)
+    sd = state_dict_from_hf(hf_sd, cfg, where=f"checkpoint {str(path)!r}")
+    return model_from_state_dict(cfg, sd, device=device, dtype=dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = None) -> None:
+    """Write config.json, generation_config.json, model.safetensors (and the tokenizer's files) to `out_dir`.
+
+    Everything is written to a temporary sibling directory first; only complete files are moved into
+    `out_dir` (a fresh directory is renamed into place in one step). Tied embeddings are stored once.
+    """
+    from safetensors.torch import save_file
+
+    cfg: ModelConfig = model.config
+    hf_config = config_to_hf(cfg)  # raises before anything is written if not expressible
+    if any(p.is_meta for p in model.parameters()):
+        raise CheckpointError(f"model {cfg.name!r} lives on the meta device (shapes only); materialize or load "
+                              "weights before saving")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    dtype = model.embed.tok.weight.dtype
+    hf_config["torch_dtype"] = _dtype_name(dtype)
+    gen: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        val = getattr(tokenizer, key, None) if tokenizer is not None else None
+        if isinstance(val, int):
+            hf_config[key] = gen[key] = val
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(model.state_dict(), cfg).items()}
+        save_file(sd, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(str(tmp))
+        _move_into_place(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out` if `out` is absent or empty; else replace file by file, dropping stale weights."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    written = {p.name for p in tmp.iterdir()}
+    for p in tmp.iterdir():
+        dest = out / p.name
+        if dest.is_dir() and not p.is_dir():
+            raise CheckpointError(f"{dest}: is a directory; cannot replace it with a file")
+        if p.is_dir():
+            if dest.exists():
+                shutil.rmtree(dest)
+        os.replace(p, dest)
+    # Shards or an index from an earlier save would shadow (or mix with) the new weights.
+    for stale in [*out.glob("*.safetensors"), out / INDEX_NAME]:
+        if stale.name not in written and stale.is_file():
+            stale.unlink()
+
+
+__all__ = ["config_from_hf", "config_to_hf", "state_dict_from_hf", "state_dict_to_hf", "load_hf_dir",
+           "save_hf_dir", "read_hf_dir", "model_from_state_dict", "SUPPORTED_MODEL_TYPES"]

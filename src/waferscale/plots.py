@@ -1,0 +1,49 @@
+"""Pictures a person would rather look at than read: the loss curve of a run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from waferscale.errors import DataError
+
+
+def plot_loss(model_dir: Path, out: Path | None = None) -> Path:
+    """Draw train loss (and the learning rate) from model_dir/metrics.jsonl to a PNG; returns its path."""
+    metrics = model_dir / "metrics.jsonl"
+    if not metrics.exists():
+        raise DataError(f"{metrics} not found: plot a model_dir written by `wsc run`")
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    if not rows:
+        raise DataError(f"{metrics} is empty: train at least one step first")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="train loss")
+    summary = model_dir / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        if "eval_loss" in s and "final_step" in s:
+            ax.scatter([s["final_step"]], [s["eval_loss"]], color="C3", zorder=3, label=f"eval loss {s['eval_loss']:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["lr"] for r in rows], color="C2", lw=0.8, alpha=0.6, label="learning rate")
+    ax2.set_ylabel("learning rate")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
+    ax.set_title(f"{model_dir.name}: {len(rows)} steps")
+    fig.tight_layout()
+    out = out or model_dir / "loss.png"
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,203 @@
+"""Checkpoints: `model_dir/checkpoint_{step}.*`, tensors in safetensors, everything else in JSON.
+
+    checkpoint_{step}.safetensors        model weights (tied weights stored once)
+    checkpoint_{step}.optim.safetensors  optimizer state tensors, keyed "state.{param_index}.{name}", + RNG state
+    checkpoint_{step}.json               the manifest: step, model config, optimizer hyper-parameters, data loader
+                                          position, user state, and the size of each tensor file
+
+The manifest is written last, by rename: a checkpoint without a manifest, or whose files do not match the
+sizes it lists, is partial and refused. Loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from waferscale.errors import CheckpointError
+
+FORMAT = "waferscale-checkpoint-v1"
+_NAME = re.compile(r"^checkpoint_(\d+)\.json$")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with tied parameters kept once (first name wins)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t.detach()
+    return out
+
+
+def optimizer_to_tensors(opt_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split `optimizer.state_dict()` into tensors (for safetensors) and JSON-able hyper-parameters."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, st in opt_state["state"].items():
+        for key, val in st.items():
+            if torch.is_tensor(val):
+                tensors[f"state.{idx}.{key}"] = val
+            else:
+                scalars.setdefault(str(idx), {})[key] = val
+    extra = {k: v for k, v in opt_state.items() if k not in ("state", "param_groups")}  # e.g. grad_scaler
+    return tensors, {"param_groups": opt_state["param_groups"], "scalars": scalars, "extra": extra}
+
+
+def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        if not name.startswith("state."):
+            continue
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = t
+    for idx, sc in meta.get("scalars", {}).items():
+        state.setdefault(int(idx), {}).update(sc)
+    return {"state": state, "param_groups": meta["param_groups"], **meta.get("extra", {})}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: tensors plus the manifest."""
+
+    step: int
+    path: Path  # the manifest
+    model: dict[str, torch.Tensor]
+    manifest: dict[str, Any]
+    optim_tensors: dict[str, torch.Tensor] | None
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return self.manifest["model_config"]
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        if self.optim_tensors is None or "optimizer" not in self.manifest:
+            return None
+        return optimizer_from_tensors(self.optim_tensors, self.manifest["optimizer"])
+
+    @property
+    def rng_state(self) -> torch.Tensor | None:
+        return (self.optim_tensors or {}).get("rng.torch")
+
+
+def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module, model_config: dict[str, Any], *,
+                    optimizer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint_{step}.* atomically; returns the manifest path."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    stem = model_dir / f"checkpoint_{step}"
+    weights = stem.with_suffix(".safetensors")
+    _atomic_save_tensors(unique_state_dict(model), weights)
+    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "model_config": model_config,
+                                "files": {weights.name: weights.stat().st_size}, **(extra or {})}
+    opt_tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    if optimizer_state is not None:
+        tensors, meta = optimizer_to_tensors(optimizer_state)
+        opt_tensors.update(tensors)
+        manifest["optimizer"] = meta
+    optim_path = model_dir / f"checkpoint_{step}.optim.safetensors"
+    _atomic_save_tensors(opt_tensors, optim_path)
+    manifest["files"][optim_path.name] = optim_path.stat().st_size
+    path = stem.with_suffix(".json")
+    _atomic_write_bytes(path, json.dumps(manifest, indent=1, default=_json_default).encode())
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if torch.is_tensor(o):
+        return o.item() if o.numel() == 1 else o.tolist()
+    raise TypeError(f"cannot store {type(o).__name__} in a checkpoint manifest")
+
+
+def list_checkpoints(model_dir: Path) -> list[tuple[int, Path]]:
+    """Complete-looking checkpoints (manifest present), oldest first."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in model_dir.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(model_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(model_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """Accept the manifest, any of its tensor files, the stem, or a model_dir (-> latest)."""
+    p = Path(path)
+    if p.is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise CheckpointError(f"no checkpoint_*.json found in {p}; train first or pass a checkpoint file")
+        return latest
+    for suffix in (".optim.safetensors", ".safetensors", ".json"):
+        if p.name.endswith(suffix):
+            p = p.with_name(p.name[: -len(suffix)])
+            break
+    manifest = p.with_name(p.name + ".json")
+    if not manifest.exists():
+        raise CheckpointError(f"checkpoint {path} not found (expected {manifest}); "
+                              f"a checkpoint without its manifest is partial and cannot be loaded")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> Checkpoint:
+    manifest_path = resolve_checkpoint_path(path)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {manifest.get('format')!r})")
+    for name, size in manifest["files"].items():
+        f = manifest_path.with_name(name)
+        if not f.exists() or f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {manifest_path.name} is partial: {name} is missing or has the wrong "
+                                  f"size; use an earlier checkpoint")
+    stem = manifest_path.with_suffix("")
+    model = load_file(str(stem.with_suffix(".safetensors")))
+    optim = load_file(str(manifest_path.with_name(stem.name + ".optim.safetensors"))) if with_optimizer else None
+    return Checkpoint(step=int(manifest["step"]), path=manifest_path, model=model, manifest=manifest,
+                      optim_tensors=optim)
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy weights into `model`, refusing another architecture with the first mismatch named."""
+    expected = unique_state_dict(model)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{where} is for another architecture: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    for name, t in expected.items():
+        if tuple(weights[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"{where} is for another architecture: {name} has shape "
+                                  f"{tuple(weights[name].shape)}, the model expects {tuple(t.shape)}")
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(weights[name])

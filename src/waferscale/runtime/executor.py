@@ -1,0 +1,165 @@
+"""The runtime interface: an Executor runs one training step of a model on the hardware at hand.
+
+The trainer (runtime/trainer.py) owns the loop (schedule -> execute -> update) and never looks inside an
+executor. `ResidentExecutor` keeps the whole model, its gradients and optimizer state on the device; the
+weight-streaming executor implements the same interface with weights held in MemoryX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from waferscale.models.layers import CausalLM, lm_loss
+
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "cbfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepResult:
+    """What one training step reports. `loss` is the mean over the step's tokens (all micro-batches)."""
+
+    loss: float
+    tokens: int
+    grad_norm: float | None = None
+    skipped: bool = False  # fp16 overflow: the update was skipped and the loss scale lowered
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        from waferscale.errors import ConfigError
+
+        raise ConfigError(f"device {name!r} asked for, but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def peak_host_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Executor(ABC):
+    name: str = "executor"
+
+    @abstractmethod
+    def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepResult:
+        """One optimizer step on the global (per-worker) batch x, y: (B, T) token ids."""
+
+    @abstractmethod
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        """Mean loss on one batch, no gradients."""
+
+    @abstractmethod
+    def model_for_checkpoint(self) -> torch.nn.Module:
+        """A module whose state_dict holds the current fp32 weights."""
+
+    @abstractmethod
+    def optimizer_state(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def peak_device_bytes(self) -> int: ...
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+class ResidentExecutor(Executor):
+    """The whole model lives on one device; mixed precision by autocast; accumulation over micro-batches."""
+
+    name = "resident"
+
+    def __init__(self, model: CausalLM, optimizer: torch.optim.Optimizer, *, device: torch.device,
+                 half_dtype: str | None = None, micro_batch_size: int | None = None,
+                 max_gradient_norm: float | None = None, loss_scaling_factor: float | str = 1.0) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        self.half = HALF_DTYPES[half_dtype] if half_dtype else None
+        self.micro_batch_size = micro_batch_size
+        self.max_gradient_norm = max_gradient_norm
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.half == torch.float16:  # bf16 has fp32's range and needs no loss scaling
+            dynamic = loss_scaling_factor == "dynamic"
+            init = 2.0 ** 16 if dynamic else float(loss_scaling_factor)
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=init,
+                                               growth_interval=2000 if dynamic else 2 ** 31 - 1)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.half is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.half)
+
+    def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        mb = self.micro_batch_size or x.shape[0]
+        n_micro = x.shape[0] // mb
+        total = torch.zeros((), device=self.device)
+        for i in range(n_micro):  # gradient accumulation: each micro-batch carries 1/n of the mean loss
+            xs, ys = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
+            with self._autocast():
+                loss = lm_loss(self.model(xs), ys) / n_micro
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = None
+        if self.max_gradient_norm:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_gradient_norm))
+        skipped = False
+        if self.scaler:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(total)
+        if not math.isfinite(loss_value) and not skipped:
+            raise FloatingPointError(f"training loss became {loss_value}; lower the learning rate or enable "
+                                     f"gradient clipping (optimizer.max_gradient_norm)")
+        return StepResult(loss=loss_value, tokens=y.numel(), grad_norm=grad_norm, skipped=skipped)
+
+    @torch.no_grad()
+    def eval_loss(self, x: Tensor, y: Tensor) -> float:
+        self.model.eval()
+        x, y = x.to(self.device), y.to(self.device)
+        with self._autocast():
+            return float(lm_loss(self.model(x), y))
+
+    def model_for_checkpoint(self) -> torch.nn.Module:
+        return self.model
+
+    def optimizer_state(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        if self.scaler is not None:
+            state = {**state, "grad_scaler": self.scaler.state_dict()}
+        return state
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        scaler = state.pop("grad_scaler", None)
+        self.optimizer.load_state_dict(state)
+        if scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(scaler)
+
+    def peak_device_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_host_rss_bytes()

@@ -1,0 +1,278 @@
+"""The training loop behind `wsc run`: schedule -> execute -> update, with metrics, checkpoints and a summary.
+
+    schedule: the step's learning rate and batch (both pure functions of the step: resume is exact)
+    execute:  executor.train_step(x, y, lr) on whichever executor the run uses
+    update:   metrics.jsonl, progress bar, checkpoints, evaluation
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from waferscale.config import Params
+from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
+from waferscale.errors import CheckpointError, ConfigError, DataError
+from waferscale.models import CausalLM, ModelConfig, build
+from waferscale.runtime import checkpoint as ckpt
+from waferscale.runtime.executor import Executor, ResidentExecutor, resolve_device
+from waferscale.runtime.optim import build_optimizer, build_schedule
+from waferscale.runtime.perf import measured_peak_flops
+
+MODES = ("train", "eval", "train_and_eval")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WSC_CACHE_DIR", Path.home() / ".cache" / "waferscale"))
+
+
+@dataclass
+class RunOptions:
+    """Command-line choices that override or complement the params YAML."""
+
+    mode: str = "train"
+    model_dir: Path = Path("model_dir")
+    num_steps: int | None = None  # steps to run in this invocation
+    max_steps: int | None = None  # total steps of the run (overrides runconfig.max_steps)
+    eval_steps: int | None = None
+    checkpoint_path: str | None = None  # resume/evaluate from this instead of the latest in model_dir
+    load_checkpoint_states: str = "all"  # "all" or "model" (weights only, fresh optimizer and data position)
+    device: str = "auto"
+    execution: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for flag in ("num_steps", "max_steps", "eval_steps"):
+            v = getattr(self, flag)
+            if v is not None and v <= 0:
+                raise ConfigError(f"--{flag} must be a positive integer, got {v}")
+        if self.execution not in ("auto", "resident"):
+            raise ConfigError(f"--execution {self.execution!r} is not available; use auto or resident")
+
+
+# ---- set-up: data, tokenizer, model ----------------------------------------------------------------
+
+@dataclass
+class Data:
+    tokenizer: Any
+    train: np.ndarray
+    val: np.ndarray
+    seq_len: int
+
+
+def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
+    inp = params.train_input
+    docs = read_documents(inp.data_dir)
+    tok = load_tokenizer(inp.tokenizer, text_for_char="".join(docs))
+    if tok.vocab_size > cfg.vocab_size:
+        raise DataError(f"the {inp.tokenizer!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
+                        f"{cfg.vocab_size}; set model.vocab_size to at least {tok.vocab_size}")
+    splits = build_token_splits(docs, tok, cache_dir() / "tokens", val_fraction=inp.val_fraction, progress=progress)
+    val = splits.val
+    if params.eval_input is not None and params.eval_input.data_dir != inp.data_dir:
+        eval_splits = build_token_splits(read_documents(params.eval_input.data_dir), tok, cache_dir() / "tokens",
+                                         val_fraction=params.eval_input.val_fraction, progress=progress)
+        val = np.concatenate([eval_splits.train, eval_splits.val])
+    seq_len = inp.max_sequence_length or cfg.max_seq_len
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"train_input.max_sequence_length {seq_len} exceeds the model's max_position_embeddings "
+                          f"{cfg.max_seq_len}; lower it or raise model.max_position_embeddings")
+    return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len)
+
+
+def build_model(params: Params) -> CausalLM:
+    pretrained = getattr(params.model, "pretrained", None)
+    if pretrained:
+        from waferscale.models.pretrained import load_pretrained
+
+        return load_pretrained(pretrained)
+    return build(params.model.to_model_config(), device="cpu")
+
+
+def save_tokenizer_once(tokenizer: Any, model_dir: Path) -> None:
+    target = model_dir / "tokenizer"
+    if target.exists():
+        return
+    tmp = model_dir / f".tokenizer.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer.save(tmp)
+    os.replace(tmp, target)
+
+
+# ---- metrics file ------------------------------------------------------------------------------------
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines past the resume step (left by a run that stopped after its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int | None) -> tuple[float, int]:
+    batches = eval_batches(data.val, batch_size, data.seq_len, max_batches or 10**9)
+    if not batches:
+        raise DataError(f"the validation split has {len(data.val)} tokens, fewer than one batch of "
+                        f"{batch_size}x{data.seq_len + 1}; lower batch_size/max_sequence_length or raise val_fraction")
+    losses = [executor.eval_loss(x, y) for x, y in batches]
+    return float(np.mean(losses)), len(batches)
+
+
+def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Train and/or evaluate per `opts.mode`; returns the summary dict also written to model_dir/summary.json."""
+    rc = params.runconfig
+    max_steps = opts.max_steps or rc.max_steps
+    torch.manual_seed(rc.seed)
+    device = resolve_device(opts.device if opts.device != "auto" else getattr(rc, "device", "auto"))
+    model_dir = Path(opts.model_dir)
+
+    model = build_model(params)
+    cfg = model.config
+    data = prepare_data(params, cfg, opts.progress)
+    inp = params.train_input
+    if inp.batch_size * data.seq_len + 1 > len(data.train):
+        raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
+                        f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
+
+    model.to(device)
+    optimizer = build_optimizer(model.parameters(), params.optimizer)
+    schedule = build_schedule(params.optimizer.learning_rate)
+    opt = params.optimizer
+    executor = ResidentExecutor(model, optimizer, device=device, half_dtype=params.model.half_dtype,
+                                micro_batch_size=inp.micro_batch_size, max_gradient_norm=opt.max_gradient_norm,
+                                loss_scaling_factor=opt.loss_scaling_factor)
+    loader = BatchLoader(data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
+
+    # resume: an explicit checkpoint, else the latest one in model_dir
+    start_step = 0
+    source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
+    if source is not None:
+        c = ckpt.load_checkpoint(source)
+        if ModelConfig.from_dict(c.model_config).replace(name=cfg.name) != cfg:
+            raise CheckpointError(f"{c.path} was written for another architecture "
+                                  f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
+        ckpt.load_model_weights(model, c.model, str(c.path))
+        if opts.load_checkpoint_states == "all":
+            if (state := c.optimizer_state()) is not None:
+                executor.load_optimizer_state(state)
+            loader.load_state_dict(c.manifest.get("data", {"step": c.step}))
+            if c.rng_state is not None:
+                torch.set_rng_state(c.rng_state)
+            start_step = c.step
+        print(f"resumed from {c.path} (step {c.step})", file=out)
+    elif opts.mode == "eval":
+        raise CheckpointError(f"--mode eval needs a checkpoint: none in {model_dir}; pass --checkpoint_path")
+
+    end_step = max_steps if opts.num_steps is None else min(max_steps, start_step + opts.num_steps)
+    if opts.mode != "eval" and start_step >= max_steps:
+        print(f"model_dir {model_dir} is already at step {start_step} of max_steps {max_steps}: nothing to train "
+              f"(raise --max_steps to continue)", file=out)
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    save_tokenizer_once(data.tokenizer, model_dir)
+    metrics_path = model_dir / "metrics.jsonl"
+    truncate_metrics(metrics_path, start_step)
+
+    def save(step: int) -> Path:
+        return ckpt.save_checkpoint(model_dir, step, executor.model_for_checkpoint(), cfg.to_dict(),
+                                    optimizer_state=executor.optimizer_state(),
+                                    extra={"data": loader.state_dict(), "tokenizer": "tokenizer",
+                                           "seq_len": data.seq_len, "executor": executor.name})
+
+    summary: dict[str, Any] = {"model": cfg.name, "params": model.num_params(), "device": str(device),
+                               "executor": executor.name, "mode": opts.mode, "seq_len": data.seq_len,
+                               "batch_size": inp.batch_size, "start_step": start_step}
+    last_ckpt: Path | None = None
+    tokens_done, train_time, loss = 0, 0.0, float("nan")
+    if opts.mode in ("train", "train_and_eval") and end_step > start_step:
+        if rc.save_initial_checkpoint and start_step == 0:
+            last_ckpt = save(0)
+        bar = tqdm(total=end_step - start_step, desc="train", unit="step", disable=not opts.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        t_run = time.perf_counter()
+        with open(metrics_path, "a") as metrics:
+            for step in range(start_step + 1, end_step + 1):
+                lr = schedule(step - 1)  # schedule
+                x, y = next(loader)
+                t0 = time.perf_counter()
+                r = executor.train_step(x, y, lr)  # execute
+                dt = time.perf_counter() - t0
+                tokens_done += r.tokens  # update
+                train_time += dt
+                loss = r.loss
+                line = {"step": step, "loss": r.loss, "lr": lr, "tokens_per_s": r.tokens / dt,
+                        "elapsed_s": time.perf_counter() - t_run}
+                if r.grad_norm is not None:
+                    line["grad_norm"] = r.grad_norm
+                metrics.write(json.dumps(line) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_done / train_time:,.0f}")
+                bar.update(1)
+                if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step != end_step:
+                    last_ckpt = save(step)
+        bar.close()
+        last_ckpt = save(end_step)
+        tps = tokens_done / train_time
+        peak = measured_peak_flops(device.type, torch.float32 if executor.half is None else executor.half)
+        flops_tok = cfg.flops_per_token(data.seq_len, training=True)
+        summary.update({"steps": end_step - start_step, "final_step": end_step, "final_loss": loss,
+                        "tokens": tokens_done, "train_time_s": train_time, "tokens_per_s": tps,
+                        "model_flops_per_token": flops_tok, "achieved_flops": tps * flops_tok,
+                        "peak_flops_measured": peak, "mfu": tps * flops_tok / peak})
+    if opts.mode in ("eval", "train_and_eval"):
+        eval_steps = opts.eval_steps or rc.eval_steps
+        eval_bs = params.eval_input.batch_size if params.eval_input else inp.batch_size
+        eval_loss, n = evaluate(executor, data, eval_bs, eval_steps)
+        summary.update({"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+                        "eval_batches": n})
+    summary.update({"peak_memory_bytes": executor.peak_device_bytes(),
+                    "checkpoint": str(last_ckpt) if last_ckpt else (str(source) if source else None)})
+    write_json_atomic(model_dir / "summary.json", summary)
+    print_summary(summary, model_dir, out)
+    return summary
+
+
+def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
+    rows = [("model", f"{s['model']}  ({s['params'] / 1e6:.2f}M params, {s['executor']} on {s['device']})"),
+            ("mode", s["mode"])]
+    if "steps" in s:
+        rows += [("steps", f"{s['start_step']} -> {s['final_step']}  (batch {s['batch_size']} x {s['seq_len']} tokens)"),
+                 ("final loss", f"{s['final_loss']:.4f}"),
+                 ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s  ({s['train_time_s']:.1f} s of training)"),
+                 ("MFU", f"{100 * s['mfu']:.1f}% of this host's measured matmul peak "
+                         f"({s['peak_flops_measured'] / 1e9:,.0f} GFLOP/s); {s['achieved_flops'] / 1e9:,.1f} GFLOP/s achieved")]
+    if "eval_loss" in s:
+        rows += [("eval", f"loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.2f} "
+                          f"({s['eval_batches']} batches)")]
+    rows += [("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+             ("checkpoint", str(s["checkpoint"])), ("outputs", f"{model_dir}/metrics.jsonl, {model_dir}/summary.json")]
+    width = max(len(k) for k, _ in rows)
+    print("", file=out)
+    print("=" * 78, file=out)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}", file=out)
+    print("=" * 78, file=out)
