@@ -7,6 +7,9 @@
     wsc export   (--model NAME | --checkpoint PATH) --format hf --out DIR
     wsc plot     MODEL_DIR [--out loss.png]
     wsc models   (list the zoo)
+    wsc compile  (--model NAME | --params P.yaml) --target wse3 [--systems N] [--mode inference|train] ...
+    wsc estimate (--model NAME | --params P.yaml) [--target wse3]
+    wsc kernel   {gemv,gemm,spmv,allreduce} --m M --k K [--n N] --target wse2 [--pes RxC] [--verify]
 
 Bad input prints one `error:` line and exits 2.
 """
@@ -113,6 +116,56 @@ def cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(a: argparse.Namespace) -> int:
+    import json
+
+    from waferscale.compiler import compile_model, plan_json, plan_summary, write_outputs
+    from waferscale.fabric.presets import parse_pes
+
+    if (a.model is None) == (a.params is None):
+        raise ConfigError("give exactly one of --model NAME or --params P.yaml")
+    if not 0.0 <= a.defects < 1.0:
+        raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
+    plan = compile_model(model=a.model, params=a.params, target=a.target, systems=a.systems,
+                         pes=parse_pes(a.pes) if a.pes else None, mode=a.mode, batch_size=a.batch_size,
+                         seq_len=a.seq_len, prompt_len=a.prompt_len, context_len=a.context_len, users=a.users,
+                         defects=a.defects, seed=a.seed, clock_hz=a.clock_hz)
+    written = write_outputs(plan, Path(a.out)) if a.out else []
+    if a.json:
+        print(json.dumps(plan_json(plan), indent=1))
+    else:
+        print(plan_summary(plan))
+        for p in written:
+            print(f"wrote {p}")
+    return 0
+
+
+def cmd_estimate(a: argparse.Namespace) -> int:
+    import json
+
+    from waferscale.compiler import estimate_memory, estimate_table
+
+    if (a.model is None) == (a.params is None):
+        raise ConfigError("give exactly one of --model NAME or --params P.yaml")
+    d = estimate_memory(model=a.model, params=a.params, target=a.target, mixed_precision=not a.fp32)
+    print(json.dumps(d, indent=1) if a.json else estimate_table(d))
+    return 0
+
+
+def cmd_kernel(a: argparse.Namespace) -> int:
+    import json
+
+    from waferscale.fabric.kernels import format_kernel_report, run_kernel
+    from waferscale.fabric.presets import parse_pes
+
+    if not 0.0 <= a.defects < 1.0:
+        raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
+    d = run_kernel(a.kind, m=a.m, k=a.k, n=a.n, target=a.target, pes=parse_pes(a.pes) if a.pes else None,
+                   defects=a.defects, seed=a.seed, verify=a.verify, sparsity=a.sparsity, clock_hz=a.clock_hz)
+    print(json.dumps(d, indent=1) if a.json else format_kernel_report(d))
+    return 1 if a.verify and not d.get("verified") else 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     from waferscale.models import PRESETS
     from waferscale.models.registry import ALIASES
@@ -168,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         "export": (cmd_export, "write a checkpoint in another format (Hugging Face)"),
         "plot": (cmd_plot, "draw a run's loss curve to a PNG"),
         "models": (cmd_models, "list the model zoo"),
+        "compile": (cmd_compile, "place a model on one or more wafers and project its speed"),
+        "estimate": (cmd_estimate, "memory table: weights, gradients, optimizer state vs wafer SRAM"),
+        "kernel": (cmd_kernel, "run a fabric kernel's cycle model (and verify it tile by tile)"),
     }
     for name, (fn, help_) in commands.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -192,6 +248,42 @@ def build_parser() -> argparse.ArgumentParser:
             _model_source_flags(p)
             p.add_argument("--format", default="hf", help="hf")
             p.add_argument("--out", required=True, help="output directory")
+        elif name == "compile":
+            p.add_argument("--model", default=None, help="a zoo name (see `wsc models`)")
+            p.add_argument("--params", default=None, help="a params YAML (Model Zoo layout)")
+            p.add_argument("--target", default="wse3", help="wse1 | wse2 | wse3")
+            p.add_argument("--systems", type=int, default=1, help="number of wafers (CS systems)")
+            p.add_argument("--pes", default=None, help="use a ROWSxCOLS mesh instead of the full wafer")
+            p.add_argument("--mode", default="inference", choices=["inference", "train"])
+            p.add_argument("--batch_size", type=int, default=None)
+            p.add_argument("--seq_len", type=int, default=None)
+            p.add_argument("--prompt_len", type=int, default=None)
+            p.add_argument("--context_len", type=int, default=None)
+            p.add_argument("--users", type=int, default=None, help="users in flight (inference)")
+            p.add_argument("--defects", type=float, default=0.0, help="random defect rate in [0, 1)")
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--clock_hz", type=float, default=None, help="override the assumed clock")
+            p.add_argument("--out", default=None, help="write plan.json, wafer.png, wafer.svg, trace.json here")
+            p.add_argument("--json", action="store_true")
+        elif name == "estimate":
+            p.add_argument("--model", default=None)
+            p.add_argument("--params", default=None)
+            p.add_argument("--target", default="wse3")
+            p.add_argument("--fp32", action="store_true", help="no mixed precision")
+            p.add_argument("--json", action="store_true")
+        elif name == "kernel":
+            p.add_argument("kind", choices=["gemv", "gemm", "spmv", "allreduce"])
+            p.add_argument("--m", type=int, required=True)
+            p.add_argument("--k", type=int, required=True)
+            p.add_argument("--n", type=int, default=None)
+            p.add_argument("--target", default="wse2")
+            p.add_argument("--pes", default=None, help="ROWSxCOLS mesh, e.g. 8x8")
+            p.add_argument("--defects", type=float, default=0.0)
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--sparsity", type=float, default=0.9, help="spmv: fraction of zero weights")
+            p.add_argument("--clock_hz", type=float, default=None)
+            p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
+            p.add_argument("--json", action="store_true")
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")

@@ -32,8 +32,11 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None, top_p: fl
 @torch.no_grad()
 def generate(model: CausalLM, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop_ids: set[int] | None = None) -> Iterator[int]:
-    """Yield new token ids one at a time (for streaming); stops at a stop id (not yielded) or the limit."""
+             stop_ids: set[int] | None = None, vocab_limit: int | None = None) -> Iterator[int]:
+    """Yield new token ids one at a time (for streaming); stops at a stop id (not yielded) or the limit.
+
+    vocab_limit: sample only ids below it (a model's vocabulary is often padded past its tokenizer's).
+    """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     cfg = model.config
@@ -48,6 +51,8 @@ def generate(model: CausalLM, prompt: list[int], max_new_tokens: int, *, tempera
     logits = model(torch.tensor([prompt], device=device), 0, caches)[:, -1]  # (1, V)
     pos = len(prompt)
     while pos < total:
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
         tok = sample_next(logits, temperature, top_k, top_p, gen)
         t = int(tok)
         if stop_ids and t in stop_ids:

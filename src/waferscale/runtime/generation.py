@@ -66,7 +66,7 @@ def stream_text(model: CausalLM, tok: Any, text: str, *, max_new_tokens: int, te
     ids: list[int] = []
     printed = ""
     for t in generate(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, stop_ids=stop):
+                      seed=seed, stop_ids=stop, vocab_limit=tok.vocab_size):
         ids.append(t)
         full = tok.decode(ids)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
