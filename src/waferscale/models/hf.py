@@ -112,7 +112,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         raise CheckpointError(f"{mt} config.json lacks the key {e.args[0]!r}") from None
     except ValueError as e:  # ModelConfig validation
         raise CheckpointError(f"config.json describes an invalid model: {e}") from None
-    raise CheckpointError(f"unsupported model_type {mt!r} in config.json; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    raise CheckpointError(f"unsupported model_type {mt!r} in config.json; "
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def _hf_model_type(cfg: ModelConfig) -> str:
@@ -141,6 +142,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "waferscale_name": cfg.name,
+            # GPT2Config defaults both to 50256, GPT-2's <|endoftext|>: right only for GPT-2's own vocabulary.
+            "bos_token_id": 50256 if cfg.vocab_size == 50257 else None,
+            "eos_token_id": 50256 if cfg.vocab_size == 50257 else None,
         }
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = None
@@ -245,7 +249,8 @@ def _check_against(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[
         problems.append(f"{len(unexpected)} unexpected key(s), e.g. " + ", ".join(repr(k) for k in unexpected[:5]))
     raise CheckpointError(f"{where} does not fit model {cfg.name!r} ({cfg.n_layer} layers, d_model "
                           f"{cfg.d_model}, vocab {cfg.vocab_size}): {'; '.join(problems)}. Is it a checkpoint of "
-                          "another architecture? Check that config.json belongs to these weights.")
+                          "another architecture? Check that the config (config.json, GGUF metadata) belongs to "
+                          "these weights.")
 
 
 def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -305,7 +310,7 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
 # ---- building a model from a state dict without initialising it first --------------------------------
 
 def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch.device | str = "cpu",
-                          dtype: torch.dtype | None = None) -> CausalLM:
+                          dtype: torch.dtype | None = None, *, where: str = "state dict") -> CausalLM:
     """Build `cfg` on the meta device and adopt the tensors of `sd` (our names): no random init, no double copy.
 
     dtype=None keeps the dtype of `embed.tok.weight` in `sd` for every floating-point parameter.
@@ -314,7 +319,7 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
 
     model = build(cfg, device="meta")
     expected = {k: _shape(v) for k, v in model.state_dict().items()}
-    _check_against({k: _shape(v) for k, v in sd.items()}, expected, cfg, "state dict")
+    _check_against({k: _shape(v) for k, v in sd.items()}, expected, cfg, where)
     dtype = dtype or sd["embed.tok.weight"].dtype
     moved: dict[int, Tensor] = {}  # a tensor stored under two names (tied embeddings) is moved once
     for v in sd.values():
@@ -423,8 +428,8 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
     dtype = model.embed.tok.weight.dtype
     hf_config["torch_dtype"] = _dtype_name(dtype)
     gen: dict[str, Any] = {"_from_model_config": True}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        val = getattr(tokenizer, key, None) if tokenizer is not None else None
+    for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):  # waferscale.data Tokenizer
+        val = getattr(tokenizer, attr, None) if tokenizer is not None else None
         if isinstance(val, int):
             hf_config[key] = gen[key] = val
 
