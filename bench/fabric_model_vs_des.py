@@ -1,0 +1,86 @@
+"""Analytic cycle model (fabric/cost.py) vs the wavelet-level event simulation (fabric/sim.py), side by side.
+
+    python bench/fabric_model_vs_des.py
+
+Prints, per kernel family, the number of cases, the worst and mean |model - DES| / DES, and the wall time of
+each side (the model is the fast backend; the event simulation the slow reference)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from waferscale.fabric import cost as K
+from waferscale.fabric import sim as S
+from waferscale.fabric.kernels import random_sparse
+from waferscale.fabric.kernels.tiles import used
+from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.presets import fabric_from_name
+
+errs: dict = defaultdict(list)
+wall: dict = defaultdict(lambda: [0.0, 0.0])
+
+
+def case(name: str, model, des) -> None:
+    t0 = time.perf_counter(); a = model().total; t1 = time.perf_counter(); d = des(); t2 = time.perf_counter()
+    errs[name].append(abs(a - d) / d)
+    wall[name][0] += t1 - t0
+    wall[name][1] += t2 - t1
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for tgt, (R, C) in itertools.product(("wse2", "wse3"), [(4, 4), (4, 8), (6, 5), (8, 8)]):
+        sp = fabric_from_name(tgt, pes=(R, C))
+        for m, k in itertools.product([16, 32, 64, 100, 128, 256], [16, 64, 100, 256]):
+            case("gemv", lambda: K.gemv_cycles(sp, m, k, R, C), lambda: S.sim_gemv(sp, m, k, R, C))
+        for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16), (256, 256, 4), (64, 64, 32)]:
+            case("gemm", lambda: K.gemm_cycles(sp, m, k, n, R, C), lambda: S.sim_gemm(sp, m, k, n, R, C))
+        for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 128, 512)):
+            case(f"allreduce-{algo}", lambda: K.allreduce_cycles(sp, n, R, C, algo),
+                 lambda: S.sim_allreduce(sp, n, R, C, algo))
+        for n in (1, 64, 500):
+            case("broadcast", lambda: K.broadcast_cycles(sp, n, R, C), lambda: S.sim_broadcast(sp, n, R, C))
+        for m, k, s in [(64, 64, 0.9), (256, 256, 0.9), (128, 128, 0.5), (256, 128, 0.99)]:
+            W = random_sparse(m, k, s, rng)
+            case("spmv", lambda: K.spmv_cycles(sp, m, k, int((W != 0).sum()), R, C),
+                 lambda: S.sim_gemm(sp, m, k, 1, R, C, nnz_cols=S.nnz_columns(W, R, C)))
+        for n in (100, 4096):
+            case("elementwise", lambda: K.elementwise_cycles(sp, n, R, C, 2), lambda: S.sim_elementwise(sp, n, R, C, 2))
+        for tok, w in [(8, 64), (64, 256), (16, 1024)]:
+            Rt, Ct = used(tok, R), used(w, C)
+            tt, wt = -(-tok // Rt), -(-w // Ct)
+            case("layernorm", lambda: K.norm_cycles(sp, tok * w, w, R, C),
+                 lambda: S.sim_row_program(sp, S.norm_phases(sp, tt, wt, False, "fp32"), Rt, Ct))
+            case("softmax", lambda: K.softmax_cycles(sp, tok * w, w, R, C),
+                 lambda: S.sim_row_program(sp, S.softmax_phases(sp, tt, wt, "fp32"), Rt, Ct))
+        for H, d, T in [(8, 64, 128), (8, 32, 128), (4, 128, 64)]:
+            Rt, Ct = used(H, R), used(T, C)
+            case("attention", lambda: K.attention_decode_cycles(sp, H, d, T, R, C),
+                 lambda: S.sim_row_program(sp, S.attention_phases(sp, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct,
+                                           "fp16"))
+    sp = fabric_from_name("wse2", pes=(10, 10))
+    for rate, seed in itertools.product((0.03, 0.05, 0.1), range(4)):
+        mesh = Mesh.build(sp, rate, seed=seed)
+        R, C = mesh.logical_rows, mesh.logical_cols
+        for m, k in [(64, 64), (256, 128)]:
+            case("gemv+defects", lambda: K.gemv_cycles(sp, m, k, R, C, mesh=mesh),
+                 lambda: S.sim_gemv(sp, m, k, R, C, mesh=mesh))
+        for algo in ("chain", "2d", "tree"):
+            case("allreduce+defects", lambda: K.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
+                 lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
+        case("broadcast+defects", lambda: K.broadcast_cycles(sp, 64, R, C, mesh=mesh),
+             lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
+    print(f"{'kernel':20s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
+          f"{'DES/model':>9s}")
+    for name, e in errs.items():
+        m_s, d_s = wall[name]
+        print(f"{name:20s} {len(e):5d} {max(e):8.1%} {np.mean(e):8.1%} {m_s:8.3f} {d_s:8.3f} "
+              f"{d_s / max(m_s, 1e-9):9.0f}x")
+
+
+if __name__ == "__main__":
+    main()

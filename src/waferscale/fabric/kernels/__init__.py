@@ -1,0 +1,23 @@
+"""Kernels on the mesh, each a functional tile-level execution in numpy (see `tiles.py`).
+
+Cycle models live in `waferscale.fabric.cost`, the wavelet-level event simulation in `waferscale.fabric.sim`.
+"""
+
+from waferscale.fabric.kernels.attention import attention_decode, attention_reference
+from waferscale.fabric.kernels.collectives import ALGOS, allreduce, broadcast, reduce
+from waferscale.fabric.kernels.gemv import gemm, gemv, random_sparse, spmv
+from waferscale.fabric.kernels.pointwise import ELEMENTWISE_OPS, elementwise, layernorm, rmsnorm, softmax
+from waferscale.fabric.kernels.tiles import TileRun, Tiles
+
+__all__ = ["ALGOS", "ELEMENTWISE_OPS", "TileRun", "Tiles", "allreduce", "attention_decode", "attention_reference",
+           "broadcast", "elementwise", "gemm", "gemv", "layernorm", "random_sparse", "reduce", "rmsnorm", "softmax",
+           "spmv"]
+
+
+def __getattr__(name: str):
+    """`run_kernel` / `format_kernel_report` live in fabric.cost (which imports this package): re-exported lazily."""
+    if name in ("run_kernel", "format_kernel_report"):
+        from waferscale.fabric import cost
+
+        return getattr(cost, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,156 @@
+"""The analytic cycle model stays within 10% of the wavelet-level event simulation across a sweep of shapes,
+and `run_kernel` (the `wsc kernel` entry point) projects, verifies and refuses bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from waferscale.errors import ConfigError
+from waferscale.fabric import cost as K
+from waferscale.fabric import sim as S
+from waferscale.fabric.kernels import random_sparse
+from waferscale.fabric.kernels.tiles import used
+from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.presets import fabric_from_name
+
+LIMIT = 0.10
+MESHES = [(4, 4), (6, 5), (8, 8)]
+
+
+def _close(model: float, des: float, what: str) -> float:
+    err = abs(model - des) / des
+    assert err <= LIMIT, f"{what}: model {model} vs event simulation {des} ({err:.1%})"
+    return err
+
+
+@pytest.mark.parametrize("target", ["wse2", "wse3"])
+@pytest.mark.parametrize("R,C", MESHES)
+def test_gemv_gemm_model_vs_des(target, R, C):
+    spec = fabric_from_name(target, pes=(R, C))
+    for m, k in itertools.product([16, 64, 100, 256], [16, 64, 256]):
+        _close(K.gemv_cycles(spec, m, k, R, C).total, S.sim_gemv(spec, m, k, R, C), f"gemv {m}x{k} on {R}x{C}")
+    for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16)]:
+        _close(K.gemm_cycles(spec, m, k, n, R, C).total, S.sim_gemm(spec, m, k, n, R, C), f"gemm {m}x{k}x{n}")
+
+
+@pytest.mark.parametrize("R,C", MESHES)
+def test_collectives_model_vs_des(R, C):
+    spec = fabric_from_name("wse2", pes=(R, C))
+    for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 256)):
+        _close(K.allreduce_cycles(spec, n, R, C, algo).total, S.sim_allreduce(spec, n, R, C, algo), f"{algo} n={n}")
+    for n in (1, 100):
+        _close(K.broadcast_cycles(spec, n, R, C).total, S.sim_broadcast(spec, n, R, C), f"broadcast n={n}")
+
+
+@pytest.mark.parametrize("R,C", [(4, 4), (8, 8)])
+def test_spmv_elementwise_rows_model_vs_des(R, C):
+    spec = fabric_from_name("wse2", pes=(R, C))
+    rng = np.random.default_rng(0)
+    for m, k, sp in [(64, 64, 0.9), (256, 256, 0.9), (128, 128, 0.5)]:
+        W = random_sparse(m, k, sp, rng)
+        _close(K.spmv_cycles(spec, m, k, int((W != 0).sum()), R, C).total,
+               S.sim_gemm(spec, m, k, 1, R, C, nnz_cols=S.nnz_columns(W, R, C)), f"spmv {m}x{k} {sp}")
+    for n in (100, 4096):
+        _close(K.elementwise_cycles(spec, n, R, C, 2).total, S.sim_elementwise(spec, n, R, C, 2), f"elementwise {n}")
+    for tok, w in [(8, 64), (16, 1024)]:
+        Rt, Ct = used(tok, R), used(w, C)
+        tt, wt = -(-tok // Rt), -(-w // Ct)
+        for rms in (False, True):
+            _close(K.norm_cycles(spec, tok * w, w, R, C, rms=rms).total,
+                   S.sim_row_program(spec, S.norm_phases(spec, tt, wt, rms, "fp32"), Rt, Ct), f"norm {tok}x{w}")
+        _close(K.softmax_cycles(spec, tok * w, w, R, C).total,
+               S.sim_row_program(spec, S.softmax_phases(spec, tt, wt, "fp32"), Rt, Ct), f"softmax {tok}x{w}")
+    for H, d, T in [(8, 64, 128), (4, 128, 64)]:
+        Rt, Ct = used(H, R), used(T, C)
+        _close(K.attention_decode_cycles(spec, H, d, T, R, C).total,
+               S.sim_row_program(spec, S.attention_phases(spec, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct, "fp16"),
+               f"attention {H},{d},{T}")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_model_vs_des_with_defects(seed):
+    spec = fabric_from_name("wse2", pes=(10, 10))
+    mesh = Mesh.build(spec, 0.05, seed=seed)
+    assert mesh.has_defects
+    R, C = mesh.logical_rows, mesh.logical_cols
+    for m, k in [(64, 64), (256, 128)]:
+        _close(K.gemv_cycles(spec, m, k, R, C, mesh=mesh).total, S.sim_gemv(spec, m, k, R, C, mesh=mesh), "gemv")
+    _close(K.gemm_cycles(spec, 64, 64, 8, R, C, mesh=mesh).total, S.sim_gemm(spec, 64, 64, 8, R, C, mesh=mesh), "gemm")
+    for algo in ("chain", "2d", "tree"):
+        _close(K.allreduce_cycles(spec, 64, R, C, algo, mesh=mesh).total,
+               S.sim_allreduce(spec, 64, R, C, algo, mesh=mesh), algo)
+    _close(K.broadcast_cycles(spec, 64, R, C, mesh=mesh).total, S.sim_broadcast(spec, 64, R, C, mesh=mesh), "bcast")
+    # detours cost: the defective mesh's latency terms are at least the perfect mesh's
+    perfect = K.gemv_cycles(spec, 64, 64, R, C)
+    assert K.gemv_cycles(spec, 64, 64, R, C, mesh=mesh).total >= perfect.total
+
+
+def test_des_is_a_real_simulation():
+    """The event simulation moves every wavelet: its event count grows with the data, and link contention
+    (a tree root's fan-in) shows up as time the latency alone does not explain."""
+    spec = fabric_from_name("wse2", pes=(8, 8))
+    sim = S.EventSim(spec, None, 8, 8)
+    tree = S.broadcast_tree(sim, 8, 8)
+    for w in range(50):
+        sim.send(0, (0, 0), tree, lambda t, pe, w: None, w)
+    assert sim.run() == 50 - 1 + 2 * 2 + 14 and sim.events > 50 * 64  # one event per wavelet per hop at least
+    assert S.sim_allreduce(spec, 256, 8, 8, "tree") > 5 * S.sim_allreduce(spec, 1, 8, 8, "tree")
+    assert S.sim_allreduce(spec, 256, 8, 8, "chain") < S.sim_allreduce(spec, 256, 8, 8, "tree")  # bandwidth
+    assert S.sim_allreduce(spec, 1, 8, 8, "chain") > S.sim_allreduce(spec, 1, 8, 8, "tree")  # latency
+
+
+def test_cycles_contract():
+    spec = fabric_from_name("wse2")
+    c = K.gemv_cycles(spec, 4096, 4096, 994, 750)
+    assert c.bottleneck in K.BOTTLENECKS and c.total > 0
+    assert c.seconds(spec) == pytest.approx(c.total / 1.1e9)
+    big = K.gemm_cycles(fabric_from_name("wse2", pes=(8, 8)), 256, 256, 64, 8, 8)
+    assert big.bottleneck in ("compute", "SRAM")  # many streamed vectors: the PEs are the limit
+    assert K.allreduce_cycles(spec, 16, 994, 750, "tree").bottleneck == "routing"  # 20 levels > 18 colors
+    assert (c + c).total == 2 * c.total
+    for f in (K.norm_cycles(spec, 4096 * 8, 4096, 64, 64), K.softmax_cycles(spec, 1024 * 4, 1024, 64, 64),
+              K.attention_decode_cycles(spec, 32, 128, 4096, 32, 256), K.elementwise_cycles(spec, 1 << 20, 64, 64),
+              K.broadcast_cycles(spec, 4096, 64, 64), K.spmv_cycles(spec, 4096, 4096, 1 << 20, 512, 512)):
+        assert f.total > 0 and f.bottleneck in K.BOTTLENECKS
+
+
+def test_run_kernel_verify_and_report():
+    for kind, n in [("gemv", None), ("gemm", 4), ("spmv", None), ("allreduce", None)]:
+        for defects in (0.0, 0.05):
+            d = K.run_kernel(kind, m=64, k=64, n=n, target="wse2", pes=(8, 8), defects=defects, seed=1, verify=True)
+            assert d["verified"] and d["max_abs_err"] < 1e-3, d
+            assert d["cycles"] > 0 and d["time_s"] > 0 and d["flops"] > 0 and d["pes"] <= d["usable_pes"]
+            assert d["bottleneck"] in K.BOTTLENECKS
+            text = K.format_kernel_report(d)
+            assert "cycles" in text and "assumed" in text and "verified" in text
+    full = K.run_kernel("gemv", m=8192, k=8192, n=None, target="wse3", pes=None)
+    assert full["usable_pes"] == 1170 * 755 and full["pes"] > 500_000
+
+
+def test_run_kernel_bad_input():
+    ok = dict(m=64, k=64, n=None, target="wse2", pes=(8, 8))
+    with pytest.raises(ConfigError, match="--pes 8x8"):
+        K.run_kernel("gemv", **{**ok, "m": 8192, "k": 8192, "pes": None}, verify=True)
+    with pytest.raises(ConfigError, match="mesh too small"):
+        K.run_kernel("gemv", **{**ok, "m": 4096, "k": 4096, "pes": (2, 2)})
+    with pytest.raises(ConfigError):
+        K.run_kernel("gemv", **{**ok, "m": 0})
+    with pytest.raises(ConfigError):
+        K.run_kernel("gemv", **{**ok, "k": -3})
+    with pytest.raises(ConfigError):
+        K.run_kernel("gemv", **ok, defects=1.0)
+    with pytest.raises(ConfigError):
+        K.run_kernel("gemv", **ok, defects=-0.1)
+    with pytest.raises(ConfigError, match="unknown target"):
+        K.run_kernel("gemv", **{**ok, "target": "wse9"})
+    with pytest.raises(ConfigError):
+        K.run_kernel("conv", **ok)
+    with pytest.raises(ConfigError, match="--n"):
+        K.run_kernel("gemm", **ok)
+    with pytest.raises(ConfigError):
+        K.gemv_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 64, 9, 8)
+    with pytest.raises(ConfigError):
+        K.allreduce_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 8, 8, "ring")
