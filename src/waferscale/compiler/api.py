@@ -1,0 +1,203 @@
+"""Library entry points the CLI calls: compile_model, plan_summary, plan_json, write_outputs, estimate_memory,
+estimate_table."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from waferscale.compiler.compile import compile_model
+from waferscale.compiler.plan import Plan
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
+from waferscale.errors import ConfigError
+
+__all__ = ["compile_model", "plan_summary", "plan_json", "write_outputs", "estimate_memory", "estimate_table"]
+
+INFERENCE_KEYS = ("decode_tokens_per_s_per_user", "aggregate_decode_tokens_per_s", "prefill_tokens_per_s",
+                  "time_to_first_token_s", "decode_latency_s_per_token", "users_in_flight", "prompt_len",
+                  "context_len", "aggregate_bottleneck", "kv_cache_bytes", "weight_bytes")
+TRAIN_KEYS = ("step_time_s", "tokens_per_s", "mfu", "no_stall_min_tokens_per_step", "no_stall_met",
+              "weights_streamed", "tokens_per_micro_batch", "micro_batches_per_step", "scaling")
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The `--json` object: strategy, fits_in_sram, pes_used, bottleneck, the mode's projections, assumptions."""
+    p = plan.projection
+    d: dict[str, Any] = {"model": plan.model, "target": plan.target, "systems": plan.systems, "mode": plan.mode,
+                         "strategy": plan.strategy, "replicas": plan.replicas,
+                         "wafers_per_pipeline": plan.wafers_per_pipeline, "fits_in_sram": plan.fits_in_sram,
+                         "pes_used": plan.pes_used, "pes_total": sum(w["usable_pes"] for w in plan.wafers),
+                         "bottleneck": plan.bottleneck, "workload": plan.workload}
+    for k in (INFERENCE_KEYS if plan.mode == "inference" else TRAIN_KEYS):
+        if k in p:
+            d[k] = p[k]
+    d["why"] = list(plan.decisions)
+    d["assumptions"] = plan.assumptions
+    d["plan_version"] = plan.version
+    d["fingerprint"] = plan.fingerprint()
+    return d
+
+
+def _si(x: float, unit: str) -> str:
+    for f, pre in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= f:
+            return f"{x / f:.3g} {pre}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _t(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} us"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+def plan_summary(plan: Plan) -> str:
+    """One screen: what was placed where, the projection, the bottleneck, the assumptions, and why."""
+    p, a = plan.projection, plan.assumptions
+    g = plan.graph
+    params = sum(u["params"] for u in g["units"])
+    lines = [f"{plan.model} ({params / 1e9:.3g} B params, {g['dtype']}) on {plan.systems} x {plan.target} "
+             f"[{plan.mode}]",
+             f"  strategy      {plan.strategy.replace('_', ' ')}: {plan.replicas} cop{'y' if plan.replicas == 1 else 'ies'}, "
+             f"{plan.wafers_per_pipeline} wafer(s) per pipeline, {len(plan.regions)} regions",
+             f"  PEs used      {plan.pes_used:,} of {sum(w['usable_pes'] for w in plan.wafers):,} usable"
+             f"  (fits in SRAM: {'yes' if plan.fits_in_sram else 'no, weights streamed'})"]
+    if plan.mode == "inference":
+        lines += [f"  decode        {p['decode_tokens_per_s_per_user']:,.0f} tokens/s per user "
+                  f"({_t(p['decode_latency_s_per_token'])}/token, context {p['context_len']})",
+                  f"  aggregate     {p['aggregate_decode_tokens_per_s']:,.0f} tokens/s with {p['users_in_flight']} users "
+                  f"in flight (limit {p['pipeline_limit_tokens_per_s']:,.0f}; {p['aggregate_bottleneck']})",
+                  f"  prefill       {p['prefill_tokens_per_s']:,.0f} tokens/s; time to first token "
+                  f"{_t(p['time_to_first_token_s'])} for a {p['prompt_len']}-token prompt",
+                  f"  memory        weights {p['weight_bytes'] / 1e9:.2f} GB, KV cache {p['kv_cache_bytes'] / 1e9:.2f} GB"]
+        shares = p.get("decode_time_shares", {})
+    else:
+        lines += [f"  step          {_t(p['step_time_s'])}: {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} "
+                  f"(batch {plan.workload['batch_size']} x {plan.workload['seq_len']})",
+                  f"  no-stall      T >= (b/3)F/BW = {p['no_stall_min_tokens_per_step']:,} tokens per system per "
+                  f"micro-batch" + (f"; this plan: {p.get('tokens_per_micro_batch', 0):,}"
+                                    f" ({'met' if p.get('no_stall_met') else 'NOT met: I/O stalls'})"
+                                    if p.get("weights_streamed") else " (weights resident: not needed)")]
+        sc = p.get("scaling", [])
+        if sc:
+            lines.append("  scaling       " + "  ".join(f"{r['systems']}x: {r['tokens_per_s'] / 1e3:,.0f}k tok/s "
+                                                    f"({r['efficiency']:.0%})" for r in sc))
+        shares = p.get("time_shares", {})
+    lines.append(f"  bottleneck    {plan.bottleneck}  (" + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) + ")")
+    lines.append(f"  assumptions   clock {a['clock_hz'] / 1e9:.3g} GHz, {a['fp16_flops_per_cycle_per_pe']} fp16 "
+                 f"FLOP/cycle/PE, link {a['link_bytes_per_cycle']} B/cycle, SRAM {a['sram_bytes_per_pe'] // 1024} KiB/PE "
+                 f"({a['program_reserve_bytes_per_pe'] // 1024} KiB program reserve), I/O "
+                 f"{a['io_bytes_per_s'] / 1e9:.0f} GB/s + {a['io_latency_s'] * 1e6:.0f} us/hop, "
+                 f"peak {_si(a['peak_fp16_flops_per_wafer'], 'FLOP/s')} per wafer")
+    lines.append("  why")
+    lines += [f"    - {d}" for d in plan.decisions]
+    lines.append(f"  plan v{plan.version} sha256 {plan.fingerprint()[:16]}")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
+    """plan.json (versioned, fingerprinted), wafer.png, wafer.svg, trace.json — each written to a temp file
+    in `out_dir` and renamed into place, so a failure leaves no half-written file."""
+    from waferscale.compiler.draw import figure, trace_events
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig = figure(plan)
+    blobs: dict[str, bytes] = {}
+    for ext in ("png", "svg"):
+        buf = io.BytesIO()
+        fig.savefig(buf, format=ext, dpi=160)
+        blobs[f"wafer.{ext}"] = buf.getvalue()
+    plt.close(fig)
+    blobs["plan.json"] = (plan.to_json(indent=1) + "\n").encode()
+    blobs["trace.json"] = json.dumps(trace_events(plan)).encode()
+    paths = []
+    for name in ("plan.json", "wafer.png", "wafer.svg", "trace.json"):
+        _atomic_write(out / name, blobs[name])
+        paths.append(out / name)
+    return paths
+
+
+# ---- memory estimate (`wsc estimate`) ------------------------------------------------------------------------
+
+def estimate_memory(*, model: str | None = None, params: str | None = None, target: str = "wse3",
+                    mixed_precision: bool = True) -> dict[str, Any]:
+    """Training and inference memory of a model against one target's SRAM (Adam optimizer).
+
+    Mixed precision: fp16/bf16 weights and gradients are what the wafer computes with; the fp32 master
+    weights and the two fp32 Adam moments are optimizer state (in MemoryX when streaming). fp32 training has
+    no master copy. Activations are not in the table's total (they depend on batch and schedule)."""
+    from waferscale.compiler import capture
+    from waferscale.fabric.presets import fabric_from_name
+
+    if (model is None) == (params is None):
+        raise ConfigError("give exactly one of --model NAME or --params P.yaml")
+    spec = fabric_from_name(target)
+    g = capture.capture_zoo(model) if model else capture.capture_params(str(params))
+    if params is not None:
+        mixed_precision = g.dtype != "fp32"
+    n = g.params
+    w, gr, master, m1, m2 = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed_precision else "fp32"]
+    half = "fp16/bf16" if mixed_precision else "fp32"
+    rows = [
+        {"item": "weights", "dtype": half, "bytes_per_param": w, "bytes": n * w, "where": "wafer (streamed)"},
+        {"item": "gradients", "dtype": half, "bytes_per_param": gr, "bytes": n * gr, "where": "wafer -> MemoryX"},
+    ]
+    if master:
+        rows.append({"item": "master weights", "dtype": "fp32", "bytes_per_param": master, "bytes": n * master,
+                     "where": "MemoryX"})
+    rows += [{"item": "Adam 1st moment", "dtype": "fp32", "bytes_per_param": m1, "bytes": n * m1, "where": "MemoryX"},
+             {"item": "Adam 2nd moment", "dtype": "fp32", "bytes_per_param": m2, "bytes": n * m2, "where": "MemoryX"}]
+    total = sum(r["bytes"] for r in rows)
+    sram = spec.sram_bytes
+    usable = spec.pes * data_bytes_per_pe(spec)
+    infer = n * (2 if mixed_precision else 4)
+    return {"model": g.name, "params": n, "target": spec.name, "mixed_precision": mixed_precision, "rows": rows,
+            "training_bytes": total, "training_bytes_per_param": w + gr + master + m1 + m2,
+            "optimizer_state_bytes": n * (master + m1 + m2), "inference_weight_bytes": infer,
+            "sram_bytes": sram, "usable_sram_bytes": usable,
+            "program_reserve_bytes_per_pe": PROGRAM_RESERVE_BYTES_PER_PE,
+            "training_fits_in_sram": total <= usable, "inference_fits_in_sram": infer <= usable,
+            "training_verdict": ("fits in SRAM (weights, gradients and optimizer state; activations come on top)"
+                                 if total <= usable else
+                                 "needs weight streaming: MemoryX holds the optimizer state, weights stream in"),
+            "inference_systems_needed": max(1, -(-infer // usable))}
+
+
+def estimate_table(d: dict[str, Any]) -> str:
+    gbs = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
+    lines = [f"{d['model']}: {d['params']:,} parameters, Adam, "
+             f"{'mixed precision' if d['mixed_precision'] else 'fp32'}; target {d['target']} "
+             f"SRAM {d['sram_bytes'] / 1e9:.1f} GB ({d['usable_sram_bytes'] / 1e9:.1f} GB for data)",
+             f"  {'item':<18}{'dtype':<11}{'B/param':>8}{'size':>14}  where"]
+    for r in d["rows"]:
+        lines.append(f"  {r['item']:<18}{r['dtype']:<11}{r['bytes_per_param']:>8}{gbs(r['bytes']):>14}  {r['where']}")
+    lines.append(f"  {'training total':<18}{'':<11}{d['training_bytes_per_param']:>8}{gbs(d['training_bytes']):>14}")
+    lines.append(f"  training:  {d['training_verdict']}")
+    lines.append(f"  inference: {d['inference_weight_bytes'] / 1e9:.2f} GB of weights -> "
+                 + ("fits in one wafer's SRAM" if d["inference_fits_in_sram"] else
+                    f"needs {d['inference_systems_needed']} systems (layers split across wafers)"))
+    return "\n".join(lines)

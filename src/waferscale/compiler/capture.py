@@ -1,0 +1,252 @@
+"""Capture a model into the compiler IR on the meta device. The only torch import in `compiler/`.
+
+Three inputs: a zoo model name, a params YAML (Model Zoo legacy layout accepted), or any `nn.Module` with a
+sample input. Nothing is materialized: zoo models are built on the meta device and walked unit by unit;
+arbitrary modules run once on meta tensors (`torch.func.functional_call`) with forward hooks recording the
+shape every leaf module saw.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from waferscale.compiler.ir import Graph, MatMul, Unit
+from waferscale.errors import ConfigError
+
+_FUSE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+_HALF = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}
+
+
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def _no_init():
+    """Skip weight initialisation while building on the meta device (there is no data to initialise; on
+    meta, torch routes init through its reference decompositions, which costs seconds of imports)."""
+    saved = {n: getattr(nn.init, n) for n in _INITS}
+    try:
+        for n in _INITS:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def _build_meta(cfg):
+    from waferscale.models import build
+
+    with _no_init():
+        return build(cfg, device="meta")
+
+
+def capture_zoo(name: str, dtype: str = "fp16") -> Graph:
+    """A zoo preset by name (e.g. "llama3.1-70b"), walked unit by unit on the meta device."""
+    from waferscale.models import config_from_name
+
+    cfg = config_from_name(name)
+    return _capture_causal_lm(_build_meta(cfg), source=f"zoo:{cfg.name}", dtype=dtype)
+
+
+def capture_params(path: str, dtype: str | None = None) -> Graph:
+    """A params YAML: the model section becomes the graph; batch, sequence length and num_csx become defaults."""
+    from waferscale.config import load_params
+
+    params = load_params(path)
+    cfg = params.model.to_model_config()
+    ti = params.train_input
+    defaults: dict[str, Any] = {"batch_size": ti.batch_size, "seq_len": ti.max_sequence_length or cfg.max_seq_len,
+                                "num_csx": params.runconfig.num_csx}
+    if ti.micro_batch_size is not None:
+        defaults["micro_batch_size"] = ti.micro_batch_size
+    g = _capture_causal_lm(_build_meta(cfg), source=f"params:{path}",
+                           dtype=dtype or _HALF.get(params.model.half_dtype, "fp16"))
+    return Graph(name=g.name, source=g.source, units=g.units, dtype=g.dtype, max_seq_len=g.max_seq_len,
+                 defaults=defaults)
+
+
+def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
+    cfg = model.config
+    units = list(model.units())
+    owner: dict[int, int] = {}  # id(param) -> index of the unit that owns it (the last unit using it)
+    for i in reversed(range(len(units))):
+        for p in units[i].parameters():
+            owner.setdefault(id(p), i)
+    d, ffn = cfg.d_model, cfg.ffn_dim
+    kinds = ["embed"] + ["block"] * cfg.n_layer + ["head"]
+    names = ["embed"] + [f"block{i}" for i in range(cfg.n_layer)] + ["head"]
+    out: list[Unit] = []
+    for i, (mod, kind, name) in enumerate(zip(units, kinds, names)):
+        params = sum(p.numel() for p in mod.parameters() if owner[id(p)] == i)
+        shared = [p for p in mod.parameters() if owner[id(p)] != i]
+        tied = names[owner[id(shared[0])]] if shared else None
+        tied_params = sum(p.numel() for p in shared)
+        mms = _matmuls(mod)
+        if kind == "embed":
+            out.append(Unit(name, kind, params, (), d_in=1, d_out=d, tied_to=tied, tied_params=tied_params,
+                            elementwise_flops_per_token=d if cfg.position == "learned" else 0))
+        elif kind == "block":
+            act = ffn * (2 if cfg.activation == "swiglu" else 1)
+            out.append(Unit(name, kind, params, mms, d_in=d, d_out=d, n_heads=cfg.n_head, head_dim=cfg.head_dim,
+                            kv_heads=cfg.kv_heads, norm_width=d, n_norms=2,
+                            elementwise_flops_per_token=2 * d + act,
+                            # kept for backward: norm inputs, attention output, residual (4d), every matmul
+                            # output, the activation output; attention scores recomputed (flash-style)
+                            train_act_elems_per_token=4 * d + sum(m.m for m in mms) + ffn))
+        else:
+            out.append(Unit(name, kind, params, mms, d_in=d, d_out=cfg.vocab_size, norm_width=d, n_norms=1,
+                            train_act_elems_per_token=2 * d + cfg.vocab_size))
+    return Graph(name=cfg.name, source=source, units=tuple(out), dtype=dtype, max_seq_len=cfg.max_seq_len)
+
+
+def _matmuls(mod: nn.Module) -> tuple[MatMul, ...]:
+    """nn.Linear layers of a unit; q/k/v and gate/up (same input) fused into one GEMV as a compiler would."""
+    groups: "OrderedDict[str, list[nn.Linear]]" = OrderedDict()
+    for qual, m in mod.named_modules():
+        if isinstance(m, nn.Linear):
+            parent, _, leaf = qual.rpartition(".")
+            key = f"{parent}.{_FUSE.get(leaf, leaf)}" if parent else _FUSE.get(leaf, leaf)
+            groups.setdefault(key, []).append(m)
+    out = []
+    for key, ms in groups.items():
+        if len({m.in_features for m in ms}) != 1:  # not a shared input: keep them apart
+            out += [MatMul(f"{key}.{j}", m.out_features, m.in_features) for j, m in enumerate(ms)]
+        else:
+            leaf = key.rpartition(".")[2] if len(ms) > 1 else (dict((v, k) for k, v in mod.named_modules())[ms[0]]
+                                                                 .rpartition(".")[2])
+            out.append(MatMul(leaf, sum(m.out_features for m in ms), ms[0].in_features))
+    return tuple(out)
+
+
+# ---- arbitrary nn.Module ---------------------------------------------------------------------------------
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def capture_module(module: nn.Module, example: "torch.Tensor | Sequence[int] | None" = None, *,
+                   dtype: str = "fp16", name: str | None = None) -> Graph:
+    """Any nn.Module, run once on the meta device with a sample input (a tensor or a shape; integer token ids
+    when the first layer is an nn.Embedding). A token is one row of the input (all but its last dimension),
+    or one id for integer input. Units are the module's top-level layers (containers are opened)."""
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    name = name or type(module).__name__
+    x = _example_input(module, example)
+    tokens = x.numel() if not x.is_floating_point() else max(1, x.numel() // max(1, x.shape[-1]))
+    records: list[tuple[str, nn.Module, tuple, tuple]] = []  # (qualified name, leaf, input shape, output shape)
+    hooks = []
+    for qual, m in module.named_modules():
+        if next(m.children(), None) is None or isinstance(m, nn.MultiheadAttention):
+            def hook(mod, args, output, qual=qual):
+                ins = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                outs = output[0] if isinstance(output, (tuple, list)) else output
+                records.append((qual, mod, tuple(ins.shape) if ins is not None else (),
+                                tuple(outs.shape) if isinstance(outs, torch.Tensor) else ()))
+            hooks.append(m.register_forward_hook(hook))
+    meta_state = {k: torch.empty_like(v, device="meta")
+                  for k, v in [*module.named_parameters(remove_duplicate=False),
+                               *module.named_buffers(remove_duplicate=False)]}
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(module, meta_state, (x,), strict=False, tie_weights=True)
+    except Exception as e:  # a user module failing on meta tensors is a user-facing input problem
+        raise ConfigError(f"could not trace {name} on the meta device with input {tuple(x.shape)} "
+                          f"({type(e).__name__}: {e}); pass a sample input shape that its forward accepts") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    if not records:
+        raise ConfigError(f"{name}: the forward pass called no modules; nothing to place")
+    return _group_records(module, records, tokens, name, dtype)
+
+
+def _example_input(module: nn.Module, example: Any) -> torch.Tensor:
+    first = next((m for m in module.modules() if next(m.children(), None) is None and any(True for _ in m.parameters())),
+                 None)
+    if isinstance(example, torch.Tensor):
+        return torch.empty_like(example, device="meta")
+    if example is None:
+        if isinstance(first, nn.Embedding):
+            example = (1, 128)
+        elif isinstance(first, nn.Linear):
+            example = (1, first.in_features)
+        else:
+            raise ConfigError(f"{type(module).__name__}: cannot guess a sample input for a first layer of type "
+                              f"{type(first).__name__}; pass module=(module, input_shape)")
+    shape = tuple(int(s) for s in example)
+    if not shape or any(s <= 0 for s in shape):
+        raise ConfigError(f"sample input shape must be positive sizes, got {shape}")
+    if isinstance(first, nn.Embedding):
+        return torch.zeros(shape, dtype=torch.long, device="meta")
+    return torch.empty(shape, device="meta")
+
+
+def _unit_key(module: nn.Module, qual: str) -> str:
+    """The first non-container ancestor below the root ('' for the root when it is a leaf)."""
+    if not qual:
+        return ""
+    parts, mod, key = qual.split("."), module, []
+    for p in parts:
+        mod = getattr(mod, p) if not p.isdigit() or not isinstance(mod, _CONTAINERS) else mod[int(p)]
+        key.append(p)
+        if not isinstance(mod, _CONTAINERS):
+            break
+    return ".".join(key)
+
+
+def _group_records(module: nn.Module, records: list, tokens: int, name: str, dtype: str) -> Graph:
+    seen: set[int] = set()
+    groups: "OrderedDict[str, dict]" = OrderedDict()
+    for qual, mod, ishape, oshape in records:
+        g = groups.setdefault(_unit_key(module, qual) or name,
+                              {"params": 0, "mm": [], "heads": 0, "hd": 0, "ew": 0, "d_in": None, "d_out": 0, "norm": 0})
+        for p in mod.parameters(recurse=True):
+            if id(p) not in seen:
+                seen.add(id(p))
+                g["params"] += p.numel()
+        last = oshape[-1] if oshape else 0
+        if g["d_in"] is None:
+            g["d_in"] = ishape[-1] if ishape else 0
+        g["d_out"] = last
+        out_numel = 1
+        for s in oshape:
+            out_numel *= s
+        if isinstance(mod, nn.Linear):
+            g["mm"].append(MatMul(qual or "linear", mod.out_features, mod.in_features))
+        elif isinstance(mod, nn.modules.conv._ConvNd):
+            kernel = 1
+            for k in mod.kernel_size:
+                kernel *= k
+            per_tok = out_numel // max(1, tokens)  # outputs per token, each a k-long dot product
+            g["mm"].append(MatMul(qual or "conv", max(1, per_tok), (mod.in_channels // mod.groups) * kernel))
+        elif isinstance(mod, nn.MultiheadAttention):
+            e = mod.embed_dim
+            g["mm"] += [MatMul(f"{qual}.in_proj", 3 * e, e), MatMul(f"{qual}.out_proj", e, e)]
+            g["heads"], g["hd"] = mod.num_heads, e // mod.num_heads
+        elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or "norm" in type(mod).__name__.lower():
+            g["norm"] = last
+        elif not isinstance(mod, nn.Embedding):
+            g["ew"] += max(1, out_numel // max(1, tokens))
+    units = []
+    for key, g in groups.items():
+        if not g["params"] and units:  # a parameter-free layer (activation, dropout) joins the previous unit
+            prev = units[-1]
+            units[-1] = Unit(prev.name, prev.kind, prev.params, prev.matmuls, prev.d_in, g["d_out"], prev.n_heads,
+                             prev.head_dim, prev.kv_heads, prev.norm_width, prev.n_norms,
+                             prev.elementwise_flops_per_token + g["ew"], prev.train_act_elems_per_token + g["d_out"])
+            continue
+        mms = tuple(g["mm"])
+        units.append(Unit(key, "module", g["params"], mms, d_in=g["d_in"] or 0, d_out=g["d_out"],
+                          n_heads=g["heads"], head_dim=g["hd"], kv_heads=g["heads"],
+                          norm_width=g["norm"], n_norms=1 if g["norm"] else 0, elementwise_flops_per_token=g["ew"],
+                          train_act_elems_per_token=(g["d_in"] or 0) + sum(m.m for m in mms)))
+    seq = tokens if records and records[0][2] and len(records[0][2]) >= 2 else 1
+    return Graph(name=name, source=f"module:{type(module).__name__}", units=tuple(units), dtype=dtype,
+                 max_seq_len=max(1, seq))

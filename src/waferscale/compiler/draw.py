@@ -1,0 +1,194 @@
+"""Pictures and traces of a Plan: wafer.png / wafer.svg (regions as rectangles, never per PE) and trace.json
+(Chrome/Perfetto trace events of one token through the stages, or one training step)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from waferscale.compiler.plan import Plan
+
+
+def _short(name: str) -> str:
+    if name.startswith("block"):
+        return "L" + name[5:]
+    return {"embed": "emb", "head": "head"}.get(name, name[:10])
+
+
+def figure(plan: Plan):
+    """A matplotlib Figure: one panel per wafer, regions colored by layer, defects marked, I/O edges drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    n = plan.systems
+    ncols = min(n, 4)
+    nrows = math.ceil(n / ncols)
+    rows, cols = plan.fabric["rows"], plan.fabric["cols"]
+    aspect = rows / cols
+    pw = 4.6 if ncols < 3 else 3.8
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(7.5, pw * ncols + 0.8), pw * nrows * min(1.6, aspect) + 1.0),
+                             squeeze=False)
+    cmap = plt.get_cmap("turbo")
+    n_units = max(1, len(plan.graph["units"]))
+    by_sys: dict[int, list] = {}
+    for r in plan.regions:
+        by_sys.setdefault(r.system, []).append(r)
+    dead = _dead_cores(plan)
+    for s in range(nrows * ncols):
+        ax = axes[s // ncols][s % ncols]
+        if s >= n:
+            ax.axis("off")
+            continue
+        w = plan.wafers[s]
+        ax.add_patch(Rectangle((0, 0), cols, rows, facecolor="#eeeeee", edgecolor="black", lw=1.2))
+        ax.add_patch(Rectangle((0, 0), w["logical_cols"], w["logical_rows"], facecolor="white", edgecolor="none"))
+        regs = by_sys.get(s, [])
+        big = [r for r in regs if r.area >= 0.002 * rows * cols]
+        for r in regs:
+            color = "#9ecae1" if r.unit < 0 else cmap(0.08 + 0.84 * r.unit / max(1, n_units - 1))
+            ax.add_patch(Rectangle((r.col, r.row), r.cols, r.rows, facecolor=color, edgecolor="black",
+                                   lw=0.6 if len(regs) < 200 else 0.2, alpha=0.9))
+        # label every region that has room; the rest are named by their neighbours' numbering
+        for r in regs:
+            fs = min(9.0, 0.9 * 72 * 4.6 * min(r.cols / cols, r.rows / rows * aspect) / max(2, len(_short(r.name))) * 1.6)
+            if r.unit < 0:
+                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, f"{plan.model}\n{r.name}\n(whole wafer per layer)",
+                        ha="center", va="center", fontsize=9)
+            elif fs >= 3.5 or (r in big and len(regs) < 12):
+                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, _short(r.name), ha="center", va="center",
+                        fontsize=max(3.5, fs), color="black")
+        # the pipeline path: stage centers joined in order (one hop between neighbours)
+        pipe = sorted((r for r in regs if r.replica == (regs[0].replica if regs else 0) and r.unit >= 0),
+                      key=lambda r: r.stage)
+        if len(pipe) > 1:
+            xs = [r.col + r.cols / 2 for r in pipe]
+            ys = [r.row + r.rows / 2 for r in pipe]
+            ax.plot(xs, ys, color="black", lw=0.7, alpha=0.55)
+        if len(dead):
+            ds = dead[s] if s < len(dead) else np.zeros((0, 2))
+            if len(ds):
+                ax.scatter(ds[:, 1], ds[:, 0] + 0.5, s=10 if rows * cols <= 4096 else 0.6, c="red",
+                           marker="x" if rows * cols <= 4096 else ".", linewidths=0.8, zorder=5,
+                           label=f"dead cores ({len(ds)}): skipped, no tile, routed around")
+                ax.legend(loc="lower right", fontsize=6, framealpha=0.8)
+        _io_edges(ax, plan, s, regs, rows, cols)
+        ax.set_xlim(-0.04 * cols, 1.04 * cols)
+        ax.set_ylim(rows * 1.04, -0.04 * rows)
+        ax.set_aspect("equal")
+        ax.set_xticks([0, cols])
+        ax.set_yticks([0, rows])
+        ax.tick_params(labelsize=6)
+        ax.set_title(f"system {s}: {w['logical_rows']}x{w['logical_cols']} logical PEs of {rows}x{cols} "
+                     f"({w['dead_pes']} dead; grey = spares)", fontsize=7)
+    p = plan.projection
+    if plan.mode == "inference":
+        line = (f"decode {p['decode_tokens_per_s_per_user']:,.0f} tok/s/user, {p['aggregate_decode_tokens_per_s']:,.0f} "
+                f"tok/s with {p['users_in_flight']} users; bottleneck: {plan.bottleneck}")
+    else:
+        line = (f"step {p['step_time_s']:.3g} s, {p['tokens_per_s']:,.0f} tok/s, MFU {p['mfu']:.1%}; "
+                f"bottleneck: {plan.bottleneck}")
+    fig.suptitle(f"{plan.model} on {plan.systems} x {plan.target} — {plan.strategy.replace('_', ' ')}"
+                 f" ({plan.replicas} cop{'y' if plan.replicas == 1 else 'ies'}, {plan.pes_used:,} PEs)\n{line}",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def _io_edges(ax, plan: Plan, s: int, regs, rows: int, cols: int) -> None:
+    """Arrows where data enters and leaves the wafer edge (and crosses to the next system)."""
+    kw = dict(arrowprops=dict(arrowstyle="->", color="crimson", lw=1.6), fontsize=7, color="crimson")
+    if plan.strategy == "weight_streaming":
+        ax.annotate("weights in\n(MemoryX)", xy=(0, rows * 0.35), xytext=(-0.02 * cols, rows * 0.12), ha="right", **kw)
+        ax.annotate("gradients out", xy=(cols, rows * 0.65), xytext=(cols * 1.02, rows * 0.9), ha="left", **kw)
+        ax.plot([0, 0], [0, rows], color="crimson", lw=3)
+        ax.plot([cols, cols], [0, rows], color="crimson", lw=3)
+        return
+    regs = [r for r in regs if r.replica == (regs[0].replica if regs else 0)]
+    firsts = [r for r in regs if r.stage == min(x.stage for x in regs)] if regs else []
+    lasts = [r for r in regs if r.stage == max(x.stage for x in regs)] if regs else []
+    for r in firsts[:1]:
+        src = "tokens in" if r.unit == 0 else f"from\nsystem {s - 1}"
+        ax.plot([0, 0], [r.row, r.row + r.rows], color="crimson", lw=3)
+        ax.annotate(src, xy=(r.col, r.row + r.rows / 2), xytext=(-0.03 * cols, r.row + r.rows / 2), ha="right", **kw)
+    for r in lasts[:1]:
+        dst = "tokens out" if s == plan.systems - 1 or plan.wafers_per_pipeline == 1 else f"to\nsystem {s + 1}"
+        x_edge = 0 if r.col == 0 else cols
+        ax.plot([x_edge, x_edge], [r.row, r.row + r.rows], color="crimson", lw=3)
+        ax.annotate(dst, xy=(r.col + (0 if x_edge == 0 else r.cols), r.row + r.rows / 2),
+                    xytext=(x_edge + (-0.03 if x_edge == 0 else 0.03) * cols, r.row + r.rows * 0.9),
+                    ha="right" if x_edge == 0 else "left", **kw)
+
+
+def _dead_cores(plan: Plan) -> list[np.ndarray]:
+    """Dead cores per system in the picture's logical frame, regenerated from the recorded defect rate and
+    seed: a dead core in a used row sits between the logical PEs it was skipped over; dead cores in rows the
+    spare remap dropped are not shown (those rows are not in the logical mesh)."""
+    from waferscale.compiler._fabric import wafer_map
+    from waferscale.fabric.spec import FabricSpec
+
+    if not any(w["dead_pes"] for w in plan.wafers):
+        return []
+    spec = FabricSpec(**plan.fabric)
+    out = []
+    for w in plan.wafers:
+        wm = wafer_map(spec, w["defect_rate"], w["seed"])
+        m = wm.mesh
+        row_of = {int(pr): i for i, pr in enumerate(np.asarray(m.phys_rows))}
+        pts = []
+        for pr, pc in wm.dead_physical.tolist():
+            i = row_of.get(pr)
+            if i is not None:
+                pts.append((i, int(np.searchsorted(np.asarray(m.phys_cols[i]), pc))))
+        out.append(np.asarray(pts, dtype=float).reshape(-1, 2))
+    return out
+
+
+def trace_events(plan: Plan) -> dict[str, Any]:
+    """Chrome trace (Perfetto-compatible) of one decode token through every stage (inference) or one training
+    micro-batch / step (training). Times in microseconds; one track per stage (pid = system)."""
+    ev: list[dict[str, Any]] = []
+    units = plan.graph["units"]
+    p = plan.projection
+    for s in range(plan.systems):
+        ev.append({"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"system {s} ({plan.target})"}})
+    if plan.mode == "inference":
+        regs = sorted((r for r in plan.regions if r.replica == 0), key=lambda r: r.stage)
+        times = p["stage_times_s"]
+        t = 0.0
+        hop = (p["decode_latency_s_per_token"] - sum(times)) / max(1, len(regs))
+        for r, dt in zip(regs, times):
+            ev.append({"name": "thread_name", "ph": "M", "pid": r.system, "tid": r.stage,
+                       "args": {"name": f"stage {r.stage}: {r.name}"}})
+            ev.append({"name": r.name, "cat": "decode", "ph": "X", "ts": t * 1e6, "dur": dt * 1e6, "pid": r.system,
+                       "tid": r.stage, "args": {"region": f"{r.rows}x{r.cols} at ({r.row},{r.col})",
+                                                "pes": r.live_pes, "bytes": r.bytes}})
+            t += dt
+            ev.append({"name": "hand-off", "cat": "fabric", "ph": "X", "ts": t * 1e6, "dur": hop * 1e6,
+                       "pid": r.system, "tid": r.stage, "args": {}})
+            t += hop
+    else:
+        streamed = plan.strategy == "weight_streaming"
+        per = p["step_time_s"] / max(1, p.get("micro_batches_per_step", 1))
+        layers = [u for u in units if u["params"]] or units
+        fb = [(u, "fwd", 1.0) for u in layers] + [(u, "bwd", 2.0) for u in reversed(layers)]
+        tot_w = sum(w for _, _, w in fb) * max(1, sum(u["params"] for u in layers))
+        t = 0.0
+        ev.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "wafer compute"}})
+        ev.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "weights in / grads out"}})
+        for u, kind, wgt in fb:
+            dt = per * wgt * max(1, u["params"]) / tot_w
+            ev.append({"name": f"{u['name']} {kind}", "cat": kind, "ph": "X", "ts": t * 1e6, "dur": dt * 1e6,
+                       "pid": 0, "tid": 0, "args": {"params": u["params"]}})
+            if streamed:
+                io = u["params"] * p["streamed_bytes_per_weight"] / p["io_bytes_per_s"]
+                ev.append({"name": f"{u['name']} {'weights' if kind == 'fwd' else 'weights+grads'}", "cat": "io",
+                           "ph": "X", "ts": t * 1e6, "dur": min(io, dt) * 1e6, "pid": 0, "tid": 1, "args": {}})
+            t += dt
+    return {"traceEvents": ev, "displayTimeUnit": "ns",
+            "otherData": {"model": plan.model, "target": plan.target, "strategy": plan.strategy,
+                          "fingerprint": plan.fingerprint()}}

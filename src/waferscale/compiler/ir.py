@@ -1,0 +1,139 @@
+"""The compiler's IR: a model as an ordered list of units (embedding, blocks, head, or captured modules).
+
+numpy/stdlib only. Every quantity is per token unless its name says otherwise; bytes follow the dtype the
+graph was captured at (`dtype_bytes`). A unit is the granule of placement: one pipeline stage, or one
+streamed layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class MatMul:
+    """y (m) = W (m x k) @ x (k), once per token. `m` outputs, `k` inputs (weight-stationary GEMV/GEMM)."""
+
+    name: str
+    m: int
+    k: int
+
+    @property
+    def flops_per_token(self) -> int:
+        return 2 * self.m * self.k
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One placeable unit. `params` counts the weights this unit owns (a tied matrix is owned by one unit,
+    `tied_to` names the owner on the other). FLOPs exclude attention over the context, which is
+    `attn_flops_per_token(context)`."""
+
+    name: str
+    kind: str  # "embed" | "block" | "head" | "module"
+    params: int
+    matmuls: tuple[MatMul, ...] = ()
+    d_in: int = 0  # activation elements entering per token
+    d_out: int = 0  # activation elements leaving per token
+    n_heads: int = 0  # attention heads (0 = no attention)
+    head_dim: int = 0
+    kv_heads: int = 0
+    norm_width: int = 0  # elements normalized per token (0 = none)
+    n_norms: int = 0
+    elementwise_flops_per_token: int = 0  # activations, residual adds, bias
+    train_act_elems_per_token: int = 0  # activations a layer keeps for backward (elements per token)
+    tied_to: str | None = None  # the unit owning a matrix this unit also uses (tied embeddings)
+    tied_params: int = 0  # size of that shared matrix
+
+    def __post_init__(self) -> None:
+        if self.params < 0:
+            raise ValueError(f"unit {self.name!r}: params must be >= 0, got {self.params}")
+        object.__setattr__(self, "matmuls", tuple(m if isinstance(m, MatMul) else MatMul(**m) for m in self.matmuls))
+
+    @property
+    def matmul_params(self) -> int:
+        return sum(m.m * m.k for m in self.matmuls)
+
+    @property
+    def matmul_flops_per_token(self) -> int:
+        return sum(m.flops_per_token for m in self.matmuls)
+
+    def attn_flops_per_token(self, context: int) -> int:
+        """QK^T and AV for one query over `context` keys: 2 x 2 x heads x head_dim x context."""
+        return 4 * self.n_heads * self.head_dim * context
+
+    def fwd_flops_per_token(self, context: int = 0) -> int:
+        return self.matmul_flops_per_token + self.attn_flops_per_token(context) + self.elementwise_flops_per_token
+
+    def kv_elems_per_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim if self.n_heads else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["matmuls"] = [dataclasses.asdict(m) for m in self.matmuls]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Unit":
+        return cls(**{**d, "matmuls": tuple(MatMul(**m) for m in d.get("matmuls", ()))})
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A captured model. `dtype` is the on-wafer weight/activation type (fp16/bf16 for mixed precision)."""
+
+    name: str
+    source: str  # "zoo:NAME" | "params:PATH" | "module:CLASS"
+    units: tuple[Unit, ...]
+    dtype: str = "fp16"
+    max_seq_len: int = 2048
+    defaults: dict[str, Any] = field(default_factory=dict)  # batch_size, seq_len, num_csx from a params YAML
+
+    def __post_init__(self) -> None:
+        if not self.units:
+            raise ValueError(f"graph {self.name!r} has no units")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"graph dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit.from_dict(u) for u in self.units))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def params(self) -> int:
+        return sum(u.params for u in self.units)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        return sum(u.kv_elems_per_token() for u in self.units)
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(u.kind == "block" for u in self.units)
+
+    def fwd_flops_per_token(self, context: int = 0) -> int:
+        return sum(u.fwd_flops_per_token(context) for u in self.units)
+
+    def model_flops_per_token(self, seq_len: int, training: bool) -> int:
+        """Model FLOPs per token as PaLM counts them (matmuls + attention over the full window; element-wise
+        work excluded), x3 for training (forward + backward)."""
+        fwd = sum(u.matmul_flops_per_token + u.attn_flops_per_token(seq_len) for u in self.units)
+        return 3 * fwd if training else fwd
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
+                "defaults": dict(self.defaults), "units": [u.to_dict() for u in self.units]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Graph":
+        return cls(name=d["name"], source=d["source"], dtype=d["dtype"], max_seq_len=d["max_seq_len"],
+                   defaults=dict(d.get("defaults", {})), units=tuple(Unit.from_dict(u) for u in d["units"]))

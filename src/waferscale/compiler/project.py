@@ -1,0 +1,160 @@
+"""Projections: cycles of every stage from the fabric cost model, composed into latency and throughput.
+
+Nothing here is fitted to a published throughput. Every time is the fabric cost model's cycles for the
+kernels a unit runs on its region (GEMV/GEMM per matrix, attention over the KV cache, norms, element-wise)
+divided by the clock, plus hops between regions and the system I/O between wafers, all from FabricSpec.
+Each kernel's time is booked under the bottleneck the cost model names for it, so the plan can say what
+limits it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from waferscale.compiler._fabric import cost
+from waferscale.compiler.ir import Graph, Unit
+from waferscale.errors import ConfigError
+from waferscale.fabric.spec import FabricSpec
+
+LABELS = ("compute", "SRAM", "fabric latency", "routing", "I/O")
+
+
+@dataclass
+class Time:
+    """Seconds, with the share of each bottleneck label."""
+
+    parts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def s(self) -> float:
+        return sum(self.parts.values())
+
+    def add(self, label: str, seconds: float) -> "Time":
+        self.parts[label] += seconds
+        return self
+
+    def add_cycles(self, cyc, clock_hz: float, scale: float = 1.0) -> "Time":
+        self.parts[_label(cyc.bottleneck)] += scale * cyc.total / clock_hz
+        return self
+
+    def __iadd__(self, o: "Time") -> "Time":
+        for k, v in o.parts.items():
+            self.parts[k] += v
+        return self
+
+    def scaled(self, f: float) -> "Time":
+        t = Time()
+        for k, v in self.parts.items():
+            t.parts[k] = v * f
+        return t
+
+    def bottleneck(self) -> str:
+        return max(self.parts, key=self.parts.get) if self.parts else "compute"
+
+    def shares(self) -> dict[str, float]:
+        tot = self.s or 1.0
+        return {k: round(v / tot, 4) for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def _label(b: str) -> str:
+    b = str(b)
+    for lab in LABELS:
+        if b.lower() == lab.lower():
+            return lab
+    low = b.lower()
+    if "sram" in low or "memory" in low:
+        return "SRAM"
+    if "rout" in low:
+        return "routing"
+    if "io" in low or "i/o" in low:
+        return "I/O"
+    if "fabric" in low or "latency" in low or "hop" in low or "fill" in low:
+        return "fabric latency"
+    return "compute"
+
+
+# ---- one unit on one region ------------------------------------------------------------------------------
+
+def _key(u: Unit) -> tuple:
+    return (u.kind, u.matmuls, u.n_heads, u.head_dim, u.norm_width, u.n_norms, u.elementwise_flops_per_token, u.d_out)
+
+
+@lru_cache(maxsize=65536)
+def _unit_cycles(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: int, attn_ctx: int,
+                 dtype: str, decode: bool) -> tuple[tuple[str, float], ...] | None:
+    """(label, cycles) of every kernel a unit runs; None if the fabric cost model refuses the region
+    (e.g. a KV-cache slice larger than a PE's SRAM)."""
+    kind, matmuls, n_heads, head_dim, norm_width, n_norms, ew, d_out = ukey
+    out: list = []
+    try:
+        for mm in matmuls:
+            out.append(cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype) if n_tokens == 1
+                       else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype))
+        if n_heads and attn_ctx > 0:
+            if n_tokens == 1:  # decode: one query over the KV cache spread across the region
+                out.append(cost.attention_decode_cycles(spec, n_heads, head_dim, attn_ctx, rows, cols, dtype))
+            else:  # prefill / training: QK^T and PV as GEMMs with K (then V) stationary, softmax between
+                q = n_tokens * n_heads
+                out.append(cost.gemm_cycles(spec, attn_ctx, head_dim, q, rows, cols, dtype))
+                out.append(cost.softmax_cycles(spec, q * attn_ctx, attn_ctx, rows, cols))
+                out.append(cost.gemm_cycles(spec, head_dim, attn_ctx, q, rows, cols, dtype))
+        if norm_width and n_norms:
+            out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols)] * n_norms
+        if ew:
+            out.append(cost.elementwise_cycles(spec, ew * n_tokens, rows, cols, 1, dtype))
+        if kind == "embed":  # the looked-up row fans out over the region to the next stage's edge
+            out.append(cost.broadcast_cycles(spec, d_out * n_tokens, rows, cols, dtype))
+        if kind == "head" and decode:  # sampling: a max-reduce over the vocabulary spread across the region
+            out.append(cost.allreduce_cycles(spec, n_tokens, rows, cols))
+    except ConfigError:
+        return None
+    return tuple((_label(c.bottleneck), float(c.total)) for c in out)
+
+
+def unit_time(spec: FabricSpec, u: Unit, rows: int, cols: int, *, n_tokens: int, attn_ctx: int,
+                        dtype: str = "fp16", decode: bool = True) -> Time:
+    """One forward pass of `n_tokens` tokens through unit `u` on a rows x cols region; infinite when the
+    region cannot hold the unit's working set (the cost model refuses it).
+
+    attn_ctx: keys each query attends to (decode: the context; prefill/training: the average window)."""
+    t = Time()
+    parts = _unit_cycles(spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
+    if parts is None:
+        return Time().add("SRAM", math.inf)
+    for label, cyc in parts:
+        t.add(label, cyc / spec.clock_hz)
+    return t
+
+
+def handoff_time(spec: FabricSpec, elems: int, dtype_bytes: int, edge_pes: int, hops: int = 1) -> Time:
+    """Activations of one token (or chunk) crossing from one region into the next over `edge_pes` links."""
+    cyc = hops * spec.hop_latency_cycles + 2 * spec.ramp_latency_cycles + \
+        math.ceil(elems * dtype_bytes / (spec.link_bytes_per_cycle * max(1, edge_pes)))
+    return Time().add("fabric latency", cyc / spec.clock_hz)
+
+
+def io_time(spec: FabricSpec, nbytes: float, hops: int = 1) -> Time:
+    """Across systems (or host <-> wafer): latency per hop plus bytes at the system I/O bandwidth."""
+    return Time().add("I/O", hops * spec.io_latency_s + nbytes / spec.io_bytes_per_s)
+
+
+def assumptions(spec: FabricSpec, systems: int, dtype: str) -> dict:
+    return {
+        "clock_hz": spec.clock_hz,
+        "fp16_flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe,
+        "fp32_flops_per_cycle_per_pe": spec.fp32_flops_per_cycle_per_pe,
+        "sram_bytes_per_pe": spec.sram_bytes_per_pe,
+        "sram_read_bytes_per_cycle": spec.sram_read_bytes_per_cycle,
+        "link_bytes_per_cycle": spec.link_bytes_per_cycle,
+        "hop_latency_cycles": spec.hop_latency_cycles,
+        "ramp_latency_cycles": spec.ramp_latency_cycles,
+        "io_bytes_per_s": spec.io_bytes_per_s,
+        "io_latency_s": spec.io_latency_s,
+        "peak_fp16_flops_per_wafer": spec.peak_flops("fp16"),
+        "systems": systems,
+        "dtype": dtype,
+        "cost_model": getattr(cost, "__name__", "cost"),
+    }
