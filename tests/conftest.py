@@ -1,0 +1,51 @@
+"""Tiny fixtures shared across the suite: a small text corpus and a params dict for a 2-layer GPT."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+        "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n") * 40
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token caches go to a per-session temp dir, never the user's ~/.cache."""
+    monkeypatch.setenv("WSC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "wsc-cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text(TEXT)
+    (d / "b.jsonl").write_text('{"text": "Speak, speak. We are accounted poor citizens."}\n' * 30)
+    return d
+
+
+def tiny_params(corpus: Path, model_dir: Path, **run: object) -> dict:
+    return {
+        "train_input": {"data_dir": [str(corpus)], "tokenizer": "char", "batch_size": 4,
+                        "max_sequence_length": 32, "shuffle": True, "shuffle_seed": 1, "val_fraction": 0.1},
+        "model": {"name": "gpt-tiny", "vocab_size": 64, "max_position_embeddings": 32, "mixed_precision": False},
+        "optimizer": {"optimizer_type": "AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                      "max_gradient_norm": 1.0,
+                      "learning_rate": [{"scheduler": "Linear", "initial_learning_rate": 0.0,
+                                         "end_learning_rate": 3e-3, "total_iters": 2},
+                                        {"scheduler": "CosineDecay", "initial_learning_rate": 3e-3,
+                                         "end_learning_rate": 3e-4, "total_iters": 8}]},
+        "runconfig": {"max_steps": 6, "eval_steps": 2, "log_steps": 1, "seed": 3, "model_dir": str(model_dir),
+                      **run},
+    }
+
+
+def wsc(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real CLI in a fresh interpreter, as a user would."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "waferscale", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)

@@ -1,0 +1,103 @@
+"""The real `wsc` command line in fresh interpreters: happy paths and every bad input (exit 2, one line)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_params, wsc
+
+
+def _write(tmp_path: Path, d: dict, name: str = "p.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def _assert_user_error(r, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith("error:"), r.stderr
+    for n in needles:
+        assert n in r.stderr, (n, r.stderr)
+
+
+def test_run_generate_plot_export(corpus: Path, tmp_path: Path) -> None:
+    md = tmp_path / "md"
+    p = _write(tmp_path, tiny_params(corpus, md))
+    r = wsc("run", "--params", str(p), "--mode", "train_and_eval", "--no_progress")
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stdout and "eval" in r.stdout
+    r = wsc("generate", "--checkpoint", str(md), "--prompt", "First", "--max_new_tokens", "20", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("First") and len(r.stdout) > len("First")
+    r = wsc("plot", str(md))
+    assert r.returncode == 0 and (md / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "hf"
+    r = wsc("export", "--checkpoint", str(md), "--format", "hf", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+
+def test_python_dash_m_equals_wsc() -> None:
+    r = wsc("models")
+    assert r.returncode == 0 and "llama3.1-405b" in r.stdout and "gpt3-1.3b" in r.stdout
+
+
+@pytest.mark.parametrize("case", ["missing_file", "malformed", "unknown_key", "wrong_type", "unknown_model",
+                                  "bad_data_path", "vocab_mismatch", "num_steps_zero", "num_steps_negative"])
+def test_bad_input_is_one_line_and_exit_2(case: str, corpus: Path, tmp_path: Path) -> None:
+    md = tmp_path / "md"
+    d = tiny_params(corpus, md)
+    extra: list[str] = []
+    needles: tuple[str, ...] = ()
+    if case == "missing_file":
+        p = tmp_path / "nope.yaml"
+        needles = ("nope.yaml",)
+    elif case == "malformed":
+        p = tmp_path / "bad.yaml"
+        p.write_text("train_input: {batch_size: 4\nmodel: [")
+        needles = ("bad.yaml",)
+    else:
+        if case == "unknown_key":
+            d["optimizer"]["max_gradient_nrm"] = 1.0
+            needles = ("max_gradient_nrm", "max_gradient_norm")
+        elif case == "wrong_type":
+            d["train_input"]["batch_size"] = "four"
+            needles = ("batch_size",)
+        elif case == "unknown_model":
+            d["model"]["name"] = "gpt2-smal"
+            needles = ("gpt2-small",)
+        elif case == "bad_data_path":
+            d["train_input"]["data_dir"] = [str(tmp_path / "no_such_dir")]
+            needles = ("no_such_dir",)
+        elif case == "vocab_mismatch":
+            d["model"]["vocab_size"] = 8
+            needles = ("vocab_size",)
+        elif case == "num_steps_zero":
+            extra = ["--num_steps", "0"]
+            needles = ("--num_steps",)
+        elif case == "num_steps_negative":
+            extra = ["--num_steps", "-3"]
+            needles = ("--num_steps",)
+        p = _write(tmp_path, d)
+    r = wsc("run", "--params", str(p), "--no_progress", *extra)
+    _assert_user_error(r, *needles)
+    assert not md.exists() or not any(md.iterdir()), "nothing may be written on bad input"
+
+
+def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
+    md = tmp_path / "md"
+    p = _write(tmp_path, tiny_params(corpus, md))
+    assert wsc("run", "--params", str(p), "--no_progress").returncode == 0
+    other = tiny_params(corpus, md)
+    other["model"]["name"] = "llama-tiny"
+    r = wsc("run", "--params", str(_write(tmp_path, other, "other.yaml")), "--no_progress")
+    _assert_user_error(r, "another architecture")
+
+
+def test_generate_bad_input(tmp_path: Path) -> None:
+    _assert_user_error(wsc("generate", "--model", "gpt-tni", "--prompt", "x"), "gpt-tiny")
+    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "no checkpoint")
+    _assert_user_error(wsc("generate", "--model", "gpt-tiny", "--prompt", "x"), "--tokenizer")
