@@ -46,6 +46,7 @@ def tiny_params(corpus: Path, model_dir: Path, **run: object) -> dict:
 
 def wsc(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real CLI in a fresh interpreter, as a user would."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's package, not another install's
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "waferscale", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)
