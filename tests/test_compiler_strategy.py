@@ -31,6 +31,52 @@ def test_gpt3_xl_training_on_wse2_streams_weights():
     assert "weight streaming" in p.explain()
 
 
+@pytest.mark.parametrize("systems", [1, 4])
+def test_training_scaling_is_weak_and_never_superlinear(systems):
+    """GPT-3 XL with its params YAML (batch 528): the scaling table holds the per-system batch fixed (global
+    batch grows with N, as --num_csx does) and charges SwarmX, so efficiency never exceeds 100%, falls with
+    the tree depth, and the plan's own row equals its projection."""
+    p = compile_model(params="configs/gpt3_xl.yaml", target="wse2", mode="train", systems=systems)
+    sc = p.projection["scaling"]
+    per = 528 // systems
+    assert [r["systems"] for r in sc] == [1, 2, 4, 8, 16]
+    assert all(r["per_system_batch"] == per and r["global_batch"] == r["systems"] * per for r in sc)
+    eff = [r["efficiency"] for r in sc]
+    assert eff[0] == 1.0 and all(0.9 < e <= 1.0 for e in eff) and eff == sorted(eff, reverse=True)
+    assert [r["swarmx_levels"] for r in sc] == [0, 1, 1, 2, 2]  # ceil(log4 N): the 1:4 tree
+    assert all(r["swarmx_exposed_s"] >= 0 for r in sc) and sc[-1]["swarmx_exposed_s"] > 0
+    own = next(r for r in sc if r["systems"] == systems)
+    assert own["step_time_s"] == pytest.approx(p.projection["step_time_s"])
+    assert own["tokens_per_s"] == pytest.approx(p.projection["tokens_per_s"])
+
+
+def test_resident_training_scaling_pays_the_gradient_allreduce():
+    p = compile_model(model="gpt-tiny", pes=(64, 64), mode="train", batch_size=8, seq_len=64, systems=2)
+    sc = p.projection["scaling"]
+    assert sc[0]["efficiency"] == 1.0 and all(r["efficiency"] < 1.0 for r in sc[1:])
+    assert any("gradients" in d and "SwarmX" in d for d in p.decisions)
+
+
+def test_defects_charge_detours_in_the_projection():
+    """The defect map reaches the cost model: each placed region's own routes (detours) are charged, so the
+    same request is slower on a defective wafer, and the plan says by how much."""
+    kw = dict(model="llama-tiny", pes=(48, 40), users=1)
+    clean = compile_model(**kw)
+    bad = compile_model(**kw, defects=0.03, seed=2)
+    assert bad.projection["decode_latency_s_per_token"] > clean.projection["decode_latency_s_per_token"]
+    assert any(d.startswith("detours:") for d in bad.decisions)
+    assert "defect_detours" in bad.assumptions and "defect_detours" not in clean.assumptions
+
+
+def test_gqa_kv_heads_reach_the_attention_cost():
+    from waferscale.compiler import capture
+    from waferscale.compiler.project import _key
+
+    g = capture.capture_zoo("llama3.1-8b")
+    block = next(u for u in g.units if u.kind == "block")
+    assert block.kv_heads == 8 and block.n_heads == 32 and _key(block)[4] == 8
+
+
 def test_llama70b_on_one_wse3_is_impossible_with_numbers():
     with pytest.raises(ConfigError) as e:
         compile_model(model="llama3.1-70b", target="wse3", systems=1)

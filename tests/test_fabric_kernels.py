@@ -151,3 +151,18 @@ def test_kernel_bad_input():
         K.elementwise(mesh, "tan", np.ones(3))
     with pytest.raises(ConfigError):
         K.gemv(mesh, np.ones((4, 4)), np.ones(4), rows=9)
+
+
+@pytest.mark.parametrize("H,kv", [(8, 2), (4, 1), (6, 3)])
+def test_attention_decode_gqa(H, kv):
+    """Grouped-query attention: K, V hold kv heads, each shared by H/kv query heads; KV stored once per PE."""
+    mesh = Mesh.perfect(fabric_from_name("wse2", pes=(4, 4)))
+    rng = np.random.default_rng(H * 10 + kv)
+    q = rng.standard_normal((H, 16)).astype(np.float32)
+    Kc, Vc = (rng.standard_normal((40, kv, 16)).astype(np.float32) for _ in range(2))
+    run = K.attention_decode(mesh, q, Kc, Vc)
+    np.testing.assert_allclose(run.out, K.attention_reference(q.astype(np.float64), Kc, Vc), rtol=1e-4, atol=1e-5)
+    assert run.rows == min(kv, 4)
+    if kv > 1:
+        with pytest.raises(ConfigError, match="multiple"):
+            K.attention_decode(mesh, np.concatenate([q, q[:1]]), Kc, Vc)  # H + 1 query heads, kv does not divide

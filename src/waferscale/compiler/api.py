@@ -85,8 +85,10 @@ def plan_summary(plan: Plan) -> str:
                                     if p.get("weights_streamed") else " (weights resident: not needed)")]
         sc = p.get("scaling", [])
         if sc:
-            lines.append("  scaling       " + "  ".join(f"{r['systems']}x: {r['tokens_per_s'] / 1e3:,.0f}k tok/s "
-                                                    f"({r['efficiency']:.0%})" for r in sc))
+            lines.append(f"  scaling       weak: {sc[0]['per_system_batch']} sequences per system held fixed, global "
+                         f"batch = N x {sc[0]['per_system_batch']}; lost: SwarmX time compute does not hide")
+            lines.append("                " + "  ".join(
+                f"{r['systems']}x: {r['tokens_per_s'] / 1e3:,.0f}k tok/s ({r['efficiency']:.2%})" for r in sc))
         shares = p.get("time_shares", {})
     lines.append(f"  bottleneck    {plan.bottleneck}  (" + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) + ")")
     lines.append(f"  assumptions   clock {a['clock_hz'] / 1e9:.3g} GHz, {a['fp16_flops_per_cycle_per_pe']} fp16 "

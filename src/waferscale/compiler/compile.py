@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from dataclasses import field as dataclasses_field
 from typing import Any
 
 from waferscale.compiler import project as pj
@@ -28,9 +29,35 @@ class _Ctx:
     wafers: list[WaferMap]
     systems: int
     decisions: list[str]
+    _meshes: dict = dataclasses_field(default_factory=dict)
 
     def say(self, text: str) -> None:
         self.decisions.append(text)
+
+    @property
+    def defective(self) -> bool:
+        return any(w.mesh is not None and w.mesh.has_defects for w in self.wafers)
+
+    def region_mesh(self, system: int, row: int, col: int, rows: int, cols: int):
+        """The placed rectangle's own defect map (`Mesh.subregion`), or None on a perfect wafer."""
+        w = self.wafers[system]
+        if w.mesh is None or not w.mesh.has_defects:
+            return None
+        key = (system, row, col, rows, cols)
+        if key not in self._meshes:
+            self._meshes[key] = w.mesh.subregion(row, col, rows, cols)
+        return self._meshes[key]
+
+
+def _with_detours(ctx: "_Ctx", units, pipe: Layout, time_fn) -> Layout:
+    """A placed pipeline's stage times re-projected with each region's own defect map, so the hops of the
+    detours around its dead cores and links are charged (placement itself searched shapes on a perfect mesh:
+    the logical mesh is defect-free after spare remapping, only its routes are longer)."""
+    if not ctx.defective:
+        return pipe
+    return Layout(pipe.regions, [time_fn(units[r.unit], r.rows, r.cols,
+                                         ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols))
+                                 for r in pipe.regions])
 
 
 def compile_model(*, model: str | None = None, params: str | None = None, module=None, target: str = "wse3",
@@ -78,6 +105,10 @@ def compile_model(*, model: str | None = None, params: str | None = None, module
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
     assumptions = pj.assumptions(spec, systems, g.dtype)
+    if defects:
+        assumptions["defect_detours"] = ("charged per placed region on its own routes (fabric.mesh: exact routes for "
+                                         "regions up to 4,096 PEs, Manhattan + 2 hops per blocked segment above); "
+                                         "placement searches shapes on the defect-free logical mesh")
     assumptions.update(program_reserve_bytes_per_pe=PROGRAM_RESERVE_BYTES_PER_PE,
                        data_bytes_per_pe=data_bytes_per_pe(spec), **out.pop("assumptions", {}))
     return Plan(model=g.name, source=g.source, target=spec.name, systems=systems, mode=mode_key,
@@ -143,8 +174,8 @@ def _inference(ctx: _Ctx, prompt_len: int | None, context_len: int | None, users
         ctx.say(f"{sys_reps} independent pipeline copies over {ctx.systems} systems (data-parallel serving)"
                 + (f"; {ctx.systems - sys_reps * wpp} system(s) left idle" if ctx.systems % wpp else ""))
 
-    def stage_time(u: Unit, r: int, c: int) -> pj.Time:
-        return pj.unit_time(spec, u, r, c, n_tokens=1, attn_ctx=C, dtype=g.dtype)
+    def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:
+        return pj.unit_time(spec, u, r, c, n_tokens=1, attn_ctx=C, dtype=g.dtype, mesh=mesh)
 
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
     runs = split_contiguous(mem1, wpp, cap_w)
@@ -191,6 +222,15 @@ def _inference(ctx: _Ctx, prompt_len: int | None, context_len: int | None, users
                           f"beyond the weights; at most {max(0, max_users) * sys_reps} users fit at this context "
                           f"(lower --users or --context_len)")
     agg, k, pipes, users_r, lat, breakdown, stage_max, mem = best
+    if ctx.defective:  # charge the detours inside the placed regions (real routes of each region)
+        lat0 = lat
+        pipes[0] = _with_detours(ctx, units, pipes[0], stage_time)
+        lat, breakdown = _decode_latency(ctx, units, pipes[0], b)
+        stage_max = max(max(t.s for t in pipes[0].stage_times), _crossing_time(ctx, units, pipes[0], b))
+        agg = min((users or users_r * sys_reps * k) / lat, sys_reps * k / stage_max)
+        ctx.say(f"detours: each placed region's kernels re-projected on its own routes around dead cores and links "
+                f"(exact routes for regions up to 4,096 PEs, per-link hop estimates above): decode latency "
+                f"{lat0 * 1e6:.2f} -> {lat * 1e6:.2f} us per token (+{(lat / lat0 - 1):.2%})")
     if k > 1:
         ctx.say(f"data-parallel replicas: the model needs {sum(mem1) / cap_w:.1%} of the wafer, so {k} copies "
                 f"(each in a 1/{k} sub-rectangle) give the highest aggregate decode rate of the candidates "
@@ -322,7 +362,8 @@ def _prefill(ctx: _Ctx, units, pipe: Layout, b: int, P: int) -> tuple[float, int
     best = None
     for c in chunks:
         times = [pj.unit_time(spec, units[r.unit], r.rows, r.cols, n_tokens=c, attn_ctx=max(1, P // 2),
-                              dtype=g.dtype, decode=False) for r in pipe.regions]
+                              dtype=g.dtype, decode=False,
+                              mesh=ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols)) for r in pipe.regions]
         hands = [_hand(ctx, a, n, units[a.unit].d_out * c, b) for a, n in zip(pipe.regions, pipe.regions[1:])]
         slow = max([t.s for t in times] + [h.s for h in hands if h.parts.get("I/O")])
         ttft = sum(t.s for t in times) + sum(h.s for h in hands) + (math.ceil(P / c) - 1) * slow + \
@@ -389,8 +430,9 @@ def _train_pipelined(ctx, units, mem, per_sys, seq, workload, common, b, cap_w) 
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
     prefixes = [w.dead_prefix() if len(w.dead) else None for w in ctx.wafers]
 
-    def stage_time(u: Unit, r: int, c: int) -> pj.Time:  # forward + backward (2x) of one sequence
-        return pj.unit_time(spec, u, r, c, n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False).scaled(3)
+    def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
+        return pj.unit_time(spec, u, r, c, n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False,
+                            mesh=mesh).scaled(3)
 
     kmax = max(1, min(MAX_REPLICAS_PER_WAFER, per_sys, int(cap_w // sum(mem))))
     best = None
@@ -410,33 +452,66 @@ def _train_pipelined(ctx, units, mem, per_sys, seq, workload, common, b, cap_w) 
         step = (seqs_r - 1) * slow + fill + opt
         tps = workload["tokens_per_step"] / step
         if best is None or tps > best[0] * 1.000001:
-            best = (tps, k, pipes, step, slow, p0)
+            best = (tps, k, pipes, step, slow, p0, opt)
     if best is None:
         raise ConfigError(f"{g.name}: could not place {len(units)} resident training regions on the "
                           f"{full.rows}x{full.cols} mesh; use a larger --pes or fewer sequences per step")
-    tps, k, pipes, step, slow, p0 = best
+    tps, k, pipes, step, slow, p0, opt = best
+    if ctx.defective:  # charge the detours inside the placed regions (real routes of each region)
+        p0 = pipes[0] = _with_detours(ctx, units, p0, stage_time)
+        slow = max(t.s for t in p0.stage_times)
+        step0, step = step, (math.ceil(per_sys / k) - 1) * slow + sum(t.s for t in p0.stage_times) + opt
+        ctx.say(f"detours: the placed regions re-projected on their own routes around dead cores and links: "
+                f"step {step0 * 1e3:.3f} -> {step * 1e3:.3f} ms (+{step / step0 - 1:.2%})")
     if k > 1:
         ctx.say(f"data-parallel replicas on the wafer: {k} copies of the layer pipeline (small model) give the "
                 f"highest projected tokens/s")
+    grads = sum(u.params + u.tied_params for u in units) * b
+    sync = _swarmx_allreduce(ctx, grads, ctx.systems)
+    step += sync.s
+    tps = workload["tokens_per_step"] / step
     if ctx.systems > 1:
-        ctx.say(f"data parallel across {ctx.systems} systems (SwarmX reduces gradients; weights stay resident)")
+        ctx.say(f"data parallel across {ctx.systems} systems, {per_sys} sequences each: after each step the "
+                f"gradients ({gb(grads)}) go out through SwarmX, are summed in its 1:4 tree and come back "
+                f"({sync.s * 1e3:.2f} ms, not overlapped with compute; weights stay resident)")
     slow_t = max(p0.stage_times, key=lambda t: t.s)
     flops = ctx.g.model_flops_per_token(seq, training=True)
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (common["peak_flops_per_wafer"] * ctx.systems),
             "weights_streamed": False, "bottleneck": slow_t.bottleneck(), "time_shares": slow_t.shares(),
             "slowest_stage_s_per_sequence": slow, "model_flops_per_token": flops, **common,
-            "scaling": _dp_scaling_resident(ctx, workload, step, tps)}
+            "scaling": _weak_scaling(ctx, per_sys, seq, lambda n: step - sync.s + _swarmx_allreduce(ctx, grads, n).s,
+                                     lambda n: _swarmx_allreduce(ctx, grads, n).s)}
     return {"strategy": "replicated" if k > 1 else "pipelined", "replicas": k * ctx.systems, "wafers_per_pipeline": 1,
             "fits_in_sram": True, "workload": workload, "projection": proj,
             "regions": [r for p in pipes for r in p.regions]}
 
 
-def _dp_scaling_resident(ctx, workload, step1, tps1) -> list[dict]:
+def _swarmx(ctx: _Ctx, n: int):
+    from waferscale.fabric.spec import SystemSpec
+    return SystemSpec(ctx.spec, n)
+
+
+def _swarmx_allreduce(ctx: _Ctx, nbytes: float, n: int) -> pj.Time:
+    """Resident training's gradient all-reduce over n systems through SwarmX: every system streams its
+    gradients out, the tree sums them at line rate, the sum is broadcast back; each way costs the bytes at the
+    per-system bandwidth plus one I/O latency per hop (tree levels + 1). Nothing to do for one system."""
+    if n <= 1:
+        return pj.Time()
+    sx = _swarmx(ctx, n)
+    return pj.Time().add("I/O", 2 * (nbytes / sx.swarmx_bytes_per_s + sx.swarmx_hops * ctx.spec.io_latency_s))
+
+
+def _weak_scaling(ctx: _Ctx, per_sys: int, seq: int, step_at, exposed_at) -> list[dict]:
+    """Data-parallel scaling over 1..N systems at a fixed per-system batch (weak scaling, as Cerebras'
+    --num_csx does: the global batch grows with N, every system runs the same step). `step_at(n)` is the step
+    time on n systems; `exposed_at(n)` the part of it SwarmX adds that compute does not hide. Efficiency =
+    tokens/s(n) / (n x tokens/s(1)) <= 1, and the table says what it loses to."""
     rows = []
     for n in _scaling_points(ctx.systems):
-        depth = math.ceil(math.log(n, 4)) if n > 1 else 0
-        st = step1 * ctx.systems / n + 2 * depth * ctx.spec.io_latency_s
-        rows.append({"systems": n, "step_time_s": st, "tokens_per_s": workload["tokens_per_step"] / st})
+        st = step_at(n)
+        rows.append({"systems": n, "global_batch": n * per_sys, "per_system_batch": per_sys, "step_time_s": st,
+                     "tokens_per_s": n * per_sys * seq / st, "swarmx_levels": _swarmx(ctx, n).swarmx_levels,
+                     "swarmx_exposed_s": exposed_at(n)})
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
         r["efficiency"] = r["speedup"] / r["systems"]
@@ -458,7 +533,8 @@ def _stream_micro(ctx: _Ctx, units, t_mb: int, seq: int, b: int, recompute: bool
     spec, g = ctx.spec, ctx.g
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
     BW = spec.io_bytes_per_s
-    depth = math.ceil(math.log(n_systems, 4)) if n_systems > 1 else 0  # SwarmX 1:4 broadcast-reduce tree
+    sx = _swarmx(ctx, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
+    BW = sx.swarmx_bytes_per_s
     total, comp, io = pj.Time(), pj.Time(), pj.Time()
     groups = []
     for u in units:
@@ -479,8 +555,12 @@ def _stream_micro(ctx: _Ctx, units, t_mb: int, seq: int, b: int, recompute: bool
             if best is None or t < best[0]:
                 best = (t, gg, f, red)
         _, gg, f, red = best
+        if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
+            box = grid_boxes(Rect(0, 0, R, Cc), gg)[0] if gg > 1 else Rect(0, 0, R, Cc)
+            f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
+                             dtype=g.dtype, decode=False, mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
         groups.append(gg)
-        w = u.params * b / BW + depth * spec.io_latency_s
+        w = u.params * b / BW + sx.swarmx_hops * spec.io_latency_s  # a layer's request pays the tree latency
         for mult in (1, 2 + (1 if recompute else 0)):  # forward, then backward (+ recomputed forward)
             c = f.scaled(mult)
             if mult > 1:
@@ -488,10 +568,21 @@ def _stream_micro(ctx: _Ctx, units, t_mb: int, seq: int, b: int, recompute: bool
             comp += c
             io.add("I/O", w)
             total += c if c.s >= w else pj.Time().add("I/O", w)
-    fill = pj.io_time(spec, units[0].d_out * b * t_mb) if units[0].kind == "embed" else pj.Time()
-    fill.add("I/O", next((u.params for u in units if u.params), 0) * b / BW + spec.io_latency_s)
-    total += fill
+    if units[0].kind == "embed":  # the micro-batch's embedded tokens enter through the wafer edge
+        total += pj.io_time(spec, units[0].d_out * b * t_mb)
     return total, comp, io, groups
+
+
+def _step_boundary(ctx: _Ctx, units, b: int, n_systems: int) -> pj.Time:
+    """What a step cannot overlap: the last backward layer's gradients reach MemoryX through the SwarmX reduce
+    tree, the optimizer updates it there (time not modelled: MemoryX's CPU is not in WSE.md), and the next
+    step's first layer comes back through the broadcast tree. Within a step the next layer is always
+    prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
+    sx = _swarmx(ctx, n_systems)
+    first = next((u for u in units if u.params), units[0])
+    last = first  # backward ends at the first layer
+    return pj.Time().add("I/O", (first.params + last.params) * b / sx.swarmx_bytes_per_s
+                         + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
 
 
 def _train_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w, t_min, F) -> dict:
@@ -527,32 +618,41 @@ def _train_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w
     n_micro = per_sys // micro
     act = (act_tok_ckpt if recompute else act_tok_all)
     total, comp, io, groups = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, cap_w - act * t_mb)
+    if ctx.defective:
+        ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
+                "cores and links (per-link hop estimates of fabric.mesh for regions over 4,096 PEs)")
     if max(groups) > 1:
         ctx.say(f"layer copies: a streamed layer is too small to keep every PE busy as one GEMM, so the cost model "
                 f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "
                 f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
-    step = n_micro * total.s
+    boundary = _step_boundary(ctx, units, b, ctx.systems)
+    total_1 = total.s  # one step on this many systems, and the same step's parts on n systems (weak scaling)
+    step = n_micro * total.s + boundary.s
     tps = workload["tokens_per_step"] / step
     flops = g.model_flops_per_token(seq, training=True)
     bott = total.bottleneck()
     ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW = ({b}/3) x {F / 1e15:.2f} PF / "
             f"{spec.io_bytes_per_s / 1e9:.0f} GB/s = {t_min:,}; this plan streams per {t_mb:,} tokens: "
             + ("compute-bound" if t_mb >= t_min else "I/O-bound (the wafer waits for weights)"))
-    scaling = []
-    for n in _scaling_points(ctx.systems):
-        ps = workload["batch_size"] // n if workload["batch_size"] % n == 0 else math.ceil(workload["batch_size"] / n)
-        mb = min(micro, ps)
-        tot_n, _, _, _ = _stream_micro(ctx, units, mb * seq, seq, b, recompute, n, cap_w - act * mb * seq)
-        st = math.ceil(ps / mb) * tot_n.s
-        scaling.append({"systems": n, "step_time_s": st, "tokens_per_s": workload["tokens_per_step"] / st,
-                        "tokens_per_micro_batch": mb * seq, "stalls": mb * seq < t_min})
+    free = cap_w - act * t_mb
+
+    def step_at(n: int) -> float:
+        tot = total_1 if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free)[0].s
+        return n_micro * tot + _step_boundary(ctx, units, b, n).s
+
+    base = n_micro * _stream_micro(ctx, units, t_mb, seq, b, recompute, 1, free)[0].s + \
+        _step_boundary(ctx, units, b, 1).s
+    scaling = _weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
     for r in scaling:
-        r["speedup"] = r["tokens_per_s"] / scaling[0]["tokens_per_s"]
-        r["efficiency"] = r["speedup"] / r["systems"]
-    if ctx.systems > 1:
-        ctx.say(f"data parallel over {ctx.systems} systems through SwarmX: weights broadcast to every system and "
-                f"gradients reduced at line rate in a 1:4 tree (depth {math.ceil(math.log(ctx.systems, 4))}), "
-                f"the same execution per system with batch/{ctx.systems}")
+        r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
+    levels = _swarmx(ctx, ctx.systems).swarmx_levels
+    ctx.say(f"data parallel (weak scaling): each system keeps {per_sys} sequences per step ({n_micro} micro-batches "
+            f"of {micro}), so the global batch is {per_sys} x N; every system runs the same layer-by-layer "
+            f"execution. Weights are broadcast and gradients reduced through SwarmX, a tree of 1:4 nodes at line "
+            f"rate (the system's 150 GB/s for any N) whose depth ceil(log4 N) adds {spec.io_latency_s * 1e6:.0f} us "
+            f"per level to each layer's request and to the step boundary (last gradients out, first weights in): "
+            f"what compute does not hide is the only loss"
+            + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
             "weights_streamed": True, "recompute": recompute, "bottleneck": bott, "time_shares": total.shares(),
             "compute_time_per_micro_batch_s": comp.s, "io_time_per_micro_batch_s": io.s,
@@ -566,4 +666,7 @@ def _train_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w
             "workload": workload, "projection": proj, "regions": regions,
             "assumptions": {"optimizer_update": "in MemoryX, overlapped with the next step's streaming",
                             "gradients_out": "on the egress direction of the same links, concurrent with weights in",
-                            "swarmx_latency_per_level_s": spec.io_latency_s}}
+                            "swarmx": "tree of 1:4 broadcast-reduce nodes, 100 Gb/s ports at line rate (12 parallel "
+                                      "trees = the system's I/O bandwidth for any N), one I/O latency per level",
+                            "swarmx_latency_per_level_s": spec.io_latency_s,
+                            "scaling": "weak: per-system batch fixed, global batch = N x per-system batch"}}

@@ -11,6 +11,10 @@ import numpy as np
 from waferscale.compiler.plan import Plan
 
 
+# labels stay readable over the dead-core markers: a light box behind the text
+_LABEL_BOX = dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.75, linewidth=0)
+
+
 def _short(name: str) -> str:
     if name.startswith("block"):
         return "L" + name[5:]
@@ -58,10 +62,10 @@ def figure(plan: Plan):
             fs = min(9.0, 0.9 * 72 * 4.6 * min(r.cols / cols, r.rows / rows * aspect) / max(2, len(_short(r.name))) * 1.6)
             if r.unit < 0:
                 ax.text(r.col + r.cols / 2, r.row + r.rows / 2, f"{plan.model}\n{r.name}\n(whole wafer per layer)",
-                        ha="center", va="center", fontsize=9)
+                        ha="center", va="center", fontsize=9, zorder=6, bbox=_LABEL_BOX)
             elif fs >= 3.5 or (r in big and len(regs) < 12):
                 ax.text(r.col + r.cols / 2, r.row + r.rows / 2, _short(r.name), ha="center", va="center",
-                        fontsize=max(3.5, fs), color="black")
+                        fontsize=max(3.5, fs), color="black", zorder=6, bbox=_LABEL_BOX if len(dead) else None)
         # the pipeline path: stage centers joined in order (one hop between neighbours)
         pipe = sorted((r for r in regs if r.replica == (regs[0].replica if regs else 0) and r.unit >= 0),
                       key=lambda r: r.stage)
@@ -103,8 +107,11 @@ def _io_edges(ax, plan: Plan, s: int, regs, rows: int, cols: int) -> None:
     """Arrows where data enters and leaves the wafer edge (and crosses to the next system)."""
     kw = dict(arrowprops=dict(arrowstyle="->", color="crimson", lw=1.6), fontsize=7, color="crimson")
     if plan.strategy == "weight_streaming":
-        ax.annotate("weights in\n(MemoryX)", xy=(0, rows * 0.35), xytext=(-0.02 * cols, rows * 0.12), ha="right", **kw)
-        ax.annotate("gradients out", xy=(cols, rows * 0.65), xytext=(cols * 1.02, rows * 0.9), ha="left", **kw)
+        via = "\nvia SwarmX" if plan.systems > 1 else ""
+        ax.annotate(f"weights in\n(MemoryX){via}", xy=(0, rows * 0.35), xytext=(-0.02 * cols, rows * 0.12),
+                    ha="right", **kw)
+        ax.annotate(f"gradients out\n(to MemoryX){via}", xy=(cols, rows * 0.65), xytext=(cols * 1.02, rows * 0.9),
+                    ha="left", **kw)
         ax.plot([0, 0], [0, rows], color="crimson", lw=3)
         ax.plot([cols, cols], [0, rows], color="crimson", lw=3)
         return

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from waferscale.compiler._fabric import cost
-from waferscale.compiler.ir import Graph, Unit
+from waferscale.compiler.ir import Unit
 from waferscale.errors import ConfigError
 from waferscale.fabric.spec import FabricSpec
 
@@ -79,49 +79,66 @@ def _label(b: str) -> str:
 # ---- one unit on one region ------------------------------------------------------------------------------
 
 def _key(u: Unit) -> tuple:
-    return (u.kind, u.matmuls, u.n_heads, u.head_dim, u.norm_width, u.n_norms, u.elementwise_flops_per_token, u.d_out)
+    return (u.kind, u.matmuls, u.n_heads, u.head_dim, u.kv_heads or u.n_heads, u.norm_width, u.n_norms,
+            u.elementwise_flops_per_token, u.d_out)
 
 
 @lru_cache(maxsize=65536)
 def _unit_cycles(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: int, attn_ctx: int,
                  dtype: str, decode: bool) -> tuple[tuple[str, float], ...] | None:
+    """`_unit_parts` on a defect-free region (memoized: placement asks for the same shapes many times)."""
+    return _unit_parts(spec, ukey, rows, cols, n_tokens, attn_ctx, dtype, decode, None)
+
+
+def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: int, attn_ctx: int,
+                dtype: str, decode: bool, mesh) -> tuple[tuple[str, float], ...] | None:
     """(label, cycles) of every kernel a unit runs; None if the fabric cost model refuses the region
-    (e.g. a KV-cache slice larger than a PE's SRAM)."""
-    kind, matmuls, n_heads, head_dim, norm_width, n_norms, ew, d_out = ukey
+    (e.g. a KV-cache slice larger than a PE's SRAM). `mesh`: the region as a `fabric.mesh.Mesh` of its own
+    (`Mesh.subregion`), so detours around its defects are charged; None = a perfect region."""
+    kind, matmuls, n_heads, head_dim, kv_heads, norm_width, n_norms, ew, d_out = ukey
     out: list = []
+    m = dict(mesh=mesh)
     try:
         for mm in matmuls:
-            out.append(cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype) if n_tokens == 1
-                       else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype))
+            out.append(cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1
+                       else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m))
         if n_heads and attn_ctx > 0:
             if n_tokens == 1:  # decode: one query over the KV cache spread across the region
-                out.append(cost.attention_decode_cycles(spec, n_heads, head_dim, attn_ctx, rows, cols, dtype))
+                out.append(cost.attention_decode_cycles(spec, n_heads, head_dim, attn_ctx, rows, cols, dtype,
+                                                        n_kv_heads=kv_heads, **m))
             else:  # prefill / training: QK^T and PV as GEMMs with K (then V) stationary, softmax between
                 q = n_tokens * n_heads
-                out.append(cost.gemm_cycles(spec, attn_ctx, head_dim, q, rows, cols, dtype))
-                out.append(cost.softmax_cycles(spec, q * attn_ctx, attn_ctx, rows, cols))
-                out.append(cost.gemm_cycles(spec, head_dim, attn_ctx, q, rows, cols, dtype))
+                out.append(cost.gemm_cycles(spec, attn_ctx, head_dim, q, rows, cols, dtype, **m))
+                out.append(cost.softmax_cycles(spec, q * attn_ctx, attn_ctx, rows, cols, **m))
+                out.append(cost.gemm_cycles(spec, head_dim, attn_ctx, q, rows, cols, dtype, **m))
         if norm_width and n_norms:
-            out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols)] * n_norms
+            out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols, **m)] * n_norms
         if ew:
             out.append(cost.elementwise_cycles(spec, ew * n_tokens, rows, cols, 1, dtype))
         if kind == "embed":  # the looked-up row fans out over the region to the next stage's edge
-            out.append(cost.broadcast_cycles(spec, d_out * n_tokens, rows, cols, dtype))
+            out.append(cost.broadcast_cycles(spec, d_out * n_tokens, rows, cols, dtype, **m))
         if kind == "head" and decode:  # sampling: a max-reduce over the vocabulary spread across the region
-            out.append(cost.allreduce_cycles(spec, n_tokens, rows, cols))
+            out.append(cost.allreduce_cycles(spec, n_tokens, rows, cols, **m))
     except ConfigError:
         return None
     return tuple((_label(c.bottleneck), float(c.total)) for c in out)
 
 
 def unit_time(spec: FabricSpec, u: Unit, rows: int, cols: int, *, n_tokens: int, attn_ctx: int,
-                        dtype: str = "fp16", decode: bool = True) -> Time:
+              dtype: str = "fp16", decode: bool = True, mesh=None) -> Time:
     """One forward pass of `n_tokens` tokens through unit `u` on a rows x cols region; infinite when the
     region cannot hold the unit's working set (the cost model refuses it).
 
-    attn_ctx: keys each query attends to (decode: the context; prefill/training: the average window)."""
+    attn_ctx: keys each query attends to (decode: the context; prefill/training: the average window).
+    mesh: the placed region's own defect map (`Mesh.subregion`), to charge its detours; None = perfect."""
     t = Time()
-    parts = _unit_cycles(spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
+    if mesh is not None and mesh.has_defects:  # memoized on the region's own Mesh (a region is asked again)
+        key = ("unit_parts", spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
+        if key not in mesh._routes:
+            mesh._routes[key] = _unit_parts(spec, key[2], rows, cols, n_tokens, attn_ctx, dtype, decode, mesh)
+        parts = mesh._routes[key]
+    else:
+        parts = _unit_cycles(spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
     if parts is None:
         return Time().add("SRAM", math.inf)
     for label, cyc in parts:

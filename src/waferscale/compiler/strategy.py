@@ -18,11 +18,9 @@ import math
 from dataclasses import dataclass
 
 from waferscale.compiler import project as pj
-from waferscale.compiler._fabric import WaferMap
-from waferscale.compiler.ir import Graph, Unit
-from waferscale.compiler.placement import Rect, grid_boxes, live_count, snake
+from waferscale.compiler.ir import Unit
+from waferscale.compiler.placement import Rect, live_count, snake
 from waferscale.compiler.plan import Region
-from waferscale.errors import ConfigError
 from waferscale.fabric.spec import FabricSpec
 
 # Assumption (not published): each PE keeps this much of its SRAM for code, routing tables, queues and

@@ -7,12 +7,19 @@ Every model follows the schedule of its kernel in `kernels/` and charges:
   micro-model in `pe.py`;
 * fabric — wavelets (32 bits, 1 per cycle per link per direction, Fabric row) through the busiest link or ramp;
 * latency — one cycle per hop, a ramp (~2 cycles) into and out of every PE on the way, one task per stage of a
-  chain or tree (pipeline fill and drain), extra hops of detours when a `mesh` with defects is given;
+  chain or tree (pipeline fill and drain), taken per PE along the schedule's critical path (the max over PEs
+  of arrival + own work + trip to the root, with the real tile sizes: the last tile row/column is smaller);
+* defects — with a defective `mesh`, the real detoured routes (regions up to 64x64 PEs) or per-link hop
+  estimates (bigger regions), and the contention of detours that make two streams share a physical link
+  (a first-come-first-served fluid queue over the windows in which each stream sends);
 * routing — the colors a schedule needs against the colors a program may use (Fabric row: 24 colors, 6 reserved):
   a schedule needing more runs in several passes, each paying its fill again.
 
+* SpMV — a PE's work is random (binomial non-zeros per task), so its model is the expectation of the
+  critical path over independent PEs, computed exactly from the work distribution (not a worst-case bound).
+
 Omitted (and said so): finite router buffers/back-pressure, task-switch overhead, bank conflicts, load
-imbalance other than SpMV's (modelled statistically), routes-per-PE limits on detours, clock/power throttling.
+imbalance other than SpMV's, routes-per-PE limits on detours, clock/power throttling.
 
 `Cycles.total` is the critical path of the schedule. The parts are resource busy times on the busiest PE/link;
 `fill_drain` is whatever of the total the busiest resource does not explain (latency, fill, drain).
@@ -105,9 +112,18 @@ def _hops(mesh: Mesh | None, rows: int, cols: int, axis: int) -> int:
 
 
 def _exact(mesh: Mesh | None, rows: int, cols: int) -> bool:
-    """Use the real (detoured) routes of a defective mesh? Up to 64x64 PEs; bigger regions use the
-    vectorized Manhattan distances of `Mesh.max_chain_hops` (detours around dead links not counted)."""
-    return mesh is not None and mesh.has_defects and rows * cols <= 4096
+    """Use the real (detoured) routes of a defective mesh, route by route? When the mesh (a wafer or one
+    region of it, `Mesh.subregion`) has up to 64x64 PEs; bigger ones use the vectorized per-link hop
+    estimates of `Mesh.chain_hops` (Manhattan + 2 per blocked segment)."""
+    return mesh is not None and mesh.has_defects and mesh.usable_pes <= 4096
+
+
+def _detour_extra(mesh: Mesh, R: int, C: int) -> tuple[int, int, int]:
+    """Hops beyond the defect-free ones that detours add: (worst row chain, all row chains, column-0 chain),
+    from the region's routes (`Mesh.chain_hops`)."""
+    row = (mesh.chain_hops(R, C, axis=1) - 1).sum(axis=1) if C > 1 else np.zeros(1, np.int64)
+    col = int((mesh.chain_hops(R, 1, axis=0) - 1).sum()) if R > 1 else 0
+    return int(row.max(initial=0)), int(row.sum()), col
 
 
 def _passes(spec: FabricSpec, colors_needed: int) -> int:
@@ -129,50 +145,215 @@ def _multicast(spec: FabricSpec, hops: int, n_waves: int) -> int:
 
 
 # ---- GEMV / GEMM / SpMV ---------------------------------------------------------------------------------
+def _chunk_sum(n: int, per: int, fn) -> float:
+    """sum(fn(e) for e in _chunks(n, per)) in O(1): n // per full chunks, then the remainder."""
+    full, rem = divmod(n, per)
+    return full * fn(per) + (fn(rem) if rem else 0)
+
+
+def _split(n: int, parts: int) -> np.ndarray:
+    """Tile sizes of a block split of n over `parts` PEs (ceil tiles, the last one smaller), as the kernels do."""
+    t = -(-n // parts)
+    return np.clip(n - np.arange(parts) * t, 0, t)
+
+
+def _ws_offsets(spec: FabricSpec, R: int, C: int, mesh: Mesh | None, add_first: np.ndarray,
+                keep_r: np.ndarray | None = None, keep_c: np.ndarray | None = None) -> np.ndarray:
+    """(R, C) latency of PE (i, j)'s partial sum to its row's root, excluding the PE's own work: the first x
+    wavelet's trip down column j (ramp out, hops of the column's multicast tree, ramp in) plus, per chain stage
+    from column j to column 0, ramp out + physical hops + ramp in + the add task of the row's first partial.
+    With a defective `mesh` the hops are the region's real (detoured) routes."""
+    r2, hop = 2 * spec.ramp_latency_cycles, spec.hop_latency_cycles
+    if mesh is None or not mesh.has_defects:  # separable: only the kept rows/columns (all by default)
+        i = np.arange(R) if keep_r is None else keep_r
+        j = np.arange(C) if keep_c is None else keep_c
+        return r2 + i[:, None] * hop + j[None, :] * (r2 + hop + add_first[i][:, None])
+    if _exact(mesh, R, C):  # the real multicast tree of each column, the real route of each chain link
+        down = np.empty((R, C), np.int64)
+        for j in range(C):
+            tree = mesh.multicast_tree([(i, j) for i in range(R)])
+            depth = mesh.tree_depths(tree, mesh.physical(0, j))
+            down[:, j] = [depth[mesh.physical(i, j)] for i in range(R)]
+        west = mesh.chain_hops(R, C, axis=1)
+    else:  # big regions: per-link hop estimates of `Mesh.chain_hops` (Manhattan + blocked-segment detours)
+        down = mesh.chain_hops_cumulative(R, C, axis=0)
+        return r2 + down * hop + np.arange(C)[None, :] * (r2 + add_first[:, None]) \
+            + hop * mesh.chain_hops_cumulative(R, C, axis=1)
+    stage = np.zeros((R, C), np.float64)
+    if C > 1:
+        stage[:, 1:] = np.cumsum(r2 + west * hop + add_first[:, None], axis=1)
+    return r2 + down * hop + stage
+
+
+def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float) -> np.ndarray:
+    """Distribution of one sparse x task's cycles (index = cycles): its non-zeros ~ Binomial(cells, density)
+    (uniform random sparsity), each a multiply-add with value + index + y reads and a y write
+    (`pe.task_cycles`, at least one cycle)."""
+    if cells == 0 or density <= 0:
+        return np.array([0.0, 1.0])
+    mu, sd = cells * density, math.sqrt(cells * density * (1 - density))
+    ks = np.arange(max(0, int(mu - 9 * sd) - 1), min(cells, int(mu + 9 * sd) + 2) + 1)
+    if density >= 1:
+        p = (ks == cells).astype(np.float64)
+    else:
+        logp = np.array([math.lgamma(cells + 1) - math.lgamma(k + 1) - math.lgamma(cells - k + 1) for k in ks]) \
+            + ks * math.log(density) + (cells - ks) * math.log1p(-density)
+        p = np.exp(logp - logp.max())
+    p /= p.sum()
+    cyc = np.array([PE.task_cycles(spec, dtype, ops=int(k), read_elems=3 * int(k), write_elems=int(k)) for k in ks])
+    out = np.zeros(int(cyc.max()) + 1)
+    np.add.at(out, cyc, p)
+    return out
+
+
+def _work_pmf(task_pmfs: list[np.ndarray]) -> tuple[int, np.ndarray]:
+    """Distribution of a sum of independent task cycles: (w0, pmf) with P(X = w0 + i) = pmf[i]. Exact
+    convolution while the support stays small, else the Gaussian with the same mean and variance."""
+    mean = var = 0.0
+    for q in task_pmfs:
+        x = np.arange(len(q))
+        mu = float((q * x).sum())
+        mean, var = mean + mu, var + float((q * (x - mu) ** 2).sum())
+    if sum(len(q) for q in task_pmfs) <= 4096:
+        acc = np.array([1.0])
+        for q in task_pmfs:
+            acc = np.convolve(acc, q)
+        nz = np.flatnonzero(acc > 1e-15)
+        return int(nz[0]), acc[nz[0]:nz[-1] + 1] / acc[nz[0]:nz[-1] + 1].sum()
+    sd = max(math.sqrt(var), 1e-9)
+    lo, hi = max(0, int(mean - 8 * sd)), int(mean + 8 * sd) + 1
+    cdf = np.array([NormalDist(mean, sd).cdf(v + 0.5) for v in range(lo, hi + 1)])
+    pmf = np.diff(np.concatenate([[NormalDist(mean, sd).cdf(lo - 0.5)], cdf]))
+    return lo, pmf / pmf.sum()
+
+
+def _expected_max(groups: list[tuple[np.ndarray, np.ndarray, int, np.ndarray]]) -> float:
+    """E[max over PEs of (offset + work)] for independent works: `groups` of (distinct offsets, PE count per
+    offset, w0, work pmf). E[max] = t0 + sum_{t >= t0} P(max > t) with P(max <= t) = prod_PE F(t - offset)."""
+    lo = max(float(o.max()) + w0 for o, _, w0, _ in groups)
+    hi = max(float(o.max()) + w0 + len(p) for o, _, w0, p in groups)
+    ts = np.arange(math.floor(lo), math.ceil(hi) + 1, dtype=np.float64)
+    log_le = np.zeros_like(ts)
+    for o, c, w0, p in groups:
+        f = np.cumsum(p)
+        keep = o + w0 + len(p) > ts[0]  # only PEs that can still be the maximum above t0
+        idx = np.floor(ts[None, :] - o[keep, None] - w0).astype(np.int64)
+        val = np.where(idx < 0, 0.0, f[np.clip(idx, 0, len(f) - 1)])
+        with np.errstate(divide="ignore"):
+            log_le += (c[keep, None] * np.log(np.minimum(val, 1.0))).sum(axis=0)
+    return float(ts[0] + (1.0 - np.exp(log_le))[:-1].sum())
+
+
 def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str,
                        mesh: Mesh | None, density: float | None = None) -> Cycles:
     """x segments multicast down the columns (1 color), one AXPY task per arriving x wavelet, partial sums
-    chained East->West along the rows (2 alternating colors); n vectors stream back to back."""
+    chained East->West along the rows (2 alternating colors); n vectors stream back to back.
+
+    The first vector's critical path is the max over PEs (i, j) of: the first x wavelet's arrival, the PE's
+    own x tasks (`pe.task_cycles` per wavelet, for its real tile: the last tile row/column is smaller), and its
+    partial's trip West through j chain stages (`_ws_offsets`), then the row's remaining partial wavelets one
+    add task each. Sparse (`density`): a PE's work is random (binomial non-zeros per task), so the model takes
+    the expectation of that maximum over independent PEs, exactly from the work distribution. Further vectors
+    follow one per period of the busiest PE (its x tasks + its adds)."""
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(m, R), used(k, C)
-    mt, kt = -(-m // R), -(-k // C)
+    mts, kts = _split(m, R), _split(k, C)
     epw = PE.elems_per_wavelet(spec, dtype)
-    pe_x = comp = sram = 0
-    for e in _chunks(kt, epw):
-        if density is None:
-            ops, rd, wr = e * mt, 2 * e * mt, e * mt
-        else:  # sparse: value + index + y read, y write per non-zero; the busiest PE (statistical, see spmv)
-            ops = _worst_nnz(e * mt, density, R * C, kt // max(1, e))
-            rd, wr = 3 * ops, ops
-        pe_x += PE.task_cycles(spec, dtype, ops=ops, read_elems=rd, write_elems=wr)
-        c, s = PE.task_parts(spec, dtype, ops=ops, read_elems=rd, write_elems=wr)
-        comp, sram = comp + c, sram + s
-    ny = -(-mt // epw)
-    add_c = PE.add_task(spec, dtype, epw)
-    adds = ny * add_c if C > 1 else 0
-    down = _hops(mesh, R, C, axis=0)
-    if _exact(mesh, R, C):  # the real multicast tree of each column
-        down = max(mesh.tree_depth(mesh.multicast_tree([(i, j) for i in range(R)]), mesh.physical(0, j))
-                   for j in range(C))
-    fill = _multicast(spec, down, 1)  # first x wavelet reaches the farthest row
-    chain = _chain(spec, C - 1, _hops(mesh, R, C, axis=1), ny, add_c)
-    # steady state: every chain PE spends pe_x + adds per vector; the last vector then drains like a GEMV
-    body = (n - 1) * (pe_x + adds) + pe_x + chain
+    per_mt = {}  # per distinct tile height: first partial's add task, the rest's adds, wavelets, all adds
+    for mt in map(int, np.unique(mts)):
+        add = lambda e: PE.add_task(spec, dtype, e)  # noqa: E731
+        per_mt[mt] = (add(min(epw, mt)), _chunk_sum(mt, epw, lambda e: max(1, add(e))) - max(1, add(min(epw, mt))),
+                      -(-mt // epw), _chunk_sum(mt, epw, add))
+    uniq, inv = np.unique(mts, return_inverse=True)
+    add_first, add_tail, ny = (np.array([per_mt[int(v)][f] for v in uniq], np.float64)[inv] for f in (0, 1, 2))
+    add_tail = add_tail if C > 1 else np.zeros(R)
+    perfect = mesh is None or not mesh.has_defects
+    if perfect and density is None:  # offsets grow with i and j inside a tile class: only each class's last
+        keep_r = np.array(sorted({int(np.flatnonzero(mts == v).max()) for v in np.unique(mts)}))  # row/column
+        keep_c = np.array(sorted({int(np.flatnonzero(kts == v).max()) for v in np.unique(kts)}))  # can be max
+    else:
+        keep_r, keep_c = np.arange(R), np.arange(C)
+    off = _ws_offsets(spec, R, C, mesh, add_first, keep_r, keep_c) + add_tail[keep_r, None]
+    mts_k, kts_k = mts[keep_r], kts[keep_c]
+    comp = sram = period = 0.0
+    groups, cells, work = [], [], np.zeros(off.shape)
+    for mt in np.unique(mts):
+        ri, mt = np.flatnonzero(mts_k == mt), int(mt)
+        adds = per_mt[mt][3] if C > 1 else 0
+        for kt in np.unique(kts):
+            ci, kt = np.flatnonzero(kts_k == kt), int(kt)
+            full, rem = divmod(kt, epw)
+            chunks = [(epw, full)] + ([(rem, 1)] if rem else [])  # (values per x wavelet, wavelets)
+            if density is None:
+                x = sum(cnt * PE.axpy_task(spec, dtype, e, mt) for e, cnt in chunks)
+                parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt,
+                                                                write_elems=e * mt)) for e, cnt in chunks]
+                work[np.ix_(ri, ci)] = x
+            else:
+                w0, pmf = _work_pmf([_task_pmf(spec, dtype, e * mt, density) for e, cnt in chunks
+                                     for _ in range(cnt)])
+                x = w0 + float((pmf * np.arange(len(pmf))).sum())
+                parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt * density,
+                                                                read_elems=3 * e * mt * density,
+                                                                write_elems=e * mt * density)) for e, cnt in chunks]
+                uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)
+                groups.append((uo, cnt.astype(np.float64), w0, pmf))
+                cells.append((ri, ci))
+            comp = max(comp, sum(c for c, _ in parts) + adds)
+            sram = max(sram, sum(s_ for _, s_ in parts))
+            period = max(period, x + adds)
+    # detours can make several rows' chains share a physical link; their partials then take turns on it
+    share = np.ones(R)
+    if C > 1 and _exact(mesh, R, C):
+        mean_work = work if density is None else np.zeros((R, C))
+        if density is not None:
+            for (uo, cnt, w0, pmf), (ri, ci) in zip(groups, cells):
+                mean_work[np.ix_(ri, ci)] = w0 + float((pmf * np.arange(len(pmf))).sum())
+        extra, share = _chain_contention(mesh, R, C, off - add_tail[:, None], mean_work, add_first, ny)
+        off = off + extra[:, None]
+        for g, (ri, ci) in enumerate(cells):
+            uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)
+            groups[g] = (uo, cnt.astype(np.float64), groups[g][2], groups[g][3])
+    first = float((off + work).max()) if density is None else _expected_max(groups)
     passes = _passes(spec, 1 + (2 if C > 1 else 0))
-    total = passes * fill + body
-    fabric = n * max(-(-kt // epw), ny if C > 1 else 0)
-    return make_cycles(compute=n * (comp + (adds if C > 1 else 0)), sram=n * sram, fabric=fabric,
-                       total=total, passes=passes)
+    total = (passes - 1) * _multicast(spec, _hops(mesh, R, C, axis=0), 1) + (n - 1) * period + first
+    fabric = n * max(-(-int(kts.max()) // epw), float((share * ny).max()) if C > 1 else 0)
+    return make_cycles(compute=n * comp, sram=n * sram, fabric=fabric, total=total, passes=passes)
 
 
-def _worst_nnz(cells: int, density: float, n_pe: int, n_tasks: int) -> float:
-    """Expected non-zeros of one task on the busiest PE: the mean plus the expected maximum deviation of the
-    PEs' totals (binomial ~ Gaussian; E[max of P] ~ sigma * Phi^-1((P - 0.375) / (P + 0.25)), Blom's
-    approximation), spread over its tasks."""
-    mean = cells * density
-    sigma = math.sqrt(cells * density * (1 - density) * max(1, n_tasks))
-    z = NormalDist().inv_cdf((n_pe - 0.375) / (n_pe + 0.25)) if n_pe > 1 else 0.0
-    return mean + sigma * z / max(1, n_tasks)
+def _chain_contention(mesh: Mesh, R: int, C: int, off: np.ndarray, work: np.ndarray, add_first: np.ndarray,
+                      ny: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Extra cycles per row, and the most chain edges per physical link, when detours make row chains share
+    links. PE (i, j) sends its ny_i partial wavelets West once its own work is done and its East neighbour's
+    partial has arrived: send_ij = max_{j' >= j}(ready_ij' + stage_ij') - stage_ij, with `off` = the first x
+    wavelet's arrival + the stage latency to column 0. Each shared link is a FCFS fluid queue over those windows
+    (`_fluid_finish`); the delay of a row's worst edge is carried to its root."""
+    r2, hop = 2 * mesh.spec.ramp_latency_cycles, mesh.spec.hop_latency_cycles
+    west = mesh.chain_hops(R, C, axis=1)
+    stage = np.zeros((R, C))
+    stage[:, 1:] = np.cumsum(r2 + west * hop + add_first[:, None], axis=1)
+    ready_plus = off + work  # off = a + stage, so this is ready + stage
+    send = np.maximum.accumulate(ready_plus[:, ::-1], axis=1)[:, ::-1] - stage
+    links: dict = {}
+    users: dict = {}
+    for i in range(R):
+        for j in range(1, C):
+            p = mesh.route((i, j), (i, j - 1))
+            links[i, j] = list(zip(p, p[1:]))
+            for link in links[i, j]:
+                users.setdefault(link, []).append((i, j))
+    extra, share = np.zeros(R), np.ones(R)
+    for (i, j), ls in links.items():
+        nw = int(ny[i])
+        win = (float(send[i, j]), float(send[i, j]) + nw - 1)
+        for link in ls:
+            us = users[link]
+            if len(us) > 1:
+                share[i] = max(share[i], len(us))
+                done = _fluid_finish([(float(send[a, b]), float(send[a, b]) + ny[a] - 1) for a, b in us], win[1],
+                                     [int(ny[a]) for a, _ in us])
+                extra[i] = max(extra[i], done - win[1])
+    return extra, share
 
 
 def gemv_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str = "fp16", *,
@@ -220,31 +401,59 @@ def _edge(times: tuple[float, float], hops: int, spec: FabricSpec) -> tuple[floa
 
 def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: FabricSpec) -> float:
     """Critical path of a reduction tree given as child -> parent: `last` of the root (all wavelets summed).
-    Detoured routes may share a physical link; an edge whose busiest link carries k edges gets 1/k of it."""
+
+    Detoured routes may make several tree edges share a physical link. Whether they contend depends on when
+    they carry their wavelets (a chain's far-apart stages never overlap in time), so the tree is evaluated
+    twice: first as if every link were private, which gives each edge's sending window [first, last]; then
+    each edge's last wavelet is delayed by the wavelets the other edges on its busiest link send inside its
+    window (the overlap of the windows times the other edge's rate)."""
     kids: dict = {}
     for c, p in parents.items():
         kids.setdefault(p, []).append(c)
-    load: dict = {}
-    for c, p in parents.items():
-        path = mesh.route(c, p)
-        for link in zip(path, path[1:]):
-            load[link] = load.get(link, 0) + 1
-    share = {c: max((load[link] for link in zip(mesh.route(c, p), mesh.route(c, p)[1:])), default=1)
-             for c, p in parents.items()}
-
-    def edge(c, v):
-        f, last = _edge(times[c], mesh.hops(c, v), spec)
-        return f, max(last, f + share[c] * nw - 1)
-
+    links: dict = {c: list(zip(mesh.route(c, p), mesh.route(c, p)[1:])) for c, p in parents.items()}
+    users: dict = {}
+    for c, ls in links.items():
+        for link in ls:
+            users.setdefault(link, []).append(c)
     order, stack = [], [root]
     while stack:  # iterative post-order
         v = stack.pop()
         order.append(v)
         stack.extend(kids.get(v, ()))
-    times: dict = {}
-    for v in reversed(order):
-        times[v] = _node_times([edge(c, v) for c in kids.get(v, ())], nw, add_c)
+
+    def evaluate(windows: dict | None) -> dict:
+        times: dict = {}
+
+        def edge(c, v):
+            f, last = _edge(times[c], mesh.hops(c, v), spec)
+            if windows is not None:  # FCFS fluid queue on each link of the route: the last wavelet of c
+                for link in links[c]:  # leaves when all work that arrived on the link before it is served
+                    last = max(last, _fluid_finish([windows[o] for o in users[link]], windows[c][1], nw) + (
+                        f - windows[c][0]))
+            return f, last
+
+        for v in reversed(order):
+            times[v] = _node_times([edge(c, v) for c in kids.get(v, ())], nw, add_c)
+        return times
+
+    times = evaluate(None)
+    for _ in range(3):
+        times = evaluate(times)
     return times[root][1]
+
+
+def _fluid_finish(windows: list[tuple[float, float]], until: float, nw) -> float:
+    """A link shared by streams each sending nw wavelets (an int, or one per stream) evenly over its window
+    [first, last], serving one wavelet per cycle first come first served: when the wavelet arriving at `until`
+    leaves. The queue holds the work that arrived since the busy period began: max over start points s of
+    s + arrivals in [s, until]."""
+    nws = nw if isinstance(nw, list) else [nw] * len(windows)
+
+    def arrived(t: float) -> float:  # wavelets arrived at or before t
+        return sum(n * min(1.0, max(0.0, (t - f + 1) / (l - f + 1))) for (f, l), n in zip(windows, nws))
+
+    done = arrived(until)
+    return max(s + done - arrived(s - 1) - 1 for s in {f for f, _ in windows if f <= until} | {until})
 
 
 def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec) -> float:
@@ -299,6 +508,9 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
         total = _tree_finish(reduce_parents(algo, R, C), (0, 0), mesh, nw, add_c, spec)
     else:
         total = _regular_finish(algo, R, C, nw, add_c, spec)
+        if mesh is not None and mesh.has_defects:  # big region: the detours' extra hops on the critical path
+            row_max, row_sum, col = _detour_extra(mesh, R, C)
+            total += (row_sum + col if algo == "chain" else row_max + col) * spec.hop_latency_cycles
     passes = _passes(spec, colors)
     if passes > 1:  # levels beyond the available colors wait for the previous group: pay the fill again
         total += (passes - 1) * (total - (nw - 1) * fan_in * max(1, add_c))
@@ -315,6 +527,9 @@ def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
     hops = (C - 1) + (R - 1)
+    if mesh is not None and mesh.has_defects and not _exact(mesh, R, C):
+        row_max, _, col = _detour_extra(mesh, R, C)
+        hops += row_max + col
     if _exact(mesh, R, C):  # the real multicast tree: row 0, then every column
         tree = mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
         hops = mesh.tree_depth(tree, mesh.physical(0, 0))
@@ -400,18 +615,25 @@ def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: 
 
 
 def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, context_len: int, rows: int, cols: int,
-                            dtype: str = "fp16", *, mesh: Mesh | None = None) -> Cycles:
-    """One decode step of attention over a KV cache of context_len positions: heads over rows, context over
-    columns; q multicast along each row, local scores/exp/P.V, a log-sum-exp merge chain into column 0."""
+                            dtype: str = "fp16", *, n_kv_heads: int | None = None,
+                            mesh: Mesh | None = None) -> Cycles:
+    """One decode step of attention over a KV cache of context_len positions: KV heads over rows (each KV
+    slice stored once), context over columns; q multicast along each row, local scores/exp/P.V for every
+    query head of the row's KV heads (n_heads / n_kv_heads per KV head: grouped-query attention), a
+    log-sum-exp merge chain into column 0. n_kv_heads defaults to n_heads (multi-head attention)."""
     from waferscale.fabric.sim import attention_phases
-    _positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len)
+    n_kv = n_heads if n_kv_heads is None else n_kv_heads
+    _positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len, n_kv_heads=n_kv)
+    if n_heads % n_kv:
+        raise ConfigError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv} (grouped-query attention)")
     R, C = _region(spec, rows, cols, mesh)
-    R, C = used(n_heads, R), used(context_len, C)
-    kv_bytes = 2 * -(-n_heads // R) * -(-context_len // C) * head_dim * PE.dtype_bytes(dtype)
+    R, C = used(n_kv, R), used(context_len, C)
+    kv_per_row, ctx_per_pe = -(-n_kv // R), -(-context_len // C)
+    kv_bytes = 2 * kv_per_row * ctx_per_pe * head_dim * PE.dtype_bytes(dtype)
     if kv_bytes > spec.sram_bytes_per_pe:
         raise ConfigError(f"KV cache slice of {kv_bytes:,} B per PE exceeds {spec.sram_bytes_per_pe:,} B SRAM; "
                           f"use more PEs or a shorter context")
-    phases = attention_phases(spec, -(-n_heads // R), -(-context_len // C), head_dim, dtype)
+    phases = attention_phases(spec, kv_per_row * (n_heads // n_kv), ctx_per_pe, head_dim, dtype)
     return row_program_cycles(spec, phases, R, C, dtype, mesh)
 
 

@@ -69,6 +69,7 @@ class Mesh:
     spare_rows: int
     spare_cols: int
     _routes: dict = field(default_factory=dict, repr=False)
+    _prefix: dict = field(default_factory=dict, repr=False)  # wafer-wide prefix sums, shared with subregions
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -139,11 +140,15 @@ class Mesh:
 
     @property
     def n_dead_cores(self) -> int:
-        return int(self.dead_cores.sum())
+        if "dead_cores" not in self._prefix:  # the wafer's arrays are read-only: count once, share with subregions
+            self._prefix["dead_cores"] = int(self.dead_cores.sum())
+        return self._prefix["dead_cores"]
 
     @property
     def n_dead_links(self) -> int:
-        return int(self.dead_east.sum() + self.dead_south.sum())
+        if "dead_links" not in self._prefix:
+            self._prefix["dead_links"] = int(self.dead_east.sum() + self.dead_south.sum())
+        return self._prefix["dead_links"]
 
     @property
     def has_defects(self) -> bool:
@@ -227,21 +232,107 @@ class Mesh:
                     todo.append(q)
         return None
 
+    def chain_hops(self, rows: int, cols: int, axis: int) -> np.ndarray:
+        """Physical hops of every link of the chains of logical neighbours: along rows (axis=1: shape
+        (rows, cols-1), entry [i, j] = hops of the route (i, j+1) -> (i, j), West-bound) or down columns
+        (axis=0: shape (rows-1, cols), entry [i, j] = hops of (i, j) -> (i+1, j)). Exact routes when this
+        (logical) mesh has up to 64x64 PEs; bigger meshes: Manhattan distance plus the 2-hop detour a blocked
+        straight segment costs (a dead core skipped between two logical neighbours, or a dead link on the way).
+        A Mesh of one region is `Mesh.subregion`."""
+        rows, cols = self.check_region(rows, cols)
+        shape = (rows, cols - 1) if axis == 1 else (rows - 1, cols)
+        if not self.has_defects:
+            return np.ones(shape, dtype=np.int64)
+        return self._whole_chain_hops(axis)[:shape[0], :shape[1]]
+
+    def _whole_chain_hops(self, axis: int) -> np.ndarray:
+        """`chain_hops` of the whole logical mesh, computed once: a region at the origin is a slice of it."""
+        key = ("chain_hops", axis)
+        if key not in self._routes:
+            R, C = self.logical_rows, self.logical_cols
+            self._routes[key] = self._chain_hops(R, C, axis, (R, C - 1) if axis == 1 else (R - 1, C))
+            self._routes[key].setflags(write=False)
+        return self._routes[key]
+
+    def chain_hops_cumulative(self, rows: int, cols: int, axis: int) -> np.ndarray:
+        """(rows, cols): physical hops from logical PE (i, j) to the chain's start along the axis — to (i, 0)
+        going West (axis=1) or up to (0, j) (axis=0): the cumulative sum of `chain_hops`."""
+        rows, cols = self.check_region(rows, cols)
+        key = ("chain_cum", axis)
+        if key not in self._routes:
+            h = self._whole_chain_hops(axis)
+            cum = np.zeros((self.logical_rows, self.logical_cols), np.int64)
+            if h.size:
+                if axis == 1:
+                    cum[:, 1:] = np.cumsum(h, axis=1)
+                else:
+                    cum[1:] = np.cumsum(h, axis=0)
+            cum.setflags(write=False)
+            self._routes[key] = cum
+        return self._routes[key][:rows, :cols]
+
+    def _chain_hops(self, rows: int, cols: int, axis: int, shape: tuple[int, int]) -> np.ndarray:
+        if self.usable_pes <= 4096:
+            out = np.empty(shape, dtype=np.int64)
+            for i in range(shape[0]):
+                for j in range(shape[1]):
+                    out[i, j] = self.hops((i, j + 1), (i, j)) if axis == 1 else self.hops((i, j), (i + 1, j))
+            return out
+        pr, pc = self.physical_grid(rows, cols)
+        pr, pc = pr.astype(np.int64), pc.astype(np.int64)
+        core_r, link_e, core_c, link_s = self._prefix_sums()
+        if axis == 1:  # same physical row: blocked if a dead core or a dead East link lies between the two PEs
+            r = pr[:, 1:]
+            lo, hi = pc[:, :-1], pc[:, 1:]
+            blocked = (core_r[r, hi] - core_r[r, lo + 1] > 0) | (link_e[r, hi] - link_e[r, lo] > 0)
+            return (hi - lo) + 2 * blocked
+        # down a column: different physical rows (skipped rows between) and possibly shifted columns
+        manhattan = np.abs(np.diff(pr, axis=0)) + np.abs(np.diff(pc, axis=0))
+        top, bot, c = pr[:-1], pr[1:], pc[1:]  # XY route: along row `top` to column c, then down column c
+        lo, hi = np.minimum(pc[:-1], c), np.maximum(pc[:-1], c)
+        xy = ((core_r[top, hi + 1] - core_r[top, lo] > 0) | (link_e[top, hi] - link_e[top, lo] > 0)
+              | (core_c[bot + 1, c] - core_c[top + 1, c] > 0) | (link_s[bot, c] - link_s[top, c] > 0))
+        c0 = pc[:-1]  # YX route: down column c0 to row `bot`, then along row `bot` to column c
+        yx = ((core_c[bot + 1, c0] - core_c[top + 1, c0] > 0) | (link_s[bot, c0] - link_s[top, c0] > 0)
+              | (core_r[bot, hi + 1] - core_r[bot, lo] > 0) | (link_e[bot, hi] - link_e[bot, lo] > 0))
+        return manhattan + 2 * (xy & yx)
+
+    def _prefix_sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Exclusive prefix sums of dead cores along rows / columns and of dead East / South links."""
+        if "sums" not in self._prefix:
+            R, C = self.dead_cores.shape
+            core_r = np.zeros((R, C + 1), np.int64)
+            core_r[:, 1:] = np.cumsum(self.dead_cores, axis=1)
+            link_e = np.zeros((R, C), np.int64)
+            if C > 1:
+                link_e[:, 1:] = np.cumsum(self.dead_east, axis=1)
+            core_c = np.zeros((R + 1, C), np.int64)
+            core_c[1:] = np.cumsum(self.dead_cores, axis=0)
+            link_s = np.zeros((R, C), np.int64)
+            if R > 1:
+                link_s[1:] = np.cumsum(self.dead_south, axis=0)
+            self._prefix["sums"] = (core_r, link_e, core_c, link_s)
+        return self._prefix["sums"]
+
     def max_chain_hops(self, rows: int, cols: int, axis: int) -> int:
         """Longest physical path over a chain of logical neighbours: along rows (axis=1, one chain per row,
         West<-East) or down columns (axis=0, one chain per column). Equals cols-1 / rows-1 without defects."""
         rows, cols = self.check_region(rows, cols)
         if not self.has_defects:
             return cols - 1 if axis == 1 else rows - 1
-        if rows * cols > 4096:  # big regions: Manhattan distance between the physical PEs (detours around
-            pr, pc = self.physical_grid(rows, cols)  # dead links not counted: a slight underestimate)
-            pr, pc = pr.astype(np.int64), pc.astype(np.int64)
-            if axis == 1:
-                return int((np.abs(np.diff(pc, axis=1)) + np.abs(np.diff(pr, axis=1))).sum(axis=1).max(initial=0))
-            return int((np.abs(np.diff(pc, axis=0)) + np.abs(np.diff(pr, axis=0))).sum(axis=0).max(initial=0))
-        if axis == 1:
-            return max(sum(self.hops((i, j), (i, j - 1)) for j in range(1, cols)) for i in range(rows))
-        return max(sum(self.hops((i - 1, j), (i, j)) for i in range(1, rows)) for j in range(cols))
+        return int(self.chain_hops(rows, cols, axis).sum(axis=axis).max(initial=0))
+
+    def subregion(self, row: int, col: int, rows: int, cols: int) -> "Mesh":
+        """The logical rectangle at (row, col) of size rows x cols as a Mesh of its own (same wafer, same
+        defects, logical (0, 0) = this mesh's (row, col)), so cost models charge that region's real routes."""
+        if row < 0 or col < 0:
+            raise ConfigError(f"region origin must be non-negative, got ({row}, {col})")
+        self.check_region(row + rows, col + cols)
+        if (row, col, rows, cols) == (0, 0, self.logical_rows, self.logical_cols):
+            return self
+        return Mesh(self.spec, self.dead_cores, self.dead_east, self.dead_south,
+                    self.phys_rows[row:row + rows], self.phys_cols[row:row + rows, col:col + cols],
+                    self.spare_rows, self.spare_cols, _prefix=self._prefix)
 
     def multicast_tree(self, pes: list[Coord], branches: list[list[Coord]] = ()) -> tuple[dict, dict]:
         """The router configuration of one multicast color: the routes through logical `pes` in order, plus
@@ -260,6 +351,18 @@ class Mesh:
                         children.setdefault(p, []).append(q)
                 deliver[self.physical(*b)] = b
         return children, deliver
+
+    @staticmethod
+    def tree_depths(tree: tuple[dict, dict], root: Coord) -> dict:
+        """Hops from the physical `root` to every node of a multicast tree (physical node -> depth)."""
+        children, _ = tree
+        depth, todo = {root: 0}, [root]
+        while todo:
+            v = todo.pop()
+            for q in children.get(v, ()):
+                depth[q] = depth[v] + 1
+                todo.append(q)
+        return depth
 
     @staticmethod
     def tree_depth(tree: tuple[dict, dict], root: Coord) -> int:

@@ -74,10 +74,35 @@ class SystemSpec:
 
     fabric: FabricSpec
     systems: int = 1
+    swarmx_fanout: int = 4  # System: "each node does 1:4 or two 1:2 broadcast-reduces at line rate" (V)
+    swarmx_port_bytes_per_s: float = 100e9 / 8  # System: SwarmX "100 Gb/s interfaces" (V)
 
     def __post_init__(self) -> None:
         if self.systems <= 0:
             raise ConfigError(f"--systems must be a positive integer, got {self.systems}")
+        if self.swarmx_fanout < 2 or self.swarmx_port_bytes_per_s <= 0:
+            raise ConfigError("SwarmX fan-out must be >= 2 and its port bandwidth positive")
+
+    @property
+    def swarmx_levels(self) -> int:
+        """Broadcast-reduce nodes between MemoryX and each of the N systems: ceil(log_fanout N) (System row:
+        "latency grows with log N"); 0 for one system (MemoryX feeds it directly)."""
+        n, levels = self.systems, 0
+        while n > 1:
+            n, levels = -(-n // self.swarmx_fanout), levels + 1
+        return levels
+
+    @property
+    def swarmx_hops(self) -> int:
+        """I/O hops from MemoryX to a system (or a system's gradients to MemoryX): one per tree level + 1."""
+        return self.swarmx_levels + 1
+
+    @property
+    def swarmx_bytes_per_s(self) -> float:
+        """Per-system weight/gradient bandwidth through the tree: every node works at line rate and a system's
+        12 x 100 GbE ports are 12 parallel trees of 100 Gb/s links, so it is the system I/O for any N."""
+        ports = max(1, round(self.fabric.io_bytes_per_s / self.swarmx_port_bytes_per_s))
+        return ports * self.swarmx_port_bytes_per_s
 
     @property
     def inter_system_bytes_per_s(self) -> float:
