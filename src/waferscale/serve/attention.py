@@ -1,0 +1,298 @@
+"""The paged forward pass: a pass over an unmodified `CausalLM` (DESIGN.md rule 5) that runs a flattened batch
+of sequence chunks against a block-paged KV cache.
+
+A step's batch is N tokens from B sequences laid end to end (prefill chunks and single decode tokens mixed).
+Projections run once over all N rows; attention runs per prefill chunk (queries against the sequence's
+gathered KV slots, causal with an offset) and once for all decode rows together (gathered into a padded
+(B, nkv, S_max, hd) tensor with a key mask). Only the rows that sample go through the head.
+
+The runner reuses each block's own norm and activation modules; its projections are fused copies
+(q|k|v in one matrix, gate|up in one), which on CPU float32 are also packed for MKL's single-row GEMM (about
+twice F.linear's bandwidth for one decode row). A runner covers a contiguous range of layers, so a pipeline
+stage is a runner over its slice: `has_embed` on the first stage, `has_head` on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from waferscale.models.layers import CausalLM, RMSNorm, SwiGLU, rope_cos_sin
+from waferscale.serve.kv import KVPool
+
+
+@dataclass
+class BatchSpec:
+    """A step's work, compact and picklable (it travels between pipeline stages).
+
+    token_ids: the N tokens fed, chunk after chunk. chunks: (start position, num tokens, block table, sample).
+    """
+
+    token_ids: list[int]
+    chunks: list[tuple[int, int, list[int], bool]]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for c in self.chunks if c[3])
+
+
+class Prepared:
+    """Index tensors for one BatchSpec, built once per step and shared by every layer of a runner."""
+
+    def __init__(self, spec: BatchSpec, block_size: int, cos_table: Tensor | None, sin_table: Tensor | None,
+                 device: torch.device) -> None:
+        pos: list[int] = []
+        slots: list[int] = []
+        samples: list[int] = []
+        self.prefill: list[tuple[int, int, Tensor, Tensor | None, bool]] = []  # (row0, row1, kv slots, mask, causal)
+        dec_rows: list[int] = []
+        dec_slots: list[list[int]] = []
+        row = 0
+        bs = block_size
+        for start, n, table, sample in spec.chunks:
+            ctx = start + n
+            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
+            pos.extend(range(start, ctx))
+            slots.extend(seq_slots[start:])
+            if n == 1:
+                dec_rows.append(row)
+                dec_slots.append(seq_slots)
+            else:
+                kv = torch.tensor(seq_slots, dtype=torch.long, device=device)
+                if start == 0:
+                    self.prefill.append((row, row + n, kv, None, True))
+                else:  # queries sit at positions start.. of a longer key sequence
+                    qpos = torch.arange(start, ctx, device=device)[:, None]
+                    mask = qpos >= torch.arange(ctx, device=device)[None, :]  # (T, S)
+                    self.prefill.append((row, row + n, kv, mask, False))
+            row += n
+            if sample:
+                samples.append(row - 1)
+        self.num_rows = row
+        self.input_ids = torch.tensor(spec.token_ids, dtype=torch.long, device=device)
+        self.positions = torch.tensor(pos, dtype=torch.long, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.sample_rows = torch.tensor(samples, dtype=torch.long, device=device)
+        self.all_sample = samples == list(range(row))  # every row samples (pure decode)
+        self.cos = self.sin = None
+        if cos_table is not None:
+            self.cos = cos_table[self.positions].unsqueeze(1)  # (N, 1, hd)
+            self.sin = sin_table[self.positions].unsqueeze(1)
+        self.dec_rows = None
+        self.dec_all = False
+        if dec_rows:
+            smax = max(len(s) for s in dec_slots)
+            self.dec_slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in dec_slots], dtype=torch.long,
+                                          device=device)  # (B, S_max), padded with a valid slot
+            self.dec_mask = None
+            if any(len(s) != smax for s in dec_slots):
+                lens = torch.tensor([len(s) for s in dec_slots], device=device)
+                self.dec_mask = (torch.arange(smax, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            self.dec_all = dec_rows == list(range(row))
+            self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+
+
+# Threads. A decode step is hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys)
+# and a few dozen matrix-vector products that one core already runs at memory speed. An OpenMP parallel
+# region costs microseconds on a quiet machine and milliseconds when another process holds the second core
+# (measured: SDPA 14 us -> 3.7 ms on this 2-core box under load), so the runner runs single-threaded and
+# lends its thread budget (`threads`, default 1) only to work big enough to pay for it: GEMMs of PAR_MACS+
+# multiply-adds (about a millisecond on one core) and long prefill attention. The default is 1 because on a
+# shared 2-core machine even big 2-thread GEMMs collapse under load (16-user aggregate, SmolLM2: 76-80 tok/s
+# with 1 thread vs 10-18 with 2, same run); the way to use more cores is stages=K, one process per stage.
+PAR_MACS = 1 << 23
+
+
+class FastLinear:
+    """y = x W^T + b over a (fused) weight; on CPU float32 packed once for MKL's one-row GEMM."""
+
+    threads = 1  # set by the runner: threads lent to GEMMs of PAR_MACS+ multiply-adds
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool) -> None:
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.packed = None
+        if pack:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None and x.shape[0] == 1:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
+        if self.threads > 1 and x.shape[0] * self.weight.numel() >= PAR_MACS:
+            torch.set_num_threads(self.threads)
+            try:
+                return F.linear(x, self.weight, self.bias)
+            finally:
+                torch.set_num_threads(1)
+        return F.linear(x, self.weight, self.bias)
+
+
+def mkl_packing_available() -> bool:
+    try:
+        w = torch.zeros(4, 4)
+        p = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+        torch.ops.mkl._mkl_linear(torch.zeros(1, 4), p, w, None, 1)
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _cat(*ts: Tensor | None) -> Tensor | None:
+    return None if ts[0] is None else torch.cat(ts, 0)
+
+
+class _Layer:
+    def __init__(self, block: nn.Module, pack: bool) -> None:
+        a = block.attn
+        self.attn_norm, self.mlp_norm = _norm(block.attn_norm), _norm(block.mlp_norm)
+        self.n_head, self.n_kv, self.hd = a.n_head, a.n_kv, a.hd
+        self.qkv = FastLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                              _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), pack)
+        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack)
+        m = block.mlp
+        self.swiglu = isinstance(m, SwiGLU)
+        if self.swiglu:
+            self.ffn = m.gate_proj.weight.shape[0]
+            self.up = FastLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                                 _cat(m.gate_proj.bias, m.up_proj.bias), pack)
+        else:
+            self.up = FastLinear(m.up_proj.weight, m.up_proj.bias, pack)
+            self.act = m.act
+        self.down = FastLinear(m.down_proj.weight, m.down_proj.bias, pack)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        u = self.up(h)
+        if self.swiglu:
+            g, u = u.split(self.ffn, -1)
+            return self.down(F.silu(g) * u)
+        return self.down(self.act(u))
+
+
+def _norm(mod: nn.Module):
+    """The block's own norm module; an RMSNorm over float32 is inlined (RMSNorm.forward's arithmetic in four
+    ops, without its dtype round trips, measured ~4x faster per call than the module or F.rms_norm here)."""
+    if isinstance(mod, RMSNorm) and mod.weight.dtype == torch.float32:
+        w, eps = mod.weight, mod.eps
+
+        def rms(x: Tensor) -> Tensor:
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+        return rms
+    return mod
+
+
+def _rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
+    """Rotate x (N, n, hd) in place (x may be a strided view). cos / sin_signed: (N, 1, hd), sin_signed being
+    sin with its first half negated, so that x*cos + rotate_half(x)*sin == x*cos + flip_halves(x)*sin_signed:
+    layers.apply_rope's arithmetic in three ops."""
+    N, n, hd = x.shape
+    flipped = x.view(N, n, 2, hd // 2).flip(2).view(N, n, hd)
+    torch.addcmul(x * cos, flipped, sin_signed, out=x)
+
+
+class ModelRunner:
+    """Runs layers [lo, hi) of `model` (plus its embedding / head when asked) over paged KV."""
+
+    def __init__(self, model: CausalLM, lo: int, hi: int, *, num_blocks: int, block_size: int,
+                 has_embed: bool, has_head: bool, device: torch.device | str = "cpu",
+                 fast_linear: bool | None = None, threads: int | None = None) -> None:
+        cfg = model.config
+        self.threads = max(1, threads or 1)
+        self.cfg, self.lo, self.hi = cfg, lo, hi
+        self.has_embed, self.has_head = has_embed, has_head
+        self.device = torch.device(device)
+        self.block_size = block_size
+        p = model.head.lm_head.weight
+        self.dtype = p.dtype
+        if fast_linear is None:  # auto: worth it on CPU float32 for real model sizes
+            fast_linear = self.device.type == "cpu" and self.dtype == torch.float32 and cfg.d_model >= 256
+        pack = bool(fast_linear) and self.device.type == "cpu" and self.dtype == torch.float32 \
+            and mkl_packing_available()
+        self.fast_linear = pack
+        self.embed = model.embed
+        self.layers = [_Layer(model.blocks[i], pack) for i in range(lo, hi)]
+        for L in self.layers:
+            for lin in (L.qkv, L.o, L.up, L.down):
+                lin.threads = self.threads
+        self.head_norm = model.head.norm
+        self.lm_head = FastLinear(model.head.lm_head.weight, model.head.lm_head.bias, pack) if has_head else None
+        if self.lm_head is not None:
+            self.lm_head.threads = self.threads
+        self.cos_table = self.sin_table = None
+        if cfg.position == "rotary":
+            cos, sin = rope_cos_sin(model.blocks[0].attn.inv_freq.to(self.device), 0, cfg.max_seq_len)  # (T, hd)
+            half = cos.shape[-1] // 2
+            sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
+            self.cos_table, self.sin_table = cos.to(self.dtype), (sin * sign).to(self.dtype)
+        self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.gqa = cfg.kv_heads != cfg.n_head
+
+    def prepare(self, spec: BatchSpec) -> Prepared:
+        return Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device)
+
+    @torch.inference_mode()
+    def run(self, spec: BatchSpec | Prepared, x: Tensor | None = None) -> Tensor:
+        """First stage: x is None (token ids come from the spec). Returns (N, C) activations, or (num samples,
+        V) float32 logits from the last stage."""
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._run(spec, x)
+        finally:
+            torch.set_num_threads(prev)
+
+    def _run(self, spec: BatchSpec | Prepared, x: Tensor | None) -> Tensor:
+        P = spec if isinstance(spec, Prepared) else self.prepare(spec)
+        if self.has_embed:
+            x = self.embed.tok(P.input_ids)  # (N, C)
+            if self.embed.pos is not None:
+                x = x + self.embed.pos(P.positions)
+        for li, layer in enumerate(self.layers):
+            x = self._layer(li, layer, x, P)
+        if not self.has_head:
+            return x
+        if not P.all_sample:
+            x = x[P.sample_rows]  # (num samples, C)
+        return self.lm_head(self.head_norm(x)).float()
+
+    def _layer(self, li: int, L: _Layer, x: Tensor, P: Prepared) -> Tensor:
+        N = x.shape[0]
+        nh, nkv, hd = L.n_head, L.n_kv, L.hd
+        qkv = L.qkv(L.attn_norm(x))  # (N, (nh + 2 nkv) hd): q | k | v
+        if P.cos is not None:  # rotate q and k together, in place
+            _rope_(qkv[:, :(nh + nkv) * hd].view(N, nh + nkv, hd), P.cos, P.sin)
+        q = qkv[:, :nh * hd].view(N, nh, hd)
+        cache = self.kv.kv[li]  # (2 nkv, slots, hd): k heads then v heads
+        cache.index_copy_(1, P.slots, qkv[:, nh * hd:].view(N, 2 * nkv, hd).transpose(0, 1))
+        # (index_select, not advanced indexing: it stays on the calling thread's fast path)
+        y = None if (P.dec_all or (len(P.prefill) == 1 and P.dec_rows is None)) else x.new_empty(N, nh, hd)
+        for r0, r1, idx, mask, causal in P.prefill:
+            qi = q[r0:r1].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
+            kvi = cache.index_select(1, idx).unsqueeze(0)  # (1, 2 nkv, S, hd)
+            par = self.threads > 1 and r1 - r0 >= 64
+            if par:
+                torch.set_num_threads(self.threads)
+            yi = F.scaled_dot_product_attention(qi, kvi[:, :nkv], kvi[:, nkv:], attn_mask=mask, is_causal=causal,
+                                                enable_gqa=self.gqa)[0].transpose(0, 1)  # (T, nh, hd)
+            if par:
+                torch.set_num_threads(1)
+            if y is None:
+                y = yi
+            else:
+                y[r0:r1] = yi
+        if P.dec_rows is not None:
+            B, S = P.dec_slots.shape
+            qd = (q if P.dec_all else q[P.dec_rows]).unsqueeze(2).contiguous()  # (B, nh, 1, hd)
+            kvd = cache.index_select(1, P.dec_slots.view(-1)).view(2 * nkv, B, S, hd)
+            kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
+            yd = F.scaled_dot_product_attention(qd, kvd[:, :nkv], kvd[:, nkv:], attn_mask=P.dec_mask,
+                                                enable_gqa=self.gqa).squeeze(2)  # (B, nh, hd)
+            if P.dec_all:
+                y = yd
+            else:
+                y[P.dec_rows] = yd
+        x = x + L.o(y.reshape(N, nh * hd))
+        return x + L.mlp(L.mlp_norm(x))

@@ -1,0 +1,458 @@
+"""The inference engine: continuous batching over a paged KV cache, per-request sampling, pipelined stages.
+
+Every `Engine.step()` is schedule -> execute -> update (vLLM's `EngineCore.step`):
+
+- schedule: the pure-Python `Scheduler` picks this step's tokens (a decode token for every running sequence,
+  prompt chunks for admitted ones, up to `max_num_batched_tokens`), allocating KV blocks as it goes;
+- execute: the `ModelRunner` (serve/attention.py) runs those tokens as one flat batch, or, with `stages=K`,
+  the pipeline (serve/stages.py) runs K micro-batches in flight at once, one per stage;
+- update: sample each sequence's next token with its own generator, detokenize, apply stop rules, free the
+  blocks of finished sequences, and report `EngineOutput` deltas.
+
+With `stages=K` the running sequences are split into K groups ("virtual engines", as in vLLM's pipeline
+parallelism), each with its own scheduler and its own share of the KV blocks. A step submits the next group's
+batch while the others are still in the pipe and completes the oldest, so every stage is busy with some
+group's micro-batch, and only activations cross between stages.
+
+`AsyncEngine` runs `step()` in one background thread and streams outputs to asyncio consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from waferscale.models.layers import CausalLM
+from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.kv import BlockAllocator, KVPool
+from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingParams, TokenBytes, logprob_entry,
+                                       sample_rows)
+from waferscale.serve.scheduler import Scheduler, SchedulerOutput, Sequence
+
+__all__ = ["AsyncEngine", "Engine", "EngineOutput", "RequestTooLong", "SamplingParams"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestTooLong(ValueError):
+    """The prompt plus max_tokens can never fit this engine's context or KV cache."""
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request: the new tokens and the text delta since the last output.
+
+    Stop strings are withheld from `new_text` until resolved and never emitted. `logprobs` has one entry per
+    new token when asked for. The three times (seconds) are set on the final output: queue (arrival -> first
+    scheduled), prompt (first scheduled -> first token), completion (first token -> finish).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict] | None = None
+    queue_time_s: float = 0.0
+    prompt_time_s: float = 0.0
+    completion_time_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    sampler: RequestSampler
+    detok: Detokenizer
+    ve: int
+    stop_ids: frozenset[int]
+    first_token_s: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class _InProcessExecutor:
+    """One stage: the runner over every layer, in this process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._results: deque[torch.Tensor] = deque()
+
+    def submit(self, spec: BatchSpec) -> None:
+        self._results.append(self.runner.run(spec))
+
+    def collect(self) -> torch.Tensor:
+        return self._results.popleft()
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """Continuous-batching engine over one model. Not thread-safe: drive it from one thread (AsyncEngine does).
+
+    num_blocks: KV blocks of `block_size` positions (None: as many as fit in `kv_cache_mb`). stages: pipeline
+    stages (K > 1 runs K worker processes, each with its slice of the layers). fast_linear: pack float32
+    weights for MKL's one-row GEMM on CPU (None: automatic). threads: intra-op threads the runner lends to big
+    GEMMs and long prefills (None: 1 with one stage, see attention.py; with K stages each worker process gets
+    torch.get_num_threads() // K).
+    """
+
+    def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
+                 fast_linear: bool | None = None, threads: int | None = None) -> None:
+        cfg = model.config
+        if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
+            raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        model.eval()
+        device = torch.device(device)
+        if model.head.lm_head.weight.device != device:
+            model.to(device)
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.model_name: str = cfg.name
+        self.max_model_len: int = cfg.max_seq_len
+        dtype = model.head.lm_head.weight.dtype
+        bpb = KVPool.bytes_per_block(cfg.n_layer, block_size, cfg.kv_heads, cfg.head_dim, dtype)
+        if num_blocks is None:
+            num_blocks = int(kv_cache_mb * 2**20) // bpb
+        per_stage = num_blocks // stages
+        if per_stage < 1:
+            raise ValueError(f"KV cache of {num_blocks} blocks cannot be shared by {stages} stages; "
+                             f"raise kv_cache_mb (a block is {bpb / 2**20:.2f} MiB) or num_blocks")
+        self.block_size, self.num_blocks, self.stages = block_size, per_stage * stages, stages
+        self.kv_block_bytes = bpb
+        self._schedulers = [
+            Scheduler(BlockAllocator(per_stage, block_size, first_block=v * per_stage),
+                      max_num_seqs=max(1, -(-max_num_seqs // stages)),
+                      max_num_batched_tokens=max_num_batched_tokens)
+            for v in range(stages)]
+        if stages == 1:
+            runner = ModelRunner(model, 0, cfg.n_layer, num_blocks=self.num_blocks, block_size=block_size,
+                                 has_embed=True, has_head=True, device=device, fast_linear=fast_linear,
+                                 threads=threads)
+            self.fast_linear = runner.fast_linear
+            self._executor: Any = _InProcessExecutor(runner)
+        else:
+            from waferscale.serve.stages import PipelineExecutor
+
+            self._executor = PipelineExecutor(model, stages, num_blocks=self.num_blocks, block_size=block_size,
+                                              device=device, fast_linear=fast_linear, threads_per_stage=threads)
+            self.fast_linear = self._executor.fast_linear
+        eos = getattr(tokenizer, "eos_id", None)
+        self.eos_ids: list[int] = [] if eos is None else [int(eos)]
+        tv = getattr(tokenizer, "vocab_size", None)
+        self.vocab_limit: int | None = tv if tv is not None and tv < cfg.vocab_size else None
+        self._token_bytes = TokenBytes(tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[EngineOutput] = []
+        self._inflight: deque[tuple[int, SchedulerOutput]] = deque()
+        self._next_ve = 0
+        self._counters = {"steps": 0, "requests_added": 0, "requests_finished": 0, "requests_aborted": 0,
+                          "prompt_tokens": 0, "generation_tokens": 0, "batched_tokens": 0}
+
+    @classmethod
+    def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
+        """Load a pretrained asset (or .gguf / HF directory) and its tokenizer."""
+        from waferscale.models.pretrained import load_pretrained, pretrained_tokenizer
+
+        device = kw.get("device", "cpu")
+        engine = cls(load_pretrained(name, device=device), pretrained_tokenizer(name), **kw)
+        engine.model_name = str(name)
+        return engine
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise (RequestTooLong / ValueError) if the request could never run; thread-safe, changes nothing."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        V = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {V})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLong(
+                f"this model's context is {self.max_model_len} tokens; the prompt has {len(prompt_token_ids)} "
+                f"and max_tokens asks for {params.max_tokens} more ({total}); shorten the prompt or lower "
+                "max_tokens")
+        cap = self._schedulers[0].allocator.num_blocks * self.block_size
+        if not self._schedulers[0].fits_ever(total):
+            raise RequestTooLong(
+                f"the KV cache holds {cap} positions per sequence group; this request needs {total} "
+                f"({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens); raise kv_cache_mb or "
+                "lower max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_request(prompt_token_ids, params)
+        ve = min(range(self.stages), key=lambda v: (self._schedulers[v].num_unfinished, v))
+        seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params.max_tokens)
+        eos = [] if params.ignore_eos else self.eos_ids
+        req = _Request(seq, params, RequestSampler(params, eos, self.vocab_limit),
+                       Detokenizer(self.tokenizer, params.stop), ve,
+                       frozenset(eos) | frozenset(params.stop_token_ids))
+        self._requests[request_id] = req
+        self._schedulers[ve].add(seq)
+        self._counters["requests_added"] += 1
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; its final output (finish_reason "abort") comes from the
+        next step. Unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self._schedulers[req.ve].finish(req.seq)
+        self._counters["requests_aborted"] += 1
+        self._pending.append(self._final(req, [], "", "abort", None))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending or self._inflight)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """schedule -> execute -> update. Returns the outputs of the micro-batch that completed (all running
+        sequences when stages=1), plus the final outputs of requests aborted since the last step."""
+        outputs, self._pending = self._pending, []
+        K = self.stages
+        for _ in range(K):  # schedule: keep up to K micro-batches (one per group) in the pipe
+            if len(self._inflight) >= K:
+                break
+            ve, self._next_ve = self._next_ve, (self._next_ve + 1) % K
+            if any(v == ve for v, _ in self._inflight):
+                continue
+            so = self._schedulers[ve].schedule()
+            if so:
+                spec = BatchSpec([t for c in so.chunks for t in c.seq.token_ids(c.start, c.num_tokens)],
+                                 [(c.start, c.num_tokens, c.block_table, c.sample) for c in so.chunks])
+                self._executor.submit(spec)  # execute (asynchronously when pipelined)
+                self._inflight.append((ve, so))
+                self._counters["batched_tokens"] += so.num_tokens
+        if not self._inflight:
+            return outputs
+        ve, so = self._inflight.popleft()
+        logits = self._executor.collect()  # (num sampling chunks, V)
+        self._schedulers[ve].update(so)
+        self._counters["steps"] += 1
+        outputs.extend(self._update(so, logits))
+        return outputs
+
+    def _update(self, so: SchedulerOutput, logits: torch.Tensor) -> list[EngineOutput]:
+        rows: list[int] = []
+        reqs: list[_Request] = []
+        j = 0
+        for c in so.chunks:
+            if not c.sample:
+                continue
+            req = self._requests.get(c.seq.request_id)
+            if req is not None and req.seq is c.seq:  # not aborted while in flight
+                rows.append(j)
+                reqs.append(req)
+            j += 1
+        if not reqs:
+            return []
+        sub = logits if len(rows) == logits.shape[0] else logits[rows]
+        sampled = sample_rows(sub, [(r.sampler, r.seq.output_ids) for r in reqs], self.vocab_limit)
+        now = time.perf_counter()
+        outs = []
+        for req, (tok, lp) in zip(reqs, sampled):
+            seq, p = req.seq, req.params
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if tok in req.stop_ids:  # eos / stop token: ends the sequence, is not emitted
+                outs.append(self._finish(req, [], req.detok.flush(), "stop", None))
+                continue
+            seq.output_ids.append(tok)
+            self._counters["generation_tokens"] += 1
+            entries = None
+            if lp is not None:
+                entries = [logprob_entry(self._token_bytes, tok, lp, p.top_logprobs)]
+            delta, hit_stop = req.detok.add(tok, check_stop=len(seq.output_ids) >= p.min_tokens)
+            if hit_stop:
+                outs.append(self._finish(req, [tok], delta, "stop", entries))
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                outs.append(self._finish(req, [tok], delta + req.detok.flush(), "length", entries))
+            else:
+                outs.append(EngineOutput(seq.request_id, [tok], delta, False, None, len(seq.prompt_ids),
+                                         len(seq.output_ids), entries))
+        return outs
+
+    def _finish(self, req: _Request, toks: list[int], text: str, reason: FinishReason,
+                entries: list[dict] | None) -> EngineOutput:
+        self._requests.pop(req.seq.request_id, None)
+        self._schedulers[req.ve].finish(req.seq)
+        self._counters["requests_finished"] += 1
+        return self._final(req, toks, text, reason, entries)
+
+    def _final(self, req: _Request, toks: list[int], text: str, reason: FinishReason,
+               entries: list[dict] | None) -> EngineOutput:
+        seq, now = req.seq, time.perf_counter()
+        sched = seq.first_scheduled_s if seq.first_scheduled_s is not None else now
+        first = req.first_token_s if req.first_token_s is not None else now
+        self._counters["prompt_tokens"] += len(seq.prompt_ids)
+        return EngineOutput(seq.request_id, toks, text, True, reason, len(seq.prompt_ids), len(seq.output_ids),
+                            entries, queue_time_s=max(0.0, sched - seq.arrival_s),
+                            prompt_time_s=max(0.0, first - sched), completion_time_s=max(0.0, now - first))
+
+    # ---- observability ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Gauges and counters: running, waiting, kv_blocks_used (returns to 0 when idle), kv_blocks_total, ..."""
+        scheds = self._schedulers
+        return {
+            "running": sum(len(s.running) for s in scheds),
+            "waiting": sum(len(s.waiting) for s in scheds),
+            "kv_blocks_used": sum(s.allocator.num_used for s in scheds),
+            "kv_blocks_total": self.num_blocks,
+            "kv_block_size": self.block_size,
+            "kv_cache_bytes": self.num_blocks * self.kv_block_bytes,
+            "num_preemptions": sum(s.num_preemptions for s in scheds),
+            "stages": self.stages,
+            "max_model_len": self.max_model_len,
+            **self._counters,
+        }
+
+    def close(self) -> None:
+        """Stop pipeline worker processes (no-op with one stage)."""
+        self._executor.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Convenience: run prompts to completion, return each one's generated ids (in order)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"_gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, pr, sp in zip(ids, prompts, plist):
+            self.add_request(rid, pr, sp)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[r] for r in ids]
+
+
+class AsyncEngine:
+    """Runs `Engine.step` in one background thread; `generate` streams a request's outputs to asyncio.
+
+    All engine calls happen on that thread: requests and aborts reach it through a command queue. Leaving a
+    `generate` iterator early (client disconnect: GeneratorExit / CancelledError) aborts the request, which
+    frees its KV blocks.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = engine.stats()
+
+    async def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="wsc-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        ent = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if ent is not None:
+            loop, q = ent
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    _, rid, prompt, params = cmd
+                    try:
+                        eng.add_request(rid, prompt, params)
+                    except ValueError as e:
+                        self._deliver(rid, e, True)
+                else:
+                    eng.abort_request(cmd[1])
+            if not eng.has_unfinished():
+                self._stats = eng.stats()
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # a broken step fails every live request; the loop keeps serving
+                for rid in list(eng._requests):
+                    eng.abort_request(rid)
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"), True)
+                eng._pending.clear()
+                eng._inflight.clear()
+                self._stats = eng.stats()
+                continue
+            for o in outs:
+                self._deliver(o.request_id, o, o.finished)
+            self._stats = eng.stats()
+        for rid in list(self._streams):
+            self._deliver(rid, RuntimeError("the engine stopped"), True)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[EngineOutput]:
+        """Yield this request's outputs as steps produce them; the last has finished=True."""
+        self.engine.check_request(prompt_token_ids, params)  # RequestTooLong / ValueError, before streaming
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already streaming")
+        if self._thread is None:
+            await self.start()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._cmds.put(("add", request_id, list(prompt_token_ids), params))
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self._streams.pop(request_id, None)
+                self._cmds.put(("abort", request_id))
+                self._wake.set()

@@ -1,0 +1,122 @@
+"""The FastAPI application: routes, the OpenAI error envelope for every failure, API-key check, rate-limit
+headers, request metrics, and the playground page at `/`."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from waferscale.serve.openai.metrics import Metrics
+from waferscale.serve.openai.protocol import APIError
+from waferscale.serve.openai.routes import RateLimiter, ServerState, router
+
+__all__ = ["create_app"]
+
+PLAYGROUND = Path(__file__).resolve().parent.parent / "playground"
+_STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+           "style.css": "text/css; charset=utf-8"}
+_GENERATION = ("/v1/chat/completions", "/v1/completions")
+
+
+def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, aliases: set[str] | None = None,
+               api_key: str | None = None, projection: dict[str, Any] | None = None,
+               rate_limits: RateLimiter | None = None) -> FastAPI:
+    """An app serving `aengine` (an AsyncEngine over `engine`). The AsyncEngine starts and stops with the app.
+
+    projection: the compiler's `plan_json` for `--target` (adds `wafer_projection` to answers), or None.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await aengine.start()
+        try:
+            yield
+        finally:
+            await aengine.stop()
+
+    app = FastAPI(title="waferscale", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    state = ServerState(engine=engine, aengine=aengine, tokenizer=tokenizer, model_id=model_id,
+                        aliases=set(aliases or ()), api_key=api_key, projection=projection,
+                        limits=rate_limits or RateLimiter())
+    state.metrics = Metrics(aengine.stats)
+    app.state.wsc = state
+    app.include_router(router)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        api = path.startswith("/v1/") and path != "/v1/tcp_warming"
+        if api and state.api_key is not None and not _authorized(request, state.api_key):
+            return _error(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
+                                   type="invalid_request_error", code="invalid_api_key"), state)
+        generation = request.method == "POST" and path in _GENERATION
+        if generation and not state.limits.admit():
+            resp = _error(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
+                                   type="rate_limit_error", code="rate_limit_exceeded"), state)
+            state.metrics.request_done(path, 429)
+            return resp
+        if generation:
+            state.metrics.in_flight += 1
+        try:
+            resp = await call_next(request)
+        finally:
+            if generation:
+                state.metrics.in_flight -= 1
+        if api:
+            resp.headers.update(state.limits.headers())
+        if generation:
+            state.metrics.request_done(path, resp.status_code)
+        return resp
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc, state)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        return _error(APIError(400, f"invalid request: {err.get('msg')}", param=loc), state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(APIError(exc.status_code, msg, code=code), state)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
+                      state)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        return FileResponse(PLAYGROUND / "index.html", media_type=_STATIC["index.html"])
+
+    @app.get("/playground/{name}", include_in_schema=False)
+    async def playground_file(name: str) -> Response:
+        if name not in _STATIC:
+            raise APIError(404, f"no playground file {name!r}", code="not_found")
+        return FileResponse(PLAYGROUND / name, media_type=_STATIC[name])
+
+    return app
+
+
+def _authorized(request: Request, key: str) -> bool:
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def _error(exc: APIError, state: ServerState) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+

@@ -1,0 +1,177 @@
+"""The continuous-batching scheduler: pure Python, no torch, testable with hand-written sequences.
+
+Each step (vLLM's `Scheduler.schedule`, V1 flavour): every running sequence gets its next tokens first (one
+token when decoding, the next chunk when its prompt is still being prefilled), then waiting sequences are
+admitted in arrival order while the token budget (`max_num_batched_tokens`), the sequence limit
+(`max_num_seqs`) and free KV blocks allow: chunked prefill. A prompt longer than the remaining budget is split
+over steps. KV blocks are allocated lazily as positions are scheduled. When a running sequence cannot get a
+block, the newest running sequence is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed later (prompt + tokens generated so far), so memory pressure never crashes a step.
+
+A sequence's tokens are `prompt + output`; `num_computed` of them have their KV in the cache. A chunk that
+reaches the end of the tokens produces logits, from which the engine samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from waferscale.serve.kv import BlockAllocator, blocks_for
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token state as the scheduler sees it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_scheduled_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to feed before the next sample (1 when decoding)."""
+        return self.num_tokens - self.num_computed
+
+    def token_ids(self, start: int, n: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if start + n <= p:
+            return self.prompt_ids[start:start + n]
+        return (self.prompt_ids + self.output_ids)[start:start + n]
+
+
+@dataclass
+class ScheduledChunk:
+    """Feed tokens [start, start + num_tokens) of `seq`; `sample` when the chunk reaches its last token."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which sequences run. Owns the waiting queue, the running list and
+    (through `allocator`) their KV blocks."""
+
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 watermark_blocks: int = 0) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark_blocks = watermark_blocks  # kept free at admission, so running sequences can grow
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` positions fits the whole pool (else it would wait forever)."""
+        return blocks_for(num_tokens, self.allocator.block_size) <= self.allocator.num_blocks
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) wherever it is; frees its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.allocator.free(seq.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.request_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([])
+        budget = self.max_num_batched_tokens
+        alloc = self.allocator
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, budget)
+            while not alloc.can_allocate(seq.request_id, seq.num_computed + n):
+                victim = self.running[-1]  # the newest running sequence
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # seq preempted itself: it was the newest and nothing else could be freed
+            table = alloc.allocate(seq.request_id, seq.num_computed + n)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, list(table)))
+            budget -= n
+            i += 1
+        if out.preempted:  # memory is short: admit nobody this step
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not alloc.can_allocate(seq.request_id, seq.num_computed + n, reserve=self.watermark_blocks):
+                break  # first come, first served: later requests wait behind it
+            self.waiting.popleft()
+            table = alloc.allocate(seq.request_id, seq.num_computed + n)
+            seq.status = Status.RUNNING
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = time.perf_counter()
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, list(table)))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After execution: the scheduled positions now have their KV in the cache."""
+        for c in out.chunks:
+            if c.seq.status is Status.RUNNING:
+                c.seq.num_computed = c.start + c.num_tokens

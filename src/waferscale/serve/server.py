@@ -1,0 +1,140 @@
+"""`serve(...)`: load a model into the engine and serve the OpenAI-compatible API + playground with uvicorn.
+
+    wsc serve [--model NAME|PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--stages K]
+              [--target wse3 [--systems N]]
+
+Also runnable as `python -m waferscale.serve.server ...` with the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["serve", "build_app", "wafer_projection"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _model_id(model: str) -> tuple[str, set[str]]:
+    """The id clients use: a zoo/asset name as given, or a path's final component (the full path also works)."""
+    p = Path(model).expanduser()
+    if p.exists():
+        return p.resolve().name.removesuffix(".gguf"), {model, str(p.resolve())}
+    return model, {model.lower()}
+
+
+def wafer_projection(model: str, target: str, systems: int = 1) -> dict[str, Any]:
+    """The compiler's inference plan (`plan_json`) for `model` on `systems` x `target`: projected decode
+    tokens/s per user, time to first token, users in flight, and the assumptions behind them."""
+    from waferscale.compiler import compile_model
+    from waferscale.compiler.api import plan_json
+
+    p = Path(model).expanduser()
+    if p.is_dir():  # a HF directory: compile its architecture (shapes only, on the meta device)
+        import json
+
+        from waferscale.models import build
+        from waferscale.models.hf import config_from_hf
+
+        from waferscale.errors import ConfigError
+
+        cfg = config_from_hf(json.loads((p / "config.json").read_text()))
+        try:
+            plan = compile_model(module=build(cfg, device="meta"), target=target, systems=systems,
+                                 mode="inference")
+        except ConfigError:
+            if not cfg.tie_embeddings:
+                raise
+            # the compiler's module capture cannot trace tied embeddings on the meta device yet: compile the
+            # untied twin (one extra vocab x d matrix of weights, so the projection errs on the slow side)
+            plan = compile_model(module=build(cfg.replace(tie_embeddings=False), device="meta"), target=target,
+                                 systems=systems, mode="inference")
+            plan.assumptions["note"] = "tied input/output embeddings counted as two matrices (capture limitation)"
+    elif p.is_file():
+        from waferscale.models.pretrained import load_pretrained
+
+        plan = compile_model(module=load_pretrained(p), target=target, systems=systems, mode="inference")
+    else:
+        plan = compile_model(model=model, target=target, systems=systems, mode="inference")
+    return plan_json(plan)
+
+
+def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages: int = 1,
+              target: str | None = None, systems: int = 1, engine_kw: dict[str, Any] | None = None,
+              log=print) -> Any:
+    """Load the model and tokenizer, build the engine and the FastAPI app (not started)."""
+    from waferscale.models.pretrained import pretrained_tokenizer
+    from waferscale.serve.engine import AsyncEngine, Engine
+    from waferscale.serve.openai.app import create_app
+
+    t = time.perf_counter()
+    engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
+    tokenizer = pretrained_tokenizer(model)
+    model_id, aliases = _model_id(model)
+    log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
+        f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''})")
+    projection = None
+    if target is not None:
+        t = time.perf_counter()
+        projection = wafer_projection(model, target, systems)
+        log(f"wsc serve: projection on {systems} x {target} ({time.perf_counter() - t:.1f} s): "
+            f"{projection['decode_tokens_per_s_per_user']:,.0f} tokens/s per user, time to first token "
+            f"{projection['time_to_first_token_s'] * 1e3:.2f} ms, {projection['users_in_flight']} users in flight "
+            f"(a projection from the compiler's cost model, not a measurement)")
+    aengine = AsyncEngine(engine)
+    return create_app(engine, aengine, tokenizer, model_id=model_id, aliases=aliases, api_key=api_key,
+                      projection=projection)
+
+
+def serve(model: str = DEFAULT_MODEL, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          stages: int = 1, target: str | None = None, systems: int = 1, *, log_level: str = "warning",
+          engine_kw: dict[str, Any] | None = None) -> None:
+    """Serve `model` until interrupted (blocks). OpenAI base_url: http://HOST:PORT/v1; playground: /."""
+    import uvicorn
+
+    from waferscale.errors import ConfigError
+
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {port!r}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"--stages must be a positive integer, got {stages!r}")
+    if not isinstance(systems, int) or systems < 1:
+        raise ConfigError(f"--systems must be a positive integer, got {systems!r}")
+    if api_key is None:
+        api_key = os.environ.get("WSC_API_KEY") or None
+    app = build_app(model, api_key=api_key, stages=stages, target=target, systems=systems, engine_kw=engine_kw)
+    print(f"wsc serve: http://{host}:{port}/  (playground)   OpenAI base_url: http://{host}:{port}/v1"
+          f"{'   API key required' if api_key else ''}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m waferscale.serve.server", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="asset name, zoo name with a checkpoint, .gguf or HF dir")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--stages", type=int, default=1)
+    ap.add_argument("--target", default=None, help="wafer target for the projection, e.g. wse3")
+    ap.add_argument("--systems", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    a = ap.parse_args(argv)
+    from waferscale.errors import UserError
+
+    try:
+        serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
+              systems=a.systems, engine_kw={"max_num_seqs": a.max_num_seqs} if a.max_num_seqs else None)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
