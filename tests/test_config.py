@@ -71,7 +71,7 @@ def test_demo_config_is_small_and_fast() -> None:
     tokens_per_step = p.train_input.batch_size * (p.train_input.max_sequence_length or cfg.max_seq_len)
     assert 1_000 <= tokens_per_step <= 4_096
     assert 200 <= p.runconfig.max_steps <= 400 and p.runconfig.log_steps == 1
-    assert p.runconfig.checkpoint_steps == p.runconfig.max_steps
+    assert p.runconfig.max_steps % p.runconfig.checkpoint_steps == 0  # the last step is a checkpoint step
     assert p.model.half_dtype is None
     phases = p.optimizer.learning_rate
     assert [ph["scheduler"] for ph in phases] == ["Linear", "CosineDecay"]

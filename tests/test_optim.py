@@ -106,7 +106,7 @@ def test_three_phases_ending_constant() -> None:
 def test_demo_schedule() -> None:
     opt = load_params(CONFIGS / "gpt2_tiny_shakespeare.yaml").optimizer
     s = build_schedule(opt.learning_rate)
-    assert s(0) == 0.0 and s(30) == pytest.approx(3e-3) and s(299) == pytest.approx(3e-4, rel=1e-3)
+    assert s(0) == 0.0 and s(30) == pytest.approx(3e-3) and s(399) == pytest.approx(3e-4, rel=1e-3)
 
 
 def test_schedule_errors() -> None:

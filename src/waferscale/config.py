@@ -507,6 +507,10 @@ class RunConfig:
     compile_only: bool = False
     validate_only: bool = False
     dist_backend: Literal["nccl", "gloo"] | None = None
+    # weight streaming (runtime/streaming.py, runtime/memoryx.py); the command-line flags of the same names win
+    device_memory_mb: float | None = None  # device budget; execution auto streams when the model does not fit
+    memoryx_ram_mb: float | None = None  # MemoryX RAM tier; units beyond it live in flash_dir
+    flash_dir: str | None = None  # MemoryX flash tier (default: model_dir/memoryx_flash when memoryx_ram_mb is set)
 
     ALIASES: ClassVar[dict[str, str]] = {"save_checkpoint_steps": "checkpoint_steps", "num_steps": "max_steps"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
@@ -527,6 +531,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "max_steps", "eval_steps", "log_steps", "num_csx", "eval_frequency")
+        for key in ("device_memory_mb", "memoryx_ram_mb"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise FieldError(key, f"must be a positive number of MiB, got {value}")
         for key in ("checkpoint_steps", "num_wgt_servers"):
             value = getattr(self, key)
             if value is not None and value < 0:

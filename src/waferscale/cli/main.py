@@ -9,6 +9,7 @@
     wsc models   (list the zoo)
     wsc compile  (--model NAME | --params P.yaml) --target wse3 [--systems N] [--mode inference|train] ...
     wsc estimate (--model NAME | --params P.yaml) [--target wse3]
+    wsc serve    [--model NAME|PATH] [--host H] [--port P] [--api-key K] [--stages K] [--target wse3 [--systems N]]
     wsc kernel   {gemv,gemm,spmv,allreduce} --m M --k K [--n N] --target wse2 [--pes RxC] [--verify]
 
 Bad input prints one `error:` line and exits 2.
@@ -30,24 +31,30 @@ EXIT_USAGE = 2
 
 def cmd_run(a: argparse.Namespace) -> int:
     from waferscale.config import load_params
+    from waferscale.runtime import swarmx
     from waferscale.runtime.trainer import RunOptions, run
 
+    if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
+        return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)
     params = load_params(a.params)
     if a.validate_only:
         print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
         return 0
     num_csx = a.num_csx if a.num_csx is not None else params.runconfig.num_csx
-    if num_csx != 1:
-        raise ConfigError(f"--num_csx {num_csx}: data-parallel execution over several systems is not available "
-                          f"yet in this build; run with --num_csx 1")
     if a.compile_only:
         raise ConfigError("--compile_only needs the wafer compiler, which this build does not include yet")
     model_dir = a.model_dir or params.runconfig.model_dir or "model_dir"
     opts = RunOptions(mode=a.mode, model_dir=Path(model_dir), num_steps=a.num_steps, max_steps=a.max_steps,
                       eval_steps=a.eval_steps, checkpoint_path=a.checkpoint_path,
                       load_checkpoint_states=a.load_checkpoint_states, device=a.device, execution=a.execution,
-                      progress=not a.no_progress)
-    run(params, opts)
+                      progress=not a.no_progress, num_csx=num_csx, device_memory_mb=a.device_memory_mb,
+                      memoryx_ram_mb=a.memoryx_ram_mb, flash_dir=a.flash_dir, trace=a.trace,
+                      recompute=a.recompute, swarmx_timeout_s=a.swarmx_timeout_s)
+    try:
+        run(params, opts)
+    except swarmx.WorkerFailure as e:  # not bad input: a system died or hung; the checkpoints are intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -166,6 +173,14 @@ def cmd_kernel(a: argparse.Namespace) -> int:
     return 1 if a.verify and not d.get("verified") else 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from waferscale.serve.server import serve
+
+    serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
+          systems=a.systems)
+    return 0
+
+
 def cmd_models(a: argparse.Namespace) -> int:
     from waferscale.models import PRESETS
     from waferscale.models.registry import ALIASES
@@ -199,7 +214,17 @@ def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False) -> N
     p.add_argument("--validate_only", action="store_true")
     p.add_argument("--logging", default="INFO", help="accepted for compatibility")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--execution", default="auto", choices=["auto", "resident", "streaming"])
+    p.add_argument("--execution", default="auto", choices=["auto", "resident", "streaming"],
+                   help="auto: resident if weights + gradients + optimizer state fit the device budget, else streaming")
+    p.add_argument("--device_memory_mb", type=float, default=None, help="device memory budget (streaming respects it)")
+    p.add_argument("--memoryx_ram_mb", type=float, default=None,
+                   help="MemoryX RAM budget; units beyond it live on flash (--flash_dir)")
+    p.add_argument("--flash_dir", default=None, help="MemoryX flash tier directory (default MODEL_DIR/memoryx_flash)")
+    p.add_argument("--recompute", default="auto", choices=["auto", "always", "never"],
+                   help="streaming: recompute each unit's forward in backward (auto: when the budget needs it)")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one training step to this file")
+    p.add_argument("--swarmx_timeout_s", type=float, default=300.0,
+                   help="--num_csx > 1: a worker silent this long is reported dead or hung")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     for flag in ("--dist_addr", "--dist_backend", "--init_method"):
         p.add_argument(flag, default=None, help="accepted for compatibility with Model Zoo's GPU runs")
@@ -223,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "models": (cmd_models, "list the model zoo"),
         "compile": (cmd_compile, "place a model on one or more wafers and project its speed"),
         "estimate": (cmd_estimate, "memory table: weights, gradients, optimizer state vs wafer SRAM"),
+        "serve": (cmd_serve, "OpenAI-compatible inference server with a playground at /"),
         "kernel": (cmd_kernel, "run a fabric kernel's cycle model (and verify it tile by tile)"),
     }
     for name, (fn, help_) in commands.items():
@@ -284,6 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--clock_hz", type=float, default=None)
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
+        elif name == "serve":
+            p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name with weights, HF dir or .gguf")
+            p.add_argument("--host", default="127.0.0.1")
+            p.add_argument("--port", type=int, default=8000)
+            p.add_argument("--api-key", "--api_key", dest="api_key", default=None,
+                           help="require this bearer key (default: $WSC_API_KEY, else none)")
+            p.add_argument("--stages", type=int, default=1, help="pipeline stages (layers split across workers)")
+            p.add_argument("--target", default=None, help="show wafer projections for wse1|wse2|wse3")
+            p.add_argument("--systems", type=int, default=1, help="wafers for the projection")
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")

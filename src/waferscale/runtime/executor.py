@@ -30,6 +30,7 @@ class StepResult:
     tokens: int
     grad_norm: float | None = None
     skipped: bool = False  # fp16 overflow: the update was skipped and the loss scale lowered
+    stats: dict[str, Any] | None = None  # executor-specific per-step figures (streaming: waits, bytes, ...)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -72,6 +73,15 @@ class Executor(ABC):
 
     def summary(self) -> dict[str, Any]:
         return {}
+
+    def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
+        """Copy checkpoint weights in (refusing another architecture)."""
+        from waferscale.runtime.checkpoint import load_model_weights
+
+        load_model_weights(self.model_for_checkpoint(), weights, where)
+
+    def close(self) -> None:
+        """Finish pending work (asynchronous updates, worker processes)."""
 
 
 class ResidentExecutor(Executor):
@@ -163,3 +173,42 @@ class ResidentExecutor(Executor):
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_host_rss_bytes()
+
+
+# ---- choosing and building an executor -----------------------------------------------------------------
+
+def resident_bytes(num_params: int, optimizer_type: str, momentum: float = 0.0) -> int:
+    """Device bytes a resident run needs for fp32 weights + gradients + optimizer state (activations aside).
+
+    The compiler package has no host-target memory helper, so the `auto` decision is computed here."""
+    from waferscale.runtime.memoryx import STATE_SLOTS
+
+    slots = STATE_SLOTS.get(optimizer_type, 2) if (optimizer_type != "SGD" or momentum) else 0
+    return num_params * 4 * (2 + slots)
+
+
+def choose_execution(execution: str, *, num_params: int, optimizer_type: str, momentum: float,
+                     device: torch.device, device_memory_bytes: int | None, num_csx: int = 1) -> tuple[str, str]:
+    """("resident" | "streaming", why). auto: resident when weights + gradients + optimizer state fit the device
+    budget (--device_memory_mb; on CUDA the GPU's memory; on a CPU without a budget, always), else streaming.
+    Several systems (--num_csx > 1) always stream: MemoryX holds the weights and SwarmX feeds every system."""
+    from waferscale.errors import ConfigError
+
+    need = resident_bytes(num_params, optimizer_type, momentum)
+    if num_csx > 1:
+        if execution == "resident":
+            raise ConfigError(f"--num_csx {num_csx} runs data-parallel through SwarmX with weight streaming; "
+                              f"use --execution streaming or auto")
+        return "streaming", f"--num_csx {num_csx}: weights stream from MemoryX through SwarmX"
+    if execution != "auto":
+        return execution, f"--execution {execution}"
+    budget = device_memory_bytes
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    if budget is None:
+        return "resident", "auto: no device memory budget on a CPU host"
+    fits = need <= budget
+    verdict = "fit" if fits else "exceed"
+    return ("resident" if fits else "streaming",
+            f"auto: weights + gradients + optimizer state ({need / 2**20:,.0f} MiB) {verdict} the device budget "
+            f"({budget / 2**20:,.0f} MiB)")

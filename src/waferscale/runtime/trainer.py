@@ -26,7 +26,7 @@ from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.runtime import checkpoint as ckpt
-from waferscale.runtime.executor import Executor, ResidentExecutor, resolve_device
+from waferscale.runtime.executor import Executor, ResidentExecutor, choose_execution, resolve_device
 from waferscale.runtime.optim import build_optimizer, build_schedule
 from waferscale.runtime.perf import measured_peak_flops
 
@@ -51,6 +51,13 @@ class RunOptions:
     device: str = "auto"
     execution: str = "auto"
     progress: bool = True
+    num_csx: int = 1  # data-parallel systems (SwarmX worker processes) sharing one MemoryX
+    device_memory_mb: float | None = None  # device budget the streaming executor respects (auto: resident if fits)
+    memoryx_ram_mb: float | None = None  # MemoryX RAM tier budget; units beyond it go to flash_dir
+    flash_dir: str | None = None  # MemoryX flash tier (default: model_dir/memoryx_flash when a RAM budget is set)
+    trace: str | None = None  # write a Chrome trace of one training step here
+    recompute: str = "auto"  # streaming: recompute each unit's forward in backward (auto: when the budget says so)
+    swarmx_timeout_s: float = 300.0  # a SwarmX worker silent this long is declared dead or hung
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,8 +66,16 @@ class RunOptions:
             v = getattr(self, flag)
             if v is not None and v <= 0:
                 raise ConfigError(f"--{flag} must be a positive integer, got {v}")
-        if self.execution not in ("auto", "resident"):
-            raise ConfigError(f"--execution {self.execution!r} is not available; use auto or resident")
+        if self.execution not in ("auto", "resident", "streaming"):
+            raise ConfigError(f"--execution {self.execution!r} is not available; use auto, resident or streaming")
+        if self.num_csx < 1:
+            raise ConfigError(f"--num_csx must be at least 1 (the number of systems), got {self.num_csx}")
+        for flag in ("device_memory_mb", "memoryx_ram_mb", "swarmx_timeout_s"):
+            v = getattr(self, flag)
+            if v is not None and v <= 0:
+                raise ConfigError(f"--{flag} must be positive, got {v}")
+        if self.recompute not in ("auto", "always", "never"):
+            raise ConfigError(f"--recompute must be auto, always or never, got {self.recompute!r}")
 
 
 # ---- set-up: data, tokenizer, model ----------------------------------------------------------------
@@ -150,21 +165,88 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
     device = resolve_device(opts.device if opts.device != "auto" else getattr(rc, "device", "auto"))
     model_dir = Path(opts.model_dir)
 
-    model = build_model(params)
-    cfg = model.config
-    data = prepare_data(params, cfg, opts.progress)
     inp = params.train_input
-    if inp.batch_size * data.seq_len + 1 > len(data.train):
-        raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
-                        f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
+    check_batch_split(inp.batch_size, inp.micro_batch_size, opts.num_csx)
+    model, executor, why = build_executor(params, opts, device, model_dir)
+    cfg = model.config
+    try:
+        data = prepare_data(params, cfg, opts.progress)
+        if inp.batch_size * data.seq_len + 1 > len(data.train):
+            raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
+                            f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
+        return _run(params, opts, out, device, model_dir, model, executor, why, data, max_steps)
+    finally:
+        executor.close()
 
-    model.to(device)
-    optimizer = build_optimizer(model.parameters(), params.optimizer)
+
+def check_batch_split(batch_size: int, micro_batch_size: int | None, num_csx: int) -> None:
+    if batch_size % num_csx:
+        raise ConfigError(f"train_input.batch_size {batch_size} does not split evenly over --num_csx {num_csx}; "
+                          f"use a multiple of {num_csx}")
+    local = batch_size // num_csx
+    if micro_batch_size and local % micro_batch_size:
+        raise ConfigError(f"train_input.micro_batch_size {micro_batch_size} does not divide the per-system batch "
+                          f"{local} (batch_size {batch_size} / num_csx {num_csx}); pick a divisor of {local}")
+
+
+def build_executor(params: Params, opts: RunOptions, device: torch.device, model_dir: Path
+                   ) -> tuple[CausalLM, Executor, str]:
+    """The model (real for resident runs, parameters on meta for streaming ones) and its executor."""
+    from waferscale.models.registry import META_THRESHOLD_PARAMS
+
+    inp, opt, rc = params.train_input, params.optimizer, params.runconfig
+    pretrained = getattr(params.model, "pretrained", None)
+    model = build_model(params) if pretrained else None
+    cfg = model.config if model is not None else params.model.to_model_config()
+    mib = lambda v: int(v * 2**20) if v is not None else None  # noqa: E731
+    budget = mib(opts.device_memory_mb if opts.device_memory_mb is not None else getattr(rc, "device_memory_mb", None))
+    kind, why = choose_execution(opts.execution if opts.execution != "auto" else rc.execution,
+                                 num_params=cfg.num_params, optimizer_type=opt.optimizer_type, momentum=opt.momentum,
+                                 device=device, device_memory_bytes=budget, num_csx=opts.num_csx)
+    if kind == "resident":
+        model = model if model is not None else build(cfg, device="cpu")
+        model.to(device)
+        executor: Executor = ResidentExecutor(
+            model, build_optimizer(model.parameters(), opt), device=device, half_dtype=params.model.half_dtype,
+            micro_batch_size=inp.micro_batch_size, max_gradient_norm=opt.max_gradient_norm,
+            loss_scaling_factor=opt.loss_scaling_factor)
+        return model, executor, why
+    from waferscale.runtime.memoryx import LossScaler, MemoryX
+    from waferscale.runtime.streaming import StreamingExecutor, build_skeleton
+
+    ram = mib(opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else getattr(rc, "memoryx_ram_mb", None))
+    flash = opts.flash_dir or getattr(rc, "flash_dir", None)
+    if ram is not None and flash is None:
+        flash = str(model_dir / "memoryx_flash")
+    # materialize on the CPU (the resident run's exact initial weights) unless that alone would break the budget
+    if model is None and cfg.num_params <= META_THRESHOLD_PARAMS and (ram is None or 4 * cfg.num_params <= ram):
+        model = build(cfg, device="cpu")
+    half = params.model.half_dtype
+    stream_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(half or "")
+    scaler = LossScaler.from_config(opt.loss_scaling_factor) if half == "float16" else None
+    mx = MemoryX(model if model is not None else build_skeleton(cfg), opt, stream_dtype=stream_dtype,
+                 ram_budget_bytes=ram, flash_dir=flash, pin_memory=device.type == "cuda",
+                 max_gradient_norm=opt.max_gradient_norm, loss_scaler=scaler)
+    del model
+    skeleton = build_skeleton(cfg, device)
+    recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
+    if opts.num_csx > 1:
+        from waferscale.runtime.swarmx import SwarmXExecutor
+
+        executor = SwarmXExecutor(skeleton, mx, num_csx=opts.num_csx, device=device, half_dtype=half,
+                                  micro_batch_size=inp.micro_batch_size, device_memory_bytes=budget,
+                                  recompute=recompute, timeout_s=opts.swarmx_timeout_s)
+    else:
+        executor = StreamingExecutor(skeleton, mx, device=device, half_dtype=half,
+                                     micro_batch_size=inp.micro_batch_size, device_memory_bytes=budget,
+                                     recompute=recompute)
+    return skeleton, executor, why
+
+
+def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, model_dir: Path, model: CausalLM,
+         executor: Executor, why: str, data: Data, max_steps: int) -> dict[str, Any]:
+    rc, inp, cfg = params.runconfig, params.train_input, model.config
     schedule = build_schedule(params.optimizer.learning_rate)
-    opt = params.optimizer
-    executor = ResidentExecutor(model, optimizer, device=device, half_dtype=params.model.half_dtype,
-                                micro_batch_size=inp.micro_batch_size, max_gradient_norm=opt.max_gradient_norm,
-                                loss_scaling_factor=opt.loss_scaling_factor)
     loader = BatchLoader(data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
 
     # resume: an explicit checkpoint, else the latest one in model_dir
@@ -175,7 +257,7 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
         if ModelConfig.from_dict(c.model_config).replace(name=cfg.name) != cfg:
             raise CheckpointError(f"{c.path} was written for another architecture "
                                   f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
-        ckpt.load_model_weights(model, c.model, str(c.path))
+        executor.load_model_weights(c.model, str(c.path))
         if opts.load_checkpoint_states == "all":
             if (state := c.optimizer_state()) is not None:
                 executor.load_optimizer_state(state)
@@ -204,8 +286,11 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
                                            "seq_len": data.seq_len, "executor": executor.name})
 
     summary: dict[str, Any] = {"model": cfg.name, "params": model.num_params(), "device": str(device),
-                               "executor": executor.name, "mode": opts.mode, "seq_len": data.seq_len,
+                               "executor": executor.name, "execution_reason": why, "num_csx": opts.num_csx,
+                               "mode": opts.mode, "seq_len": data.seq_len,
                                "batch_size": inp.batch_size, "start_step": start_step}
+    stream_totals: dict[str, float] = {}
+    trace_step = start_step + (2 if end_step - start_step >= 2 else 1)
     last_ckpt: Path | None = None
     tokens_done, train_time, loss = 0, 0.0, float("nan")
     if opts.mode in ("train", "train_and_eval") and end_step > start_step:
@@ -218,6 +303,8 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
             for step in range(start_step + 1, end_step + 1):
                 lr = schedule(step - 1)  # schedule
                 x, y = next(loader)
+                if opts.trace and step == trace_step:
+                    start_trace(executor, opts.trace)
                 t0 = time.perf_counter()
                 r = executor.train_step(x, y, lr)  # execute
                 dt = time.perf_counter() - t0
@@ -228,6 +315,13 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
                         "elapsed_s": time.perf_counter() - t_run}
                 if r.grad_norm is not None:
                     line["grad_norm"] = r.grad_norm
+                if r.skipped:
+                    line["skipped"] = True
+                if opts.trace and step == trace_step:
+                    finish_trace(executor, opts.trace, t0, t0 + dt)
+                if r.stats:
+                    line.update(r.stats)
+                    accumulate_stream_stats(stream_totals, r.stats)
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
                 bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_done / train_time:,.0f}")
@@ -243,17 +337,63 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
                         "tokens": tokens_done, "train_time_s": train_time, "tokens_per_s": tps,
                         "model_flops_per_token": flops_tok, "achieved_flops": tps * flops_tok,
                         "peak_flops_measured": peak, "mfu": tps * flops_tok / peak})
+        if stream_totals:
+            summary["streaming"] = summarize_stream_stats(stream_totals, end_step - start_step)
+        if opts.trace:
+            summary["trace"] = opts.trace
     if opts.mode in ("eval", "train_and_eval"):
         eval_steps = opts.eval_steps or rc.eval_steps
         eval_bs = params.eval_input.batch_size if params.eval_input else inp.batch_size
         eval_loss, n = evaluate(executor, data, eval_bs, eval_steps)
         summary.update({"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0)),
                         "eval_batches": n})
+    summary.update(executor.summary())
     summary.update({"peak_memory_bytes": executor.peak_device_bytes(),
                     "checkpoint": str(last_ckpt) if last_ckpt else (str(source) if source else None)})
     write_json_atomic(model_dir / "summary.json", summary)
     print_summary(summary, model_dir, out)
     return summary
+
+
+# ---- observability: per-step streaming figures, their totals, one traced step --------------------------------
+
+_SUMMED = ("wait_weights_s", "compute_s", "grad_writeback_s", "optimizer_s", "fetch_busy_s", "bytes_in", "bytes_out")
+
+
+def accumulate_stream_stats(totals: dict[str, float], stats: dict[str, Any]) -> None:
+    for k in _SUMMED:
+        if k in stats:
+            totals[k] = totals.get(k, 0) + stats[k]
+    totals["no_stall_steps"] = totals.get("no_stall_steps", 0) + bool(stats.get("no_stall"))
+    totals["no_stall_tokens_needed"] = max(totals.get("no_stall_tokens_needed", 0),
+                                           stats.get("no_stall_tokens_needed", 0))
+
+
+def summarize_stream_stats(totals: dict[str, float], steps: int) -> dict[str, Any]:
+    s: dict[str, Any] = {k: totals.get(k, 0) for k in _SUMMED}
+    busy = totals.get("fetch_busy_s", 0)
+    s["stream_bandwidth_Bps"] = totals["bytes_in"] / busy if busy else None
+    s["no_stall_steps"] = int(totals.get("no_stall_steps", 0))
+    s["steps"] = steps
+    s["no_stall_tokens_needed"] = totals.get("no_stall_tokens_needed", 0)
+    return s
+
+
+def start_trace(executor: Executor, path: str) -> None:
+    if hasattr(executor, "set_trace"):
+        executor.set_trace(path)
+
+
+def finish_trace(executor: Executor, path: str, t0: float, t1: float) -> None:
+    """Executors without their own trace get one span for the whole step."""
+    if hasattr(executor, "set_trace"):
+        return
+    from waferscale.runtime.streaming import Tracer
+
+    tr = Tracer()
+    tr.t0 = t0
+    tr.span("main", f"{executor.name} train_step", t0, t1)
+    tr.write(path)
 
 
 def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
@@ -268,7 +408,17 @@ def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
     if "eval_loss" in s:
         rows += [("eval", f"loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.2f} "
                           f"({s['eval_batches']} batches)")]
-    rows += [("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+    if "streaming" in s:
+        st = s["streaming"]
+        bw = f"{st['stream_bandwidth_Bps'] / 1e9:,.2f} GB/s" if st.get("stream_bandwidth_Bps") else "n/a"
+        rows += [("execution", s.get("execution_reason", "")),
+                 ("streamed", f"in {st['bytes_in'] / 2**20:,.1f} MiB, out {st['bytes_out'] / 2**20:,.1f} MiB at {bw}"),
+                 ("step time", f"waiting for weights {st['wait_weights_s']:.2f} s, compute {st['compute_s']:.2f} s, "
+                               f"gradient write-back {st['grad_writeback_s']:.2f} s, optimizer {st['optimizer_s']:.2f} s"),
+                 ("no stall", f"{st['no_stall_steps']} of {st['steps']} steps (needs >= "
+                              f"{st['no_stall_tokens_needed']:,} tokens/step at the measured rates)")]
+    rows += [("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.1f} MiB"
+                             + (" (device working set)" if s.get("executor") != "resident" else "")),
              ("checkpoint", str(s["checkpoint"])), ("outputs", f"{model_dir}/metrics.jsonl, {model_dir}/summary.json")]
     width = max(len(k) for k, _ in rows)
     print("", file=out)

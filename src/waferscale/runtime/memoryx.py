@@ -1,0 +1,713 @@
+"""MemoryX: the weight store outside the device. fp32 master weights, gradients and optimizer state per unit.
+
+    units       the model's streamable pieces, `model.units()` = [embed, *blocks, head]; unit u owns the
+                parameters it is the first to use (a tied embedding belongs to `embed`, the head borrows it)
+    tiers       RAM (pinned when the device is CUDA) for the first units that fit `ram_budget_bytes`, flash
+                (files under `flash_dir`, memory-mapped only while a unit is being read or updated) for the rest
+    layout      per unit one flat fp32 buffer per slot ("param", "grad", and one per optimizer state tensor such
+                as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
+    optimizer   one torch optimizer per unit (fused CPU AdamW/Adam/SGD when torch has one), same hyper-parameters
+                and weight-decay groups as the resident run; it runs on a worker thread ("lane")
+
+When does a unit update? Gradient clipping by global norm and fp16 overflow checks need every gradient of the
+step before any update, so MemoryX picks one of two exact policies:
+
+    eager     no clipping, no loss scaling: unit u updates as soon as its gradients are complete (during the
+              rest of the backward pass; tied gradients complete when their owner, which comes last, arrives)
+    deferred  clipping or fp16: gradients stay in MemoryX while squared norms and finiteness accumulate per unit
+              as they arrive (overlapping backward); when backward ends the clip coefficient
+              min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_) and the skip decision are known, and the
+              updates run unit by unit in forward order, overlapping the next step's forward: fetching unit u
+              for step t+1 waits only for unit u's update.
+
+Both give the resident executor's numbers (same optimizer class, same per-element arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from waferscale.errors import CheckpointError, ConfigError
+
+__all__ = ["MemoryX", "LossScaler", "ParamEntry", "UnitLayout", "build_layouts", "Lane", "STATE_SLOTS"]
+
+# optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
+STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1}
+
+
+# ---- a worker thread with futures (daemon: a hung collective never blocks interpreter exit) ---------------
+
+class Lane:
+    """One daemon thread running submitted callables in order; `submit` returns a Future."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        self._q.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+
+def done_future(value: Any = None) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+# ---- layout -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as a unit streams it. `local` is its name inside the unit module (for functional_call)."""
+
+    local: str
+    name: str  # the model's state-dict name of the owner (the first name of a tied weight)
+    shape: tuple[int, ...]
+    numel: int
+    half: bool  # ndim >= 2: streams in the half dtype under mixed precision; vectors stream in fp32
+    owner: int  # unit that stores it
+    offset: int  # in the owner's flat buffers
+    payload_offset: int  # in this unit's payload ("big" region if half else "small")
+    global_index: int  # index in the resident optimizer's state dict (decay group first, as param_groups)
+    param_order: int  # position in model.parameters() (clip_grad_norm_'s summation order)
+
+
+@dataclass
+class UnitLayout:
+    index: int
+    name: str  # "embed", "blocks.3", "head"
+    entries: list[ParamEntry] = field(default_factory=list)  # payload order: owned big, borrowed big, owned small, ...
+
+    @property
+    def owned(self) -> list[ParamEntry]:
+        return [e for e in self.entries if e.owner == self.index]
+
+    @property
+    def numel(self) -> int:  # stored here
+        return sum(e.numel for e in self.owned)
+
+    @property
+    def n_big(self) -> int:  # payload elements streamed in the half dtype
+        return sum(e.numel for e in self.entries if e.half)
+
+    @property
+    def n_small(self) -> int:
+        return sum(e.numel for e in self.entries if not e.half)
+
+    def payload_bytes(self, half_itemsize: int) -> int:
+        return self.n_big * half_itemsize + self.n_small * 4
+
+
+def build_layouts(model: nn.Module) -> list[UnitLayout]:
+    """Layouts of `model.units()`; works on meta-device models (shapes only)."""
+    units = model.units()
+    mod_name = {id(m): n for n, m in model.named_modules()}
+    all_params = list(model.parameters())  # unique, in order
+    order = {id(p): i for i, p in enumerate(all_params)}
+    decay = [p for p in all_params if p.ndim >= 2]
+    no_decay = [p for p in all_params if p.ndim < 2]
+    gidx = {id(p): i for i, p in enumerate(decay)}
+    gidx.update({id(p): len(decay) + i for i, p in enumerate(no_decay)})
+    owner: dict[int, tuple[int, str, int]] = {}  # id(param) -> (unit, name, offset)
+    layouts = []
+    for u, mod in enumerate(units):
+        prefix = mod_name[id(mod)]
+        lay = UnitLayout(u, prefix)
+        named = list(mod.named_parameters())
+        offset = 0
+        owned_order = [(n, p) for n, p in named if id(p) not in owner and p.ndim >= 2] + \
+                      [(n, p) for n, p in named if id(p) not in owner and p.ndim < 2]
+        owned_ids = {id(p) for _, p in owned_order}
+        for n, p in owned_order:
+            owner[id(p)] = (u, f"{prefix}.{n}", offset)
+            offset += p.numel()
+        pay = {True: 0, False: 0}
+        for half in (True, False):
+            group = [(n, p) for n, p in named if (p.ndim >= 2) == half]
+            group = [x for x in group if id(x[1]) in owned_ids] + [x for x in group if id(x[1]) not in owned_ids]
+            for n, p in group:
+                ou, oname, ooff = owner[id(p)]
+                if ou > u:
+                    raise ValueError(f"{prefix}.{n} is owned by a later unit; units must own what they first use")
+                lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), half, ou, ooff, pay[half],
+                                              gidx[id(p)], order[id(p)]))
+                pay[half] += p.numel()
+        layouts.append(lay)
+    return layouts
+
+
+# ---- storage: RAM tensors or memory-mapped files ----------------------------------------------------------
+
+class _UnitStore:
+    """Flat buffers ("slots") of one unit, each `numel` long. RAM: resident tensors. Flash: one file per slot,
+    mapped by `open()` and unmapped when the caller drops the tensor (so its pages leave the process RSS)."""
+
+    def __init__(self, unit: int, numel: int, flash_dir: Path | None, pin: bool) -> None:
+        self.unit, self.numel, self.flash_dir, self.pin = unit, numel, flash_dir, pin
+        self._ram: dict[str, Tensor] = {}
+        self._files: dict[str, tuple[Path, torch.dtype]] = {}
+
+    @property
+    def on_flash(self) -> bool:
+        return self.flash_dir is not None
+
+    def has(self, slot: str) -> bool:
+        return slot in self._ram or slot in self._files
+
+    def slots(self) -> list[str]:
+        return list(self._ram) + list(self._files)
+
+    def create(self, slot: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A zero-filled slot (returned mapped/resident)."""
+        if self.flash_dir is None:
+            t = torch.zeros(self.numel, dtype=dtype, pin_memory=self.pin)
+            self._ram[slot] = t
+            return t
+        path = self.flash_dir / f"unit{self.unit:04d}.{slot}.bin"
+        with open(path, "wb") as f:  # a sparse file of zeros
+            f.truncate(self.numel * torch.empty((), dtype=dtype).element_size())
+        self._files[slot] = (path, dtype)
+        return self.open(slot)
+
+    def open(self, slot: str) -> Tensor:
+        if slot in self._ram:
+            return self._ram[slot]
+        path, dtype = self._files[slot]
+        if self.numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.from_file(str(path), shared=True, size=self.numel, dtype=dtype)
+
+    def ram_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._ram.values())
+
+    def flash_bytes(self) -> int:
+        return sum(p.stat().st_size for p, _ in self._files.values())
+
+
+# ---- dynamic loss scaling (torch GradScaler's rule and state-dict keys) ------------------------------------
+
+class LossScaler:
+    """fp16 loss scale: halve on overflow (the step is skipped), double after `growth_interval` clean steps."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5) -> None:
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.tracker = 0
+
+    @classmethod
+    def from_config(cls, loss_scaling_factor: float | str) -> "LossScaler":
+        dynamic = loss_scaling_factor == "dynamic"  # as ResidentExecutor's GradScaler
+        return cls(2.0 ** 16 if dynamic else float(loss_scaling_factor), 2000 if dynamic else 2 ** 31 - 1)
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.tracker = 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self.tracker}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.scale = float(s["scale"])
+        self.tracker = int(s.get("_growth_tracker", 0))
+
+
+# ---- init that reproduces CausalLM.reset_parameters without materializing the model ------------------------
+
+def return_freed_memory_to_os() -> None:
+    """glibc raises its mmap threshold as large blocks are freed, after which freed staging buffers stay in the
+    heap and keep counting in RSS. A flash tier exists to bound RSS, so pin the threshold at 1 MiB: buffers
+    that size and up are mmap-ed and go back to the OS when freed. No-op off glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _init_like_reset(name: str, t: Tensor, n_layer: int, std: float) -> None:
+    """The rule of `CausalLM.reset_parameters`, applied to one parameter; called in `named_parameters()` order
+    so the global RNG draws the same numbers as a resident model built with the same seed."""
+    if t.ndim == 1:
+        t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        t.normal_(0.0, std / math.sqrt(2 * n_layer))
+    else:
+        t.normal_(0.0, std)
+
+
+# ---- the store -------------------------------------------------------------------------------------------
+
+class _CheckpointView(nn.Module):
+    """What `save_checkpoint` / `load_model_weights` see: the master weights under the model's names."""
+
+    def __init__(self, tensors: "OrderedDict[str, Tensor]") -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def state_dict(self, *args: Any, keep_vars: bool = False, **kwargs: Any) -> "OrderedDict[str, Tensor]":  # type: ignore[override]
+        return OrderedDict(self._tensors)
+
+
+class MemoryX:
+    """fp32 master weights + gradients + optimizer state of a CausalLM, per unit, in RAM and flash.
+
+    Thread model: `fetch` runs on the caller's (prefetch) thread and only reads; gradient write-back and
+    updates run in order on MemoryX's own lane. `fetch(u)` waits for unit u's pending update (and its tied
+    owner's), which is all the synchronisation the streaming executor needs.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, stream_dtype: torch.dtype | None = None,
+                 ram_budget_bytes: int | None = None, flash_dir: str | Path | None = None,
+                 pin_memory: bool = False, max_gradient_norm: float | None = None,
+                 loss_scaler: LossScaler | None = None) -> None:
+        """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
+        here as `reset_parameters` would, unit by unit). optimizer: the params YAML's OptimizerParams."""
+        from waferscale.runtime.optim import build_optimizer
+
+        self.cfg = model.config
+        self.opt_params = optimizer
+        self.stream_dtype = stream_dtype or torch.float32  # dtype of streamed matrices
+        self.max_gradient_norm = max_gradient_norm
+        self.scaler = loss_scaler
+        self.layouts = build_layouts(model)
+        self.n_units = len(self.layouts)
+        self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
+        self.flash_dir = Path(flash_dir) if flash_dir is not None else None
+        self.ram_budget_bytes = ram_budget_bytes
+        state_slots = STATE_SLOTS.get(optimizer.optimizer_type, 2)
+        if optimizer.optimizer_type == "SGD" and not optimizer.momentum:
+            state_slots = 0
+        self.bytes_per_param = 4 * (2 + state_slots)  # master + grad + state
+        # tiers: the first units that fit the RAM budget stay in RAM, the rest go to flash
+        if ram_budget_bytes is not None:
+            return_freed_memory_to_os()
+        used, self.stores = 0, []
+        for lay in self.layouts:
+            need = lay.numel * self.bytes_per_param
+            flash = ram_budget_bytes is not None and used + need > ram_budget_bytes
+            if flash and self.flash_dir is None:
+                raise ConfigError(f"MemoryX needs {self.total_state_bytes / 2**20:,.0f} MiB for weights, gradients "
+                                  f"and optimizer state, more than its RAM budget of {ram_budget_bytes / 2**20:,.0f} "
+                                  f"MiB; give a flash directory (--flash_dir) or raise --memoryx_ram_mb")
+            if not flash:
+                used += need
+            self.stores.append(_UnitStore(lay.index, lay.numel, self._unit_flash_dir() if flash else None,
+                                          pin_memory and not flash))
+        self._masks: dict[str, Tensor] = {}
+        # the optimizer sees two flat tensors per unit, [matrices] and [vectors] (the owned layout puts them
+        # in that order): the decay / no-decay groups of the resident optimizer, as one fused call each
+        self._groups: list[list[tuple[Tensor, slice]]] = []  # per unit: (leaf, region of the flat slots)
+        self.optimizers: list[torch.optim.Optimizer | None] = []
+        skeleton = dict(model.named_parameters())
+        meta = next(iter(skeleton.values())).is_meta
+        for lay, store in zip(self.layouts, self.stores):
+            flat = store.create("param")
+            store.create("grad")
+            with torch.no_grad():
+                for e in lay.owned:
+                    v = flat[e.offset:e.offset + e.numel].view(e.shape)
+                    if meta:
+                        _init_like_reset(e.name, v, self.cfg.n_layer, self.cfg.init_std)
+                    else:
+                        v.copy_(skeleton[e.name].detach())
+            nb = sum(e.numel for e in lay.owned if e.half)
+            groups = []
+            # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
+            for region, shape in ((slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))):
+                if region.stop > region.start:
+                    leaf = torch.empty(0)
+                    leaf.data = flat[region].view(shape)  # a plain leaf (a view would pin a flash mapping)
+                    groups.append((leaf.requires_grad_(True), region))
+            self._groups.append(groups)
+            self.optimizers.append(build_optimizer([(f"{lay.name}.{k}", t) for k, (t, _) in enumerate(groups)],
+                                                   optimizer) if groups else None)
+            if store.on_flash:
+                self._unbind(lay.index)
+            del flat
+        self._lane = Lane("memoryx-optimizer")
+        self._update_done: list[Future] = [done_future() for _ in self.layouts]
+        self._grad_futs: list[Future] = []
+        self._written: set[int] = set()
+        self._sqnorms: dict[int, Tensor] = {}  # param_order -> norm
+        self._finite = True
+        self._lr = 0.0
+        self._stats_lock = threading.Lock()
+        self._stats = self._zero_stats()
+        self._adopted = [False] * self.n_units
+
+    # ---- sizes ----
+    def _unit_flash_dir(self) -> Path:
+        assert self.flash_dir is not None
+        d = self.flash_dir
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".probe-{os.getpid()}"
+            probe.write_bytes(b"0")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"flash directory {d} is not writable ({e.strerror}); pass a writable --flash_dir") \
+                from None
+        return d
+
+    @property
+    def total_state_bytes(self) -> int:
+        return sum(lay.numel for lay in self.layouts) * self.bytes_per_param
+
+    def ram_bytes(self) -> int:
+        return sum(s.ram_bytes() for s in self.stores)
+
+    def flash_bytes(self) -> int:
+        return sum(s.flash_bytes() for s in self.stores)
+
+    def units_on_flash(self) -> int:
+        return sum(s.on_flash for s in self.stores)
+
+    # ---- binding flash-tier units for an update ----
+    def _bind(self, u: int) -> dict[str, Tensor]:
+        """Point unit u's optimizer tensors (parameter, gradient, state) at its slots (maps flash files)."""
+        store = self.stores[u]
+        slots = {s: store.open(s) for s in store.slots()}
+        opt = self.optimizers[u]
+        for p, region in self._groups[u]:
+            if store.on_flash:
+                p.data = slots["param"][region].view(p.shape)
+            p.grad = slots["grad"][region].view(p.shape)
+            if opt is not None and self._adopted[u]:
+                st = opt.state[p]
+                for k, v in slots.items():
+                    if k not in ("param", "grad"):
+                        st[k] = v[region].view(p.shape)
+        return slots
+
+    def _unbind(self, u: int) -> None:
+        opt = self.optimizers[u]
+        for p, _ in self._groups[u]:
+            p.grad = None
+            if self.stores[u].on_flash:  # (RAM units stay bound)
+                p.data = torch.zeros(()).expand(p.shape)  # keeps the shape, holds one float
+                if opt is not None and p in opt.state:
+                    for k, v in list(opt.state[p].items()):
+                        if torch.is_tensor(v) and v.ndim > 0:
+                            opt.state[p][k] = None
+
+    def _adopt_state(self, u: int) -> None:
+        """After the first update, move the optimizer's lazily made state tensors into flat slots."""
+        opt, store = self.optimizers[u], self.stores[u]
+        if opt is not None:
+            keys = sorted({k for p, _ in self._groups[u] for k, v in opt.state[p].items()
+                           if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape})
+            for k in keys:
+                flat = store.open(k) if store.has(k) else store.create(k)
+                for p, region in self._groups[u]:
+                    view = flat[region].view(p.shape)
+                    if opt.state[p].get(k) is not None:
+                        view.copy_(opt.state[p][k])
+                    opt.state[p][k] = view
+        self._adopted[u] = True
+
+    # ---- streaming in ----
+    def fetch(self, u: int, out_big: Tensor | None = None, out_small: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Unit u's payload: (big, small) = matrices in the stream dtype, vectors in fp32, in payload order.
+        Waits for pending updates of u and of the owners of weights it borrows."""
+        lay = self.layouts[u]
+        for o in {u, *(e.owner for e in lay.entries)}:
+            self._update_done[o].result()
+        big = out_big if out_big is not None else torch.empty(lay.n_big, dtype=self.stream_dtype)
+        small = out_small if out_small is not None else torch.empty(lay.n_small, dtype=torch.float32)
+        masters = {o: self.stores[o].open("param") for o in {e.owner for e in lay.entries}}
+        owned_big = sum(e.numel for e in lay.owned if e.half)
+        owned_small = lay.numel - owned_big
+        with torch.no_grad():
+            if owned_big:  # one contiguous copy (and cast) for the owned matrices, one for the vectors
+                big[:owned_big].copy_(masters[u][:owned_big])
+            if owned_small:
+                small[:owned_small].copy_(masters[u][owned_big:owned_big + owned_small])
+            for e in lay.entries:
+                if e.owner != u:
+                    dst = big if e.half else small
+                    dst[e.payload_offset:e.payload_offset + e.numel].copy_(masters[e.owner][e.offset:e.offset + e.numel])
+            for e in lay.entries:
+                if e.name in self._masks:
+                    dst = big if e.half else small
+                    dst[e.payload_offset:e.payload_offset + e.numel].mul_(self._masks[e.name].reshape(-1))
+        with self._stats_lock:
+            self._stats["bytes_in"] += big.numel() * big.element_size() + small.numel() * 4
+        return big, small
+
+    # ---- a step ----
+    def begin_step(self, lr: float) -> None:
+        self._lr = float(lr)
+        self._written = set()
+        self._sqnorms = {}
+        self._finite = True
+        self._grad_futs = []
+
+    def push_grads(self, u: int, big: Tensor, small: Tensor) -> Future:
+        """Hand over unit u's gradients (fp32, payload layout; host tensors MemoryX may keep until done).
+        Asynchronous: accumulation (and, in the eager policy, the update) runs on MemoryX's lane."""
+        fut = self._lane.submit(self._accumulate, u, big, small, self._lr)
+        self._grad_futs.append(fut)
+        return fut
+
+    def _accumulate(self, u: int, big: Tensor, small: Tensor, lr: float) -> None:
+        t0 = time.perf_counter()
+        lay = self.layouts[u]
+        grads = {o: self.stores[o].open("grad") for o in {e.owner for e in lay.entries}}
+        with torch.no_grad():
+            for e in lay.entries:
+                src = (big if e.half else small)[e.payload_offset:e.payload_offset + e.numel]
+                dst = grads[e.owner][e.offset:e.offset + e.numel]
+                if e.global_index in self._written:
+                    dst.add_(src)
+                else:
+                    dst.copy_(src)
+                    self._written.add(e.global_index)
+            own = grads[u]
+            if self.max_gradient_norm or self.scaler is not None:
+                for e in lay.owned:  # unit u is complete: its borrowers came earlier in backward
+                    g = own[e.offset:e.offset + e.numel]
+                    n = torch.linalg.vector_norm(g)
+                    self._sqnorms[e.param_order] = n
+                    if self.scaler is not None and not bool(torch.isfinite(n)):
+                        self._finite = False
+        del grads, own
+        with self._stats_lock:
+            self._stats["grad_writeback_s"] += time.perf_counter() - t0
+            self._stats["bytes_out"] += big.numel() * big.element_size() + small.numel() * small.element_size()
+        if self.policy == "eager":
+            self._update(u, lr, 1.0, 1.0)
+
+    def end_backward(self) -> tuple[float | None, bool]:
+        """After the last push_grads of the step: (grad_norm or None, skipped). Schedules the deferred updates."""
+        for f in self._grad_futs:
+            f.result()
+        self._grad_futs = []
+        if self.policy == "eager":
+            for u in range(self.n_units):
+                self._update_done[u] = done_future()
+            return None, False
+        inv_scale = 1.0
+        skipped = False
+        if self.scaler is not None:
+            inv_scale = float(torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32))
+            skipped = not self._finite
+        norm = None
+        coef = 1.0
+        if self.max_gradient_norm:
+            norms = [self._sqnorms[k] for k in sorted(self._sqnorms)]
+            total = torch.linalg.vector_norm(torch.stack(norms)) * inv_scale  # norm of the unscaled gradients
+            norm = float(total)
+            coef = float(torch.clamp(self.max_gradient_norm / (total + 1e-6), max=1.0))
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        if not skipped:
+            lr = self._lr
+            for u in range(self.n_units):  # forward order: the next step's fetches wait on these one by one
+                self._update_done[u] = self._lane.submit(self._update, u, lr, coef, inv_scale)
+        return norm, skipped
+
+    def _update(self, u: int, lr: float, coef: float, inv_scale: float) -> None:
+        opt = self.optimizers[u]
+        if opt is None:
+            return
+        t0 = time.perf_counter()
+        slots = self._bind(u)
+        grads = [p.grad for p, _ in self._groups[u]]
+        with torch.no_grad():
+            if inv_scale != 1.0:
+                torch._foreach_mul_(grads, inv_scale)
+            if self.max_gradient_norm:
+                torch._foreach_mul_(grads, coef)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            for e in self.layouts[u].owned:
+                if e.name in self._masks:
+                    slots["param"][e.offset:e.offset + e.numel].mul_(self._masks[e.name].reshape(-1))
+        if not self._adopted[u]:
+            self._adopt_state(u)
+        del slots, grads
+        self._unbind(u)
+        with self._stats_lock:
+            self._stats["optimizer_s"] += time.perf_counter() - t0
+            self._stats["params_updated"] += self.layouts[u].numel
+
+    def synchronize(self) -> None:
+        """Wait for every pending update (before a checkpoint or an evaluation from the masters)."""
+        for f in self._grad_futs:
+            f.result()
+        for f in self._update_done:
+            f.result()
+
+    def close(self) -> None:
+        self._lane.close()
+
+    # ---- observability ----
+    @staticmethod
+    def _zero_stats() -> dict[str, float]:
+        return {"bytes_in": 0, "bytes_out": 0, "grad_writeback_s": 0.0, "optimizer_s": 0.0, "params_updated": 0}
+
+    def take_stats(self) -> dict[str, float]:
+        with self._stats_lock:
+            s, self._stats = self._stats, self._zero_stats()
+        return s
+
+    # ---- masks (per-parameter, for sparsity) ----
+    def set_mask(self, name: str, mask: Tensor | None) -> None:
+        """Keep `name`'s weights where mask is True: applied to streamed weights and after every update."""
+        e = self._entry(name)
+        if mask is None:
+            self._masks.pop(name, None)
+            return
+        if tuple(mask.shape) != e.shape:
+            raise ConfigError(f"mask for {name} has shape {tuple(mask.shape)}, the weight {e.shape}")
+        self.synchronize()
+        self._masks[name] = mask.to(torch.bool).clone()
+        master = self.stores[e.owner].open("param")
+        with torch.no_grad():
+            master[e.offset:e.offset + e.numel].mul_(self._masks[name].reshape(-1))
+
+    def mask(self, name: str) -> Tensor | None:
+        return self._masks.get(name)
+
+    def _entry(self, name: str) -> ParamEntry:
+        for lay in self.layouts:
+            for e in lay.owned:
+                if e.name == name:
+                    return e
+        raise KeyError(f"no parameter named {name!r}")
+
+    # ---- checkpoints (keyed like the resident model and optimizer: they interchange) ----
+    def checkpoint_module(self) -> nn.Module:
+        """Master weights under the model's state-dict names (tied weights once); masks as `<name>_mask`."""
+        self.synchronize()
+        out: "OrderedDict[str, Tensor]" = OrderedDict()
+        for lay, store in zip(self.layouts, self.stores):
+            flat = store.open("param")
+            for e in lay.owned:
+                out[e.name] = flat[e.offset:e.offset + e.numel].view(e.shape)
+        for name, m in self._masks.items():
+            out[f"{name}_mask"] = m
+        return _CheckpointView(out)
+
+    def load_weights(self, weights: dict[str, Tensor], where: str) -> None:
+        from waferscale.runtime.checkpoint import load_model_weights
+
+        masks = {k[:-5]: v for k, v in weights.items() if k.endswith("_mask")}
+        plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
+        view = self.checkpoint_module()
+        view._tensors = OrderedDict((k, v) for k, v in view._tensors.items() if not k.endswith("_mask"))
+        load_model_weights(view, plain, where)
+        for name, m in masks.items():
+            self.set_mask(name, m)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state-dict format with the resident optimizer's parameter indices."""
+        self.synchronize()
+        state: dict[int, dict[str, Any]] = {}
+        hyper: dict[str, dict[str, Any]] = {}
+        members: dict[str, list[int]] = {"decay": [], "no_decay": []}
+        for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
+            if opt is None:
+                continue
+            slots = {s: store.open(s) for s in store.slots() if s not in ("param", "grad")}
+            for g in opt.param_groups:
+                hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
+            group_state = {p.ndim == 2: opt.state.get(p, {}) for p, _ in self._groups[u]}  # matrices: (1, n)
+            for e in lay.owned:
+                members["decay" if e.half else "no_decay"].append(e.global_index)
+                st: dict[str, Any] = {}
+                for k, v in group_state.get(e.half, {}).items():
+                    if k in slots:
+                        st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
+                    elif v is not None:  # scalars (AdamW's "step") are per group here, per parameter there
+                        st[k] = v.clone() if torch.is_tensor(v) else v
+                if st:
+                    state[e.global_index] = st
+        param_groups = [{**hyper[n], "lr": self._lr, "params": sorted(members[n])}
+                        for n in ("decay", "no_decay") if members[n]]
+        out: dict[str, Any] = {"state": state, "param_groups": param_groups}
+        if self.scaler is not None:
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_optimizer_state_dict(self, sd: dict[str, Any]) -> None:
+        self.synchronize()
+        sd = dict(sd)
+        scaler = sd.pop("grad_scaler", None)
+        if scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        state = {int(k): v for k, v in sd["state"].items()}
+        n_expected = sum(len(lay.owned) for lay in self.layouts)
+        n_given = sum(len(g["params"]) for g in sd["param_groups"])
+        if n_given != n_expected:
+            raise CheckpointError(f"the optimizer state holds {n_given} parameters, this model has {n_expected}")
+        for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
+            if opt is None:
+                continue
+            keys = sorted({k for e in lay.owned for k, v in state.get(e.global_index, {}).items()
+                           if torch.is_tensor(v) and v.ndim > 0})
+            slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
+            for p, region in self._groups[u]:
+                entries = [e for e in lay.owned if region.start <= e.offset < region.stop]
+                new: dict[str, Any] = {}
+                for e in entries:
+                    for k, v in state.get(e.global_index, {}).items():
+                        if k in slots:
+                            if tuple(v.shape) != e.shape:
+                                raise CheckpointError(f"optimizer state {k} of {e.name} has shape "
+                                                      f"{tuple(v.shape)}, expected {e.shape}")
+                            with torch.no_grad():
+                                slots[k][e.offset:e.offset + e.numel].copy_(v.reshape(-1))
+                            new[k] = None if store.on_flash else slots[k][region].view(p.shape)
+                        elif k not in new:  # scalars such as "step": equal across a group
+                            new[k] = v.to(torch.float32).clone() if torch.is_tensor(v) else v
+                if new:
+                    opt.state[p] = new
+            if keys:
+                self._adopted[u] = True
+            del slots
