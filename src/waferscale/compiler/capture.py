@@ -150,9 +150,9 @@ def capture_module(module: nn.Module, example: "torch.Tensor | Sequence[int] | N
                 records.append((qual, mod, tuple(ins.shape) if ins is not None else (),
                                 tuple(outs.shape) if isinstance(outs, torch.Tensor) else ()))
             hooks.append(m.register_forward_hook(hook))
+    # tied parameters appear once; functional_call(tie_weights=True) feeds every alias from that one entry
     meta_state = {k: torch.empty_like(v, device="meta")
-                  for k, v in [*module.named_parameters(remove_duplicate=False),
-                               *module.named_buffers(remove_duplicate=False)]}
+                  for k, v in [*module.named_parameters(), *module.named_buffers()]}
     try:
         with torch.no_grad():
             torch.func.functional_call(module, meta_state, (x,), strict=False, tie_weights=True)

@@ -41,20 +41,8 @@ def wafer_projection(model: str, target: str, systems: int = 1) -> dict[str, Any
         from waferscale.models import build
         from waferscale.models.hf import config_from_hf
 
-        from waferscale.errors import ConfigError
-
         cfg = config_from_hf(json.loads((p / "config.json").read_text()))
-        try:
-            plan = compile_model(module=build(cfg, device="meta"), target=target, systems=systems,
-                                 mode="inference")
-        except ConfigError:
-            if not cfg.tie_embeddings:
-                raise
-            # the compiler's module capture cannot trace tied embeddings on the meta device yet: compile the
-            # untied twin (one extra vocab x d matrix of weights, so the projection errs on the slow side)
-            plan = compile_model(module=build(cfg.replace(tie_embeddings=False), device="meta"), target=target,
-                                 systems=systems, mode="inference")
-            plan.assumptions["note"] = "tied input/output embeddings counted as two matrices (capture limitation)"
+        plan = compile_model(module=build(cfg, device="meta"), target=target, systems=systems, mode="inference")
     elif p.is_file():
         from waferscale.models.pretrained import load_pretrained
 
