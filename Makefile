@@ -1,4 +1,5 @@
-# make demo   sets everything up, then trains a small GPT on Shakespeare, samples from it, plots its loss
+# make demo   sets everything up, then trains a small GPT on Shakespeare, samples from it, plots its loss,
+#             and places Llama-3.1-70B on four WSE-3 wafers (projection + picture)
 # make test   sets everything up, then runs the test suite
 PYTHON ?= python3
 WSC = $(PYTHON) -m waferscale
@@ -15,6 +16,8 @@ demo: setup
 	@echo "--- a sample from the trained model ---"
 	$(WSC) generate --checkpoint $(DEMO_DIR) --prompt "ROMEO:" --max_new_tokens 300 --temperature 0.8 --seed 0
 	$(WSC) plot $(DEMO_DIR)
+	@echo "--- the wafer: Llama-3.1-70B inference placed on 4 x WSE-3 (a projection) ---"
+	$(WSC) compile --model llama3.1-70b --target wse3 --systems 4 --out $(DEMO_DIR)/wafer
 
 test: setup
 	$(PYTHON) -m pytest -q
