@@ -26,6 +26,7 @@ resumes from it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -289,6 +290,10 @@ class SwarmXExecutor(Executor):
         self._bcast.close(0)
         self._reduce.close(0)
         self._local.close()
+        # Release the gloo groups and the store now, not in interpreter teardown, where destroying their C++
+        # threads can abort the process ("terminate called without an active exception").
+        self.g_weights = self.g_grads = self.store = None
+        gc.collect()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
 
