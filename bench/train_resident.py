@@ -92,9 +92,9 @@ def main() -> None:
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--batch_size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
 
     docs = read_documents("shakespeare")
