@@ -559,7 +559,25 @@ def step_observability(stats: dict[str, float], *, step_s: float, tokens: int, f
     return out
 
 
-class StreamingExecutor(Executor):
+class MemoryXExecutor(Executor):
+    """An executor whose weights and optimizer state live in MemoryX (`self.mx`): checkpoints go through it."""
+
+    mx: MemoryX
+
+    def model_for_checkpoint(self) -> nn.Module:
+        return self.mx.checkpoint_module()
+
+    def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
+        self.mx.load_weights(weights, where)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.mx.optimizer_state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.mx.load_optimizer_state_dict(state)
+
+
+class StreamingExecutor(MemoryXExecutor):
     """Weight streaming on one device: MemoryX in host memory, units streamed through a `StreamingEngine`."""
 
     name = "streaming"
@@ -651,18 +669,6 @@ class StreamingExecutor(Executor):
     def eval_loss(self, x: Tensor, y: Tensor) -> float:
         eng = self._ensure_engine(*x.shape) if self.engine is None else self.engine
         return eng.forward_loss(x, y)
-
-    def model_for_checkpoint(self) -> nn.Module:
-        return self.mx.checkpoint_module()
-
-    def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
-        self.mx.load_weights(weights, where)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.mx.optimizer_state_dict()
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.mx.load_optimizer_state_dict(state)
 
     def peak_device_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -42,9 +42,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
-from waferscale.runtime.executor import HALF_DTYPES, Executor, StepResult
+from waferscale.runtime.executor import HALF_DTYPES, StepResult
 from waferscale.runtime.memoryx import Lane, MemoryX, build_layouts
-from waferscale.runtime.streaming import StreamingEngine, StreamingExecutor, build_skeleton, step_observability
+from waferscale.runtime.streaming import (MemoryXExecutor, StreamingEngine, StreamingExecutor, build_skeleton,
+                                         step_observability)
 
 __all__ = ["SwarmXExecutor", "WorkerFailure", "worker_main", "is_worker_rank"]
 
@@ -80,7 +81,7 @@ def _connect(url: str, rank: int, world: int, timeout_s: float) -> tuple[Any, in
 
 # ---- rank 0: MemoryX and the training loop ---------------------------------------------------------------
 
-class SwarmXExecutor(Executor):
+class SwarmXExecutor(MemoryXExecutor):
     """The Executor the trainer drives for --num_csx N > 1 (rank 0). Evaluation runs here, streaming from the
     same MemoryX, while the workers wait for the next command."""
 
@@ -256,18 +257,6 @@ class SwarmXExecutor(Executor):
     # ---- the rest of the Executor interface: MemoryX on this rank ----
     def eval_loss(self, x: Tensor, y: Tensor) -> float:
         return self._local.eval_loss(x, y)
-
-    def model_for_checkpoint(self) -> nn.Module:
-        return self.mx.checkpoint_module()
-
-    def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
-        self.mx.load_weights(weights, where)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.mx.optimizer_state_dict()
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.mx.load_optimizer_state_dict(state)
 
     def peak_device_bytes(self) -> int:
         return self._peak

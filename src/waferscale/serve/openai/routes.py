@@ -318,6 +318,20 @@ async def _first_event(fan: _FanOut) -> tuple[AsyncIterator, list]:
     return it, [first]
 
 
+async def _drain(request: Request, fan: "_FanOut", it: Any) -> None:
+    """Run a non-streaming request to completion, aborting it if the client goes away meanwhile."""
+    done = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(request, fan, done))
+    try:
+        async for _ in it:
+            pass
+    except Exception as e:
+        raise _engine_error(e) from e
+    finally:
+        done.set()
+        await watcher
+
+
 async def _watch_disconnect(request: Request, fan: _FanOut, done: asyncio.Event) -> None:
     """Non-streaming requests: cancel the sequences if the client goes away before the answer is ready."""
     while not done.is_set():
@@ -423,16 +437,7 @@ async def chat_completions(request: Request) -> Response:
     it, pending = await _first_event(fan)
 
     if not req.stream:
-        done = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, fan, done))
-        try:
-            async for _ in it:
-                pass
-        except Exception as e:
-            raise _engine_error(e) from e
-        finally:
-            done.set()
-            await watcher
+        await _drain(request, fan, it)
         u, ti = fan.totals(created)
         choices = []
         for c in fan.choices:
@@ -592,16 +597,7 @@ async def completions(request: Request) -> Response:
     it, pending = await _first_event(fan)
 
     if not req.stream:
-        done = asyncio.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, fan, done))
-        try:
-            async for _ in it:
-                pass
-        except Exception as e:
-            raise _engine_error(e) from e
-        finally:
-            done.set()
-            await watcher
+        await _drain(request, fan, it)
         u, ti = fan.totals(created)
         choices = [{"index": c.index, "text": echo[c.index // req.n] + c.text, "finish_reason": c.finish_reason,
                     "logprobs": _legacy_logprobs(c.logprobs, k, len(echo[c.index // req.n])) if k is not None
