@@ -306,7 +306,7 @@ class ModelParams:
 
 # ---- optimizer -------------------------------------------------------------------------------------------
 
-OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop")
+OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Lamb", "Lion")
 
 
 @dataclass

@@ -44,7 +44,8 @@ from waferscale.errors import CheckpointError, ConfigError
 __all__ = ["MemoryX", "LossScaler", "ParamEntry", "UnitLayout", "build_layouts", "Lane", "STATE_SLOTS"]
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
-STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1}
+STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1, "Lion": 1,
+               "Lamb": 2}
 
 
 # ---- a worker thread with futures (daemon: a hung collective never blocks interpreter exit) ---------------
@@ -131,9 +132,10 @@ class UnitLayout:
         return self.n_big * half_itemsize + self.n_small * 4
 
 
-def build_layouts(model: nn.Module) -> list[UnitLayout]:
-    """Layouts of `model.units()`; works on meta-device models (shapes only)."""
-    units = model.units()
+def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> list[UnitLayout]:
+    """Layouts of `units` (default `model.units()`), submodules of `model` that together hold all its
+    parameters, in execution order; works on meta-device models (shapes only)."""
+    units = model.units() if units is None else units
     mod_name = {id(m): n for n, m in model.named_modules()}
     all_params = list(model.parameters())  # unique, in order
     order = {id(p): i for i, p in enumerate(all_params)}
@@ -303,17 +305,22 @@ class MemoryX:
     def __init__(self, model: nn.Module, optimizer: Any, *, stream_dtype: torch.dtype | None = None,
                  ram_budget_bytes: int | None = None, flash_dir: str | Path | None = None,
                  pin_memory: bool = False, max_gradient_norm: float | None = None,
-                 loss_scaler: LossScaler | None = None) -> None:
+                 loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
-        here as `reset_parameters` would, unit by unit). optimizer: the params YAML's OptimizerParams."""
+        here as `reset_parameters` would, unit by unit); any other nn.Module with CPU weights and its `units`.
+        optimizer: the params YAML's OptimizerParams."""
         from waferscale.runtime.optim import build_optimizer
 
-        self.cfg = model.config
+        if optimizer.optimizer_type == "Lamb":
+            raise ConfigError("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit "
+                              "fused update does not compute yet: use AdamW, Adam, SGD or Lion with weight "
+                              "streaming, or --execution resident")
+        self.cfg = getattr(model, "config", None)
         self.opt_params = optimizer
         self.stream_dtype = stream_dtype or torch.float32  # dtype of streamed matrices
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
-        self.layouts = build_layouts(model)
+        self.layouts = build_layouts(model, units)
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
         self.flash_dir = Path(flash_dir) if flash_dir is not None else None
@@ -506,8 +513,8 @@ class MemoryX:
                 else:
                     dst.copy_(src)
                     self._written.add(e.global_index)
-            own = grads[u]
-            if self.max_gradient_norm or self.scaler is not None:
+            own = grads.get(u)
+            if own is not None and (self.max_gradient_norm or self.scaler is not None):
                 for e in lay.owned:  # unit u is complete: its borrowers came earlier in backward
                     g = own[e.offset:e.offset + e.numel]
                     n = torch.linalg.vector_norm(g)

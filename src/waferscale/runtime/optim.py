@@ -250,18 +250,26 @@ def build_optimizer(params: Iterable[Any], opt: OptimizerParams) -> torch.optim.
     groups = param_groups(params, opt.weight_decay)
     lr = build_schedule(opt.learning_rate)(0)
     kind = opt.optimizer_type
-    cls = getattr(torch.optim, kind)
+    if kind in ("Lamb", "Lion"):
+        from waferscale.pytorch.optim import extra
+
+        cls = getattr(extra, kind)
+    else:
+        cls = getattr(torch.optim, kind)
     if kind == "SGD":
         kwargs: dict[str, Any] = {"momentum": opt.momentum, "nesterov": opt.nesterov}
         if opt.nesterov and opt.momentum <= 0:
             raise ConfigError("optimizer.nesterov: needs optimizer.momentum > 0")
-    elif kind in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam"):
+    elif kind == "Lion":
+        kwargs = {"betas": tuple(opt.betas)}
+    elif kind in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Lamb"):
         kwargs = {"betas": tuple(opt.betas), "eps": opt.eps}
     elif kind == "RMSprop":
         kwargs = {"eps": opt.eps, "momentum": opt.momentum}
     else:  # Adagrad
         kwargs = {"eps": opt.eps}
-    kwargs.update(_fused_or_foreach(cls, groups))
+    if kind not in ("Lamb", "Lion"):  # (ours are multi-tensor already)
+        kwargs.update(_fused_or_foreach(cls, groups))
     return cls(groups, lr=lr, **kwargs)
 
 

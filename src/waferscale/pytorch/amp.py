@@ -1,0 +1,124 @@
+"""`cstorch.amp`: the half dtype, loss scaling, and the one-call optimizer step.
+
+With weight streaming the same calls drive MemoryX: weights stream in the half dtype over fp32 masters,
+and the loss scale, the overflow check, the unscale and the clipping happen there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from waferscale.errors import ConfigError
+from waferscale.runtime.memoryx import LossScaler
+
+__all__ = ["set_half_dtype", "get_half_dtype", "half_dtype", "GradScaler", "optimizer_step"]
+
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16, "cbfloat16": torch.bfloat16, "float32": None}
+_half: torch.dtype | None = None
+
+
+def set_half_dtype(value: str | torch.dtype | None) -> None:
+    """"float16", "bfloat16" or "cbfloat16" (computed as bfloat16 here); None or "float32" for full precision."""
+    global _half
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if value is not None and value not in _HALF:
+        raise ConfigError(f"half dtype {value!r} is not one of float16, bfloat16, cbfloat16")
+    _half = _HALF[value] if value is not None else None
+
+
+def half_dtype() -> torch.dtype | None:
+    return _half
+
+
+get_half_dtype = half_dtype
+
+
+class GradScaler:
+    """Loss scaling: `loss_scale="dynamic"` (halve on overflow and skip the step, double after
+    `steps_per_increase` clean steps) or a fixed number."""
+
+    def __init__(self, loss_scale: float | str = "dynamic", init_scale: float | None = None,
+                 steps_per_increase: int = 2000, min_loss_scale: float | None = None,
+                 max_loss_scale: float | None = None, **ignored: Any) -> None:
+        if loss_scale == "dynamic":
+            self.loss_scaler = LossScaler(init_scale or 2.0 ** 15, steps_per_increase)
+        elif isinstance(loss_scale, (int, float)) and loss_scale > 0:
+            self.loss_scaler = LossScaler(float(loss_scale), 2 ** 31 - 1)
+        else:
+            raise ConfigError(f'loss_scale must be "dynamic" or a positive number, got {loss_scale!r}')
+        self.min_loss_scale, self.max_loss_scale = min_loss_scale, max_loss_scale
+        self._found_inf: bool | None = None
+
+    @property
+    def scale_value(self) -> float:
+        return self.loss_scaler.scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scaler.scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(optimizer, "_stream", None) is not None:
+            return  # MemoryX unscales
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        inv = 1.0 / self.loss_scaler.scale
+        found = False
+        with torch.no_grad():
+            for gr in grads:
+                gr.mul_(inv)
+                found = found or not bool(torch.isfinite(gr).all())
+        self._found_inf = found
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(optimizer, "_stream", None) is not None:
+            optimizer.step()
+            return
+        if self._found_inf is None:
+            self.unscale_(optimizer)
+        if not self._found_inf:
+            optimizer.step()
+
+    def update(self) -> None:
+        if self._found_inf is not None:  # (with streaming MemoryX has updated the scale)
+            self.loss_scaler.update(self._found_inf)
+            self._found_inf = None
+        s = self.loss_scaler
+        if self.min_loss_scale is not None:
+            s.scale = max(s.scale, self.min_loss_scale)
+        if self.max_loss_scale is not None:
+            s.scale = min(s.scale, self.max_loss_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loss_scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_scaler.load_state_dict(state)
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, grad_scaler: GradScaler | None = None,
+                   max_gradient_norm: float | None = None) -> None:
+    """backward, (unscale,) clip the global gradient norm, step, zero the gradients."""
+    if max_gradient_norm is not None and max_gradient_norm <= 0:
+        raise ConfigError(f"max_gradient_norm must be positive, got {max_gradient_norm}")
+    stream = getattr(optimizer, "_stream", None)
+    if stream is not None:  # MemoryX clips and unscales: tell it before the gradients arrive
+        if not stream.grads_pending:
+            stream.max_gradient_norm, stream.scaler = max_gradient_norm, grad_scaler
+        (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+        optimizer.step()
+        if grad_scaler is not None:
+            grad_scaler.update()
+        return
+    (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+    if grad_scaler is not None:
+        grad_scaler.unscale_(optimizer)
+    if max_gradient_norm:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_gradient_norm)
+    if grad_scaler is not None:
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()

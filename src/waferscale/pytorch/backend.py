@@ -1,0 +1,95 @@
+"""`cstorch.backend(...)`: where compiled models run.
+
+    "CSX"  the wafer's execution model run on the hardware at hand: weights live in MemoryX (host RAM, plus
+           flash files beyond `memoryx_ram_mb`), stream to the device (CUDA when present, else the CPU) one
+           unit at a time, gradients stream back, the optimizer runs in MemoryX. With
+           `cluster_config=ClusterConfig(num_csx=N)`, N data-parallel systems share that MemoryX over SwarmX.
+    "CPU"  plain resident execution on the CPU (the model and optimizer live where they were built).
+    "GPU"  the same on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waferscale.errors import ConfigError
+from waferscale.pytorch.distributed import ClusterConfig
+
+BACKEND_TYPES = ("CSX", "CPU", "GPU")
+
+_current: "Backend | None" = None
+
+
+@dataclass
+class Backend:
+    backend_type: str
+    device: torch.device
+    artifact_dir: Path
+    compile_dir: Path
+    compile_only: bool
+    cluster_config: ClusterConfig
+    device_memory_mb: float | None = None  # CSX: the device budget streaming respects
+    memoryx_ram_mb: float | None = None  # CSX: MemoryX RAM tier; units beyond it go to flash_dir
+    flash_dir: Path | None = None
+
+    @property
+    def is_csx(self) -> bool:
+        return self.backend_type == "CSX"
+
+    @property
+    def num_csx(self) -> int:
+        return self.cluster_config.num_csx
+
+
+def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./cerebras_artifacts",
+            compile_dir: str | Path | None = None, compile_only: bool = False, validate_only: bool = False,
+            cluster_config: ClusterConfig | None = None, device: str | None = None,
+            device_memory_mb: float | None = None, memoryx_ram_mb: float | None = None,
+            flash_dir: str | Path | None = None, **ignored: Any) -> Backend:
+    """Create (and make current) a backend; `backend()` with no type returns the current one."""
+    global _current
+    if backend_type is None:
+        if _current is None:
+            raise ConfigError('no backend yet: call cstorch.backend("CSX") (or "CPU"/"GPU") first')
+        return _current
+    kind = str(backend_type).upper()
+    if kind not in BACKEND_TYPES:
+        raise ConfigError(f"backend type {backend_type!r} is not one of {', '.join(BACKEND_TYPES)}")
+    if kind == "GPU" and not torch.cuda.is_available():
+        raise ConfigError('backend "GPU" needs CUDA, which this machine does not have; use "CPU" or "CSX"')
+    cluster = cluster_config or ClusterConfig()
+    if not isinstance(cluster, ClusterConfig):
+        raise ConfigError("cluster_config must be a cstorch.distributed.ClusterConfig")
+    if cluster.num_csx > 1 and kind != "CSX":
+        raise ConfigError(f"ClusterConfig(num_csx={cluster.num_csx}) needs the \"CSX\" backend (weight streaming "
+                          f"from MemoryX); {kind} runs on one device")
+    for name, v in (("device_memory_mb", device_memory_mb), ("memoryx_ram_mb", memoryx_ram_mb)):
+        if v is not None and v <= 0:
+            raise ConfigError(f"{name} must be positive, got {v}")
+    if device is not None:
+        dev = torch.device(device)
+    elif kind == "CPU":
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    art = Path(artifact_dir)
+    flash = Path(flash_dir) if flash_dir is not None else (art / "memoryx_flash" if memoryx_ram_mb else None)
+    b = Backend(kind, dev, art, Path(compile_dir) if compile_dir else art / "compile", compile_only or validate_only,
+                cluster, device_memory_mb, memoryx_ram_mb, flash)
+    if cluster.num_csx > 1:
+        from waferscale.pytorch import distributed
+
+        distributed.launch(b)
+    _current = b
+    return b
+
+
+def current_backend() -> Backend | None:
+    return _current
+
+
+__all__ = ["Backend", "backend", "current_backend", "BACKEND_TYPES"]

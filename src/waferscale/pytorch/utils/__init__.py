@@ -1,0 +1,3 @@
+from waferscale.pytorch.utils import data
+
+__all__ = ["data"]
