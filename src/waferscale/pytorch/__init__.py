@@ -23,8 +23,9 @@
 from waferscale.pytorch import amp, distributed, optim, utils
 from waferscale.pytorch.backend import backend, current_backend
 from waferscale.pytorch.compiled import CompiledModel, compile
+from waferscale.pytorch.lm import compile_lm_step
 from waferscale.pytorch.serialization import load, save
 from waferscale.pytorch.step import checkpoint_closure, step, step_closure, trace
 
-__all__ = ["backend", "current_backend", "compile", "CompiledModel", "trace", "step", "step_closure",
+__all__ = ["backend", "current_backend", "compile", "CompiledModel", "compile_lm_step", "trace", "step", "step_closure",
            "checkpoint_closure", "save", "load", "optim", "amp", "utils", "distributed"]

@@ -49,8 +49,11 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
             compile_dir: str | Path | None = None, compile_only: bool = False, validate_only: bool = False,
             cluster_config: ClusterConfig | None = None, device: str | None = None,
             device_memory_mb: float | None = None, memoryx_ram_mb: float | None = None,
-            flash_dir: str | Path | None = None, **ignored: Any) -> Backend:
-    """Create (and make current) a backend; `backend()` with no type returns the current one."""
+            flash_dir: str | Path | None = None, spawn_script_copies: bool = True, **ignored: Any) -> Backend:
+    """Create (and make current) a backend; `backend()` with no type returns the current one.
+
+    With num_csx > 1 the script runs once per system (see `waferscale.pytorch.distributed`), unless
+    `spawn_script_copies=False`: then only fused steps (`compile_lm_step`) run there, in their own workers."""
     global _current
     if backend_type is None:
         if _current is None:
@@ -80,7 +83,7 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
     flash = Path(flash_dir) if flash_dir is not None else (art / "memoryx_flash" if memoryx_ram_mb else None)
     b = Backend(kind, dev, art, Path(compile_dir) if compile_dir else art / "compile", compile_only or validate_only,
                 cluster, device_memory_mb, memoryx_ram_mb, flash)
-    if cluster.num_csx > 1:
+    if cluster.num_csx > 1 and spawn_script_copies:
         from waferscale.pytorch import distributed
 
         distributed.launch(b)

@@ -1,8 +1,15 @@
-"""The training loop behind `wsc run`: schedule -> execute -> update, with metrics, checkpoints and a summary.
+"""The training loop behind `wsc run`, written on the cstorch-style API (`waferscale.pytorch`):
 
-    schedule: the step's learning rate and batch (both pure functions of the step: resume is exact)
-    execute:  executor.train_step(x, y, lr) on whichever executor the run uses
-    update:   metrics.jsonl, progress bar, checkpoints, evaluation
+    cstorch.backend     "CSX" (weight streaming from MemoryX, `--num_csx N` systems over SwarmX) or the
+                        resident "CPU"/"GPU", as `--execution` (or the budget, for auto) decides
+    cstorch.compile     the model on that backend: a zoo model's whole training step (forward, loss, backward,
+                        update) compiles to one executor call, `executor.train_step(x, y, lr)`
+    @cstorch.trace      the step; `@cstorch.step_closure` writes its metrics line and progress,
+                        `@cstorch.checkpoint_closure` saves on checkpoint steps
+    DataExecutor        runs the steps over the batch loader
+
+Per step: schedule (learning rate and batch are pure functions of the step, so resume is exact) -> execute ->
+update (metrics.jsonl, progress bar, checkpoints), then evaluation and the summary.
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import waferscale.pytorch as cstorch
 from waferscale.config import Params
 from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.runtime import checkpoint as ckpt
-from waferscale.runtime.executor import Executor, ResidentExecutor, choose_execution, resolve_device
-from waferscale.runtime.optim import build_optimizer, build_schedule
+from waferscale.runtime.executor import Executor, choose_execution, resolve_device
+from waferscale.runtime.optim import build_schedule
 from waferscale.runtime.perf import measured_peak_flops
 
 MODES = ("train", "eval", "train_and_eval")
@@ -191,9 +199,8 @@ def check_batch_split(batch_size: int, micro_batch_size: int | None, num_csx: in
 
 def build_executor(params: Params, opts: RunOptions, device: torch.device, model_dir: Path
                    ) -> tuple[CausalLM, Executor, str]:
-    """The model (real for resident runs, parameters on meta for streaming ones) and its executor."""
-    from waferscale.models.registry import META_THRESHOLD_PARAMS
-
+    """The model (real for resident runs, parameters on meta for streaming ones) and its executor: the run's
+    cstorch backend, and its training step compiled for it."""
     inp, opt, rc = params.train_input, params.optimizer, params.runconfig
     pretrained = getattr(params.model, "pretrained", None)
     model = build_model(params) if pretrained else None
@@ -203,44 +210,21 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device, model
     kind, why = choose_execution(opts.execution if opts.execution != "auto" else rc.execution,
                                  num_params=cfg.num_params, optimizer_type=opt.optimizer_type, momentum=opt.momentum,
                                  device=device, device_memory_bytes=budget, num_csx=opts.num_csx)
-    if kind == "resident":
-        model = model if model is not None else build(cfg, device="cpu")
-        model.to(device)
-        executor: Executor = ResidentExecutor(
-            model, build_optimizer(model.parameters(), opt), device=device, half_dtype=params.model.half_dtype,
-            micro_batch_size=inp.micro_batch_size, max_gradient_norm=opt.max_gradient_norm,
-            loss_scaling_factor=opt.loss_scaling_factor)
-        return model, executor, why
-    from waferscale.runtime.memoryx import LossScaler, MemoryX
-    from waferscale.runtime.streaming import StreamingExecutor, build_skeleton
-
     ram = mib(opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else getattr(rc, "memoryx_ram_mb", None))
     flash = opts.flash_dir or getattr(rc, "flash_dir", None)
     if ram is not None and flash is None:
         flash = str(model_dir / "memoryx_flash")
-    # materialize on the CPU (the resident run's exact initial weights) unless that alone would break the budget
-    if model is None and cfg.num_params <= META_THRESHOLD_PARAMS and (ram is None or 4 * cfg.num_params <= ram):
-        model = build(cfg, device="cpu")
-    half = params.model.half_dtype
-    stream_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(half or "")
-    scaler = LossScaler.from_config(opt.loss_scaling_factor) if half == "float16" else None
-    mx = MemoryX(model if model is not None else build_skeleton(cfg), opt, stream_dtype=stream_dtype,
-                 ram_budget_bytes=ram, flash_dir=flash, pin_memory=device.type == "cuda",
-                 max_gradient_norm=opt.max_gradient_norm, loss_scaler=scaler)
-    del model
-    skeleton = build_skeleton(cfg, device)
+    backend = cstorch.backend(
+        "CSX" if kind == "streaming" else ("GPU" if device.type == "cuda" else "CPU"), artifact_dir=model_dir,
+        device=str(device), device_memory_mb=budget / 2**20 if budget is not None else None,
+        memoryx_ram_mb=ram / 2**20 if ram is not None else None, flash_dir=flash,
+        cluster_config=cstorch.distributed.ClusterConfig(num_csx=opts.num_csx, timeout_s=opts.swarmx_timeout_s),
+        spawn_script_copies=False)  # the workers run the compiled step, not copies of `wsc run`
     recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
-    if opts.num_csx > 1:
-        from waferscale.runtime.swarmx import SwarmXExecutor
-
-        executor = SwarmXExecutor(skeleton, mx, num_csx=opts.num_csx, device=device, half_dtype=half,
-                                  micro_batch_size=inp.micro_batch_size, device_memory_bytes=budget,
-                                  recompute=recompute, timeout_s=opts.swarmx_timeout_s)
-    else:
-        executor = StreamingExecutor(skeleton, mx, device=device, half_dtype=half,
-                                     micro_batch_size=inp.micro_batch_size, device_memory_bytes=budget,
-                                     recompute=recompute)
-    return skeleton, executor, why
+    model, executor = cstorch.compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
+                                              micro_batch_size=inp.micro_batch_size, recompute=recompute,
+                                              swarmx_timeout_s=opts.swarmx_timeout_s)
+    return model, executor, why
 
 
 def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, model_dir: Path, model: CausalLM,
@@ -299,35 +283,53 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         bar = tqdm(total=end_step - start_step, desc="train", unit="step", disable=not opts.progress,
                    dynamic_ncols=True, file=sys.stderr)
         t_run = time.perf_counter()
+        acc: dict[str, Any] = {"tokens": 0, "time": 0.0, "loss": float("nan"), "ckpt": last_ckpt}
+        steps = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: loader),
+                                                num_steps=end_step - start_step, start_step=start_step,
+                                                checkpoint_steps=rc.checkpoint_steps or end_step)
+
+        @cstorch.trace
+        def train_step(x: torch.Tensor, y: torch.Tensor, lr: float) -> Any:
+            return executor.train_step(x, y, lr)  # the compiled step: forward, loss, backward, update
+
+        @cstorch.step_closure
+        def record(step: int, r: Any, lr: float, dt: float) -> None:
+            acc["tokens"] += r.tokens
+            acc["time"] += dt
+            acc["loss"] = r.loss
+            line = {"step": step, "loss": r.loss, "lr": lr, "tokens_per_s": r.tokens / dt,
+                    "elapsed_s": time.perf_counter() - t_run}
+            if r.grad_norm is not None:
+                line["grad_norm"] = r.grad_norm
+            if r.skipped:
+                line["skipped"] = True
+            if r.stats:
+                line.update(r.stats)
+                accumulate_stream_stats(stream_totals, r.stats)
+            metrics.write(json.dumps(line) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{acc['tokens'] / acc['time']:,.0f}")
+            bar.update(1)
+
+        @cstorch.checkpoint_closure
+        def checkpoint(step: int) -> None:
+            if step != end_step:  # (the last step's checkpoint is written after the loop)
+                acc["ckpt"] = save(step)
+
         with open(metrics_path, "a") as metrics:
-            for step in range(start_step + 1, end_step + 1):
+            for x, y in steps:
+                step = steps.user_iteration
                 lr = schedule(step - 1)  # schedule
-                x, y = next(loader)
                 if opts.trace and step == trace_step:
                     start_trace(executor, opts.trace)
                 t0 = time.perf_counter()
-                r = executor.train_step(x, y, lr)  # execute
+                r = train_step(x, y, lr)  # execute
                 dt = time.perf_counter() - t0
-                tokens_done += r.tokens  # update
-                train_time += dt
-                loss = r.loss
-                line = {"step": step, "loss": r.loss, "lr": lr, "tokens_per_s": r.tokens / dt,
-                        "elapsed_s": time.perf_counter() - t_run}
-                if r.grad_norm is not None:
-                    line["grad_norm"] = r.grad_norm
-                if r.skipped:
-                    line["skipped"] = True
                 if opts.trace and step == trace_step:
                     finish_trace(executor, opts.trace, t0, t0 + dt)
-                if r.stats:
-                    line.update(r.stats)
-                    accumulate_stream_stats(stream_totals, r.stats)
-                metrics.write(json.dumps(line) + "\n")
-                metrics.flush()
-                bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_done / train_time:,.0f}")
-                bar.update(1)
-                if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step != end_step:
-                    last_ckpt = save(step)
+                record(step, r, lr, dt)  # update
+                checkpoint(step)
+        tokens_done, train_time, loss, last_ckpt = acc["tokens"], acc["time"], acc["loss"], acc["ckpt"]
         bar.close()
         last_ckpt = save(end_step)
         tps = tokens_done / train_time

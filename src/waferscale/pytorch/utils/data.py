@@ -106,7 +106,8 @@ def _shard(batch: Any, rank: int, world: int) -> Any:
 class DataExecutor:
     def __init__(self, dataloader: DataLoader | Any, num_steps: int | None = None,
                  checkpoint_steps: int | None = None, activation_steps: int | None = None,
-                 writer: Any = None, **ignored: Any) -> None:
+                 writer: Any = None, start_step: int = 0, **ignored: Any) -> None:
+        """start_step: steps already taken (a resumed run): `user_iteration` and checkpoint steps count from it."""
         for name, v in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ConfigError(f"DataExecutor {name} must be a non-negative integer, got {v!r}")
@@ -123,25 +124,25 @@ class DataExecutor:
 
         b = current_backend()
         self.num_steps = 0 if b is not None and b.compile_only else num_steps
-        self.iteration = 0  # steps completed
+        self.start_step = start_step
+        self.iteration = 0  # steps completed by this executor
         self.profiler = _Profiler()
         self._batch = 0
         self._step = 0
 
     @property
     def user_iteration(self) -> int:
-        """The 1-based number of the step in progress (or the last one, after it completed)."""
-        return self._step if self._running else self.iteration
+        """The 1-based global number of the step in progress (or of the last one, after the loop)."""
+        return self.start_step + (self._step if self._running else self.iteration)
 
     @property
     def on_final_iteration(self) -> bool:
-        return self.user_iteration == self.num_steps
+        return self.user_iteration == self.start_step + self.num_steps
 
     @property
     def on_checkpoint_step(self) -> bool:
         s = self.user_iteration
-        return (self.checkpoint_steps > 0 and s % self.checkpoint_steps == 0) or \
-            (s == self.num_steps and self.checkpoint_steps > 0)
+        return self.checkpoint_steps > 0 and (s % self.checkpoint_steps == 0 or self.on_final_iteration)
 
     @property
     def on_activations_step(self) -> bool:

@@ -1,0 +1,61 @@
+"""`cstorch.compile_lm_step`: a zoo language model's whole training step (forward, loss, backward, update)
+compiled for a backend, as one call `executor.train_step(x, y, lr)`. This is what `wsc run` traces.
+
+Because the step is known whole, it runs on the fused executors: resident ("CPU"/"GPU"), weight streaming
+from MemoryX ("CSX"), and with `ClusterConfig(num_csx=N)` N SwarmX worker processes that receive the step's
+shape and their rows of the batch (not copies of the script) while this process holds MemoryX."""
+
+from __future__ import annotations
+
+import torch
+
+from waferscale.config import OptimizerParams
+from waferscale.models import CausalLM, ModelConfig, build
+from waferscale.pytorch.backend import Backend
+from waferscale.runtime.executor import Executor, ResidentExecutor
+from waferscale.runtime.optim import build_optimizer
+
+__all__ = ["compile_lm_step"]
+
+
+def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, optimizer: OptimizerParams, *,
+                    half_dtype: str | None = None, micro_batch_size: int | None = None,
+                    recompute: bool | str = "auto", swarmx_timeout_s: float = 300.0) -> tuple[CausalLM, Executor]:
+    """(the model the run reports on, its executor). `model` may be None: a streamed model is then
+    initialised inside MemoryX unit by unit, never materialized whole."""
+    device = backend.device
+    budget = int(backend.device_memory_mb * 2**20) if backend.device_memory_mb is not None else None
+    if not backend.is_csx:
+        model = model if model is not None else build(cfg, device="cpu")
+        model.to(device)
+        return model, ResidentExecutor(model, build_optimizer(model.parameters(), optimizer), device=device,
+                                       half_dtype=half_dtype, micro_batch_size=micro_batch_size,
+                                       max_gradient_norm=optimizer.max_gradient_norm,
+                                       loss_scaling_factor=optimizer.loss_scaling_factor)
+    from waferscale.models.registry import META_THRESHOLD_PARAMS
+    from waferscale.runtime.memoryx import LossScaler, MemoryX
+    from waferscale.runtime.streaming import StreamingExecutor, build_skeleton
+
+    ram = int(backend.memoryx_ram_mb * 2**20) if backend.memoryx_ram_mb is not None else None
+    # materialize on the CPU (the resident run's exact initial weights) unless that alone would break the budget
+    if model is None and cfg.num_params <= META_THRESHOLD_PARAMS and (ram is None or 4 * cfg.num_params <= ram):
+        model = build(cfg, device="cpu")
+    stream_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(half_dtype or "")
+    scaler = LossScaler.from_config(optimizer.loss_scaling_factor) if half_dtype == "float16" else None
+    mx = MemoryX(model if model is not None else build_skeleton(cfg), optimizer, stream_dtype=stream_dtype,
+                 ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
+                 max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler)
+    del model
+    skeleton = build_skeleton(cfg, device)
+    executor: Executor
+    if backend.num_csx > 1:
+        from waferscale.runtime.swarmx import SwarmXExecutor
+
+        executor = SwarmXExecutor(skeleton, mx, num_csx=backend.num_csx, device=device, half_dtype=half_dtype,
+                                  micro_batch_size=micro_batch_size, device_memory_bytes=budget,
+                                  recompute=recompute, timeout_s=swarmx_timeout_s)
+    else:
+        executor = StreamingExecutor(skeleton, mx, device=device, half_dtype=half_dtype,
+                                     micro_batch_size=micro_batch_size, device_memory_bytes=budget,
+                                     recompute=recompute)
+    return skeleton, executor
