@@ -285,3 +285,15 @@ def test_the_example_script_with_two_systems_equals_one(tmp_path):
     w1 = cstorch.load(tmp_path / "one" / "checkpoint_4.mdl")["model"]
     w2 = cstorch.load(tmp_path / "two" / "checkpoint_4.mdl")["model"]
     assert_close_weights(w2, w1, 1e-5)
+
+
+@pytest.mark.slow
+def test_a_system_that_dies_is_named_and_checkpoints_stay_loadable(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WSC_SWARMX_FAULT": "1:3:die"}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "cstorch_train.py"), "--steps", "6",
+                          "--checkpoint_steps", "2", "--num_csx", "2", "--artifact_dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    assert "SwarmX: system 1 (rank 1) died (exit code 17)" in out.stderr
+    assert cstorch.load(tmp_path / "checkpoint_2.mdl")["global_step"] == 2
+    assert not (tmp_path / "checkpoint_4.mdl").exists()

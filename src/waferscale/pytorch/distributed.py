@@ -126,8 +126,7 @@ def launch(backend: "Backend") -> None:
         env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(port)
         torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}", rank=r,
-                                world_size=n, timeout=timeout)
+        dist.init_process_group("gloo", init_method="env://", rank=r, world_size=n, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a process that never arrived
         for p in procs.values():
             p.kill()
@@ -154,6 +153,20 @@ def _shutdown() -> None:
     _state.g_weights = _state.g_grads = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def fault_hook(step: int) -> None:
+    """Test hook: WSC_SWARMX_FAULT="RANK:STEP:die|hang" makes that system fail as that step starts."""
+    spec = os.environ.get("WSC_SWARMX_FAULT")
+    if not spec or _state.world == 1:
+        return
+    r, s, kind = spec.split(":")
+    if int(r) == _state.rank and int(s) == step:
+        if kind == "die":
+            os._exit(17)
+        import time
+
+        time.sleep(10 ** 6)
 
 
 def diagnose(what: str, err: Exception) -> SwarmXFailure:
