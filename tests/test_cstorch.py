@@ -297,3 +297,15 @@ def test_a_system_that_dies_is_named_and_checkpoints_stay_loadable(tmp_path):
     assert "SwarmX: system 1 (rank 1) died (exit code 17)" in out.stderr
     assert cstorch.load(tmp_path / "checkpoint_2.mdl")["global_step"] == 2
     assert not (tmp_path / "checkpoint_4.mdl").exists()
+
+
+def test_compile_only_places_the_model_on_a_wafer_and_runs_no_steps(tmp_path):
+    import json
+
+    model = build(TINY_GPT)
+    compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path), compile_only=True))
+    plan = json.loads((tmp_path / "compile" / "plan.json").read_text())
+    assert plan and (tmp_path / "compile" / "wafer.png").exists()
+    assert list(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: [1]), num_steps=3)) == []
+    with pytest.raises(ConfigError, match="compile_only"):
+        compiled(torch.zeros(1, 4, dtype=torch.long))

@@ -90,7 +90,9 @@ class CompiledModel(nn.Module):
         from waferscale.compiler.api import write_outputs
         from waferscale.compiler.compile import compile_model
 
-        plan = compile_model(module=self.model, mode="train")
+        cfg = getattr(self.model, "config", None)
+        example = (1, min(128, cfg.max_seq_len)) if hasattr(cfg, "max_seq_len") else None
+        plan = compile_model(module=(self.model, example), mode="train")
         write_outputs(plan, self.backend.compile_dir)
 
 
