@@ -32,6 +32,8 @@ from waferscale.pytorch import amp as _amp
 from waferscale.pytorch import distributed as _dist
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.memoryx import Lane, MemoryX, build_layouts
+from waferscale.runtime.streaming import DeviceUnit as _Unit
+from waferscale.runtime.streaming import _rng_restored, _rng_state
 
 __all__ = ["CompiledModel", "compile", "model_units"]
 
@@ -113,16 +115,6 @@ class _Streamed(torch.autograd.Function):
         gx = ctx.runner.backward(ctx.saved, grad)
         ctx.saved = None
         return None, None, gx
-
-
-class _Unit:
-    """One unit's fetched weights: two flat buffers and per-parameter views into them."""
-
-    def __init__(self, u: int, lay: Any, big: Tensor, small: Tensor) -> None:
-        self.u, self.big, self.small = u, big, small
-        self.views = {e.local: (big if e.half else small)[e.payload_offset:e.payload_offset + e.numel].view(e.shape)
-                      for e in lay.entries}
-        self.nbytes = big.numel() * big.element_size() + small.numel() * small.element_size()
 
 
 class StreamRunner:
@@ -368,25 +360,3 @@ class StreamRunner:
             self.link.close()
         if self.mx is not None:
             self.mx.close()
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple[Tensor, Tensor | None] | None, device: torch.device):
-    """Replay a unit's dropout masks in its recomputation, leaving the RNG where it was."""
-    if state is None:
-        yield
-        return
-    saved = _rng_state(device)
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved[0])
-        if saved[1] is not None:
-            torch.cuda.set_rng_state(saved[1], device)
