@@ -485,6 +485,20 @@ class MemoryX:
             self._stats["bytes_in"] += big.numel() * big.element_size() + small.numel() * 4
         return big, small
 
+    def fetch_view(self, u: int) -> tuple[Tensor, Tensor] | None:
+        """Unit u's payload without a copy, where the payload is exactly its RAM-tier masters (fp32 streaming,
+        no borrowed weights): for a device that shares host memory (the CPU). None where a copy is needed.
+        The caller only reads the views; MemoryX writes the masters again only in the unit's next update,
+        which comes after the unit's gradients, and the next fetch waits for it (as with `fetch`)."""
+        lay, store = self.layouts[u], self.stores[u]
+        if self.stream_dtype != torch.float32 or store.on_flash or any(e.owner != u for e in lay.entries):
+            return None
+        self._update_done[u].result()
+        master = store.open("param")
+        with self._stats_lock:
+            self._stats["bytes_in_place"] += lay.numel * 4
+        return master[:lay.n_big], master[lay.n_big:lay.numel]
+
     # ---- a step ----
     def begin_step(self, lr: float) -> None:
         self._lr = float(lr)
@@ -596,7 +610,8 @@ class MemoryX:
     # ---- observability ----
     @staticmethod
     def _zero_stats() -> dict[str, float]:
-        return {"bytes_in": 0, "bytes_out": 0, "grad_writeback_s": 0.0, "optimizer_s": 0.0, "params_updated": 0}
+        return {"bytes_in": 0, "bytes_in_place": 0, "bytes_out": 0, "grad_writeback_s": 0.0, "optimizer_s": 0.0,
+                "params_updated": 0}
 
     def take_stats(self) -> dict[str, float]:
         with self._stats_lock:

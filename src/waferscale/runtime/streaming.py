@@ -252,8 +252,8 @@ class LocalLink:
             self._writer = Lane("grad-writeback")
 
     def fetch(self, u: int) -> tuple[Tensor, Tensor]:
-        if not self.cuda:
-            return self.mx.fetch(u)  # the copy (and cast) out of the masters is the transfer
+        if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
+            return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
         lay = self.mx.layouts[u]
         hb = torch.empty(lay.n_big, dtype=self.mx.stream_dtype, pin_memory=True)
         hs = torch.empty(lay.n_small, dtype=torch.float32, pin_memory=True)
@@ -661,6 +661,7 @@ class StreamingExecutor(MemoryXExecutor):
         s["compute_s"] = max(0.0, step_s - s["wait_weights_s"] - s["push_s"])
         s["grad_writeback_s"] = ms["grad_writeback_s"]
         s["optimizer_s"] = ms["optimizer_s"]
+        s["bytes_in_place"] = ms["bytes_in_place"]  # of bytes_in: read where MemoryX keeps them (CPU device)
         s["peak_device_bytes"] = self.peak_device_bytes()
         s["recompute"] = bool(self.engine and self.engine.recompute)
         flops = self.skeleton.config.flops_per_token(T, training=True) * tokens * (4 / 3 if s["recompute"] else 1)

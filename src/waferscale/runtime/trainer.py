@@ -359,7 +359,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
 
 # ---- observability: per-step streaming figures, their totals, one traced step --------------------------------
 
-_SUMMED = ("wait_weights_s", "compute_s", "grad_writeback_s", "optimizer_s", "fetch_busy_s", "bytes_in", "bytes_out")
+_SUMMED = ("wait_weights_s", "compute_s", "grad_writeback_s", "optimizer_s", "fetch_busy_s", "bytes_in", "bytes_out",
+           "bytes_in_place")
 
 
 def accumulate_stream_stats(totals: dict[str, float], stats: dict[str, Any]) -> None:
@@ -413,8 +414,14 @@ def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
     if "streaming" in s:
         st = s["streaming"]
         bw = f"{st['stream_bandwidth_Bps'] / 1e9:,.2f} GB/s" if st.get("stream_bandwidth_Bps") else "n/a"
+        in_place = ""
+        if st.get("bytes_in_place"):  # the CPU device shares host memory: RAM-tier fp32 weights need no copy
+            in_place = f"; {st['bytes_in_place'] / 2**20:,.1f} MiB of it read in place from MemoryX's RAM"
+            if st["bytes_in_place"] >= st["bytes_in"]:
+                bw = "no copy"
         rows += [("execution", s.get("execution_reason", "")),
-                 ("streamed", f"in {st['bytes_in'] / 2**20:,.1f} MiB, out {st['bytes_out'] / 2**20:,.1f} MiB at {bw}"),
+                 ("streamed", f"in {st['bytes_in'] / 2**20:,.1f} MiB, out {st['bytes_out'] / 2**20:,.1f} MiB at "
+                              f"{bw}{in_place}"),
                  ("step time", f"waiting for weights {st['wait_weights_s']:.2f} s, compute {st['compute_s']:.2f} s, "
                                f"gradient write-back {st['grad_writeback_s']:.2f} s, optimizer {st['optimizer_s']:.2f} s"),
                  ("no stall", f"{st['no_stall_steps']} of {st['steps']} steps (needs >= "
