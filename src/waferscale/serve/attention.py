@@ -7,9 +7,14 @@ gathered KV slots, causal with an offset) and once for all decode rows together 
 (B, nkv, S_max, hd) tensor with a key mask). Only the rows that sample go through the head.
 
 The runner reuses each block's own norm and activation modules; its projections are fused copies
-(q|k|v in one matrix, gate|up in one), which on CPU float32 are also packed for MKL's single-row GEMM (about
-twice F.linear's bandwidth for one decode row). A runner covers a contiguous range of layers, so a pipeline
-stage is a runner over its slice: `has_embed` on the first stage, `has_head` on the last.
+(q|k|v in one matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU of up
+to 4 rows (decode) run in the C kernels of serve/kernels.py, which stream each weight once at memory speed,
+shared by `decode_threads` threads, from one huge-page arena holding the weights in the order they are read;
+bigger batches use MKL. Single-stream decode (one token of one sequence whose KV sits in consecutive slots,
+the common case) runs every layer in one C call (`kernels.DecodeStack`); the per-op path stays the
+reference. Without a C compiler, one-row projections use MKL's packed single-row GEMM instead. A runner
+covers a contiguous range of layers, so a pipeline stage is a runner over its slice: `has_embed` on the first
+stage, `has_head` on the last.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from waferscale.models.layers import CausalLM, RMSNorm, SwiGLU, rope_cos_sin
+from waferscale.serve import kernels
 from waferscale.serve.kv import KVPool
 
 
@@ -40,28 +46,39 @@ class BatchSpec:
 
 
 class Prepared:
-    """Index tensors for one BatchSpec, built once per step and shared by every layer of a runner."""
+    """Index tensors for one BatchSpec, built once per step and shared by every layer of a runner.
+
+    A sequence whose block table is a run of consecutive blocks (the allocator hands out the lowest free
+    blocks, so a lone sequence usually gets one) keeps its KV in one contiguous stretch of slots: attention
+    then reads a view of the cache (a `slice`) instead of gathering a copy every layer.
+    """
 
     def __init__(self, spec: BatchSpec, block_size: int, cos_table: Tensor | None, sin_table: Tensor | None,
                  device: torch.device) -> None:
         pos: list[int] = []
         slots: list[int] = []
         samples: list[int] = []
-        self.prefill: list[tuple[int, int, Tensor, Tensor | None, bool]] = []  # (row0, row1, kv slots, mask, causal)
+        # (row0, row1, kv slots (tensor or slice), mask, causal)
+        self.prefill: list[tuple[int, int, Tensor | slice, Tensor | None, bool]] = []
         dec_rows: list[int] = []
-        dec_slots: list[list[int]] = []
+        dec_slots: list[list[int] | slice] = []
         row = 0
         bs = block_size
         for start, n, table, sample in spec.chunks:
             ctx = start + n
-            seq_slots = [table[p // bs] * bs + p % bs for p in range(ctx)]
+            b0 = table[0]
+            if all(table[i] == b0 + i for i in range(1, -(-ctx // bs))):  # consecutive blocks
+                seq_kv: list[int] | slice = slice(b0 * bs, b0 * bs + ctx)
+                slots.extend(range(b0 * bs + start, b0 * bs + ctx))
+            else:
+                seq_kv = [table[p // bs] * bs + p % bs for p in range(ctx)]
+                slots.extend(seq_kv[start:])
             pos.extend(range(start, ctx))
-            slots.extend(seq_slots[start:])
             if n == 1:
                 dec_rows.append(row)
-                dec_slots.append(seq_slots)
+                dec_slots.append(seq_kv)
             else:
-                kv = torch.tensor(seq_slots, dtype=torch.long, device=device)
+                kv = seq_kv if isinstance(seq_kv, slice) else torch.tensor(seq_kv, dtype=torch.long, device=device)
                 if start == 0:
                     self.prefill.append((row, row + n, kv, None, True))
                 else:  # queries sit at positions start.. of a longer key sequence
@@ -79,18 +96,23 @@ class Prepared:
         self.all_sample = samples == list(range(row))  # every row samples (pure decode)
         self.cos = self.sin = None
         if cos_table is not None:
-            self.cos = cos_table[self.positions].unsqueeze(1)  # (N, 1, hd)
-            self.sin = sin_table[self.positions].unsqueeze(1)
+            self.cos = cos_table.index_select(0, self.positions).unsqueeze(1)  # (N, 1, hd)
+            self.sin = sin_table.index_select(0, self.positions).unsqueeze(1)
         self.dec_rows = None
         self.dec_all = False
+        self.dec_slice: slice | None = None  # one decode sequence with contiguous KV: attend to a view
         if dec_rows:
-            smax = max(len(s) for s in dec_slots)
-            self.dec_slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in dec_slots], dtype=torch.long,
-                                          device=device)  # (B, S_max), padded with a valid slot
-            self.dec_mask = None
-            if any(len(s) != smax for s in dec_slots):
-                lens = torch.tensor([len(s) for s in dec_slots], device=device)
-                self.dec_mask = (torch.arange(smax, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            if len(dec_slots) == 1 and isinstance(dec_slots[0], slice):
+                self.dec_slice = dec_slots[0]
+            else:
+                lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else s for s in dec_slots]
+                smax = max(len(s) for s in lists)
+                self.dec_slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long,
+                                              device=device)  # (B, S_max), padded with a valid slot
+                self.dec_mask = None
+                if any(len(s) != smax for s in lists):
+                    lens = torch.tensor([len(s) for s in lists], device=device)
+                    self.dec_mask = (torch.arange(smax, device=device)[None, :] < lens[:, None])[:, None, None, :]
             self.dec_all = dec_rows == list(range(row))
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
 
@@ -107,18 +129,27 @@ PAR_MACS = 1 << 23
 
 
 class FastLinear:
-    """y = x W^T + b over a (fused) weight; on CPU float32 packed once for MKL's one-row GEMM."""
+    """y = residual + x W^T + b over a (fused) weight. For a few rows on CPU float32 (`ckern`) the C kernel
+    streams W once at memory speed (serve/kernels.py); otherwise MKL, packed for one row when `pack`."""
 
     threads = 1  # set by the runner: threads lent to GEMMs of PAR_MACS+ multiply-adds
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool, ckern: bool = False) -> None:
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
+        self.ckern = ckern
         self.packed = None
         if pack:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.ckern and x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.linear(x.contiguous(), self.weight, self.bias,
+                                  None if residual is None else residual.contiguous())
+        y = self._torch(x)
+        return y if residual is None else residual + y
+
+    def _torch(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.shape[0] == 1:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
         if self.threads > 1 and x.shape[0] * self.weight.numel() >= PAR_MACS:
@@ -128,6 +159,20 @@ class FastLinear:
             finally:
                 torch.set_num_threads(1)
         return F.linear(x, self.weight, self.bias)
+
+
+def _hugepage_weights(lins: list[FastLinear]) -> Tensor:
+    """Move the weights of `lins` into one huge-page-backed arena, back to back (64-byte aligned) in this order;
+    returns the arena. One copy of each weight, made once at load (the model keeps its own tensors)."""
+    size = [-(-lin.weight.numel() // 16) * 16 for lin in lins]
+    arena = kernels.hugepage_tensor(sum(size))
+    off = 0
+    for lin, n in zip(lins, size):
+        view = arena[off:off + lin.weight.numel()].view_as(lin.weight)
+        view.copy_(lin.weight)
+        lin.weight = view
+        off += n
+    return arena
 
 
 def mkl_packing_available() -> bool:
@@ -145,42 +190,56 @@ def _cat(*ts: Tensor | None) -> Tensor | None:
 
 
 class _Layer:
-    def __init__(self, block: nn.Module, pack: bool) -> None:
+    def __init__(self, block: nn.Module, pack: bool, ckern: bool) -> None:
         a = block.attn
-        self.attn_norm, self.mlp_norm = _norm(block.attn_norm), _norm(block.mlp_norm)
+        self.attn_norm, self.mlp_norm = _norm(block.attn_norm, ckern), _norm(block.mlp_norm, ckern)
         self.n_head, self.n_kv, self.hd = a.n_head, a.n_kv, a.hd
         self.qkv = FastLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                              _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), pack)
-        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack)
+                              _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), pack, ckern)
+        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack, ckern)
         m = block.mlp
+        self.ckern = ckern
         self.swiglu = isinstance(m, SwiGLU)
         if self.swiglu:
             self.ffn = m.gate_proj.weight.shape[0]
             self.up = FastLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                                 _cat(m.gate_proj.bias, m.up_proj.bias), pack)
+                                 _cat(m.gate_proj.bias, m.up_proj.bias), pack, ckern)
         else:
-            self.up = FastLinear(m.up_proj.weight, m.up_proj.bias, pack)
+            self.up = FastLinear(m.up_proj.weight, m.up_proj.bias, pack, ckern)
             self.act = m.act
-        self.down = FastLinear(m.down_proj.weight, m.down_proj.bias, pack)
+        self.down = FastLinear(m.down_proj.weight, m.down_proj.bias, pack, ckern)
 
-    def mlp(self, h: Tensor) -> Tensor:
+    def mlp(self, h: Tensor, residual: Tensor) -> Tensor:
+        """residual + MLP(h)."""
         u = self.up(h)
         if self.swiglu:
+            if self.ckern and u.shape[0] <= kernels.MAX_ROWS:
+                return self.down(kernels.silu_mul(u, self.ffn), residual)
             g, u = u.split(self.ffn, -1)
-            return self.down(F.silu(g) * u)
-        return self.down(self.act(u))
+            return self.down(F.silu(g) * u, residual)
+        return self.down(self.act(u), residual)
 
 
-def _norm(mod: nn.Module):
+def _norm(mod: nn.Module, ckern: bool = False):
     """The block's own norm module; an RMSNorm over float32 is inlined (RMSNorm.forward's arithmetic in four
-    ops, without its dtype round trips, measured ~4x faster per call than the module or F.rms_norm here)."""
+    ops, without its dtype round trips, measured ~4x faster per call than the module or F.rms_norm here), and
+    with `ckern` a few rows go through the C kernel (one call instead of six)."""
     if isinstance(mod, RMSNorm) and mod.weight.dtype == torch.float32:
         w, eps = mod.weight, mod.eps
 
         def rms(x: Tensor) -> Tensor:
             return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
-        return rms
+        if not ckern:
+            return rms
+        wc = w.detach().contiguous()
+
+        def rms_c(x: Tensor) -> Tensor:
+            if x.shape[0] <= kernels.MAX_ROWS and x.is_contiguous():
+                return kernels.rms_norm(x, wc, eps)
+            return rms(x)
+
+        return rms_c
     return mod
 
 
@@ -198,7 +257,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, lo: int, hi: int, *, num_blocks: int, block_size: int,
                  has_embed: bool, has_head: bool, device: torch.device | str = "cpu",
-                 fast_linear: bool | None = None, threads: int | None = None) -> None:
+                 fast_linear: bool | None = None, threads: int | None = None,
+                 decode_threads: int | None = None) -> None:
         cfg = model.config
         self.threads = max(1, threads or 1)
         self.cfg, self.lo, self.hi = cfg, lo, hi
@@ -209,18 +269,31 @@ class ModelRunner:
         self.dtype = p.dtype
         if fast_linear is None:  # auto: worth it on CPU float32 for real model sizes
             fast_linear = self.device.type == "cpu" and self.dtype == torch.float32 and cfg.d_model >= 256
-        pack = bool(fast_linear) and self.device.type == "cpu" and self.dtype == torch.float32 \
-            and mkl_packing_available()
-        self.fast_linear = pack
+        cpu32 = bool(fast_linear) and self.device.type == "cpu" and self.dtype == torch.float32
+        ckern = cpu32 and kernels.available()
+        pack = cpu32 and not ckern and mkl_packing_available()  # (with the C kernels, MKL never sees one row)
+        self.fast_linear = pack or ckern
+        self.c_kernels = ckern  # C kernels for rows <= kernels.MAX_ROWS (serve/kernels.py)
+        # one decode token of one sequence with contiguous KV: rope + KV write + attention in one C call
+        self.c_attention = ckern and cfg.head_dim % 16 == 0 and cfg.n_head % cfg.kv_heads == 0
+        self.decode_threads = 1  # threads sharing each of those products (the kernels decide when it pays)
+        if ckern:
+            self.decode_threads = kernels.set_threads(
+                torch.get_num_threads() if decode_threads is None else max(1, decode_threads))
         self.embed = model.embed
-        self.layers = [_Layer(model.blocks[i], pack) for i in range(lo, hi)]
+        self.layers = [_Layer(model.blocks[i], pack, ckern) for i in range(lo, hi)]
         for L in self.layers:
             for lin in (L.qkv, L.o, L.up, L.down):
                 lin.threads = self.threads
-        self.head_norm = model.head.norm
-        self.lm_head = FastLinear(model.head.lm_head.weight, model.head.lm_head.bias, pack) if has_head else None
+        self.head_norm = _norm(model.head.norm, ckern)
+        self.lm_head = FastLinear(model.head.lm_head.weight, model.head.lm_head.bias, pack, ckern) \
+            if has_head else None
         if self.lm_head is not None:
             self.lm_head.threads = self.threads
+        self._arena = None
+        if ckern:  # the weights this runner streams, in the order it streams them, on huge pages
+            lins = [lin for L in self.layers for lin in (L.qkv, L.o, L.up, L.down)]
+            self._arena = _hugepage_weights(lins + ([self.lm_head] if self.lm_head is not None else []))
         self.cos_table = self.sin_table = None
         if cfg.position == "rotary":
             cos, sin = rope_cos_sin(model.blocks[0].attn.inv_freq.to(self.device), 0, cfg.max_seq_len)  # (T, hd)
@@ -229,6 +302,22 @@ class ModelRunner:
             self.cos_table, self.sin_table = cos.to(self.dtype), (sin * sign).to(self.dtype)
         self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, self.device)
         self.gqa = cfg.kv_heads != cfg.n_head
+        self.stack = self._decode_stack(model) if self.c_attention else None
+
+    def _decode_stack(self, model: CausalLM) -> kernels.DecodeStack | None:
+        """All of this runner's layers in one C call for single-stream decode, when every block is the
+        Llama kind the kernels implement (RMSNorm, rotary or no positions, SwiGLU)."""
+        blocks = [model.blocks[i] for i in range(self.lo, self.hi)]
+        if not all(L.swiglu for L in self.layers) or not all(
+                isinstance(b.attn_norm, RMSNorm) and isinstance(b.mlp_norm, RMSNorm) for b in blocks):
+            return None
+        layers = [dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
+                       mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
+                       wqkv=L.qkv.weight, bqkv=L.qkv.bias, wo=L.o.weight, bo=L.o.bias, wgu=L.up.weight,
+                       bgu=L.up.bias, wd=L.down.weight, bd=L.down.bias, cache=self.kv.kv[i])
+                  for i, (b, L) in enumerate(zip(blocks, self.layers))]
+        L0 = self.layers[0]
+        return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.ffn)
 
     def prepare(self, spec: BatchSpec) -> Prepared:
         return Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device)
@@ -245,6 +334,10 @@ class ModelRunner:
             torch.set_num_threads(prev)
 
     def _run(self, spec: BatchSpec | Prepared, x: Tensor | None) -> Tensor:
+        if self.stack is not None and isinstance(spec, BatchSpec) and len(spec.token_ids) == 1:
+            y = self._run_one(spec, x)
+            if y is not None:
+                return y
         P = spec if isinstance(spec, Prepared) else self.prepare(spec)
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
@@ -258,10 +351,38 @@ class ModelRunner:
             x = x[P.sample_rows]  # (num samples, C)
         return self.lm_head(self.head_norm(x)).float()
 
+    def _run_one(self, spec: BatchSpec, x: Tensor | None) -> Tensor | None:
+        """Single-stream decode (one token, one sequence, its KV in consecutive slots) through the C stack,
+        without building a Prepared; None when the spec is not that."""
+        start, n, table, sample = spec.chunks[0]
+        bs = self.block_size
+        b0 = table[0]
+        if n != 1 or not sample or any(table[i] != b0 + i for i in range(1, start // bs + 1)):
+            return None
+        if self.has_embed:
+            tid = spec.token_ids[0]
+            x = self.embed.tok.weight[tid:tid + 1].clone()  # (1, C)
+            if self.embed.pos is not None:
+                x += self.embed.pos.weight[start:start + 1]
+        else:
+            x = x.contiguous().clone()
+        cos = sin = None
+        if self.cos_table is not None:
+            cos, sin = self.cos_table[start], self.sin_table[start]  # (hd,) views
+        x = self.stack(x, cos, sin, b0 * bs, start + 1)
+        if not self.has_head:
+            return x
+        return self.lm_head(self.head_norm(x)).float()
+
     def _layer(self, li: int, L: _Layer, x: Tensor, P: Prepared) -> Tensor:
         N = x.shape[0]
         nh, nkv, hd = L.n_head, L.n_kv, L.hd
         qkv = L.qkv(L.attn_norm(x))  # (N, (nh + 2 nkv) hd): q | k | v
+        if N == 1 and P.dec_slice is not None and self.c_attention:  # single-stream decode
+            sl = P.dec_slice
+            y = kernels.decode_attention(qkv, P.cos, P.sin, self.kv.kv[li], sl.start, sl.stop - sl.start, nh, nkv)
+            x = L.o(y, x)  # x + o(y)
+            return L.mlp(L.mlp_norm(x), x)
         if P.cos is not None:  # rotate q and k together, in place
             _rope_(qkv[:, :(nh + nkv) * hd].view(N, nh + nkv, hd), P.cos, P.sin)
         q = qkv[:, :nh * hd].view(N, nh, hd)
@@ -271,8 +392,8 @@ class ModelRunner:
         y = None if (P.dec_all or (len(P.prefill) == 1 and P.dec_rows is None)) else x.new_empty(N, nh, hd)
         for r0, r1, idx, mask, causal in P.prefill:
             qi = q[r0:r1].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
-            kvi = cache.index_select(1, idx).unsqueeze(0)  # (1, 2 nkv, S, hd)
-            par = self.threads > 1 and r1 - r0 >= 64
+            kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0)
+            par = self.threads > 1 and r1 - r0 >= 64  # (1, 2 nkv, S, hd) ^
             if par:
                 torch.set_num_threads(self.threads)
             yi = F.scaled_dot_product_attention(qi, kvi[:, :nkv], kvi[:, nkv:], attn_mask=mask, is_causal=causal,
@@ -284,15 +405,21 @@ class ModelRunner:
             else:
                 y[r0:r1] = yi
         if P.dec_rows is not None:
-            B, S = P.dec_slots.shape
-            qd = (q if P.dec_all else q[P.dec_rows]).unsqueeze(2).contiguous()  # (B, nh, 1, hd)
-            kvd = cache.index_select(1, P.dec_slots.view(-1)).view(2 * nkv, B, S, hd)
-            kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
-            yd = F.scaled_dot_product_attention(qd, kvd[:, :nkv], kvd[:, nkv:], attn_mask=P.dec_mask,
+            qd = (q if P.dec_all else q[P.dec_rows]).unsqueeze(2)  # (B, nh, 1, hd)
+            if P.dec_slice is not None:  # one sequence, contiguous KV: a view of the cache
+                kvd = cache[:, P.dec_slice].unsqueeze(0)  # (1, 2 nkv, S, hd)
+                mask = None
+            else:
+                B, S = P.dec_slots.shape
+                qd = qd.contiguous()
+                kvd = cache.index_select(1, P.dec_slots.view(-1)).view(2 * nkv, B, S, hd)
+                kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
+                mask = P.dec_mask
+            yd = F.scaled_dot_product_attention(qd, kvd[:, :nkv], kvd[:, nkv:], attn_mask=mask,
                                                 enable_gqa=self.gqa).squeeze(2)  # (B, nh, hd)
             if P.dec_all:
                 y = yd
             else:
                 y[P.dec_rows] = yd
-        x = x + L.o(y.reshape(N, nh * hd))
-        return x + L.mlp(L.mlp_norm(x))
+        x = L.o(y.reshape(N, nh * hd), x)  # x + o(y)
+        return L.mlp(L.mlp_norm(x), x)

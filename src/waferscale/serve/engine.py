@@ -101,16 +101,20 @@ class Engine:
     """Continuous-batching engine over one model. Not thread-safe: drive it from one thread (AsyncEngine does).
 
     num_blocks: KV blocks of `block_size` positions (None: as many as fit in `kv_cache_mb`). stages: pipeline
-    stages (K > 1 runs K worker processes, each with its slice of the layers). fast_linear: pack float32
-    weights for MKL's one-row GEMM on CPU (None: automatic). threads: intra-op threads the runner lends to big
-    GEMMs and long prefills (None: 1 with one stage, see attention.py; with K stages each worker process gets
-    torch.get_num_threads() // K).
+    stages (K > 1 runs K worker processes, each with its slice of the layers). fast_linear: on CPU float32,
+    run the projections of up to 4 rows (decode) with the C kernels of serve/kernels.py, else MKL's packed
+    one-row GEMM (None: automatic). threads: intra-op threads the runner lends to big GEMMs and long prefills
+    (None: 1 with one stage, see attention.py; with K stages each worker process gets
+    torch.get_num_threads() // K). decode_threads: threads that share each of those decode products (None:
+    torch.get_num_threads(), per stage process torch.get_num_threads() // K; the kernels fall back to one
+    when sharing does not pay, e.g. when other processes keep the other cores busy).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
-                 fast_linear: bool | None = None, threads: int | None = None) -> None:
+                 fast_linear: bool | None = None, threads: int | None = None,
+                 decode_threads: int | None = None) -> None:
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
             raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")
@@ -141,15 +145,19 @@ class Engine:
         if stages == 1:
             runner = ModelRunner(model, 0, cfg.n_layer, num_blocks=self.num_blocks, block_size=block_size,
                                  has_embed=True, has_head=True, device=device, fast_linear=fast_linear,
-                                 threads=threads)
+                                 threads=threads, decode_threads=decode_threads)
             self.fast_linear = runner.fast_linear
+            self.c_kernels: bool | None = runner.c_kernels  # None: decided in each stage process
+            self.decode_threads: int | None = runner.decode_threads
             self._executor: Any = _InProcessExecutor(runner)
         else:
             from waferscale.serve.stages import PipelineExecutor
 
             self._executor = PipelineExecutor(model, stages, num_blocks=self.num_blocks, block_size=block_size,
-                                              device=device, fast_linear=fast_linear, threads_per_stage=threads)
+                                              device=device, fast_linear=fast_linear, threads_per_stage=threads,
+                                              decode_threads=decode_threads)
             self.fast_linear = self._executor.fast_linear
+            self.c_kernels = self.decode_threads = None
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids: list[int] = [] if eos is None else [int(eos)]
         tv = getattr(tokenizer, "vocab_size", None)

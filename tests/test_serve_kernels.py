@@ -1,0 +1,111 @@
+"""The C decode kernels (serve/kernels.py) against torch, and the runner's single-stream C path against the
+plain forward and `generate`: same logits within float tolerance, same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from waferscale.models import from_name
+from waferscale.models.generate import generate
+from waferscale.models.layers import rope_cos_sin
+from waferscale.serve import kernels
+from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"C kernels: {kernels.unavailable_reason()}")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_after():
+    yield
+    kernels.set_threads(1)
+
+
+@pytest.mark.parametrize("rows,out,n", [(1, 5, 37), (1, 960, 576), (3, 130, 64), (4, 3000, 48)])
+def test_linear_bias_residual_and_threads(rows: int, out: int, n: int) -> None:
+    torch.manual_seed(0)
+    x, w, b, r = torch.randn(rows, n), torch.randn(out, n), torch.randn(out), torch.randn(rows, out)
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, w, b, r), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    kernels.set_threads(1)
+    one = [kernels.linear(x, w, b, r) for _ in range(3)]
+    assert kernels.set_threads(2) == 2
+    two = [kernels.linear(x, w, b, r) for _ in range(20)]  # shared or not, whichever it picks: same bits
+    assert all(torch.equal(t, one[0]) for t in one + two)
+
+
+def test_norm_swiglu_argmax() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 576) * 4, torch.randn(576)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(2, 2 * 1539) * 8
+    torch.testing.assert_close(kernels.silu_mul(gu, 1539), F.silu(gu[:, :1539]) * gu[:, 1539:], rtol=1e-5,
+                               atol=1e-5)
+    for n in (1, 7, 16, 33, 49152):
+        v = torch.randn(n)
+        v[n // 2] = v[n // 3] = v.max() + 1  # a tie: the first one wins
+        assert kernels.argmax(v) == int(v.argmax())
+    v = torch.randn(100)
+    v[[40, 70]] = float("nan")
+    assert kernels.argmax(v) == 40
+    assert kernels.argmax(torch.full((50,), -float("inf"))) == 0
+
+
+@pytest.mark.parametrize("S", [1, 17, 100])
+def test_decode_attention_matches_sdpa(S: int) -> None:
+    """rope in place, k/v written to the last slot, GQA attention over the contiguous slots."""
+    torch.manual_seed(0)
+    nh, nkv, hd, slot0 = 6, 2, 32, 40
+    cache = torch.randn(2 * nkv, 256, hd)
+    qkv = torch.randn(1, (nh + 2 * nkv) * hd)
+    cos, sin = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd), S - 1, 1)
+    sin_signed = sin[0] * torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
+    x = qkv[0].view(nh + 2 * nkv, hd).clone()  # reference: HF rotate_half layout
+    rot = x[:nh + nkv]
+    x[:nh + nkv] = rot * cos[0] + torch.cat([-rot[:, hd // 2:], rot[:, :hd // 2]], -1) * sin[0]
+    want_cache = cache.clone()
+    want_cache[:, slot0 + S - 1] = x[nh:]
+    kv = want_cache[:, slot0:slot0 + S].unsqueeze(0)
+    want = F.scaled_dot_product_attention(x[:nh].view(1, nh, 1, hd), kv[:, :nkv], kv[:, nkv:], enable_gqa=True)
+    got = kernels.decode_attention(qkv, cos[0].contiguous(), sin_signed.contiguous(), cache, slot0, S, nh, nkv)
+    torch.testing.assert_close(got, want.reshape(1, nh * hd), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def llama16() -> torch.nn.Module:
+    """A tiny Llama whose head_dim (16) takes the C attention path."""
+    torch.manual_seed(0)
+    return from_name("llama-tiny", d_model=64, d_ff=160, max_seq_len=128, attn_bias=True).eval()
+
+
+def test_runner_single_stream_c_path_matches_the_model(llama16) -> None:
+    seq = list(range(30, 60))
+    want = llama16(torch.tensor([seq]))[0]  # (T, V)
+    r = ModelRunner(llama16, 0, 2, num_blocks=16, block_size=4, has_embed=True, has_head=True, fast_linear=True)
+    assert r.c_kernels and r.c_attention
+    table = [3, 4, 5, 6, 7, 8, 9, 10]  # consecutive: decode attends to a view of the cache
+    got = [r.run(BatchSpec(seq[:12], [(0, 12, table, True)]))[0]]
+    for p in range(12, 30):
+        got.append(r.run(BatchSpec([seq[p]], [(p, 1, table, True)]))[0])
+    torch.testing.assert_close(torch.stack(got), want[11:], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_greedy_with_c_kernels_matches_generate(llama16) -> None:
+    class Tok:
+        vocab_size, eos_id = 256, None
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 45)), [9]]
+    ref = [list(generate(llama16, p, 40, temperature=0)) for p in prompts]
+    for threads in (1, 2):
+        e = Engine(llama16, Tok(), block_size=4, num_blocks=64, fast_linear=True, decode_threads=threads)
+        assert e.c_kernels
+        alone = [e.generate([p], SamplingParams(temperature=0, max_tokens=40))[0] for p in prompts]
+        together = e.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+        assert alone == ref and together == ref
