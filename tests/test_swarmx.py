@@ -48,11 +48,12 @@ def test_two_systems_equal_one_and_resume_on_one(corpus: Path, tmp_path: Path) -
     one = tmp_path / "one"
     _library_run(corpus, one)
     two = tmp_path / "two"
-    r = _cli(_params(corpus, tmp_path), two, "--num_csx", "2", "--num_steps", "3")
+    r = _cli(_params(corpus, tmp_path), two, "--num_csx", "2", "--num_steps", "3", "--mode", "train_and_eval")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _metrics(two)
     assert rows[0]["num_csx"] == 2 and "bytes_in" in rows[0]
-    assert json.loads((two / "summary.json").read_text())["executor"] == "swarmx"
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["executor"] == "swarmx" and summary["eval_loss"] > 0  # rank 0 evaluates from MemoryX
     _library_run(corpus, two)  # resumes checkpoint_3 with one system
     a, b = _metrics(one), _metrics(two)
     assert [x["step"] for x in b] == [1, 2, 3, 4, 5, 6]

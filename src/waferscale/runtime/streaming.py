@@ -310,6 +310,7 @@ class StreamingEngine:
         self._pack_exclude: int = 0
         self.tracer: Tracer | None = None
         self.stats: dict[str, float] = {}
+        self.reset_stats()  # (an engine that only evaluates, as SwarmX's rank 0, never resets them itself)
 
     # ---- weights ----
     def _fetch_task(self, u: int) -> DeviceUnit:
