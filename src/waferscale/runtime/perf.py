@@ -8,9 +8,20 @@ import time
 import torch
 
 
-@functools.lru_cache(maxsize=None)
 def measured_peak_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024,
-                        budget_s: float = 0.5) -> float:
+                        budget_s: float = 0.5, threads: int | None = None) -> float:
+    """`_measured_peak_flops` at `threads` intra-op threads (default: this process's current count)."""
+    threads = threads or torch.get_num_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measured_peak_flops(device_type, dtype, n, budget_s, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak_flops(device_type: str, dtype: torch.dtype, n: int, budget_s: float, threads: int) -> float:
     """FLOP/s of a square matmul on this device and dtype: the best of as many runs as fit in ~budget_s.
 
     The CPU has no published peak we can trust across machines, so MFU on a host is reported against this

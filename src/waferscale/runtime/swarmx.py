@@ -119,6 +119,7 @@ class SwarmXExecutor(MemoryXExecutor):
             url = f"tcp://127.0.0.1:{port}"
             cpus = os.cpu_count() or 1
             threads = worker_threads or max(1, cpus // num_csx)
+            self.systems_threads = (num_csx, threads)  # for MFU: the systems' own peak, not rank 0's
             self._threads_before = torch.get_num_threads()  # MemoryX's optimizer gets what the workers leave
             torch.set_num_threads(max(1, cpus - num_csx * threads))
             for r in range(1, world):

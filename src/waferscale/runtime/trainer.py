@@ -333,12 +333,14 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         bar.close()
         last_ckpt = save(end_step)
         tps = tokens_done / train_time
-        peak = measured_peak_flops(device.type, torch.float32 if executor.half is None else executor.half)
+        dtype = torch.float32 if executor.half is None else executor.half
+        systems, threads = getattr(executor, "systems_threads", (1, None))
+        peak = systems * measured_peak_flops(device.type, dtype, threads=threads)  # N systems: N times theirs
         flops_tok = cfg.flops_per_token(data.seq_len, training=True)
         summary.update({"steps": end_step - start_step, "final_step": end_step, "final_loss": loss,
                         "tokens": tokens_done, "train_time_s": train_time, "tokens_per_s": tps,
                         "model_flops_per_token": flops_tok, "achieved_flops": tps * flops_tok,
-                        "peak_flops_measured": peak, "mfu": tps * flops_tok / peak})
+                        "peak_flops_measured": peak, "peak_systems": systems, "mfu": tps * flops_tok / peak})
         if stream_totals:
             summary["streaming"] = summarize_stream_stats(stream_totals, end_step - start_step)
         if opts.trace:
@@ -406,7 +408,8 @@ def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
         rows += [("steps", f"{s['start_step']} -> {s['final_step']}  (batch {s['batch_size']} x {s['seq_len']} tokens)"),
                  ("final loss", f"{s['final_loss']:.4f}"),
                  ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s  ({s['train_time_s']:.1f} s of training)"),
-                 ("MFU", f"{100 * s['mfu']:.1f}% of this host's measured matmul peak "
+                 ("MFU", f"{100 * s['mfu']:.1f}% of the measured matmul peak of "
+                         f"{'this host' if s.get('peak_systems', 1) == 1 else str(s['peak_systems']) + ' systems'} "
                          f"({s['peak_flops_measured'] / 1e9:,.0f} GFLOP/s); {s['achieved_flops'] / 1e9:,.1f} GFLOP/s achieved")]
     if "eval_loss" in s:
         rows += [("eval", f"loss {s['eval_loss']:.4f}, perplexity {s['eval_perplexity']:.2f} "
