@@ -23,12 +23,14 @@ def _one_thread_after():
     kernels.set_threads(1)
 
 
-@pytest.mark.parametrize("rows,out,n", [(1, 5, 37), (1, 960, 576), (3, 130, 64), (4, 3000, 48)])
+@pytest.mark.parametrize("rows,out,n", [(1, 5, 37), (1, 960, 576), (3, 130, 64), (4, 3000, 48), (5, 131, 37),
+                                        (7, 6, 15), (16, 1000, 576), (18, 577, 1536), (32, 77, 300), (33, 50, 20)])
 def test_linear_bias_residual_and_threads(rows: int, out: int, n: int) -> None:
     torch.manual_seed(0)
     x, w, b, r = torch.randn(rows, n), torch.randn(out, n), torch.randn(out), torch.randn(rows, out)
-    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernels.linear(x, w, b, r), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if n < 100 else 1e-4  # float32 sums of hundreds of products, in different orders
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=tol)
+    torch.testing.assert_close(kernels.linear(x, w, b, r), r + F.linear(x, w, b), rtol=1e-5, atol=tol)
     kernels.set_threads(1)
     one = [kernels.linear(x, w, b, r) for _ in range(3)]
     assert kernels.set_threads(2) == 2
