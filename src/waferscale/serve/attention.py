@@ -6,16 +6,16 @@ Projections run once over all N rows; attention runs per prefill chunk (queries 
 gathered KV slots, causal with an offset) and once for all decode rows together (gathered into a padded
 (B, nkv, S_max, hd) tensor with a key mask). Only the rows that sample go through the head.
 
-The runner reuses each block's own norm and activation modules; its projections are fused copies
-(q|k|v in one matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU of up
-to kernels.MAX_ROWS (32) rows (decode batches) run in the C kernels of serve/kernels.py, which stream each weight
-once (at memory speed for one row, register-blocked 4 weight rows x 4 input rows for several, ~100 GFLOP/s a
-core vs MKL's ~75 at 16 rows), shared by `decode_threads` threads, from one huge-page arena holding the weights
-in the order they are read; bigger batches (prefill) use MKL. Single-stream decode (one token of one sequence whose KV sits in consecutive slots,
-the common case) runs every layer in one C call (`kernels.DecodeStack`); the per-op path stays the
-reference. Without a C compiler, one-row projections use MKL's packed single-row GEMM instead. A runner
-covers a contiguous range of layers, so a pipeline stage is a runner over its slice: `has_embed` on the first
-stage, `has_head` on the last.
+The runner reuses each block's own norm and activation modules; its projections are fused (q|k|v in one
+matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels
+of serve/kernels.py over weights packed in panels, in one huge-page arena in the order they are read, shared
+by `decode_threads` threads: at memory speed for one row, ~180 GFLOP/s over 2 cores for a 16-sequence decode
+batch, at or above MKL for prefill. Decode rows' rope, KV write and attention run in one C call over the
+paged cache (`kernels.decode_attention_batch`), with no gather; prefill chunks use SDPA. Single-stream decode
+(one token of one sequence whose KV sits in consecutive slots, the common case) runs every layer in one C
+call (`kernels.DecodeStack`); the per-op path stays the reference. Without a C compiler, the projections use
+MKL (its packed single-row GEMM for one row). A runner covers a contiguous range of layers, so a pipeline
+stage is a runner over its slice: `has_embed` on the first stage, `has_head` on the last.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Prepared:
         self.prefill: list[tuple[int, int, Tensor | slice, Tensor | None, bool]] = []
         dec_rows: list[int] = []
         dec_slots: list[list[int] | slice] = []
+        dec_tables: list[list[int]] = []
         row = 0
         bs = block_size
         for start, n, table, sample in spec.chunks:
@@ -78,6 +79,7 @@ class Prepared:
             if n == 1:
                 dec_rows.append(row)
                 dec_slots.append(seq_kv)
+                dec_tables.append(table[:-(-ctx // bs)])
             else:
                 kv = seq_kv if isinstance(seq_kv, slice) else torch.tensor(seq_kv, dtype=torch.long, device=device)
                 if start == 0:
@@ -102,6 +104,8 @@ class Prepared:
         self.dec_rows = None
         self.dec_all = False
         self.dec_slice: slice | None = None  # one decode sequence with contiguous KV: attend to a view
+        self._dec_tables, self._dec_pos = dec_tables, [pos[r] for r in dec_rows]
+        self._dec_c: tuple[Tensor, Tensor] | None = None
         if dec_rows:
             if len(dec_slots) == 1 and isinstance(dec_slots[0], slice):
                 self.dec_slice = dec_slots[0]
@@ -117,6 +121,14 @@ class Prepared:
             self.dec_all = dec_rows == list(range(row))
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
 
+    def dec_c(self) -> tuple[Tensor, Tensor]:
+        """(positions (B,), block tables (B, max blocks)) of the decode rows, int64, for the C attention."""
+        if self._dec_c is None:
+            nb = max(len(t) for t in self._dec_tables)
+            self._dec_c = (torch.tensor(self._dec_pos, dtype=torch.long),
+                           torch.tensor([t + [t[0]] * (nb - len(t)) for t in self._dec_tables], dtype=torch.long))
+        return self._dec_c
+
 
 # Threads. A decode step is hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys)
 # and a few dozen matrix-vector products that one core already runs at memory speed. An OpenMP parallel
@@ -130,22 +142,25 @@ PAR_MACS = 1 << 23
 
 
 class FastLinear:
-    """y = residual + x W^T + b over a (fused) weight. For a few rows on CPU float32 (`ckern`) the C kernel
-    streams W once at memory speed (serve/kernels.py); otherwise MKL, packed for one row when `pack`."""
+    """y = residual + x W^T + b over a (fused) weight. On CPU float32 with the C kernels (`ckern`) the runner
+    packs W into its arena (`cw`, serve/kernels.py) and every call runs there; otherwise MKL, packed for one
+    row when `pack`."""
 
     threads = 1  # set by the runner: threads lent to GEMMs of PAR_MACS+ multiply-adds
 
     def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool, ckern: bool = False) -> None:
-        self.weight = weight.contiguous()
+        self.weight: Tensor | None = weight.contiguous()
+        self.out, self.inp = weight.shape
         self.bias = None if bias is None else bias.contiguous()
         self.ckern = ckern
+        self.cw: Tensor | None = None  # the packed weight (set by the runner's arena when ckern)
         self.packed = None
         if pack:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        if self.ckern and x.shape[0] <= kernels.MAX_ROWS:
-            return kernels.linear(x.contiguous(), self.weight, self.bias,
+        if self.cw is not None:
+            return kernels.linear(x.contiguous(), self.cw, self.out, self.bias,
                                   None if residual is None else residual.contiguous())
         y = self._torch(x)
         return y if residual is None else residual + y
@@ -163,15 +178,15 @@ class FastLinear:
 
 
 def _hugepage_weights(lins: list[FastLinear]) -> Tensor:
-    """Move the weights of `lins` into one huge-page-backed arena, back to back (64-byte aligned) in this order;
-    returns the arena. One copy of each weight, made once at load (the model keeps its own tensors)."""
-    size = [-(-lin.weight.numel() // 16) * 16 for lin in lins]
+    """Pack the weights of `lins` (kernels.pack) into one huge-page-backed arena, back to back in this order
+    (the order a step reads them), and drop the row-major ones; returns the arena. One packed copy of each
+    weight, made once at load (the model keeps its own tensors)."""
+    size = [kernels.packed_numel((lin.out, lin.inp)) for lin in lins]
     arena = kernels.hugepage_tensor(sum(size))
     off = 0
     for lin, n in zip(lins, size):
-        view = arena[off:off + lin.weight.numel()].view_as(lin.weight)
-        view.copy_(lin.weight)
-        lin.weight = view
+        lin.cw = kernels.pack(lin.weight, arena[off:off + n])
+        lin.weight = None  # (a fused weight was a copy: freed)
         off += n
     return arena
 
@@ -214,7 +229,7 @@ class _Layer:
         """residual + MLP(h)."""
         u = self.up(h)
         if self.swiglu:
-            if self.ckern and u.shape[0] <= kernels.MAX_ROWS:
+            if self.ckern:
                 return self.down(kernels.silu_mul(u, self.ffn), residual)
             g, u = u.split(self.ffn, -1)
             return self.down(F.silu(g) * u, residual)
@@ -236,7 +251,7 @@ def _norm(mod: nn.Module, ckern: bool = False):
         wc = w.detach().contiguous()
 
         def rms_c(x: Tensor) -> Tensor:
-            if x.shape[0] <= kernels.MAX_ROWS and x.is_contiguous():
+            if x.is_contiguous():
                 return kernels.rms_norm(x, wc, eps)
             return rms(x)
 
@@ -274,7 +289,7 @@ class ModelRunner:
         ckern = cpu32 and kernels.available()
         pack = cpu32 and not ckern and mkl_packing_available()  # (with the C kernels, MKL never sees one row)
         self.fast_linear = pack or ckern
-        self.c_kernels = ckern  # C kernels for rows <= kernels.MAX_ROWS (serve/kernels.py)
+        self.c_kernels = ckern  # C kernels for every projection, norm and SwiGLU (serve/kernels.py)
         # one decode token of one sequence with contiguous KV: rope + KV write + attention in one C call
         self.c_attention = ckern and cfg.head_dim % 16 == 0 and cfg.n_head % cfg.kv_heads == 0
         self.decode_threads = 1  # threads sharing each of those products (the kernels decide when it pays)
@@ -314,8 +329,8 @@ class ModelRunner:
             return None
         layers = [dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
                        mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
-                       wqkv=L.qkv.weight, bqkv=L.qkv.bias, wo=L.o.weight, bo=L.o.bias, wgu=L.up.weight,
-                       bgu=L.up.bias, wd=L.down.weight, bd=L.down.bias, cache=self.kv.kv[i])
+                       wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=L.up.cw,
+                       bgu=L.up.bias, wd=L.down.cw, bd=L.down.bias, cache=self.kv.kv[i])
                   for i, (b, L) in enumerate(zip(blocks, self.layers))]
         L0 = self.layers[0]
         return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.ffn)
@@ -340,6 +355,15 @@ class ModelRunner:
             if y is not None:
                 return y
         P = spec if isinstance(spec, Prepared) else self.prepare(spec)
+        if self.stack is not None and P.dec_all:  # a decode batch: every layer in one C call
+            if self.has_embed:
+                x = self.embed.tok(P.input_ids)
+                if self.embed.pos is not None:
+                    x = x + self.embed.pos(P.positions)
+            x = x.contiguous().clone() if not self.has_embed else x.contiguous()
+            pos, tables = P.dec_c()
+            x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)
+            return self.lm_head(self.head_norm(x)).float() if self.has_head else x
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
@@ -375,13 +399,38 @@ class ModelRunner:
             return x
         return self.lm_head(self.head_norm(x)).float()
 
+    def _prefill_attention(self, q: Tensor, cache: Tensor, idx: Tensor | slice, mask: Tensor | None, causal: bool,
+                           nkv: int) -> Tensor:
+        """One prefill chunk's queries (T, nh, hd) against its sequence's cached KV -> (T, nh, hd)."""
+        qi = q.transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
+        kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0)
+        par = self.threads > 1 and q.shape[0] >= 64  # (1, 2 nkv, S, hd) ^
+        if par:
+            torch.set_num_threads(self.threads)
+        try:
+            return F.scaled_dot_product_attention(qi, kvi[:, :nkv], kvi[:, nkv:], attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=self.gqa)[0].transpose(0, 1)
+        finally:
+            if par:
+                torch.set_num_threads(1)
+
     def _layer(self, li: int, L: _Layer, x: Tensor, P: Prepared) -> Tensor:
         N = x.shape[0]
         nh, nkv, hd = L.n_head, L.n_kv, L.hd
         qkv = L.qkv(L.attn_norm(x))  # (N, (nh + 2 nkv) hd): q | k | v
-        if N == 1 and P.dec_slice is not None and self.c_attention:  # single-stream decode
-            sl = P.dec_slice
-            y = kernels.decode_attention(qkv, P.cos, P.sin, self.kv.kv[li], sl.start, sl.stop - sl.start, nh, nkv)
+        if self.c_attention and P.dec_rows is not None:  # decode rows in C, prefill chunks through SDPA
+            cache = self.kv.kv[li]
+            y = x.new_empty(N, nh * hd)
+            for r0, r1, idx, mask, causal in P.prefill:
+                n = r1 - r0
+                if P.cos is not None:
+                    _rope_(qkv[r0:r1, :(nh + nkv) * hd].view(n, nh + nkv, hd), P.cos[r0:r1], P.sin[r0:r1])
+                cache.index_copy_(1, P.slots[r0:r1], qkv[r0:r1, nh * hd:].view(n, 2 * nkv, hd).transpose(0, 1))
+                y[r0:r1] = self._prefill_attention(qkv[r0:r1, :nh * hd].view(n, nh, hd), cache, idx, mask, causal,
+                                                   nkv).reshape(n, nh * hd)
+            pos, tables = P.dec_c()
+            kernels.decode_attention_batch(qkv, P.dec_rows, pos, self.cos_table, self.sin_table, cache, tables,
+                                           self.block_size, nh, nkv, y)
             x = L.o(y, x)  # x + o(y)
             return L.mlp(L.mlp_norm(x), x)
         if P.cos is not None:  # rotate q and k together, in place
@@ -392,15 +441,7 @@ class ModelRunner:
         # (index_select, not advanced indexing: it stays on the calling thread's fast path)
         y = None if (P.dec_all or (len(P.prefill) == 1 and P.dec_rows is None)) else x.new_empty(N, nh, hd)
         for r0, r1, idx, mask, causal in P.prefill:
-            qi = q[r0:r1].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
-            kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0)
-            par = self.threads > 1 and r1 - r0 >= 64  # (1, 2 nkv, S, hd) ^
-            if par:
-                torch.set_num_threads(self.threads)
-            yi = F.scaled_dot_product_attention(qi, kvi[:, :nkv], kvi[:, nkv:], attn_mask=mask, is_causal=causal,
-                                                enable_gqa=self.gqa)[0].transpose(0, 1)  # (T, nh, hd)
-            if par:
-                torch.set_num_threads(1)
+            yi = self._prefill_attention(q[r0:r1], cache, idx, mask, causal, nkv)
             if y is None:
                 y = yi
             else:

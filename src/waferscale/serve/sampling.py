@@ -137,10 +137,10 @@ def sample_rows(logits: Tensor, rows: list[tuple[RequestSampler, list[int]]],
     """
     out: list[tuple[int, Tensor | None]] = [(0, None)] * len(rows)
     fast = [i for i, (s, _) in enumerate(rows) if s.p.plain_greedy]
-    if fast and len(fast) <= 4 and logits.dtype == torch.float32 and logits.device.type == "cpu" \
-            and logits.is_contiguous() and kernels.available():  # a few rows: one C pass each, ~5x faster
-        for i in fast:
-            out[i] = (kernels.argmax(logits[i, :vocab_limit]), None)
+    if fast and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(-1) == 1 \
+            and kernels.available():  # one C pass over each row (torch's argmax: ~5x slower here)
+        for i, t in zip(fast, kernels.argmax_rows(logits[fast] if len(fast) < len(rows) else logits, vocab_limit)):
+            out[i] = (t, None)
     elif fast:
         sub = logits[fast] if len(fast) < len(rows) else logits
         if vocab_limit is not None:
