@@ -62,32 +62,42 @@ class Prepared:
         # (row0, row1, kv slots (tensor or slice), mask, causal)
         self.prefill: list[tuple[int, int, Tensor | slice, Tensor | None, bool]] = []
         dec_rows: list[int] = []
-        dec_slots: list[list[int] | slice] = []
+        dec_slots: list[slice | tuple[list[int], int]] = []  # KV slots: a run, or (block table, length)
         dec_tables: list[list[int]] = []
+        self._row_tables: list[tuple[list[int], int]] = []  # (block table, rows) per chunk, in order
+        self.max_chunk = 0  # the longest chunk (prefill) of the batch
         row = 0
-        bs = block_size
+        bs = self.block_size = block_size
         for start, n, table, sample in spec.chunks:
             ctx = start + n
             b0 = table[0]
-            if all(table[i] == b0 + i for i in range(1, -(-ctx // bs))):  # consecutive blocks
+            consecutive = all(table[i] == b0 + i for i in range(1, -(-ctx // bs)))
+            self._row_tables.append((table[:-(-ctx // bs)], n))
+            self.max_chunk = max(self.max_chunk, n)
+            if n == 1:  # a decode token: its slot now, the rest of its sequence's slots only if asked for
+                slots.append(table[start // bs] * bs + start % bs)
+                pos.append(start)
+                dec_rows.append(row)
+                dec_slots.append(slice(b0 * bs, b0 * bs + ctx) if consecutive else (table, ctx))
+                dec_tables.append(table[:-(-ctx // bs)])
+                row += 1
+                if sample:
+                    samples.append(row - 1)
+                continue
+            if consecutive:
                 seq_kv: list[int] | slice = slice(b0 * bs, b0 * bs + ctx)
                 slots.extend(range(b0 * bs + start, b0 * bs + ctx))
             else:
                 seq_kv = [table[p // bs] * bs + p % bs for p in range(ctx)]
                 slots.extend(seq_kv[start:])
             pos.extend(range(start, ctx))
-            if n == 1:
-                dec_rows.append(row)
-                dec_slots.append(seq_kv)
-                dec_tables.append(table[:-(-ctx // bs)])
-            else:
-                kv = seq_kv if isinstance(seq_kv, slice) else torch.tensor(seq_kv, dtype=torch.long, device=device)
-                if start == 0:
-                    self.prefill.append((row, row + n, kv, None, True))
-                else:  # queries sit at positions start.. of a longer key sequence
-                    qpos = torch.arange(start, ctx, device=device)[:, None]
-                    mask = qpos >= torch.arange(ctx, device=device)[None, :]  # (T, S)
-                    self.prefill.append((row, row + n, kv, mask, False))
+            kv = seq_kv if isinstance(seq_kv, slice) else torch.tensor(seq_kv, dtype=torch.long, device=device)
+            if start == 0:
+                self.prefill.append((row, row + n, kv, None, True))
+            else:  # queries sit at positions start.. of a longer key sequence
+                qpos = torch.arange(start, ctx, device=device)[:, None]
+                mask = qpos >= torch.arange(ctx, device=device)[None, :]  # (T, S)
+                self.prefill.append((row, row + n, kv, mask, False))
             row += n
             if sample:
                 samples.append(row - 1)
@@ -106,20 +116,38 @@ class Prepared:
         self.dec_slice: slice | None = None  # one decode sequence with contiguous KV: attend to a view
         self._dec_tables, self._dec_pos = dec_tables, [pos[r] for r in dec_rows]
         self._dec_c: tuple[Tensor, Tensor] | None = None
+        self._dec_gather: list[slice | tuple[list[int], int]] = dec_slots
+        self._device = device
         if dec_rows:
             if len(dec_slots) == 1 and isinstance(dec_slots[0], slice):
                 self.dec_slice = dec_slots[0]
-            else:
-                lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else s for s in dec_slots]
-                smax = max(len(s) for s in lists)
-                self.dec_slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long,
-                                              device=device)  # (B, S_max), padded with a valid slot
-                self.dec_mask = None
-                if any(len(s) != smax for s in lists):
-                    lens = torch.tensor([len(s) for s in lists], device=device)
-                    self.dec_mask = (torch.arange(smax, device=device)[None, :] < lens[:, None])[:, None, None, :]
             self.dec_all = dec_rows == list(range(row))
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+
+    def dec_gather(self) -> tuple[Tensor, Tensor | None]:
+        """For the torch attention path: the decode rows' KV slots (B, S_max), padded with a valid slot, and
+        the key mask (B, 1, 1, S_max) (None when every row has S_max keys). Built on first use."""
+        if not hasattr(self, "_gather"):
+            bs, dev = self.block_size, self._device
+            lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else
+                     [s[0][p // bs] * bs + p % bs for p in range(s[1])] for s in self._dec_gather]
+            smax = max(len(s) for s in lists)
+            slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long, device=dev)
+            mask = None
+            if any(len(s) != smax for s in lists):
+                lens = torch.tensor([len(s) for s in lists], device=dev)
+                mask = (torch.arange(smax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            self._gather = (slots, mask)
+        return self._gather
+
+    def rows_c(self) -> tuple[Tensor, Tensor]:
+        """(positions (N,), block tables (N, max blocks)) of every row, int64, for the C stack: a prefill
+        chunk's rows share its sequence's table and attend like decode tokens at their own positions."""
+        if self.dec_all:
+            return self.dec_c()
+        nb = max(len(t) for t, _ in self._row_tables)
+        rows = [t + [t[0]] * (nb - len(t)) for t, n in self._row_tables for _ in range(n)]
+        return self.positions, torch.tensor(rows, dtype=torch.long)
 
     def dec_c(self) -> tuple[Tensor, Tensor]:
         """(positions (B,), block tables (B, max blocks)) of the decode rows, int64, for the C attention."""
@@ -139,6 +167,11 @@ class Prepared:
 # shared 2-core machine even big 2-thread GEMMs collapse under load (16-user aggregate, SmolLM2: 76-80 tok/s
 # with 1 thread vs 10-18 with 2, same run); the way to use more cores is stages=K, one process per stage.
 PAR_MACS = 1 << 23
+
+# Prefill chunks up to this many tokens go through the C stack with the decode rows, each token attending at
+# its own position like a decode token (one pass over its keys; SDPA's per-call overhead dominates for short
+# chunks: ~120 us a chunk-layer here). Longer chunks take the per-op path, where SDPA's matmuls win.
+STACK_MAX_CHUNK = 64
 
 
 class FastLinear:
@@ -355,15 +388,19 @@ class ModelRunner:
             if y is not None:
                 return y
         P = spec if isinstance(spec, Prepared) else self.prepare(spec)
-        if self.stack is not None and P.dec_all:  # a decode batch: every layer in one C call
+        if self.stack is not None and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
             if self.has_embed:
                 x = self.embed.tok(P.input_ids)
                 if self.embed.pos is not None:
                     x = x + self.embed.pos(P.positions)
             x = x.contiguous().clone() if not self.has_embed else x.contiguous()
-            pos, tables = P.dec_c()
+            pos, tables = P.rows_c()
             x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)
-            return self.lm_head(self.head_norm(x)).float() if self.has_head else x
+            if not self.has_head:
+                return x
+            if not P.all_sample:
+                x = x[P.sample_rows]
+            return self.lm_head(self.head_norm(x)).float()
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
@@ -452,11 +489,11 @@ class ModelRunner:
                 kvd = cache[:, P.dec_slice].unsqueeze(0)  # (1, 2 nkv, S, hd)
                 mask = None
             else:
-                B, S = P.dec_slots.shape
+                dec_slots, mask = P.dec_gather()
+                B, S = dec_slots.shape
                 qd = qd.contiguous()
-                kvd = cache.index_select(1, P.dec_slots.view(-1)).view(2 * nkv, B, S, hd)
+                kvd = cache.index_select(1, dec_slots.view(-1)).view(2 * nkv, B, S, hd)
                 kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
-                mask = P.dec_mask
             yd = F.scaled_dot_product_attention(qd, kvd[:, :nkv], kvd[:, nkv:], attn_mask=mask,
                                                 enable_gqa=self.gqa).squeeze(2)  # (B, nh, hd)
             if P.dec_all:

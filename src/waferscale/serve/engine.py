@@ -20,6 +20,7 @@ group's micro-batch, and only activations cross between stages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -37,13 +38,35 @@ from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingPara
                                        sample_rows)
 from waferscale.serve.scheduler import Scheduler, SchedulerOutput, Sequence
 
-__all__ = ["AsyncEngine", "Engine", "EngineOutput", "RequestTooLong", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineOutput", "RequestTooLong", "SamplingParams", "check_request"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class RequestTooLong(ValueError):
     """The prompt plus max_tokens can never fit this engine's context or KV cache."""
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                  block_size: int, group_blocks: int) -> None:
+    """Raise (RequestTooLong / ValueError) if the request could never run on an engine with these limits
+    (`Engine.describe()["limits"]`); changes nothing."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestTooLong(
+            f"this model's context is {max_model_len} tokens; the prompt has {len(prompt_token_ids)} "
+            f"and max_tokens asks for {params.max_tokens} more ({total}); shorten the prompt or lower "
+            "max_tokens")
+    if -(-total // block_size) > group_blocks:
+        raise RequestTooLong(
+            f"the KV cache holds {group_blocks * block_size} positions per sequence group; this request needs "
+            f"{total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens); raise kv_cache_mb or "
+            "lower max_tokens")
 
 
 @dataclass
@@ -181,31 +204,28 @@ class Engine:
         return engine
 
     # ---- requests --------------------------------------------------------------------------------------
+    def limits(self) -> dict[str, int]:
+        """What `check_request` checks against."""
+        return {"vocab_size": self.model.config.vocab_size, "max_model_len": self.max_model_len,
+                "block_size": self.block_size, "group_blocks": self._schedulers[0].allocator.num_blocks}
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise (RequestTooLong / ValueError) if the request could never run; thread-safe, changes nothing."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        V = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < V]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {V})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLong(
-                f"this model's context is {self.max_model_len} tokens; the prompt has {len(prompt_token_ids)} "
-                f"and max_tokens asks for {params.max_tokens} more ({total}); shorten the prompt or lower "
-                "max_tokens")
-        cap = self._schedulers[0].allocator.num_blocks * self.block_size
-        if not self._schedulers[0].fits_ever(total):
-            raise RequestTooLong(
-                f"the KV cache holds {cap} positions per sequence group; this request needs {total} "
-                f"({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens); raise kv_cache_mb or "
-                "lower max_tokens")
+        check_request(prompt_token_ids, params, **self.limits())
+
+    def describe(self) -> dict[str, Any]:
+        """Picklable facts for a client in another process (serve/core.py)."""
+        return {"model_name": self.model_name, "max_model_len": self.max_model_len, "limits": self.limits(),
+                "stats": self.stats(), "c_kernels": self.c_kernels, "decode_threads": self.decode_threads,
+                "fast_linear": self.fast_linear, "stages": self.stages}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
+        if params.grammar is not None and params.logits_processor is None:  # structured output: this engine's
+            params = dataclasses.replace(  # tokenizer builds the grammar's state
+                params, logits_processor=params.grammar.constraint(self.tokenizer).logits_processor)
         ve = min(range(self.stages), key=lambda v: (self._schedulers[v].num_unfinished, v))
         seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params.max_tokens)
         eos = [] if params.ignore_eos else self.eos_ids
@@ -228,6 +248,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._pending or self._inflight)
+
+    def abort_all(self) -> list[str]:
+        """After a failed step: abort every request (freeing its blocks), drop what was in flight, and return
+        the ids, whose consumers the caller tells (no final outputs are produced for them)."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort_request(rid)
+        self._pending.clear()
+        self._inflight.clear()
+        return ids
 
     # ---- one step --------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -450,11 +480,8 @@ class AsyncEngine:
             try:
                 outs = eng.step()
             except Exception as e:  # a broken step fails every live request; the loop keeps serving
-                for rid in list(eng._requests):
-                    eng.abort_request(rid)
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e!r}"), True)
-                eng._pending.clear()
-                eng._inflight.clear()
+                err = RuntimeError(f"engine step failed: {e!r}")
+                self._deliver_all([(rid, err, True) for rid in eng.abort_all()])
                 self._stats = eng.stats()
                 continue
             self._deliver_all([(o.request_id, o, o.finished) for o in outs])

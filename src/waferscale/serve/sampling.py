@@ -44,6 +44,8 @@ class SamplingParams:
     top_logprobs: int = 0
     # structured-output hook: (generated ids, (V,) float32 logits) -> masked logits; called before sampling
     logits_processor: Callable[[list[int], Tensor], Tensor] | None = None
+    # or, as plain data that can cross processes: a structured.Grammar, built by the engine into the hook
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> None:
@@ -76,8 +78,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that looks at or changes the logits row: the batched argmax fast path."""
-        return (self.greedy and not self.logprobs and self.logits_processor is None and not self.logit_bias
-                and not self.presence_penalty and not self.frequency_penalty and self.min_tokens == 0)
+        return (self.greedy and not self.logprobs and self.logits_processor is None and self.grammar is None
+                and not self.logit_bias and not self.presence_penalty and not self.frequency_penalty and self.min_tokens == 0)
 
 
 class RequestSampler:

@@ -54,14 +54,24 @@ def wafer_projection(model: str, target: str, systems: int = 1) -> dict[str, Any
 
 def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages: int = 1,
               target: str | None = None, systems: int = 1, engine_kw: dict[str, Any] | None = None,
-              log=print) -> Any:
-    """Load the model and tokenizer, build the engine and the FastAPI app (not started)."""
+              log=print, engine_process: bool = True) -> Any:
+    """Load the model and tokenizer, build the engine and the FastAPI app (not started).
+
+    engine_process: run the engine in its own process (serve/core.py; the default, as `wsc serve` does), else
+    in a thread of this one (AsyncEngine)."""
     from waferscale.models.pretrained import pretrained_tokenizer
-    from waferscale.serve.engine import AsyncEngine, Engine
     from waferscale.serve.openai.app import create_app
 
     t = time.perf_counter()
-    engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
+    if engine_process:
+        from waferscale.serve.core import CoreClient
+
+        engine = aengine = CoreClient(model, {"stages": stages, **(engine_kw or {})})
+    else:
+        from waferscale.serve.engine import AsyncEngine, Engine
+
+        engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
+        aengine = AsyncEngine(engine)
     tokenizer = pretrained_tokenizer(model)
     model_id, aliases = _model_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
@@ -74,7 +84,6 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
             f"{projection['decode_tokens_per_s_per_user']:,.0f} tokens/s per user, time to first token "
             f"{projection['time_to_first_token_s'] * 1e3:.2f} ms, {projection['users_in_flight']} users in flight "
             f"(a projection from the compiler's cost model, not a measurement)")
-    aengine = AsyncEngine(engine)
     return create_app(engine, aengine, tokenizer, model_id=model_id, aliases=aliases, api_key=api_key,
                       projection=projection)
 

@@ -172,6 +172,19 @@ def _closer_ids(tokenizer_json: str, vocab: int) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A constrained-decoding request as plain data (it crosses to the engine's process): the grammar and the
+    Constraint's options. The engine builds the Constraint, with its own tokenizer, when the request arrives."""
+
+    grammar: str
+    max_tokens: int | None = None
+    free_text: bool = False
+
+    def constraint(self, tokenizer: Any) -> Constraint:
+        return Constraint(self.grammar, tokenizer, max_tokens=self.max_tokens, free_text=self.free_text)
+
+
 class Constraint:
     """One sequence's grammar state. `logits_processor` is handed to the engine in SamplingParams.
 

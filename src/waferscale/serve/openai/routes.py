@@ -179,7 +179,7 @@ def _budget(s: ServerState, prompt_len: int, max_new: int | None, param: str) ->
 
 
 def _sampling(req: Any, max_new: int, *, logprobs: bool, top_logprobs: int, seed_offset: int,
-              processor: Any = None) -> SamplingParams:
+              grammar: Any = None) -> SamplingParams:
     """Engine SamplingParams for one choice; choice i of a seeded request uses seed + i."""
     return SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -188,7 +188,7 @@ def _sampling(req: Any, max_new: int, *, logprobs: bool, top_logprobs: int, seed
         min_tokens=min(req.min_new, max_new), stop=list(req.stop or []), ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
-        logprobs=logprobs, top_logprobs=top_logprobs, logits_processor=processor)
+        logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar)
 
 
 def _check_bias(s: ServerState, req: Any) -> None:
@@ -411,9 +411,9 @@ async def chat_completions(request: Request) -> Response:
     top = req.top_logprobs or 0
     jobs = []
     for i in range(req.n):
-        proc = st.Constraint(grammar, s.tokenizer, max_tokens=max_new, free_text=free_text).logits_processor if grammar is not None else None
+        g = st.Grammar(grammar, max_tokens=max_new, free_text=free_text) if grammar is not None else None
         jobs.append((prompt, _sampling(req, max_new, logprobs=req.logprobs, top_logprobs=top, seed_offset=i,
-                                       processor=proc)))
+                                       grammar=g)))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     fan = _FanOut(s, rid, jobs, t0)
     fan.n_per_prompt = req.n

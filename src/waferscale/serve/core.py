@@ -1,0 +1,232 @@
+"""The engine in its own process (vLLM's EngineCore): the API server's Python never shares a GIL with it.
+
+`wsc serve` runs two processes. The API process (FastAPI, uvicorn, SSE formatting, tokenizing chat templates)
+holds `CoreClient`, which has AsyncEngine's interface (`start`, `stop`, `stats`, `generate`, `check_request`,
+`max_model_len`). The core process builds the `Engine` and loops: take the commands that arrived (add / abort /
+stop), run one `Engine.step()`, send that step's outputs back in one message with the engine's stats.
+
+Why: the engine releases the GIL inside its C kernels, but every return from one needs the GIL back, and while
+the API thread formats 16 SSE chunks per step it holds it for milliseconds; in one process the engine (and
+the kernel pool's other core) waits. Apart, the engine thread only ever competes with the API for CPU.
+
+Wiring: one duplex pipe. Parent -> child: ("add", id, prompt ids, SamplingParams), ("abort", id), ("stop",).
+Child -> parent: ("ready", info) once, then ("out", [EngineOutput], stats) per step, ("reject", id, message,
+too_long) for a request the engine refused, ("error", message) when the engine cannot start. A core that
+dies fails every open stream with a clear error; the core exits when its parent's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from typing import Any
+
+from waferscale.serve.engine import EngineOutput, RequestTooLong, SamplingParams, _put_all, check_request
+
+__all__ = ["CoreClient", "CoreError"]
+
+_STARTUP_TIMEOUT_S = 900.0
+
+
+class CoreError(RuntimeError):
+    """The engine process could not start (its message says why) or died."""
+
+
+def _core_main(conn: Any, model: Any, engine_kw: dict[str, Any]) -> None:
+    """The core process: build the engine, then step it while there is work."""
+    try:
+        from waferscale.serve.engine import Engine
+
+        engine = Engine.from_pretrained(model, **engine_kw)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it there
+        from waferscale.errors import UserError
+
+        conn.send(("error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
+                   isinstance(e, UserError)))
+        return
+    conn.send(("ready", engine.describe()))
+    try:
+        while True:
+            busy = engine.has_unfinished()
+            while conn.poll(0 if busy else 0.1):
+                cmd = conn.recv()
+                if cmd[0] == "add":
+                    _, rid, prompt, params = cmd
+                    try:
+                        engine.add_request(rid, prompt, params)
+                    except ValueError as e:
+                        conn.send(("reject", rid, str(e), isinstance(e, RequestTooLong)))
+                elif cmd[0] == "abort":
+                    engine.abort_request(cmd[1])
+                else:  # stop
+                    return
+                busy = True
+            if not engine.has_unfinished():
+                continue
+            try:
+                outs = engine.step()
+            except Exception as e:  # noqa: BLE001 - a broken step fails every live request; the loop keeps serving
+                msg = f"engine step failed: {e!r}"
+                traceback.print_exc()
+                ids = engine.abort_all()
+                conn.send(("failed", ids, msg, engine.stats()))
+                continue
+            conn.send(("out", outs, engine.stats()))
+    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        pass  # the parent is gone
+    finally:
+        engine.close()
+
+
+class CoreClient:
+    """AsyncEngine's interface over an engine in its own process (see the module docstring).
+
+    model / engine_kw: as `Engine.from_pretrained(model, **engine_kw)`. Construction starts the process and
+    waits until the engine is built (raises CoreError with the engine's own message if it cannot be).
+    """
+
+    def __init__(self, model: Any, engine_kw: dict[str, Any] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()  # one sender at a time on the pipe
+        self._closed = False
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_core_main, args=(child, model, dict(engine_kw or {})),
+                                 name="wsc-engine-core")
+        self._proc.start()
+        child.close()
+        # (before multiprocessing's own exit handler, which would wait for this process to end by itself)
+        atexit.register(self.close)
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                self.close()
+                raise CoreError(f"the engine process exited (code {self._proc.exitcode}) while loading {model!r}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise CoreError(f"the engine process did not load {model!r} in {_STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._proc.join(timeout=30)
+            self.close()
+            raise CoreError(f"the engine process exited (code {self._proc.exitcode}) while loading {model!r}") \
+                from None
+        if msg[0] == "error":
+            self._closed = True
+            atexit.unregister(self.close)
+            self._proc.join(timeout=30)
+            if msg[2]:
+                from waferscale.errors import ConfigError
+
+                raise ConfigError(msg[1])
+            raise CoreError(f"the engine could not start: {msg[1]}")
+        self.info: dict[str, Any] = msg[1]
+        self.model_name: str = self.info["model_name"]
+        self.max_model_len: int = self.info["max_model_len"]
+        self._stats: dict[str, Any] = dict(self.info["stats"])
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._reader: threading.Thread | None = None
+        self._dead: str | None = None
+
+    # ---- AsyncEngine's interface --------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_token_ids, params, **self.info["limits"])
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    async def start(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, name="wsc-core-reader", daemon=True)
+            self._reader.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Stop the core process (waits up to 30 s, then kills it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._send(("stop",))
+        except (OSError, ValueError):
+            pass
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._conn.close()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> Any:
+        """Yield this request's EngineOutputs as the core produces them; the last has finished=True."""
+        self.check_request(prompt_token_ids, params)
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already streaming")
+        await self.start()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._send(("add", request_id, list(prompt_token_ids), params))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self._streams.pop(request_id, None)
+                if self._dead is None:
+                    self._send(("abort", request_id))
+
+    # ---- plumbing -----------------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def _deliver(self, items: list[tuple[str, Any, bool]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for rid, item, last in items:
+            ent = self._streams.pop(rid, None) if last else self._streams.get(rid)
+            if ent is not None:
+                by_loop.setdefault(ent[0], []).append((ent[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                kind = msg[0]
+                if kind == "out":
+                    outs: list[EngineOutput] = msg[1]
+                    self._stats = msg[2]
+                    self._deliver([(o.request_id, o, o.finished) for o in outs])
+                elif kind == "reject":
+                    _, rid, text, too_long = msg
+                    self._deliver([(rid, RequestTooLong(text) if too_long else ValueError(text), True)])
+                elif kind == "failed":
+                    _, ids, text, self._stats = msg
+                    self._deliver([(rid, RuntimeError(text), True) for rid in ids])
+        except (EOFError, OSError):
+            pass
+        code = self._proc.exitcode if not self._proc.is_alive() else None
+        self._dead = "the engine process stopped" + (f" (exit code {code})" if code not in (None, 0) else "")
+        self._deliver([(rid, RuntimeError(self._dead), True) for rid in list(self._streams)])
