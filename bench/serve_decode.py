@@ -214,8 +214,8 @@ def main() -> None:
         print(f"\n+. aggregate throughput, {a.users} concurrent sequences x {a.user_tokens} new tokens "
               "(prefill included)")
         agg1 = aggregate(engine, users, a.user_tokens)
-        print(f"   stages=1                   {agg1:8.2f} tok/s   ({agg1 / ours:.1f}x one stream; one process, "
-              "single-threaded runner)")
+        print(f"   stages=1                   {agg1:8.2f} tok/s   ({agg1 / ours:.1f}x one stream; one process, the "
+              f"kernels' pool of {engine.decode_threads} threads)")
         engine.close()
         del engine
         if a.stages > 1:

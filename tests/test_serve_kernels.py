@@ -159,3 +159,44 @@ def test_engine_greedy_with_c_kernels_matches_generate(llama16) -> None:
         alone = [e.generate([p], SamplingParams(temperature=0, max_tokens=40))[0] for p in prompts]
         together = e.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
         assert alone == ref and together == ref
+
+
+def test_engine_mixed_steps_all_paths_match_generate(llama16) -> None:
+    """A long prompt (a chunk above attention.STACK_MAX_CHUNK: the per-op path, SDPA for its chunk, C attention
+    for the decode rows beside it) arriving while short ones decode (the one-call C stack), and short prompts
+    arriving mid-decode (prefill rows in the C stack): the same greedy tokens as the plain forward, and every
+    block back at the end."""
+    from waferscale.serve.attention import STACK_MAX_CHUNK
+
+    class Tok:
+        vocab_size, eos_id = 256, None
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    short = [[1, 2, 3], list(range(30, 50))]
+    long = [(7 * i) % 250 + 1 for i in range(STACK_MAX_CHUNK + 30)]
+    late = [[5, 6], [8, 9, 10, 11]]
+    n = 24
+    ref = {tuple(p): list(generate(llama16, p, n, temperature=0)) for p in short + [long] + late}
+    e = Engine(llama16, Tok(), block_size=4, num_blocks=128, fast_linear=True, decode_threads=2)
+    sp = SamplingParams(temperature=0, max_tokens=n)
+    got: dict[str, list[int]] = {}
+    for i, p in enumerate(short):
+        e.add_request(f"s{i}", p, sp)
+    for k in range(60):
+        if k == 3:
+            e.add_request("long", long, sp)
+        if k == 6:
+            for i, p in enumerate(late):
+                e.add_request(f"l{i}", p, sp)
+        for o in e.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if k > 6 and not e.has_unfinished():
+            break
+    assert got["long"] == ref[tuple(long)]
+    for i, p in enumerate(short):
+        assert got[f"s{i}"] == ref[tuple(p)]
+    for i, p in enumerate(late):
+        assert got[f"l{i}"] == ref[tuple(p)]
+    assert e.stats()["kv_blocks_used"] == 0
