@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import multiprocessing as mp
 import threading
 import time
@@ -48,6 +49,8 @@ def _core_main(conn: Any, model: Any, engine_kw: dict[str, Any]) -> None:
         conn.send(("error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}",
                    isinstance(e, UserError)))
         return
+    gc.collect()
+    gc.freeze()  # the model's and the kernels' objects are never garbage: keep them out of every collection
     conn.send(("ready", engine.describe()))
     try:
         while True:
