@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import multiprocessing as mp
 import threading
@@ -26,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from waferscale.serve.engine import EngineOutput, RequestTooLong, SamplingParams, _put_all, check_request
+from waferscale.serve.engine import EngineOutput, RequestTooLong, SamplingParams, StreamHub, check_request
 
 __all__ = ["CoreClient", "CoreError"]
 
@@ -131,7 +132,7 @@ class CoreClient:
         self.model_name: str = self.info["model_name"]
         self.max_model_len: int = self.info["max_model_len"]
         self._stats: dict[str, Any] = dict(self.info["stats"])
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._hub = StreamHub()
         self._reader: threading.Thread | None = None
         self._dead: str | None = None
 
@@ -172,46 +173,22 @@ class CoreClient:
         self.check_request(prompt_token_ids, params)
         if self._dead is not None:
             raise RuntimeError(self._dead)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already streaming")
         await self.start()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._send(("add", request_id, list(prompt_token_ids), params))
-        done = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.finished:
-                    done = True
+
+        def abort() -> None:
+            if self._dead is None:
+                self._send(("abort", request_id))
+
+        async with contextlib.aclosing(self._hub.stream(
+                request_id, lambda: self._send(("add", request_id, list(prompt_token_ids), params)),
+                abort)) as items:
+            async for item in items:
                 yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                self._streams.pop(request_id, None)
-                if self._dead is None:
-                    self._send(("abort", request_id))
 
     # ---- plumbing -----------------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
         with self._lock:
             self._conn.send(msg)
-
-    def _deliver(self, items: list[tuple[str, Any, bool]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for rid, item, last in items:
-            ent = self._streams.pop(rid, None) if last else self._streams.get(rid)
-            if ent is not None:
-                by_loop.setdefault(ent[0], []).append((ent[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the consumer's loop is closed
-                pass
 
     def _read(self) -> None:
         try:
@@ -221,15 +198,15 @@ class CoreClient:
                 if kind == "out":
                     outs: list[EngineOutput] = msg[1]
                     self._stats = msg[2]
-                    self._deliver([(o.request_id, o, o.finished) for o in outs])
+                    self._hub.deliver([(o.request_id, o, o.finished) for o in outs])
                 elif kind == "reject":
                     _, rid, text, too_long = msg
-                    self._deliver([(rid, RequestTooLong(text) if too_long else ValueError(text), True)])
+                    self._hub.deliver([(rid, RequestTooLong(text) if too_long else ValueError(text), True)])
                 elif kind == "failed":
                     _, ids, text, self._stats = msg
-                    self._deliver([(rid, RuntimeError(text), True) for rid in ids])
+                    self._hub.deliver([(rid, RuntimeError(text), True) for rid in ids])
         except (EOFError, OSError):
             pass
         code = self._proc.exitcode if not self._proc.is_alive() else None
         self._dead = "the engine process stopped" + (f" (exit code {code})" if code not in (None, 0) else "")
-        self._deliver([(rid, RuntimeError(self._dead), True) for rid in list(self._streams)])
+        self._hub.deliver([(rid, RuntimeError(self._dead), True) for rid in self._hub.open_ids()])

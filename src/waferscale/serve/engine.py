@@ -20,12 +20,13 @@ group's micro-batch, and only activations cross between stages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -405,6 +406,58 @@ def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
+class StreamHub:
+    """The open streams of an engine front end (AsyncEngine here, CoreClient for an engine process): one
+    asyncio queue per request on its consumer's loop. The producer thread hands items over with `deliver`;
+    `stream` yields them to the consumer."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def open_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def deliver(self, items: list[tuple[str, Any, bool]]) -> None:
+        """Hand (request id, output or exception, last) to their consumers: one wake-up per event loop, not one
+        per item (a step of 16 streams would otherwise write 16 times to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item, last in items:
+            ent = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+            if ent is not None:
+                by_loop.setdefault(ent[0], []).append((ent[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    async def stream(self, request_id: str, submit: Callable[[], None],
+                     cancel: Callable[[], None]) -> AsyncIterator[EngineOutput]:
+        """Open request_id's stream, `submit()` the request, and yield its items until the last (an exception
+        item is raised). Leaving early (client disconnect) calls `cancel()`."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already streaming")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        submit()
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self._streams.pop(request_id, None)
+                cancel()
+
+
 class AsyncEngine:
     """Runs `Engine.step` in one background thread; `generate` streams a request's outputs to asyncio.
 
@@ -416,7 +469,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._hub = StreamHub()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -439,23 +492,6 @@ class AsyncEngine:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
-        self._deliver_all([(request_id, item, last)])
-
-    def _deliver_all(self, items: list[tuple[str, Any, bool]]) -> None:
-        """Hand (request id, output or exception, last) to their consumers: one wake-up per event loop, not one
-        per item (a step of 16 streams would otherwise write 16 times to the loop's self-pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for request_id, item, last in items:
-            ent = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-            if ent is not None:
-                by_loop.setdefault(ent[0], []).append((ent[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the consumer's loop is closed
-                pass
-
     def _loop(self) -> None:
         eng = self.engine
         while not self._stopping:
@@ -469,7 +505,7 @@ class AsyncEngine:
                     try:
                         eng.add_request(rid, prompt, params)
                     except ValueError as e:
-                        self._deliver(rid, e, True)
+                        self._hub.deliver([(rid, e, True)])
                 else:
                     eng.abort_request(cmd[1])
             if not eng.has_unfinished():
@@ -481,40 +517,27 @@ class AsyncEngine:
                 outs = eng.step()
             except Exception as e:  # a broken step fails every live request; the loop keeps serving
                 err = RuntimeError(f"engine step failed: {e!r}")
-                self._deliver_all([(rid, err, True) for rid in eng.abort_all()])
+                self._hub.deliver([(rid, err, True) for rid in eng.abort_all()])
                 self._stats = eng.stats()
                 continue
-            self._deliver_all([(o.request_id, o, o.finished) for o in outs])
+            self._hub.deliver([(o.request_id, o, o.finished) for o in outs])
             self._stats = eng.stats()
-        for rid in list(self._streams):
-            self._deliver(rid, RuntimeError("the engine stopped"), True)
+        stopped = RuntimeError("the engine stopped")
+        self._hub.deliver([(rid, stopped, True) for rid in self._hub.open_ids()])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[EngineOutput]:
         """Yield this request's outputs as steps produce them; the last has finished=True."""
         self.engine.check_request(prompt_token_ids, params)  # RequestTooLong / ValueError, before streaming
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already streaming")
         if self._thread is None:
             await self.start()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._cmds.put(("add", request_id, list(prompt_token_ids), params))
-        self._wake.set()
-        done = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.finished:
-                    done = True
+
+        def send(cmd: tuple) -> None:
+            self._cmds.put(cmd)
+            self._wake.set()
+
+        async with contextlib.aclosing(self._hub.stream(
+                request_id, lambda: send(("add", request_id, list(prompt_token_ids), params)),
+                lambda: send(("abort", request_id)))) as items:
+            async for item in items:
                 yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                self._streams.pop(request_id, None)
-                self._cmds.put(("abort", request_id))
-                self._wake.set()
