@@ -73,3 +73,30 @@ def test_core_matches_in_process_and_frees_blocks(model_dir) -> None:
 def test_core_reports_a_model_that_cannot_load(tmp_path) -> None:
     with pytest.raises(UserError, match="neither a pretrained model name"):
         CoreClient(str(tmp_path / "missing.gguf"))
+
+
+def test_server_whose_engine_process_dies_says_so_and_stays_up(tmp_path) -> None:
+    """`wsc serve` with its engine process killed: /health answers 503 with the reason, a generation gets the
+    OpenAI error envelope with 503, and the API process itself keeps answering."""
+    import os
+    import signal
+
+    from serve_helpers import run_server
+
+    with run_server(tiny_model_dir(tmp_path), tmp_path) as srv:
+        code, body, _ = srv.post("/v1/completions", {"model": "tiny-chat", "prompt": "Hi", "max_tokens": 3})
+        assert code == 200, body
+        kids = [int(k) for t in os.listdir(f"/proc/{srv.proc.pid}/task")
+                for k in open(f"/proc/{srv.proc.pid}/task/{t}/children").read().split()]
+        assert kids, "the server has no engine process"
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (h := srv.get("/health"))[0] != 503:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.1)
+        assert h[1]["status"] == "error" and "engine process stopped" in h[1]["error"]
+        code, body, _ = srv.post("/v1/completions", {"model": "tiny-chat", "prompt": "Hi", "max_tokens": 3})
+        assert code == 503 and body["error"]["type"] == "server_error", body
+        assert "engine" in body["error"]["message"]
+        assert srv.get("/v1/models")[0] == 200 and srv.proc.poll() is None

@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Any
 
-from waferscale.serve.engine import EngineOutput, RequestTooLong, SamplingParams, StreamHub, check_request
+from waferscale.serve.engine import (EngineDead, EngineOutput, RequestTooLong, SamplingParams, StreamHub,
+                                     check_request)
 
 __all__ = ["CoreClient", "CoreError"]
 
@@ -35,7 +36,7 @@ _STARTUP_TIMEOUT_S = 900.0
 
 
 class CoreError(RuntimeError):
-    """The engine process could not start (its message says why) or died."""
+    """The engine process could not start (its message says why)."""
 
 
 def _core_main(conn: Any, model: Any, engine_kw: dict[str, Any]) -> None:
@@ -143,6 +144,12 @@ class CoreClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot serve (its process stopped), or None."""
+        if self._dead is None and self._reader is not None and not self._proc.is_alive():
+            self._reader.join(timeout=5)  # (it is about to notice)
+        return self._dead
+
     async def start(self) -> None:
         if self._reader is None:
             self._reader = threading.Thread(target=self._read, name="wsc-core-reader", daemon=True)
@@ -172,7 +179,7 @@ class CoreClient:
         """Yield this request's EngineOutputs as the core produces them; the last has finished=True."""
         self.check_request(prompt_token_ids, params)
         if self._dead is not None:
-            raise RuntimeError(self._dead)
+            raise EngineDead(self._dead)
         await self.start()
 
         def abort() -> None:
@@ -209,4 +216,4 @@ class CoreClient:
             pass
         code = self._proc.exitcode if not self._proc.is_alive() else None
         self._dead = "the engine process stopped" + (f" (exit code {code})" if code not in (None, 0) else "")
-        self._hub.deliver([(rid, RuntimeError(self._dead), True) for rid in self._hub.open_ids()])
+        self._hub.deliver([(rid, EngineDead(self._dead), True) for rid in self._hub.open_ids()])

@@ -39,13 +39,18 @@ from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingPara
                                        sample_rows)
 from waferscale.serve.scheduler import Scheduler, SchedulerOutput, Sequence
 
-__all__ = ["AsyncEngine", "Engine", "EngineOutput", "RequestTooLong", "SamplingParams", "check_request"]
+__all__ = ["AsyncEngine", "Engine", "EngineDead", "EngineOutput", "RequestTooLong", "SamplingParams",
+           "check_request"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class RequestTooLong(ValueError):
     """The prompt plus max_tokens can never fit this engine's context or KV cache."""
+
+
+class EngineDead(RuntimeError):
+    """The engine (its process) has stopped: open streams fail with this, and so does every new request."""
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -491,6 +496,12 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         return dict(self._stats)
+
+    def unhealthy(self) -> str | None:
+        """Why the engine cannot serve, or None (its thread, once started, runs until stop)."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            return "the engine thread stopped"
+        return None
 
     def _loop(self) -> None:
         eng = self.engine

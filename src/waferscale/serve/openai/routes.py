@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from waferscale.serve import structured as st
-from waferscale.serve.engine import RequestTooLong, SamplingParams
+from waferscale.serve.engine import EngineDead, RequestTooLong, SamplingParams
 from waferscale.serve.openai.metrics import Metrics
 from waferscale.serve.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                               NamedToolChoice, now, parse_request, time_info, usage)
@@ -134,8 +134,11 @@ async def tcp_warming() -> dict[str, Any]:
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
+async def health(request: Request) -> Any:
     s = _state(request)
+    why = s.aengine.unhealthy()
+    if why is not None:  # the engine (process) is gone: this server cannot answer generations
+        return JSONResponse({"status": "error", "model": s.model_id, "error": why}, status_code=503)
     return {"status": "ok", "model": s.model_id, "engine": s.aengine.stats()}
 
 
@@ -297,6 +300,8 @@ class _FanOut:
 
 
 def _engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineDead):
+        return APIError(503, f"the engine is unavailable: {e}; restart the server", type="server_error")
     if isinstance(e, RequestTooLong):
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, ValueError):
