@@ -755,15 +755,19 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
         const float* Kh = cache + (size_t)kh * slots * hd;
         const float* Vh = cache + (size_t)(nkv + kh) * slots * hd;
         const float* q = qkv + kh * g * hd;
+        if (kh == 0)  /* this head's K and V into L2 now; each later head's while the one before computes */
+            for (long t = 0; t < S; t++) { prefetch_row(Kh + slot[t] * hd, hd, 1); prefetch_row(Vh + slot[t] * hd, hd, 1); }
+        const float* Kn = kh + 1 < nkv ? Kh + (size_t)slots * hd : NULL;
+        const float* Vn = kh + 1 < nkv ? Vh + (size_t)slots * hd : NULL;
         for (long t = 0; t < 16 && t < S; t++) prefetch_row(Kh + slot[t] * hd, hd, 0);
-        for (long t = 0; t < S;) {  /* scores, 16 positions at a time; the next 16 K rows and these V rows are
-                                       prefetched meanwhile (a sequence's blocks are scattered: short streams) */
+        for (long t = 0; t < S;) {  /* scores, 16 positions at a time; the next 16 K rows are prefetched meanwhile
+                                       (a sequence's blocks are scattered: short streams), and the next head's */
             const float* kr[16];
             int n = 0;
             for (; n < 16 && t + n < S; n++) {
                 kr[n] = Kh + slot[t + n] * hd;
                 if (t + n + 16 < S) prefetch_row(Kh + slot[t + n + 16] * hd, hd, 0);
-                prefetch_row(Vh + slot[t + n] * hd, hd, 1);
+                if (Kn) { prefetch_row(Kn + slot[t + n] * hd, hd, 1); prefetch_row(Vn + slot[t + n] * hd, hd, 1); }
             }
             for (long j = 0; j < g; j++) {
                 if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * S + t);
