@@ -200,3 +200,37 @@ def test_engine_mixed_steps_all_paths_match_generate(llama16) -> None:
     for i, p in enumerate(late):
         assert got[f"l{i}"] == ref[tuple(p)]
     assert e.stats()["kv_blocks_used"] == 0
+
+
+def test_decoding_gives_the_same_bits_alone_or_batched(llama16) -> None:
+    """Batch invariance: a sequence's logprobs (every decode step) are the same floats alone and among other
+    sequences of other lengths (C projections: one FMA chain per output whatever the rows; attention: the same
+    code for one sequence or many)."""
+
+    class Tok:
+        vocab_size, eos_id = 256, None
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(65 + i % 26) for i in ids)
+
+        def id_to_token(self, i: int) -> str:
+            return chr(65 + i % 26)
+
+    e = Engine(llama16, Tok(), block_size=4, num_blocks=128, fast_linear=True, decode_threads=2)
+    sp = SamplingParams(temperature=0, max_tokens=20, logprobs=True, top_logprobs=3)
+
+    def run(prompts: list[list[int]]) -> list[list[float]]:
+        ids = [f"q{i}-{len(prompts)}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            e.add_request(rid, p, sp)
+        lps: dict[str, list[float]] = {rid: [] for rid in ids}
+        while e.has_unfinished():
+            for o in e.step():
+                for ent in o.logprobs or []:
+                    lps[o.request_id] += [ent["logprob"]] + [t["logprob"] for t in ent["top_logprobs"]]
+        return [lps[r] for r in ids]
+
+    a = [3, 1, 4, 1, 5, 9, 2, 6]
+    alone = run([a])[0]
+    together = run([list(range(40, 70)), a, [7, 7], list(range(10, 21))])[1]
+    assert len(alone) == 20 * 4 and alone == together
