@@ -2,9 +2,10 @@
 of sequence chunks against a block-paged KV cache.
 
 A step's batch is N tokens from B sequences laid end to end (prefill chunks and single decode tokens mixed).
-Projections run once over all N rows; attention runs per prefill chunk (queries against the sequence's
-gathered KV slots, causal with an offset) and once for all decode rows together (gathered into a padded
-(B, nkv, S_max, hd) tensor with a key mask). Only the rows that sample go through the head.
+Projections run once over all N rows; attention runs per prefill chunk (queries against the sequence's KV
+slots, causal with an offset) and for all decode rows together. Only the rows that sample go through the head.
+On the torch path decode rows are gathered into a padded (B, nkv, S_max, hd) tensor with a key mask; with the
+C kernels they (and the tokens of short prefill chunks) attend over the paged cache in place.
 
 The runner reuses each block's own norm and activation modules; its projections are fused (q|k|v in one
 matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels
@@ -158,8 +159,9 @@ class Prepared:
         return self._dec_c
 
 
-# Threads. A decode step is hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys)
-# and a few dozen matrix-vector products that one core already runs at memory speed. An OpenMP parallel
+# Threads (the torch path; the C kernels have their own pool, see kernels.set_threads). A decode step is
+# hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys) and a few dozen
+# matrix-vector products that one core already runs at memory speed. An OpenMP parallel
 # region costs microseconds on a quiet machine and milliseconds when another process holds the second core
 # (measured: SDPA 14 us -> 3.7 ms on this 2-core box under load), so the runner runs single-threaded and
 # lends its thread budget (`threads`, default 1) only to work big enough to pay for it: GEMMs of PAR_MACS+

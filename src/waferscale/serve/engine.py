@@ -131,12 +131,12 @@ class Engine:
 
     num_blocks: KV blocks of `block_size` positions (None: as many as fit in `kv_cache_mb`). stages: pipeline
     stages (K > 1 runs K worker processes, each with its slice of the layers). fast_linear: on CPU float32,
-    run the projections of up to 4 rows (decode) with the C kernels of serve/kernels.py, else MKL's packed
-    one-row GEMM (None: automatic). threads: intra-op threads the runner lends to big GEMMs and long prefills
-    (None: 1 with one stage, see attention.py; with K stages each worker process gets
-    torch.get_num_threads() // K). decode_threads: threads that share each of those decode products (None:
-    torch.get_num_threads(), per stage process torch.get_num_threads() // K; the kernels fall back to one
-    when sharing does not pay, e.g. when other processes keep the other cores busy).
+    run the projections, norms, SwiGLU and decode attention in the C kernels of serve/kernels.py (without a
+    C compiler: MKL, its packed one-row GEMM for one row) (None: automatic). threads: intra-op threads the
+    torch path lends to big GEMMs and long prefill attention (None: 1 with one stage, see attention.py; with
+    K stages each worker process gets torch.get_num_threads() // K). decode_threads: threads of the C kernels'
+    pool (None: torch.get_num_threads(), per stage process torch.get_num_threads() // K; one-row products
+    fall back to one thread when sharing does not pay, e.g. when other processes keep the other cores busy).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
