@@ -289,14 +289,14 @@ static void pack_x(const float* x, long rows, long in, float* xt) {
    takes chunks from the back of another's segment (a worker that is asleep, or descheduled by another
    process, simply gets robbed). The caller never waits long: once no chunk is left to take it waits a few
    microseconds for chunks still in progress, then computes them itself. A chunk's result is published by
-   whoever first moves its state from (gen, TODO) to (gen, WRITING), so a late worker only throws its result
+   whoever first moves its state from (gen, OPEN) to (gen, WRITING), so a late worker only throws its result
    away. Every output is computed by the same code in the same order, whichever thread does it. */
 
 #define CHUNK_FLOATS 8192          /* weights per chunk: 32 KiB, ~2 us at memory speed */
 #define MAX_CHUNKS 8192
 #define MAX_CHUNK_OUT 256
 #define MAX_THREADS 64
-#define TODO 0
+#define OPEN 0
 #define WRITING 1
 #define DONE 2
 
@@ -312,7 +312,7 @@ static _Atomic uint64_t g_gen;     /* job generation; 0: none yet */
 static _Atomic uint64_t g_live;
 static _Atomic long g_inflight;
 static seg_t g_seg[MAX_THREADS];
-static _Atomic uint64_t g_state[MAX_CHUNKS];  /* (gen << 2) | TODO/WRITING/DONE */
+static _Atomic uint64_t g_state[MAX_CHUNKS];  /* (gen << 2) | OPEN/WRITING/DONE */
 static _Atomic int g_sleeping, g_stop, g_workers, g_use = 1;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
@@ -366,7 +366,7 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
     if (j->at) {  /* sequence c's attention */
         const attn_t* a = j->at;
         if (attend_chunk(a, c, buf) != 0) return;  /* out of memory: the caller (who reserved its own) redoes it */
-        uint64_t want = gen << 2 | TODO;
+        uint64_t want = gen << 2 | OPEN;
         if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
             __builtin_memcpy(a->y + a->rows[c] * a->ldy, buf, a->nh * a->hd * sizeof(float));
             atomic_store(&g_state[c], gen << 2 | DONE);
@@ -376,7 +376,7 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
     long np = (j->out + PANEL - 1) / PANEL;
     long p0 = c * cp, p1 = p0 + cp < np ? p0 + cp : np;
     panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL);
-    uint64_t want = gen << 2 | TODO;
+    uint64_t want = gen << 2 | OPEN;
     if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
         put(j, p0, p1, buf);
         atomic_store(&g_state[c], gen << 2 | DONE);
@@ -546,7 +546,7 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
 static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     job_t j = *jp;
     uint64_t gen = atomic_load(&g_gen) + 1;
-    for (long c = 0; c < nc; c++) atomic_store_explicit(&g_state[c], gen << 2 | TODO, memory_order_relaxed);
+    for (long c = 0; c < nc; c++) atomic_store_explicit(&g_state[c], gen << 2 | OPEN, memory_order_relaxed);
     atomic_store(&g_live, gen);
     for (long k = 0; k < ns; k++)
         atomic_store(&g_seg[k].fb, (uint64_t)(nc * k / ns) << 32 | (uint64_t)(nc * (k + 1) / ns));
