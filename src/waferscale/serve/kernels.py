@@ -21,7 +21,7 @@ this project runs on (same runs, float32):
 - A second thread: `set_threads` starts a work-stealing pool that measures whether sharing pays (per size
   of work) and falls back to one thread when it does not (e.g. when another process holds the other core).
 - `torch.compile` would generate similar loops, but each compiled call costs ~30 us of guards (x 121
-  projections per token) and a first compile of ~50 s; this file compiles in under a second.
+  projections per token) and a first compile of ~50 s; this file compiles in ~6 s, once per machine (cached).
 
 Kernels (float32, contiguous; results identical whichever thread computes them):
 
@@ -213,7 +213,8 @@ static void panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) 
             const float* xt = j->xt + (size_t)t0 * in;
             float* d = dst + t0 * ldd + (o - p0 * PANEL);
             const float* res = j->res ? j->res + (size_t)t0 * out + o : NULL;
-            switch (MR) {
+            switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
+                              instead costs ~30% at 13 rows) */
 #define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
             PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6) PMK(7) PMK(8)
             PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
