@@ -108,10 +108,8 @@ class Prepared:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.sample_rows = torch.tensor(samples, dtype=torch.long, device=device)
         self.all_sample = samples == list(range(row))  # every row samples (pure decode)
-        self.cos = self.sin = None
-        if cos_table is not None:
-            self.cos = cos_table.index_select(0, self.positions).unsqueeze(1)  # (N, 1, hd)
-            self.sin = sin_table.index_select(0, self.positions).unsqueeze(1)
+        self._rope_tables = (cos_table, sin_table)
+        self._rope: tuple[Tensor, Tensor] | None = None
         self.dec_rows = None
         self.dec_all = False
         self.dec_slice: slice | None = None  # one decode sequence with contiguous KV: attend to a view
@@ -124,6 +122,24 @@ class Prepared:
                 self.dec_slice = dec_slots[0]
             self.dec_all = dec_rows == list(range(row))
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+
+    @property
+    def cos(self) -> Tensor | None:
+        """(N, 1, hd) rotary cos of every row's position (None without rotary positions); built on first use,
+        for the torch path (the C kernels index the tables themselves)."""
+        return None if self._rope_tables[0] is None else self._rope_rows()[0]
+
+    @property
+    def sin(self) -> Tensor | None:
+        """(N, 1, hd) rotary sin (first half negated) of every row's position, as `cos`."""
+        return None if self._rope_tables[0] is None else self._rope_rows()[1]
+
+    def _rope_rows(self) -> tuple[Tensor, Tensor]:
+        if self._rope is None:
+            cos_t, sin_t = self._rope_tables
+            self._rope = (cos_t.index_select(0, self.positions).unsqueeze(1),
+                          sin_t.index_select(0, self.positions).unsqueeze(1))
+        return self._rope
 
     def dec_gather(self) -> tuple[Tensor, Tensor | None]:
         """For the torch attention path: the decode rows' KV slots (B, S_max), padded with a valid slot, and

@@ -7,6 +7,14 @@ from typing import Any
 import torch
 
 
+def _with_grads(opt: torch.optim.Optimizer, group: dict, *state: str) -> tuple[list, ...]:
+    """The group's parameters that have gradients, their gradients, and per name in `state` their state
+    tensors (zeros on first use)."""
+    ps = [p for p in group["params"] if p.grad is not None]
+    return (ps, [p.grad for p in ps],
+            *([opt.state[p].setdefault(n, torch.zeros_like(p)) for p in ps] for n in state))
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al., 2023): p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p); m = b2 * m + (1 - b2) * g."""
 
@@ -20,11 +28,9 @@ class Lion(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         for g in self.param_groups:
-            ps = [p for p in g["params"] if p.grad is not None]
+            ps, grads, ms = _with_grads(self, g, "exp_avg")
             if not ps:
                 continue
-            grads = [p.grad for p in ps]
-            ms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in ps]
             b1, b2 = g["betas"]
             if g["weight_decay"]:
                 torch._foreach_mul_(ps, 1.0 - g["lr"] * g["weight_decay"])
@@ -51,12 +57,9 @@ class Lamb(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         for g in self.param_groups:
-            ps = [p for p in g["params"] if p.grad is not None]
+            ps, grads, ms, vs = _with_grads(self, g, "exp_avg", "exp_avg_sq")
             if not ps:
                 continue
-            grads = [p.grad for p in ps]
-            ms = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in ps]
-            vs = [self.state[p].setdefault("exp_avg_sq", torch.zeros_like(p)) for p in ps]
             b1, b2 = g["betas"]
             torch._foreach_lerp_(ms, grads, 1.0 - b1)
             torch._foreach_mul_(vs, b2)
