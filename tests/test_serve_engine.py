@@ -13,7 +13,7 @@ import torch
 from waferscale.data.tokenizer import CharTokenizer
 from waferscale.models import from_name
 from waferscale.models.generate import generate
-from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.engine import AsyncEngine, Engine, RequestTooLong, SamplingParams
 
 CHARS = string.ascii_letters + string.digits + " .,"  # 65 ids; the tiny models' vocab is 256

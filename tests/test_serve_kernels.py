@@ -11,7 +11,7 @@ from waferscale.models import from_name
 from waferscale.models.generate import generate
 from waferscale.models.layers import rope_cos_sin
 from waferscale.serve import kernels
-from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"C kernels: {kernels.unavailable_reason()}")
@@ -166,7 +166,7 @@ def test_engine_mixed_steps_all_paths_match_generate(llama16) -> None:
     for the decode rows beside it) arriving while short ones decode (the one-call C stack), and short prompts
     arriving mid-decode (prefill rows in the C stack): the same greedy tokens as the plain forward, and every
     block back at the end."""
-    from waferscale.serve.attention import STACK_MAX_CHUNK
+    from waferscale.serve.model_runner import STACK_MAX_CHUNK
 
     class Tok:
         vocab_size, eos_id = 256, None

@@ -4,7 +4,7 @@ Every `Engine.step()` is schedule -> execute -> update (vLLM's `EngineCore.step`
 
 - schedule: the pure-Python `Scheduler` picks this step's tokens (a decode token for every running sequence,
   prompt chunks for admitted ones, up to `max_num_batched_tokens`), allocating KV blocks as it goes;
-- execute: the `ModelRunner` (serve/attention.py) runs those tokens as one flat batch, or, with `stages=K`,
+- execute: the `ModelRunner` (serve/model_runner.py) runs those tokens as one flat batch, or, with `stages=K`,
   the pipeline (serve/stages.py) runs K micro-batches in flight at once, one per stage;
 - update: sample each sequence's next token with its own generator, detokenize, apply stop rules, free the
   blocks of finished sequences, and report `EngineOutput` deltas.
@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from waferscale.models.layers import CausalLM
-from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.kv import BlockAllocator, KVPool
 from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingParams, TokenBytes, logprob_entry,
                                        sample_rows)
@@ -133,7 +133,7 @@ class Engine:
     stages (K > 1 runs K worker processes, each with its slice of the layers). fast_linear: on CPU float32,
     run the projections, norms, SwiGLU and decode attention in the C kernels of serve/kernels.py (without a
     C compiler: MKL, its packed one-row GEMM for one row) (None: automatic). threads: intra-op threads the
-    torch path lends to big GEMMs and long prefill attention (None: 1 with one stage, see attention.py; with
+    torch path lends to big GEMMs and long prefill attention (None: 1 with one stage, see model_runner.py; with
     K stages each worker process gets torch.get_num_threads() // K). decode_threads: threads of the C kernels'
     pool (None: torch.get_num_threads(), per stage process torch.get_num_threads() // K; one-row products
     fall back to one thread when sharing does not pay, e.g. when other processes keep the other cores busy).

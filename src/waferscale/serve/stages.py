@@ -26,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from waferscale.models.layers import CausalLM
-from waferscale.serve.attention import BatchSpec, ModelRunner
+from waferscale.serve.model_runner import BatchSpec, ModelRunner
 
 _STARTUP_TIMEOUT_S = 600.0
 
