@@ -1,0 +1,282 @@
+/* Decode attention: rope, KV write and GQA attention of each sequence's new token, one sequence or a
+   batch over a block-paged cache. Part of serve_kernels.c (one translation unit). */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* ---- one decode token's attention, for one sequence whose KV sits in consecutive cache slots ---------- */
+
+static _Thread_local float* t_scores;
+static _Thread_local long t_cap;
+
+/* The cache slots of positions [t0, t0 + n) of a sequence: one run of consecutive slots starting at *base.
+   table == NULL: the sequence's KV sits in consecutive slots from slot0 (one run). Else its block table:
+   position t lives in slot table[t / bs] * bs + t % bs, one run per block. */
+static inline long run_of(const long* table, long bs, long slot0, long t0, long S, long* base) {
+    if (!table) { *base = slot0 + t0; return S - t0; }
+    *base = table[t0 / bs] * bs + t0 % bs;
+    long n = bs - t0 % bs;
+    return n < S - t0 ? n : S - t0;
+}
+
+/* One new token of one sequence, in two parts: `rope_write` rotates its q and k heads in place (when cos is
+   not NULL: x * cos + swap_halves(x) * sin_signed, sin_signed = sin with its first half negated) and writes
+   its k and v to cache slot `slot`; `attend` computes y (nh * hd) = softmax(q K^T * scale) V over positions
+   [0, S), reading the cache only. qkv: (nh + 2 nkv) * hd projections (q heads | k heads | v heads); cache:
+   (2 nkv, slots, hd), k heads then v heads; hd % 16 == 0. The arithmetic is the same whatever the slots and
+   whichever thread runs it: batched and single-sequence decode agree bit for bit. */
+static void rope_write(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots, long slot,
+                       long nh, long nkv, long hd) {
+    long half = hd / 2;
+    if (cos) {
+        for (long h = 0; h < nh + nkv; h++) {
+            float* x = qkv + h * hd;
+            for (long i = 0; i < half; i++) {
+                float a = x[i], b = x[i + half];
+                x[i] = a * cos[i] + b * sin_signed[i];
+                x[i + half] = b * cos[i + half] + a * sin_signed[i + half];
+            }
+        }
+    }
+    for (long h = 0; h < 2 * nkv; h++)
+        __builtin_memcpy(cache + ((size_t)h * slots + slot) * hd, qkv + (nh + h) * hd, hd * sizeof(float));
+}
+
+/* this thread's scratch for g * S scores; NULL when out of memory */
+static float* scores_buf(long n) {
+    if (t_cap < n) {
+        float* nb = realloc(t_scores, (size_t)n * sizeof(float) + 64);
+        if (!nb) return NULL;
+        t_scores = nb; t_cap = n;
+    }
+    return t_scores;
+}
+
+/* table == NULL: positions [0, S) in slots [slot0, slot0 + S); else in blocks of bs (see run_of).
+   Scores go 16 positions at a time: 16 vector accumulators (q . K_t over hd), then one 16-way tree
+   reduction instead of 16 horizontal sums; the K rows of the 16 positions stay in L1 for the g query heads
+   that share them. Values: g heads at once, each V row loaded once. Returns 0, or -1 when out of memory
+   (nothing written to y). */
+static inline __attribute__((always_inline)) void scores16(const float* q, const float* const* kr, int n, long hd,
+                                                           float scale, float* out) {
+    v16 acc[16];
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; l++) acc[l] = (v16){0};
+    if (hd == 64) {  /* the common head size: each K row's pointer loaded once, q in 4 registers */
+        v16 q0 = ld16(q), q1 = ld16(q + 16), q2 = ld16(q + 32), q3 = ld16(q + 48);
+#pragma GCC unroll 16
+        for (int l = 0; l < 16; l++) if (l < n) {
+            const float* k = kr[l];
+            acc[l] += q0 * ld16(k);
+            acc[l] += q1 * ld16(k + 16);
+            acc[l] += q2 * ld16(k + 32);
+            acc[l] += q3 * ld16(k + 48);
+        }
+    } else {
+        for (long d = 0; d < hd; d += 16) {
+            v16 qv = ld16(q + d);
+#pragma GCC unroll 16
+            for (int l = 0; l < 16; l++) if (l < n) acc[l] += qv * ld16(kr[l] + d);
+        }
+    }
+#ifdef HAVE_TREE
+    v16 t[8], u[4], v[2], r;
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) t[k] = tlvl1(acc[2 * k], acc[2 * k + 1]);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) u[k] = tlvl2(t[2 * k], t[2 * k + 1]);
+    v[0] = tlvl3(u[0], u[1]); v[1] = tlvl3(u[2], u[3]);
+    r = tlvl4(v[0], v[1]) * scale;
+    float rs[16];
+    __builtin_memcpy(rs, &r, sizeof r);
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; l++) if (TREE_PERM[l] < n) out[TREE_PERM[l]] = rs[l];
+#else
+    for (int l = 0; l < n; l++) out[l] = hsum16(acc[l]) * scale;
+#endif
+}
+
+/* o[j][v] (j < JN heads, v < 4 vectors of 16 dims from dim i) = sum over positions u, in order, of
+   p[j * S + u] * V_u[i + 16 v ..] */
+static inline __attribute__((always_inline)) void pv_block(const float* Vh, long hd, long i, int nv, int JN,
+                                                           const float* p, long S, const long* table, long bs,
+                                                           long slot0, const float* inv, float* out) {
+    v16 o[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) o[j][v] = (v16){0};
+    for (long t0 = 0, base, n; t0 < S; t0 += n) {
+        n = run_of(table, bs, slot0, t0, S, &base);
+        for (long u = 0; u < n; u++) {
+            const float* vr = Vh + (base + u) * hd + i;
+            v16 vv[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) vv[v] = v < nv ? ld16(vr + 16 * v) : (v16){0};
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) if (j < JN) {
+                v16 pu = vsplat(p[j * S + t0 + u]);
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) if (v < nv) o[j][v] += pu * vv[v];
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) if (j < JN)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) if (v < nv) {
+            v16 r = o[j][v] * inv[j];
+            __builtin_memcpy(out + j * hd + i + 16 * v, &r, sizeof r);
+        }
+}
+
+static _Thread_local long* t_slot;
+static _Thread_local long t_slot_cap;
+
+/* prefetch the hd floats at p (into L1: locality 3; L2: 2) */
+static inline void prefetch_row(const float* p, long hd, int l2) {
+    for (long d = 0; d < hd; d += 16) {
+        if (l2) __builtin_prefetch(p + d, 0, 2); else __builtin_prefetch(p + d, 0, 3);
+    }
+}
+
+static int attend(const float* qkv, const float* cache, long slots, long slot0, const long* table, long bs, long S,
+                  long nh, long nkv, long hd, float scale, float* y) {
+    long g = nh / nkv;
+    float* sc = scores_buf(g * S);
+    if (!sc) return -1;
+    if (t_slot_cap < S) {  /* the slot of every position */
+        long* nb = realloc(t_slot, (size_t)S * sizeof(long) + 64);
+        if (!nb) return -1;
+        t_slot = nb; t_slot_cap = S;
+    }
+    long* slot = t_slot;
+    for (long t0 = 0, base, n; t0 < S; t0 += n) {
+        n = run_of(table, bs, slot0, t0, S, &base);
+        for (long u = 0; u < n; u++) slot[t0 + u] = base + u;
+    }
+    for (long kh = 0; kh < nkv; kh++) {
+        const float* Kh = cache + (size_t)kh * slots * hd;
+        const float* Vh = cache + (size_t)(nkv + kh) * slots * hd;
+        const float* q = qkv + kh * g * hd;
+        if (kh == 0)  /* this head's K and V into L2 now; each later head's while the one before computes */
+            for (long t = 0; t < S; t++) { prefetch_row(Kh + slot[t] * hd, hd, 1); prefetch_row(Vh + slot[t] * hd, hd, 1); }
+        const float* Kn = kh + 1 < nkv ? Kh + (size_t)slots * hd : NULL;
+        const float* Vn = kh + 1 < nkv ? Vh + (size_t)slots * hd : NULL;
+        for (long t = 0; t < 16 && t < S; t++) prefetch_row(Kh + slot[t] * hd, hd, 0);
+        for (long t = 0; t < S;) {  /* scores, 16 positions at a time; the next 16 K rows are prefetched meanwhile
+                                       (a sequence's blocks are scattered: short streams), and the next head's */
+            const float* kr[16];
+            int n = 0;
+            for (; n < 16 && t + n < S; n++) {
+                kr[n] = Kh + slot[t + n] * hd;
+                if (t + n + 16 < S) prefetch_row(Kh + slot[t + n + 16] * hd, hd, 0);
+                if (Kn) { prefetch_row(Kn + slot[t + n] * hd, hd, 1); prefetch_row(Vn + slot[t + n] * hd, hd, 1); }
+            }
+            for (long j = 0; j < g; j++) {
+                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * S + t);
+                else scores16(q + j * hd, kr, n, hd, scale, sc + j * S + t);
+            }
+            t += n;
+        }
+        float inv[64];
+        for (long j = 0; j < g; j++) {  /* softmax numerators in place, 1 / sums in inv */
+            float* sj = sc + j * S;
+            float m = sj[0];
+            long t = 1;
+            if (S >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
+                v16 mv = ld16(sj);
+                for (t = 16; t + 16 <= S; t += 16) {
+                    v16 v = ld16(sj + t);
+                    v16i gt = v > mv;
+                    mv = (v16)(((v16i)v & gt) | ((v16i)mv & ~gt));
+                }
+                for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+            }
+            for (; t < S; t++) m = sj[t] > m ? sj[t] : m;
+            v16 acc = {0};
+            t = 0;
+            for (; t + 16 <= S; t += 16) {
+                v16 e = vexp(ld16(sj + t) - m);
+                __builtin_memcpy(sj + t, &e, sizeof e);
+                acc += e;
+            }
+            float sum = hsum16(acc);
+            for (; t < S; t++) {
+                v16 e = vexp(vsplat(sj[t] - m));
+                sj[t] = e[0];
+                sum += e[0];
+            }
+            inv[j % 64] = 1.0f / sum;
+            if (j % 64 == 63 || j == g - 1) {  /* values for heads [j - j % 64, j] */
+                long j0 = j - j % 64;
+                float* out = y + (kh * g + j0) * hd;
+                for (long jj = j0; jj <= j; jj += 4) {
+                    int JN = j + 1 - jj < 4 ? (int)(j + 1 - jj) : 4;
+                    const float* p = sc + jj * S;
+                    float* o = out + (jj - j0) * hd;
+                    const float* iv = inv + (jj - j0);
+                    for (long i = 0; i < hd; i += 64) {
+                        int nv = hd - i < 64 ? (int)((hd - i) / 16) : 4;
+                        if (nv == 4) {
+                            switch (JN) {
+                            case 1: pv_block(Vh, hd, i, 4, 1, p, S, table, bs, slot0, iv, o); break;
+                            case 2: pv_block(Vh, hd, i, 4, 2, p, S, table, bs, slot0, iv, o); break;
+                            case 3: pv_block(Vh, hd, i, 4, 3, p, S, table, bs, slot0, iv, o); break;
+                            default: pv_block(Vh, hd, i, 4, 4, p, S, table, bs, slot0, iv, o); break;
+                            }
+                        } else {
+                            pv_block(Vh, hd, i, nv, JN, p, S, table, bs, slot0, iv, o);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* One sequence whose KV sits in consecutive slots [slot0, slot0 + S); its new token goes to the last. Returns
+   0, or -1 when out of memory (nothing written to y). */
+int wsc_decode_attention(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots,
+                         long slot0, long S, long nh, long nkv, long hd, float scale, float* y) {
+    rope_write(qkv, cos, sin_signed, cache, slots, slot0 + S - 1, nh, nkv, hd);
+    return attend(qkv, cache, slots, slot0, NULL, 0, S, nh, nkv, hd, scale, y);
+}
+
+static int attend_chunk(const attn_t* a, long b, float* y) {
+    return attend(a->qkv + a->rows[b] * a->ldq, a->cache, a->slots, 0, a->tables + b * a->ldt, a->bs, a->pos[b] + 1,
+                  a->nh, a->nkv, a->hd, a->scale, y);
+}
+
+/* Decode tokens of B sequences: token b is row rows[b] of qkv (row stride ldq) and of y (stride ldy); it
+   sits at position pos[b] (its sequence's length - 1) and its block table is tables[b * ldt ..] (blocks of
+   bs slots). cos_t / sin_t: (positions, hd) rotary tables, or NULL. Every token's rope and KV write first,
+   then the sequences' attention, shared by the pool's threads (one sequence per chunk). Returns 0, or -1
+   when out of memory (y may be partly written). */
+int wsc_decode_attention_batch(float* qkv, long ldq, const long* rows, long B, const long* pos,
+                               const float* cos_t, const float* sin_t, float* cache, long slots,
+                               const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
+                               float* y, long ldy) {
+    long smax = 0;
+    for (long b = 0; b < B; b++) {
+        long p = pos[b];
+        rope_write(qkv + rows[b] * ldq, cos_t ? cos_t + p * hd : NULL, sin_t ? sin_t + p * hd : NULL, cache, slots,
+                   tables[b * ldt + p / bs] * bs + p % bs, nh, nkv, hd);
+        smax = p + 1 > smax ? p + 1 : smax;
+    }
+    attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy};
+    long ns = atomic_load(&g_use);
+    if (ns > B) ns = B;
+    int idle = 0;
+    if (!scores_buf(nh / nkv * smax) || !chunk_buf(nh * hd)) return -1;  /* the caller's own, reserved */
+    if (ns >= 2 && B <= MAX_CHUNKS && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
+        job_t j = {NULL, NULL, NULL, NULL, NULL, 0, 0, 0, &a};
+        run_pool(&j, 1, B, ns);
+        atomic_store(&g_busy, 0);
+        return 0;
+    }
+    for (long b = 0; b < B; b++)
+        if (attend_chunk(&a, b, y + rows[b] * ldy) != 0) return -1;
+    return 0;
+}

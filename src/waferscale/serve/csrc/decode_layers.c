@@ -1,0 +1,70 @@
+/* A Llama-style block stack for decode tokens, every layer in one call. Part of serve_kernels.c (one
+   translation unit). */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* ---- every layer of a Llama-style block stack for one decode token of one sequence --------------------
+   The kernels of the other parts, in the order the runner's per-op path calls them, without a Python round trip
+   between them. */
+
+typedef struct {
+    const float *attn_norm, *wqkv, *bqkv, *wo, *bo, *mlp_norm, *wgu, *bgu, *wd, *bd;
+    float attn_eps, mlp_eps;
+    float* cache;  /* (2 nkv, slots, hd) */
+} layer_t;
+
+/* x (C,) in place through layers[0 .. n); scratch: at least C + (nh + 2 nkv) hd + nh hd + 3 ffn floats.
+   Returns 0, or -1 when out of memory. */
+int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, long nkv, long hd, long ffn,
+                      const float* cos, const float* sin_signed, long slots, long slot0, long S, float* scratch) {
+    float* h = scratch;
+    float* qkv = h + C;
+    float* y = qkv + (nh + 2 * nkv) * hd;
+    float* gu = y + nh * hd;
+    float* a = gu + 2 * ffn;
+    float scale = 1.0f / sqrtf((float)hd);
+    for (long l = 0; l < n; l++) {
+        const layer_t* L = layers + l;
+        wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
+        wsc_linear(L->wqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
+        if (wsc_decode_attention(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y) != 0)
+            return -1;
+        wsc_linear(L->wo, y, L->bo, x, x, 1, C, nh * hd);
+        wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
+        wsc_linear(L->wgu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
+        wsc_silu_mul(gu, a, 1, ffn);
+        wsc_linear(L->wd, a, L->bd, x, x, 1, C, ffn);
+    }
+    return 0;
+}
+
+/* The same layers for decode tokens of R sequences over a block-paged cache: x (R, C) in place; token r sits
+   at position pos[r] of its sequence, whose block table is tables[r * ldt ..] (blocks of bs slots); rows:
+   0 .. R-1. scratch: at least R * (C + (nh + 2 nkv) hd + nh hd + 3 ffn) floats. Returns 0, or -1 when out of
+   memory. */
+int wsc_decode_layers_batch(float* x, const layer_t* layers, long n, long R, long C, long nh, long nkv, long hd,
+                            long ffn, const float* cos_t, const float* sin_t, long slots, const long* pos,
+                            const long* tables, long ldt, long bs, const long* rows, float* scratch) {
+    long nq = (nh + 2 * nkv) * hd;
+    float* h = scratch;
+    float* qkv = h + R * C;
+    float* y = qkv + R * nq;
+    float* gu = y + R * nh * hd;
+    float* a = gu + R * 2 * ffn;
+    float scale = 1.0f / sqrtf((float)hd);
+    for (long l = 0; l < n; l++) {
+        const layer_t* L = layers + l;
+        wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, R, C);
+        if (wsc_linear(L->wqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
+            wsc_decode_attention_batch(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs, nh,
+                                       nkv, hd, scale, y, nh * hd) != 0 ||
+            wsc_linear(L->wo, y, L->bo, x, x, R, C, nh * hd) != 0)
+            return -1;
+        wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, R, C);
+        if (wsc_linear(L->wgu, h, L->bgu, NULL, gu, R, 2 * ffn, C) != 0) return -1;
+        wsc_silu_mul(gu, a, R, ffn);
+        if (wsc_linear(L->wd, a, L->bd, x, x, R, C, ffn) != 0) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,124 @@
+/* Shared by every part of the serving kernels (one translation unit: serve_kernels.c includes this header,
+   then the parts): the headers, the 16-float vector type and its helpers (fixed-order sums, e^x), the
+   weight-panel layout constants and the pool's job types. */
+
+#ifndef WSC_KERNELS_H
+#define WSC_KERNELS_H
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
+typedef int v16i __attribute__((vector_size(64)));
+
+static inline v16 vsplat(float a) { v16 v = {a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; return v; }
+
+/* Fixed-order horizontal sum: halves, then halves again. */
+static inline float hsum16(v16 v) {
+#if defined(__clang__) || __GNUC__ >= 12
+    v8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8 lo, hi; __builtin_memcpy(&lo, &v, 32); __builtin_memcpy(&hi, (const char*)&v + 32, 32);
+#endif
+    v8 s = lo + hi;
+    float a = (s[0] + s[4]) + (s[2] + s[6]);
+    float b = (s[1] + s[5]) + (s[3] + s[7]);
+    return a + b;
+}
+
+/* One weight row against one input row: a single sequential stream, four vector accumulators. */
+static inline float dot(const float* w, const float* x, long n) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long i = 0;
+    for (; i + 64 <= n; i += 64) {
+        a0 += ld16(w + i) * ld16(x + i);
+        a1 += ld16(w + i + 16) * ld16(x + i + 16);
+        a2 += ld16(w + i + 32) * ld16(x + i + 32);
+        a3 += ld16(w + i + 48) * ld16(x + i + 48);
+    }
+    for (; i + 16 <= n; i += 16) a0 += ld16(w + i) * ld16(x + i);
+    float s = hsum16((a0 + a1) + (a2 + a3));
+    for (; i < n; i++) s += w[i] * x[i];
+    return s;
+}
+
+/* Sums of 16 vectors at once, lanes in the fixed order of a 4-level tree: lane l of the result is the sum of
+   vector TREE_PERM[l] (4 vector adds and 8 shuffles per level pair, instead of 16 horizontal sums). */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF(p, q, ...) __builtin_shufflevector(p, q, __VA_ARGS__)
+static inline v16 tlvl1(v16 p, v16 q) {
+    return SHUF(p, q, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(p, q, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline v16 tlvl2(v16 p, v16 q) {
+    return SHUF(p, q, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUF(p, q, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+static inline v16 tlvl3(v16 p, v16 q) {
+    return SHUF(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUF(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+static inline v16 tlvl4(v16 p, v16 q) {
+    return SHUF(p, q, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           SHUF(p, q, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#define HAVE_TREE 1
+#endif
+static const int TREE_PERM[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+
+/* e^x for x <= 0 (softmax arguments): 2^k * p(r), r = x - k ln 2, |r| <= ln 2, degree-7 Taylor polynomial
+   (relative error < 3e-7, as good as float32 libm for this use); underflows to 0 below -87. */
+static inline v16 vexp(v16 x) {
+    v16i under = x < -87.0f;
+    x = (v16)(((v16i)x & ~under) | ((v16i)vsplat(-87.0f) & under));
+    v16 fk = x * 1.44269504088896341f - 0.5f;
+    v16i k = __builtin_convertvector(fk, v16i);  /* truncation: round(x log2 e) for x <= 0 */
+    v16 kf = __builtin_convertvector(k, v16);
+    v16 r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    v16 pe = vsplat(1.0f / 5040) ;
+    pe = pe * r + 1.0f / 720;
+    pe = pe * r + 1.0f / 120;
+    pe = pe * r + 1.0f / 24;
+    pe = pe * r + 1.0f / 6;
+    pe = pe * r + 0.5f;
+    pe = pe * r + 1.0f;
+    pe = pe * r + 1.0f;
+    v16i bits = (k + 127) << 23;
+    v16 y = pe * (v16)bits;
+    return (v16)((v16i)y & ~under);
+}
+
+#define PANEL 16
+#define TILE 16
+#ifndef PF_DIST
+#define PF_DIST 512   /* floats ahead of the panel read to prefetch */
+#endif
+
+/* decode attention of B sequences over a paged cache (see wsc_decode_attention_batch) */
+typedef struct {
+    const float* qkv; long ldq; const long *rows, *pos; const float* cache; long slots;
+    const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
+} attn_t;
+
+/* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk */
+typedef struct {
+    const float *W, *xt, *b, *res; float* y;
+    long rows, out, in;
+    const attn_t* at;
+} job_t;
+
+/* defined in attention.c, run by the pool (pool.c) */
+static int attend_chunk(const attn_t* a, long b, float* y);
+
+#endif  /* WSC_KERNELS_H */

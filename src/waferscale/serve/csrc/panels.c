@@ -1,0 +1,140 @@
+/* Products over weights packed in panels: the microkernel, a job's panels into a buffer, packing x.
+   Part of serve_kernels.c (one translation unit). */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* ---- y = residual + x W^T + bias over W packed in panels ---------------------------------------------
+   W (out, in) is stored as ceil(out / 16) panels of (in, 16): panel p holds W[16 p + c][k] at [k][c] (rows
+   past `out` are zero). A panel is one sequential stream of memory, whatever the number of x rows, and the
+   microkernel keeps up to 16 x rows' sums for its 16 outputs in 16 vector registers: per k one panel load,
+   and one broadcast x element and one FMA per row; no horizontal sums. Each output is one FMA chain over k
+   in order (then + bias, then residual +), the same chain whatever the number of rows, the row's tile or the
+   thread: results do not depend on the batch or the thread count. x rows go in tiles of 16, each tile
+   transposed to (in, rows in the tile) so that a step of k reads one short contiguous run. */
+
+/* MR (<= TILE) rows of one tile against one panel: dst[r * ldd + c] = res[r * ldr + c] + (sum_k xt[k * MR + r]
+   * wp[k * 16 + c] + b[c]), c < nc. Called with constant MR so that each case compiles to its own loop. */
+static inline __attribute__((always_inline)) void pmk(const float* wp, const float* xt, long K, int MR,
+                                                      float* dst, long ldd, int nc, const float* b,
+                                                      const float* res, long ldr) {
+    v16 a[TILE];
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; r++) a[r] = (v16){0};
+    for (long k = 0; k < K; k++) {
+        v16 w = ld16(wp + k * PANEL);
+#if PF_DIST > 0
+        __builtin_prefetch(wp + k * PANEL + PF_DIST, 0, 3);
+#endif
+#if defined(__GNUC__) && defined(__AVX512F__)
+        __asm__("" : "+v"(w));  /* one load, kept in a register (not folded into every FMA) */
+#endif
+        const float* xk = xt + k * MR;
+#pragma GCC unroll 16
+        for (int r = 0; r < TILE; r++) if (r < MR) a[r] += vsplat(xk[r]) * w;
+    }
+    if (nc == PANEL) {
+#pragma GCC unroll 16
+        for (int r = 0; r < TILE; r++) if (r < MR) {
+            v16 v = a[r];
+            if (b) v = v + ld16(b);
+            if (res) v = ld16(res + r * ldr) + v;
+            __builtin_memcpy(dst + r * ldd, &v, sizeof v);
+        }
+    } else {
+        for (int r = 0; r < MR; r++) {
+            float s[PANEL];
+            __builtin_memcpy(s, &a[r], sizeof s);
+            for (int c = 0; c < nc; c++) {
+                float z = s[c];
+                if (b) z = z + b[c];
+                if (res) z = res[r * ldr + c] + z;
+                dst[r * ldd + c] = z;
+            }
+        }
+    }
+}
+
+/* panels [p0, p1) for every row into dst (row r, output o at dst[r * ldd + o - 16 p0]) */
+static void panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+    long R = j->rows, in = j->in, out = j->out;
+    for (long p = p0; p < p1; p++) {
+        const float* wp = j->W + (size_t)p * in * PANEL;
+        long o = p * PANEL;
+        int nc = out - o < PANEL ? (int)(out - o) : PANEL;
+        const float* b = j->b ? j->b + o : NULL;
+        for (long t0 = 0; t0 < R; t0 += TILE) {
+            int MR = R - t0 < TILE ? (int)(R - t0) : TILE;
+            const float* xt = j->xt + (size_t)t0 * in;
+            float* d = dst + t0 * ldd + (o - p0 * PANEL);
+            const float* res = j->res ? j->res + (size_t)t0 * out + o : NULL;
+            switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
+                              instead costs ~30% at 13 rows) */
+#define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
+            PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6) PMK(7) PMK(8)
+            PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
+#undef PMK
+            }
+        }
+    }
+}
+
+static inline long out_end(const job_t* j, long p1) { return p1 * PANEL < j->out ? p1 * PANEL : j->out; }
+
+static void put(const job_t* j, long p0, long p1, const float* buf) {
+    long o0 = p0 * PANEL, m = out_end(j, p1) - o0;
+    for (long r = 0; r < j->rows; r++)
+        __builtin_memcpy(j->y + (size_t)r * j->out + o0, buf + r * m, m * sizeof(float));
+}
+
+#ifdef HAVE_TREE
+/* v[r][c] -> v[c][r] for a 16 x 16 block: 4 levels, each swapping one bit of the row with that of the column */
+static inline void transpose16(v16* v) {
+    for (int r = 0; r < 16; r++) if (!(r & 1)) {
+        v16 p = v[r], q = v[r + 1];
+        v[r] = SHUF(p, q, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        v[r + 1] = SHUF(p, q, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+    for (int r = 0; r < 16; r++) if (!(r & 2)) {
+        v16 p = v[r], q = v[r + 2];
+        v[r] = SHUF(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+        v[r + 2] = SHUF(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    for (int r = 0; r < 16; r++) if (!(r & 4)) {
+        v16 p = v[r], q = v[r + 4];
+        v[r] = SHUF(p, q, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        v[r + 4] = SHUF(p, q, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    for (int r = 0; r < 8; r++) {
+        v16 p = v[r], q = v[r + 8];
+        v[r] = SHUF(p, q, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        v[r + 8] = SHUF(p, q, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+}
+#endif
+
+/* x (rows, in) -> tiles of TILE rows, each (in, rows in the tile): xt[t0 * in + k * MR + r] = x[t0 + r][k] */
+static void pack_x(const float* x, long rows, long in, float* xt) {
+    for (long t0 = 0; t0 < rows; t0 += TILE) {
+        long MR = rows - t0 < TILE ? rows - t0 : TILE;
+        float* d = xt + t0 * in;
+#ifdef HAVE_TREE
+        if (MR == 16) {  /* 16 x 16 blocks through registers */
+            long k0 = 0;
+            for (; k0 + 16 <= in; k0 += 16) {
+                v16 v[16];
+                for (int r = 0; r < 16; r++) v[r] = ld16(x + (t0 + r) * in + k0);
+                transpose16(v);
+                for (int c = 0; c < 16; c++) __builtin_memcpy(d + (k0 + c) * 16, &v[c], sizeof(v16));
+            }
+            for (long r = 0; r < 16; r++)
+                for (long k = k0; k < in; k++) d[k * 16 + r] = x[(t0 + r) * in + k];
+            continue;
+        }
+#endif
+        for (long r = 0; r < MR; r++) {
+            const float* s = x + (t0 + r) * in;
+            for (long k = 0; k < in; k++) d[k * MR + r] = s[k];
+        }
+    }
+}

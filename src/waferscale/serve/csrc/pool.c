@@ -1,0 +1,299 @@
+/* The work-stealing thread pool, its share-or-not measurement, and wsc_linear (the products' entry point).
+   Part of serve_kernels.c (one translation unit). */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* ---- a tiny work-stealing pool for one product at a time -------------------------------------------
+   The panels are cut into chunks (~32 KiB of weights each) and the chunks into one contiguous segment per
+   thread, so that every thread streams its own stretch of the matrix front to back. A thread that runs out
+   takes chunks from the back of another's segment (a worker that is asleep, or descheduled by another
+   process, simply gets robbed). The caller never waits long: once no chunk is left to take it waits a few
+   microseconds for chunks still in progress, then computes them itself. A chunk's result is published by
+   whoever first moves its state from (gen, OPEN) to (gen, WRITING), so a late worker only throws its result
+   away. Every output is computed by the same code in the same order, whichever thread does it. */
+
+#define CHUNK_FLOATS 8192          /* weights per chunk: 32 KiB, ~2 us at memory speed */
+#define MAX_CHUNKS 8192
+#define MAX_CHUNK_OUT 256
+#define MAX_THREADS 64
+#define OPEN 0
+#define WRITING 1
+#define DONE 2
+
+typedef struct { _Atomic uint64_t fb; char pad[56]; } seg_t;  /* front << 32 | back, chunks [front, back) */
+
+static job_t g_job;
+static _Atomic long g_chunk_panels, g_nchunks, g_nseg;
+
+static _Atomic uint64_t g_gen;     /* job generation; 0: none yet */
+/* A chunk reads the caller's x and W, which may be freed once the caller returns: a worker enters a chunk
+   only while its job is live (g_live) and counts itself in g_inflight, and the caller, once every chunk is
+   done, ends the job and waits until no worker is inside one. */
+static _Atomic uint64_t g_live;
+static _Atomic long g_inflight;
+static seg_t g_seg[MAX_THREADS];
+static _Atomic uint64_t g_state[MAX_CHUNKS];  /* (gen << 2) | OPEN/WRITING/DONE */
+static _Atomic int g_sleeping, g_stop, g_workers, g_use = 1;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static long g_spin_ns = 100000;   /* a worker spins this long for the next job before it sleeps */
+static long g_wait_ns = 20000;    /* the caller waits this long for chunks in progress before redoing them */
+
+static inline long now_ns(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* take one chunk of segment k: from the front (owner) or the back (thief); -1 when it is empty */
+static long take(long k, int front) {
+    uint64_t w = atomic_load(&g_seg[k].fb);
+    for (;;) {
+        uint64_t f = w >> 32, bk = w & 0xFFFFFFFFu;
+        if (f >= bk) return -1;
+        uint64_t nw = front ? ((f + 1) << 32 | bk) : (f << 32 | (bk - 1));
+        if (atomic_compare_exchange_weak(&g_seg[k].fb, &w, nw)) return (long)(front ? f : bk - 1);
+    }
+}
+
+/* this thread's buffer for one chunk's outputs (n floats); NULL when out of memory */
+static _Thread_local float* t_buf;
+static _Thread_local long t_buf_cap;
+static float* chunk_buf(long n) {
+    if (t_buf_cap < n) {
+        float* nb = realloc(t_buf, (size_t)n * sizeof(float) + 64);
+        if (!nb) return NULL;
+        t_buf = nb; t_buf_cap = n;
+    }
+    return t_buf;
+}
+
+static inline int enter(uint64_t gen) {
+    atomic_fetch_add(&g_inflight, 1);
+    if (atomic_load(&g_live) == gen) return 1;
+    atomic_fetch_sub(&g_inflight, 1);
+    return 0;
+}
+
+static inline long job_buf(const job_t* j, long cp) { return j->at ? j->at->nh * j->at->hd : j->rows * cp * PANEL; }
+
+static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* buf) {
+    if (j->at) {  /* sequence c's attention */
+        const attn_t* a = j->at;
+        if (attend_chunk(a, c, buf) != 0) return;  /* out of memory: the caller (who reserved its own) redoes it */
+        uint64_t want = gen << 2 | OPEN;
+        if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
+            __builtin_memcpy(a->y + a->rows[c] * a->ldy, buf, a->nh * a->hd * sizeof(float));
+            atomic_store(&g_state[c], gen << 2 | DONE);
+        }
+        return;
+    }
+    long np = (j->out + PANEL - 1) / PANEL;
+    long p0 = c * cp, p1 = p0 + cp < np ? p0 + cp : np;
+    panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL);
+    uint64_t want = gen << 2 | OPEN;
+    if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
+        put(j, p0, p1, buf);
+        atomic_store(&g_state[c], gen << 2 | DONE);
+    }
+}
+
+/* thread `me` of job `gen`: its own segment front to back, then the others' from their backs */
+static void work(uint64_t gen, const job_t* j, long me) {
+    long cp = atomic_load(&g_chunk_panels), ns = atomic_load(&g_nseg);
+    if (atomic_load(&g_gen) != gen || me >= ns) return;
+    float* buf = chunk_buf(job_buf(j, cp));
+    if (!buf) return;  /* the others (the caller at the latest) do this thread's chunks */
+    for (long c; (c = take(me, 1)) >= 0;) {
+        if (!enter(gen)) return;  /* stale: the segments belong to a newer job */
+        finish_chunk(gen, j, c, cp, buf);
+        atomic_fetch_sub(&g_inflight, 1);
+    }
+    for (long d = 1; d < ns; d++) {
+        long k = (me + d) % ns;
+        for (long c; (c = take(k, 0)) >= 0;) {
+            if (!enter(gen)) return;
+            finish_chunk(gen, j, c, cp, buf);
+            atomic_fetch_sub(&g_inflight, 1);
+        }
+    }
+}
+
+static void* worker_main(void* arg) {
+    long me = (long)(intptr_t)arg;
+    uint64_t seen = atomic_load(&g_gen);
+    while (!atomic_load(&g_stop)) {
+        long t0 = now_ns();
+        uint64_t gen;
+        while ((gen = atomic_load(&g_gen)) == seen && !atomic_load(&g_stop)) {
+            cpu_relax();
+            if (now_ns() - t0 > g_spin_ns) {
+                pthread_mutex_lock(&g_mu);
+                atomic_fetch_add(&g_sleeping, 1);
+                while ((gen = atomic_load(&g_gen)) == seen && !atomic_load(&g_stop)) pthread_cond_wait(&g_cv, &g_mu);
+                atomic_fetch_sub(&g_sleeping, 1);
+                pthread_mutex_unlock(&g_mu);
+                break;
+            }
+        }
+        if (atomic_load(&g_stop)) break;
+        seen = gen;
+        job_t j = g_job;  /* stale if that job already finished: then every result below is thrown away */
+        work(gen, &j, me);
+    }
+    return NULL;
+}
+
+/* Let `threads` threads (the caller's included) share each product from now on, starting workers as needed;
+   returns how many will. */
+int wsc_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    while (atomic_load(&g_workers) < threads - 1) {
+        pthread_t t;
+        long id = atomic_load(&g_workers) + 1;
+        if (pthread_create(&t, NULL, worker_main, (void*)(intptr_t)id) != 0) break;
+        pthread_detach(t);
+        atomic_fetch_add(&g_workers, 1);
+    }
+    int n = atomic_load(&g_workers) + 1;
+    atomic_store(&g_use, threads < n ? threads : n);
+    return atomic_load(&g_use);
+}
+
+static int run_pool(const job_t* jp, long cp, long nc, long ns);
+static _Atomic int g_busy;  /* the pool serves one caller at a time; others run alone */
+
+/* Whether sharing pays is measured, not assumed: when another process keeps the other cores busy, a worker
+   shows up late and the caller loses time to it. Each way keeps decaying sums of time spent and weight bytes
+   streamed, per size class (a product's log2 bytes: big products share better than small ones, so a mix of
+   sizes must not decide for one size) and over all sizes (for a class not measured both ways yet); the
+   faster way is used. Every EXPLORE_EVERY products the other way runs a burst of EXPLORE_BURST, the first of
+   which (which wakes sleeping workers, or lets them fall asleep) is not counted, nor is any product that had
+   to wake a worker. */
+#define SHARE_ROWS 4  /* products of this many rows or more are always shared */
+#define EXPLORE_EVERY 256
+#define EXPLORE_BURST 8
+#define NCLASS 64
+static double g_ns[2], g_bytes[2];  /* [0]: caller alone, [1]: shared */
+static double g_cns[NCLASS][2], g_cbytes[NCLASS][2];
+static long g_njobs, g_burst_left;
+static int g_burst_mode;
+static long g_count[2];  /* products run alone / shared */
+
+static inline int faster_shared(const double* ns, const double* bytes) {
+    return ns[1] * bytes[0] <= ns[0] * bytes[1];
+}
+
+/* out: fs per byte alone, shared (0: not measured yet); products run alone, shared */
+void wsc_stats(long* out) {
+    for (int m = 0; m < 2; m++) {
+        out[m] = g_bytes[m] > 0 ? (long)(g_ns[m] * 1e6 / g_bytes[m]) : 0;
+        out[2 + m] = g_count[m];
+    }
+}
+
+static _Thread_local float* t_xt;
+static _Thread_local long t_xt_cap;
+
+/* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed (see panels.c), x (rows, in), y/res (rows, out).
+   b and res may be NULL; res may alias y. Thread-safe: one caller at a time shares the pool, any others
+   run alone. Returns 0, or -1 when out of memory (nothing written). */
+int wsc_linear(const float* W, const float* x, const float* b, const float* res, float* y,
+               long rows, long out, long in) {
+    const float* xt = x;
+    if (rows > 1) {  /* (one row is its own transpose) */
+        if (t_xt_cap < rows * in) {
+            float* nb = realloc(t_xt, (size_t)rows * in * sizeof(float) + 64);
+            if (!nb) return -1;
+            t_xt = nb; t_xt_cap = rows * in;
+        }
+        pack_x(x, rows, in, t_xt);
+        xt = t_xt;
+    }
+    job_t j = {W, xt, b, res, y, rows, out, in, NULL};
+    long np = (out + PANEL - 1) / PANEL;
+    long cp = CHUNK_FLOATS / (PANEL * (in > 0 ? in : 1));
+    if (cp < 1) cp = 1;
+    if (cp > MAX_CHUNK_OUT / PANEL) cp = MAX_CHUNK_OUT / PANEL;
+    if ((np + cp - 1) / cp > MAX_CHUNKS) cp = (np + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    long nc = (np + cp - 1) / cp;
+    long ns = atomic_load(&g_use);
+    if (ns > nc / 2) ns = nc / 2;
+    int idle = 0;
+    if (ns < 2 || !chunk_buf(rows * cp * PANEL) || !atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
+        panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
+        return 0;
+    }
+    double bytes = (double)out * in * 4;  /* weight bytes streamed; the class is by work (bytes x rows) */
+    int cls = 63 - __builtin_clzl((unsigned long)(bytes * rows) | 1);
+    int pref = g_bytes[0] > 0 && g_bytes[1] > 0 && faster_shared(g_ns, g_bytes);
+    if (g_cbytes[cls][0] > 0 && g_cbytes[cls][1] > 0) pref = faster_shared(g_cns[cls], g_cbytes[cls]);
+    if (rows < SHARE_ROWS && g_burst_left == 0 && g_bytes[0] > 0 && (g_bytes[1] == 0 || ++g_njobs % EXPLORE_EVERY == 0)) {
+        g_burst_left = EXPLORE_BURST;
+        g_burst_mode = !pref;
+    }
+    int shared = pref, count = 1;
+    if (rows >= SHARE_ROWS) {  /* compute-bound: two cores beat one (a descheduled worker just gets robbed) */
+        shared = 1;
+        count = 0;
+    } else if (g_burst_left > 0) {
+        shared = g_burst_mode;
+        count = g_burst_left < EXPLORE_BURST;
+        g_burst_left--;
+    }
+    long t0 = now_ns();
+    g_count[shared]++;
+    if (shared) count &= run_pool(&j, cp, nc, ns); else panels_into(&j, 0, np, y, out);
+    if (count) {  /* decay: overall, the last ~64 MB-weighted products of each way count; per class, ~4 */
+        double dt = (double)(now_ns() - t0), keep = 1.0 - bytes / (bytes + 64e6);
+        g_ns[shared] = g_ns[shared] * keep + dt;
+        g_bytes[shared] = g_bytes[shared] * keep + bytes;
+        g_cns[cls][shared] = g_cns[cls][shared] * 0.75 + dt;
+        g_cbytes[cls][shared] = g_cbytes[cls][shared] * 0.75 + bytes;
+    }
+    atomic_store(&g_busy, 0);
+    return 0;
+}
+
+/* returns 0 when a worker had to be woken (a transient, e.g. the first product of a token: not a fair sample
+   of what sharing costs), else 1 */
+static int run_pool(const job_t* jp, long cp, long nc, long ns) {
+    job_t j = *jp;
+    uint64_t gen = atomic_load(&g_gen) + 1;
+    for (long c = 0; c < nc; c++) atomic_store_explicit(&g_state[c], gen << 2 | OPEN, memory_order_relaxed);
+    atomic_store(&g_live, gen);
+    for (long k = 0; k < ns; k++)
+        atomic_store(&g_seg[k].fb, (uint64_t)(nc * k / ns) << 32 | (uint64_t)(nc * (k + 1) / ns));
+    g_job = j;
+    atomic_store(&g_chunk_panels, cp);
+    atomic_store(&g_nchunks, nc);
+    atomic_store(&g_nseg, ns);
+    atomic_store(&g_gen, gen);
+    int warm = atomic_load(&g_sleeping) == 0;
+    if (!warm) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    work(gen, &j, 0);
+    /* nothing left to take; wait briefly for chunks in progress, then redo what is still missing */
+    long t0 = now_ns();
+    float* buf = chunk_buf(job_buf(&j, cp));  /* (reserved by the caller) */
+    for (long c = 0; c < nc; c++) {
+        while ((atomic_load(&g_state[c]) & 3) != DONE) {
+            if (now_ns() - t0 < g_wait_ns) { cpu_relax(); continue; }
+            finish_chunk(gen, &j, c, cp, buf);
+            while ((atomic_load(&g_state[c]) & 3) != DONE) cpu_relax();  /* a worker is copying out */
+        }
+    }
+    atomic_store(&g_live, 0);
+    while (atomic_load(&g_inflight) != 0) cpu_relax();  /* a late worker still reading x / W */
+    return warm;
+}

@@ -1,0 +1,77 @@
+/* Row-wise kernels: SwiGLU, argmax (greedy sampling), RMSNorm. Part of serve_kernels.c (one
+   translation unit). */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, n + i]: SwiGLU over a fused gate|up row of 2n. */
+void wsc_silu_mul(const float* gu, float* out, long rows, long n) {
+    for (long r = 0; r < rows; r++) {
+        const float* g = gu + (size_t)r * 2 * n;
+        const float* u = g + n;
+        float* o = out + (size_t)r * n;
+        long i = 0;
+        for (; i + 16 <= n; i += 16) {
+            v16 x = ld16(g + i);
+            v16i neg = x < 0.0f;
+            v16 ax = (v16)((v16i)x & ~(v16i)vsplat(-0.0f));          /* |x| */
+            v16 e = vexp(-ax);                                       /* exp(-|x|) in (0, 1] */
+            v16 num = (v16)(((v16i)vsplat(1.0f) & ~neg) | ((v16i)e & neg));  /* x >= 0: 1, else e */
+            v16 y = x * (num / (1.0f + e)) * ld16(u + i);
+            __builtin_memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < n; i++) {
+            float x = g[i];
+            float e = vexp(vsplat(-fabsf(x)))[0];
+            o[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+        }
+    }
+}
+
+/* index of the first maximum of x[0..n) (of the first NaN, if any: NaN counts as the largest, as in torch) */
+long wsc_argmax(const float* x, long n) {
+    if (n <= 0) return 0;
+    float best = x[0];
+    long where = 0, i = 0;
+    int nan = 0;
+    if (n >= 32 && n < (1L << 31)) {  /* per lane: its first maximum and where */
+        v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, at = lane;
+        v16 m = ld16(x);
+        v16i nanv = m != m;
+        for (i = 16; i + 16 <= n; i += 16) {
+            v16 v = ld16(x + i);
+            nanv |= v != v;
+            v16i gt = v > m;
+            m = (v16)(((v16i)v & gt) | ((v16i)m & ~gt));
+            at = ((lane + (int)i) & gt) | (at & ~gt);
+        }
+        best = m[0]; where = at[0];
+        for (int k = 0; k < 16; k++) {
+            nan |= nanv[k];
+            if (m[k] > best || (m[k] == best && at[k] < where)) { best = m[k]; where = at[k]; }
+        }
+    }
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        if (x[i] > best) { best = x[i]; where = i; }
+    }
+    if (nan)
+        for (long t = 0; t < n; t++) if (x[t] != x[t]) return t;
+    return where;
+}
+
+/* wsc_argmax of each of `rows` rows of n (row stride ld) into out */
+void wsc_argmax_rows(const float* x, long rows, long ld, long n, long* out) {
+    for (long r = 0; r < rows; r++) out[r] = wsc_argmax(x + r * ld, n);
+}
+
+/* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), per row of n. */
+void wsc_rms_norm(const float* x, const float* w, float eps, float* y, long rows, long n) {
+    for (long r = 0; r < rows; r++) {
+        const float* xr = x + (size_t)r * n;
+        float* yr = y + (size_t)r * n;
+        float ss = dot(xr, xr, n);
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (long i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}

@@ -1,0 +1,15 @@
+/* The C kernels for CPU serving, float32: waferscale/serve/kernels.py compiles this file, and only this one,
+   into a shared object (see _FLAGS there) and calls its wsc_* functions through ctypes.
+
+   One translation unit: the parts below are included, not linked, so that they share their static state
+   (the pool's job, the per-thread scratch buffers) and the compiler sees every call across them, as it did
+   when they were one file. Each part compiles only from here. */
+
+#define WSC_SERVE_KERNELS_TU
+#include "kernels.h"
+
+#include "panels.c"         /* the panel microkernel: y = residual + x W^T + bias, per chunk of panels */
+#include "pool.c"           /* the work-stealing pool, wsc_set_threads, wsc_stats, wsc_linear */
+#include "attention.c"      /* wsc_decode_attention, wsc_decode_attention_batch */
+#include "rowwise.c"        /* wsc_silu_mul, wsc_argmax, wsc_argmax_rows, wsc_rms_norm */
+#include "decode_layers.c"  /* wsc_decode_layers, wsc_decode_layers_batch */
