@@ -19,9 +19,9 @@ import numpy as np
 from waferscale.fabric import cost as K
 from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
-from waferscale.fabric.kernels.tiles import used
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
+from waferscale.fabric.schedules import attention_phases, norm_phases, softmax_phases, used
 
 errs: dict = defaultdict(list)
 wall: dict = defaultdict(lambda: [0.0, 0.0])
@@ -57,13 +57,13 @@ def main() -> None:
             Rt, Ct = used(tok, R), used(w, C)
             tt, wt = -(-tok // Rt), -(-w // Ct)
             case("layernorm", lambda: K.norm_cycles(sp, tok * w, w, R, C),
-                 lambda: S.sim_row_program(sp, S.norm_phases(sp, tt, wt, False, "fp32"), Rt, Ct))
+                 lambda: S.sim_row_program(sp, norm_phases(sp, tt, wt, False, "fp32"), Rt, Ct))
             case("softmax", lambda: K.softmax_cycles(sp, tok * w, w, R, C),
-                 lambda: S.sim_row_program(sp, S.softmax_phases(sp, tt, wt, "fp32"), Rt, Ct))
+                 lambda: S.sim_row_program(sp, softmax_phases(sp, tt, wt, "fp32"), Rt, Ct))
         for H, d, T in [(8, 64, 128), (8, 32, 128), (4, 128, 64)]:
             Rt, Ct = used(H, R), used(T, C)
             case("attention", lambda: K.attention_decode_cycles(sp, H, d, T, R, C),
-                 lambda: S.sim_row_program(sp, S.attention_phases(sp, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct,
+                 lambda: S.sim_row_program(sp, attention_phases(sp, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct,
                                            "fp16"))
     sp = fabric_from_name("wse2", pes=(10, 10))
     for rate, seed in itertools.product((0.01, 0.03, 0.05, 0.1), range(4)):

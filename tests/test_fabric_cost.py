@@ -12,9 +12,9 @@ from waferscale.errors import ConfigError
 from waferscale.fabric import cost as K
 from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
-from waferscale.fabric.kernels.tiles import used
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
+from waferscale.fabric.schedules import attention_phases, norm_phases, softmax_phases, used
 
 LIMIT = 0.10
 MESHES = [(4, 4), (6, 5), (8, 8)]
@@ -60,13 +60,13 @@ def test_spmv_elementwise_rows_model_vs_des(R, C):
         tt, wt = -(-tok // Rt), -(-w // Ct)
         for rms in (False, True):
             _close(K.norm_cycles(spec, tok * w, w, R, C, rms=rms).total,
-                   S.sim_row_program(spec, S.norm_phases(spec, tt, wt, rms, "fp32"), Rt, Ct), f"norm {tok}x{w}")
+                   S.sim_row_program(spec, norm_phases(spec, tt, wt, rms, "fp32"), Rt, Ct), f"norm {tok}x{w}")
         _close(K.softmax_cycles(spec, tok * w, w, R, C).total,
-               S.sim_row_program(spec, S.softmax_phases(spec, tt, wt, "fp32"), Rt, Ct), f"softmax {tok}x{w}")
+               S.sim_row_program(spec, softmax_phases(spec, tt, wt, "fp32"), Rt, Ct), f"softmax {tok}x{w}")
     for H, d, T in [(8, 64, 128), (4, 128, 64)]:
         Rt, Ct = used(H, R), used(T, C)
         _close(K.attention_decode_cycles(spec, H, d, T, R, C).total,
-               S.sim_row_program(spec, S.attention_phases(spec, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct, "fp16"),
+               S.sim_row_program(spec, attention_phases(spec, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct, "fp16"),
                f"attention {H},{d},{T}")
 
 
@@ -138,7 +138,7 @@ def test_attention_gqa_kv_heads():
     for H, kv in [(8, 2), (8, 8), (4, 1)]:  # against the event simulation of the same row program
         Rt, Ct = used(kv, 4), used(128, 4)
         _close(K.attention_decode_cycles(spec, H, 64, 128, 4, 4, n_kv_heads=kv).total,
-               S.sim_row_program(spec, S.attention_phases(spec, -(-kv // Rt) * (H // kv), -(-128 // Ct), 64, "fp16"),
+               S.sim_row_program(spec, attention_phases(spec, -(-kv // Rt) * (H // kv), -(-128 // Ct), 64, "fp16"),
                                  Rt, Ct, "fp16"), f"attention gqa {H}/{kv}")
 
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
-from waferscale.fabric.kernels.tiles import used
 from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.schedules import attention_phases, norm_phases, reduce_parents, softmax_phases, used
 from waferscale.fabric.spec import FabricSpec
 
 BOTTLENECKS = ("compute", "SRAM", "fabric latency", "routing", "I/O")
@@ -458,7 +458,6 @@ def _fluid_finish(windows: list[tuple[float, float]], until: float, nw) -> float
 
 def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec) -> float:
     """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then column 0."""
-    from waferscale.fabric.sim import reduce_parents
     if algo == "chain":
         return nw - 1 + (R * C - 1) * (2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c)
     row = {(0, j): p for (i, j), p in reduce_parents(algo, 1, C).items()}
@@ -492,7 +491,6 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     (L + (2 T_R + 1) D along the path: hops, ramp out and in, one add per stage) or after its fan-in times nw
     adds counted from its first arrival (the contention C), whichever is later. E/N (= nw per active link) never
     exceeds C here. With a defective `mesh`, hops are the real detoured routes."""
-    from waferscale.fabric.sim import reduce_parents
     _positive(n_elems=n_elems)
     R, C = _region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
@@ -565,8 +563,9 @@ def elementwise_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, flo
 
 def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: int, dtype: str = "fp32",
                        mesh: Mesh | None = None, colors: int = 3) -> Cycles:
-    """Phases run one after another on every row (see `sim.sim_row_program`): local tasks, East->West chain
-    reductions into column 0, and West->East multicasts back."""
+    """Phases run one after another on every row (the phase lists of `schedules.py`, which
+    `sim.sim_row_program` executes wavelet by wavelet): local tasks, East->West chain reductions into column 0,
+    and West->East multicasts back."""
     R, C = _region(spec, rows, cols, mesh)
     epw = PE.elems_per_wavelet(spec, dtype)
     hops = _hops(mesh, R, C, axis=1)
@@ -592,8 +591,7 @@ def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: i
 def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, rms: bool = False,
                 dtype: str = "fp32", *, mesh: Mesh | None = None) -> Cycles:
     """LayerNorm (or RMSNorm) of n_elems/width vectors of `width`: tokens over rows, width over columns; local
-    statistics, a row all-reduce of them, then the normalisation (see `sim.norm_phases`)."""
-    from waferscale.fabric.sim import norm_phases
+    statistics, a row all-reduce of them, then the normalisation (see `schedules.norm_phases`)."""
     _positive(n_elems=n_elems, width=width)
     tokens = -(-n_elems // width)
     R, C = _region(spec, rows, cols, mesh)
@@ -604,8 +602,7 @@ def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int
 def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, dtype: str = "fp32", *,
                    mesh: Mesh | None = None) -> Cycles:
     """Softmax over rows of `width`: a max all-reduce and a sum all-reduce along each mesh row; exp() is
-    assumed to cost `sim.EXP_OPS` SIMD ops (not in WSE.md: an assumption)."""
-    from waferscale.fabric.sim import softmax_phases
+    assumed to cost `schedules.EXP_OPS` SIMD ops (not in WSE.md: an assumption)."""
     _positive(n_elems=n_elems, width=width)
     tokens = -(-n_elems // width)
     R, C = _region(spec, rows, cols, mesh)
@@ -621,7 +618,6 @@ def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, conte
     slice stored once), context over columns; q multicast along each row, local scores/exp/P.V for every
     query head of the row's KV heads (n_heads / n_kv_heads per KV head: grouped-query attention), a
     log-sum-exp merge chain into column 0. n_kv_heads defaults to n_heads (multi-head attention)."""
-    from waferscale.fabric.sim import attention_phases
     n_kv = n_heads if n_kv_heads is None else n_kv_heads
     _positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len, n_kv_heads=n_kv)
     if n_heads % n_kv:

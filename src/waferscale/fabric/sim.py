@@ -12,7 +12,8 @@ What is simulated, event by event (a heap ordered by cycle):
   length comes from the PE micro-model in `pe.py` (FMAC lanes and SRAM ports);
 * kernels are the schedules documented in `kernels/` (x multicast down columns, East->West partial-sum chains,
   chain/tree/2D reductions, then (once the root has the whole sum) a 2D multicast broadcast, row all-reduces
-  for norms/softmax, a log-sum-exp chain for attention).
+  for norms/softmax, a log-sum-exp chain for attention); the reduction trees and the row programs' phase lists
+  come from `schedules.py`, the same ones the cost model reads.
 
 Omitted: finite router buffers and back-pressure (queues are unbounded), color/route table limits (checked by
 the cost model, not timed here), task-switch overhead, and sending from memory costs no core cycles.
@@ -31,9 +32,8 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
-from waferscale.fabric.kernels.collectives import snake
-from waferscale.fabric.kernels.tiles import used
 from waferscale.fabric.mesh import Coord, Mesh
+from waferscale.fabric.schedules import reduce_parents, used
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -194,26 +194,6 @@ def sim_gemv(spec, m, k, rows, cols, dtype="fp16", mesh=None) -> int:
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
-def _lowbit(x: int) -> int:
-    return x & -x
-
-
-def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
-    """Who sends to whom in each reduction schedule (see kernels/collectives.py); root (0, 0) has none."""
-    if algo == "chain":
-        order = snake(R, C)
-        return {order[p]: order[p - 1] for p in range(1, len(order))}
-    if algo == "2d":
-        par = {(i, j): (i, j - 1) for i in range(R) for j in range(1, C)}
-        par.update({(i, 0): (i - 1, 0) for i in range(1, R)})
-        return par
-    if algo == "tree":
-        par = {(i, j): (i, j - _lowbit(j)) for i in range(R) for j in range(1, C)}
-        par.update({(i, 0): (i - _lowbit(i), 0) for i in range(1, R)})
-        return par
-    raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use chain, tree or 2d")
-
-
 def broadcast_tree(sim: EventSim, R: int, C: int):
     """Root (0, 0) multicasts East along row 0; every row-0 router also multicasts South down its column."""
     return sim.stream([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
@@ -289,7 +269,7 @@ def sim_elementwise(spec: FabricSpec, n_elems: int, rows: int, cols: int, flops_
 
 def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int, dtype: str = "fp32",
                     mesh: Mesh | None = None) -> int:
-    """Run phases on every PE of every row, in order:
+    """Run phases (e.g. `schedules.norm_phases`) on every PE of every row, in order:
 
     ("local", cycles)            a task on every PE
     ("local0", cycles)           a task on column 0 only
@@ -365,37 +345,6 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         for j in range(C):
             sim.at(0, start, (i, j))
     return sim.run()
-
-
-def norm_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, rms: bool, dtype: str) -> list[tuple]:
-    """LayerNorm: local sum and sum of squares, row all-reduce of 2 stats per token, normalize (2 FMAs/value:
-    (x - mean) * rstd, then * gamma + beta). RMSNorm: one stat, one FMA plus a multiply."""
-    n_loc, stats = tokens_per_row * width_per_pe, (1 if rms else 2) * tokens_per_row
-    local1 = PE.task_cycles(spec, dtype, ops=n_loc * (1 if rms else 2), read_elems=n_loc, write_elems=stats)
-    local2 = PE.task_cycles(spec, dtype, ops=2 * n_loc, read_elems=n_loc + 2 * width_per_pe, write_elems=n_loc)
-    return [("local", local1), ("reduce", stats, 1), ("bcast", stats), ("local", local2)]
-
-
-EXP_OPS = 8  # assumed SIMD ops per exp() (a polynomial); not in WSE.md — an assumption, printed by cost.py
-
-
-def softmax_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, dtype: str) -> list[tuple]:
-    n_loc = tokens_per_row * width_per_pe
-    lmax = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=tokens_per_row)
-    lexp = PE.task_cycles(spec, dtype, ops=(EXP_OPS + 1) * n_loc, read_elems=n_loc, write_elems=n_loc)
-    ldiv = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=n_loc)
-    return [("local", lmax), ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", lexp),
-            ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", ldiv)]
-
-
-def attention_phases(spec: FabricSpec, heads_per_row: int, ctx_per_pe: int, head_dim: int, dtype: str) -> list:
-    """q multicast along the row; scores (ctx*d FMAs per head), exp, P.V (ctx*d FMAs per head); the (m, l, o)
-    partials merge East->West (a rescale FMA on each side per value: 2 ops + exps amortised); out = o / l."""
-    h, c, d = heads_per_row, ctx_per_pe, head_dim
-    local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (EXP_OPS + 2) * h * c,
-                           read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2))
-    div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d)
-    return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("local0", div)]
 
 
 def simulate(kind: str, spec: FabricSpec, **kw) -> int:

@@ -1,6 +1,6 @@
 """Broadcast, reduce and all-reduce on a rows x cols region, moved hop by hop along the mesh routes.
 
-Algorithms (the same schedules `sim.py` simulates and `cost.py` models):
+Algorithms (the same schedules `sim.py` simulates and `cost.py` models; the trees are `schedules.reduce_parents`):
 
 * broadcast: the root (0, 0) multicasts East along row 0, and every router of row 0 also multicasts South down
   its column (hardware multicast on one color, Fabric row of WSE.md).
@@ -22,13 +22,9 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric.kernels.tiles import TileRun, Tiles
 from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.schedules import snake
 
 ALGOS = ("chain", "tree", "2d")
-
-
-def snake(rows: int, cols: int) -> list[tuple[int, int]]:
-    """Logical PEs in boustrophedon order starting at (0, 0): consecutive entries are neighbours."""
-    return [(i, j if i % 2 == 0 else cols - 1 - j) for i in range(rows) for j in range(cols)]
 
 
 def row_reduce_chain(t: Tiles, buf: np.ndarray, combine=np.add) -> None:

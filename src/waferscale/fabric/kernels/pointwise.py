@@ -13,8 +13,9 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric.kernels.collectives import row_broadcast, row_reduce_chain
-from waferscale.fabric.kernels.tiles import TileRun, Tiles, region_for, to_tiles, used
+from waferscale.fabric.kernels.tiles import TileRun, Tiles, region_for, to_tiles
 from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.schedules import used
 
 _GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 ELEMENTWISE_OPS = {

@@ -16,6 +16,7 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric.mesh import Coord, Mesh
+from waferscale.fabric.schedules import used
 
 VALUE_BYTES = 4  # fp32 in the functional execution
 
@@ -103,11 +104,6 @@ def to_tiles(a: np.ndarray, parts: int, tile: int) -> np.ndarray:
         raise ValueError("tile too small")
     a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)]) if pad else a
     return a.reshape(parts, tile, *a.shape[1:])
-
-
-def used(n: int, parts: int) -> int:
-    """PEs a block split of n values over at most `parts` PEs really uses (no PE left with an empty tile)."""
-    return -(-n // -(-n // parts))
 
 
 def region_for(mesh: Mesh, rows: int | None, cols: int | None, m: int, k: int) -> tuple[int, int]:

@@ -1,0 +1,92 @@
+"""The schedules of the fabric kernels, as data: who sends to whom, in what order, in which phases.
+
+One home for what the three views of a kernel share — the functional tile-level execution (`kernels/`), the
+analytic cycle model (`cost.py`) and the wavelet-level event simulation that judges it (`sim.py`) — so the
+model never needs the simulation to know what it models:
+
+* `used`: how many PEs a block split really occupies (no PE left with an empty tile);
+* `snake`: the boustrophedon order of the "chain" reduction;
+* `reduce_parents`: the reduction trees ("chain", "2d", "tree") into PE (0, 0), as child -> parent;
+* `norm_phases`, `softmax_phases`, `attention_phases`: the per-row phase lists of the row programs
+  (local tasks, East->West reductions into column 0, West->East multicasts), in the form
+  `sim.sim_row_program` executes and `cost.row_program_cycles` models. Task lengths come from `pe.py`.
+
+Numpy-free and side-effect-free: pure functions of the sizes and the `FabricSpec`.
+"""
+
+from __future__ import annotations
+
+from waferscale.errors import ConfigError
+from waferscale.fabric import pe as PE
+from waferscale.fabric.spec import FabricSpec
+
+Coord = tuple[int, int]  # a logical PE (row, col), as `mesh.Coord`
+
+EXP_OPS = 8  # assumed SIMD ops per exp() (a polynomial); not in WSE.md — an assumption, printed by cost.py
+
+
+# ---- tiling ---------------------------------------------------------------------------------------------
+def used(n: int, parts: int) -> int:
+    """PEs a block split of n values over at most `parts` PEs really uses (no PE left with an empty tile)."""
+    return -(-n // -(-n // parts))
+
+
+# ---- reductions -----------------------------------------------------------------------------------------
+def snake(rows: int, cols: int) -> list[Coord]:
+    """Logical PEs in boustrophedon order starting at (0, 0): consecutive entries are neighbours."""
+    return [(i, j if i % 2 == 0 else cols - 1 - j) for i in range(rows) for j in range(cols)]
+
+
+def _lowbit(x: int) -> int:
+    return x & -x
+
+
+def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
+    """Who sends to whom in each reduction schedule (see kernels/collectives.py); root (0, 0) has none.
+
+    "chain": the snake order, each PE to the one before it; "2d": East->West along every row into column 0,
+    then South->North up column 0; "tree": recursive halving (PE j sends to j - lowbit(j)) along every row,
+    then the same up column 0."""
+    if algo == "chain":
+        order = snake(R, C)
+        return {order[p]: order[p - 1] for p in range(1, len(order))}
+    if algo == "2d":
+        par = {(i, j): (i, j - 1) for i in range(R) for j in range(1, C)}
+        par.update({(i, 0): (i - 1, 0) for i in range(1, R)})
+        return par
+    if algo == "tree":
+        par = {(i, j): (i, j - _lowbit(j)) for i in range(R) for j in range(1, C)}
+        par.update({(i, 0): (i - _lowbit(i), 0) for i in range(1, R)})
+        return par
+    raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use chain, tree or 2d")
+
+
+# ---- row programs (norms, softmax, attention) -----------------------------------------------------------
+def norm_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, rms: bool, dtype: str) -> list[tuple]:
+    """LayerNorm: local sum and sum of squares, row all-reduce of 2 stats per token, normalize (2 FMAs/value:
+    (x - mean) * rstd, then * gamma + beta). RMSNorm: one stat, one FMA plus a multiply."""
+    n_loc, stats = tokens_per_row * width_per_pe, (1 if rms else 2) * tokens_per_row
+    local1 = PE.task_cycles(spec, dtype, ops=n_loc * (1 if rms else 2), read_elems=n_loc, write_elems=stats)
+    local2 = PE.task_cycles(spec, dtype, ops=2 * n_loc, read_elems=n_loc + 2 * width_per_pe, write_elems=n_loc)
+    return [("local", local1), ("reduce", stats, 1), ("bcast", stats), ("local", local2)]
+
+
+def softmax_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, dtype: str) -> list[tuple]:
+    """Softmax: local max, row max all-reduce, exp (`EXP_OPS` ops per value) and local sum, row sum
+    all-reduce, divide."""
+    n_loc = tokens_per_row * width_per_pe
+    lmax = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=tokens_per_row)
+    lexp = PE.task_cycles(spec, dtype, ops=(EXP_OPS + 1) * n_loc, read_elems=n_loc, write_elems=n_loc)
+    ldiv = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=n_loc)
+    return [("local", lmax), ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", lexp),
+            ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", ldiv)]
+
+
+def attention_phases(spec: FabricSpec, heads_per_row: int, ctx_per_pe: int, head_dim: int, dtype: str) -> list:
+    """q multicast along the row; scores (ctx*d FMAs per head), exp, P.V (ctx*d FMAs per head); the (m, l, o)
+    partials merge East->West (a rescale FMA on each side per value: 2 ops + exps amortised); out = o / l."""
+    h, c, d = heads_per_row, ctx_per_pe, head_dim
+    local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (EXP_OPS + 2) * h * c,
+                           read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2))
+    div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d)
+    return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("local0", div)]
