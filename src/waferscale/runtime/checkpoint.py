@@ -12,7 +12,6 @@ sizes it lists, is partial and refused. Loading never unpickles anything.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,24 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
+from waferscale.util.files import atomic_path, atomic_write_bytes
 
 FORMAT = "waferscale-checkpoint-v1"
 _NAME = re.compile(r"^checkpoint_(\d+)\.json$")
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -123,7 +113,7 @@ def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module, model_co
     _atomic_save_tensors(opt_tensors, optim_path)
     manifest["files"][optim_path.name] = optim_path.stat().st_size
     path = stem.with_suffix(".json")
-    _atomic_write_bytes(path, json.dumps(manifest, indent=1, default=_json_default).encode())
+    atomic_write_bytes(path, json.dumps(manifest, indent=1, default=_json_default).encode(), fsync=True)
     return path
 
 
