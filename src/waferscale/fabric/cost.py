@@ -84,14 +84,15 @@ def make_cycles(*, compute: float, sram: float, fabric: float, total: float, io:
 
 
 # ---- shared pieces --------------------------------------------------------------------------------------
-def _positive(**sizes: int) -> None:
+def check_positive(**sizes: int) -> None:
+    """Every keyword is a positive integer (a size); raises ConfigError naming the first that is not."""
     for name, v in sizes.items():
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
 def _region(spec: FabricSpec, rows: int, cols: int, mesh: Mesh | None) -> tuple[int, int]:
-    _positive(rows=rows, cols=cols)
+    check_positive(rows=rows, cols=cols)
     if mesh is not None:
         return mesh.check_region(rows, cols)
     if rows > spec.rows or cols > spec.cols:
@@ -359,14 +360,14 @@ def _chain_contention(mesh: Mesh, R: int, C: int, off: np.ndarray, work: np.ndar
 def gemv_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str = "fp16", *,
                 mesh: Mesh | None = None) -> Cycles:
     """y(m) = W(m, k) x(k) on a rows x cols region (W stationary in tiles; at most one PE per row/column)."""
-    _positive(m=m, k=k)
+    check_positive(m=m, k=k)
     return _weight_stationary(spec, m, k, 1, rows, cols, dtype, mesh)
 
 
 def gemm_cycles(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str = "fp16", *,
                 mesh: Mesh | None = None) -> Cycles:
     """Y(m, n) = W(m, k) X(k, n): the n columns of X stream through the stationary W one after another."""
-    _positive(m=m, k=k, n=n)
+    check_positive(m=m, k=k, n=n)
     return _weight_stationary(spec, m, k, n, rows, cols, dtype, mesh)
 
 
@@ -374,7 +375,7 @@ def spmv_cycles(spec: FabricSpec, m: int, k: int, nnz: int, rows: int, cols: int
                 mesh: Mesh | None = None) -> Cycles:
     """Sparse y = W x with `nnz` non-zeros spread uniformly at random: one multiply-add per non-zero weight per
     arriving x value. The busiest PE carries the mean plus the expected maximum deviation over PEs."""
-    _positive(m=m, k=k, nnz=nnz)
+    check_positive(m=m, k=k, nnz=nnz)
     if nnz > m * k:
         raise ConfigError(f"nnz={nnz} exceeds m*k={m * k}")
     return _weight_stationary(spec, m, k, 1, rows, cols, dtype, mesh, density=nnz / (m * k))
@@ -491,7 +492,7 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     (L + (2 T_R + 1) D along the path: hops, ramp out and in, one add per stage) or after its fan-in times nw
     adds counted from its first arrival (the contention C), whichever is later. E/N (= nw per active link) never
     exceeds C here. With a defective `mesh`, hops are the real detoured routes."""
-    _positive(n_elems=n_elems)
+    check_positive(n_elems=n_elems)
     R, C = _region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     add_c = PE.add_task(spec, dtype, PE.elems_per_wavelet(spec, dtype))
@@ -519,7 +520,7 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
 def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp32", *,
                      mesh: Mesh | None = None) -> Cycles:
     """PE (0, 0) multicasts n_elems along row 0 and down every column (1 color): fill + one wavelet per cycle."""
-    _positive(n_elems=n_elems)
+    check_positive(n_elems=n_elems)
     R, C = _region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     if R * C == 1:
@@ -548,7 +549,7 @@ def elementwise_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, flo
                        dtype: str = "fp16") -> Cycles:
     """z = f(x, y) on n_elems spread over the region: per PE, one SIMD op of `lanes` values at a time, reading
     two operands and writing one. No fabric traffic."""
-    _positive(n_elems=n_elems, flops_per_elem=flops_per_elem)
+    check_positive(n_elems=n_elems, flops_per_elem=flops_per_elem)
     R, C = _region(spec, rows, cols, None)
     ne = -(-n_elems // (R * C))
     total = comp = sram = 0
@@ -592,7 +593,7 @@ def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int
                 dtype: str = "fp32", *, mesh: Mesh | None = None) -> Cycles:
     """LayerNorm (or RMSNorm) of n_elems/width vectors of `width`: tokens over rows, width over columns; local
     statistics, a row all-reduce of them, then the normalisation (see `schedules.norm_phases`)."""
-    _positive(n_elems=n_elems, width=width)
+    check_positive(n_elems=n_elems, width=width)
     tokens = -(-n_elems // width)
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(tokens, R), used(width, C)
@@ -603,7 +604,7 @@ def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: 
                    mesh: Mesh | None = None) -> Cycles:
     """Softmax over rows of `width`: a max all-reduce and a sum all-reduce along each mesh row; exp() is
     assumed to cost `schedules.EXP_OPS` SIMD ops (not in WSE.md: an assumption)."""
-    _positive(n_elems=n_elems, width=width)
+    check_positive(n_elems=n_elems, width=width)
     tokens = -(-n_elems // width)
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(tokens, R), used(width, C)
@@ -619,7 +620,7 @@ def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, conte
     query head of the row's KV heads (n_heads / n_kv_heads per KV head: grouped-query attention), a
     log-sum-exp merge chain into column 0. n_kv_heads defaults to n_heads (multi-head attention)."""
     n_kv = n_heads if n_kv_heads is None else n_kv_heads
-    _positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len, n_kv_heads=n_kv)
+    check_positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len, n_kv_heads=n_kv)
     if n_heads % n_kv:
         raise ConfigError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv} (grouped-query attention)")
     R, C = _region(spec, rows, cols, mesh)
@@ -631,123 +632,3 @@ def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, conte
                           f"use more PEs or a shorter context")
     phases = attention_phases(spec, kv_per_row * (n_heads // n_kv), ctx_per_pe, head_dim, dtype)
     return row_program_cycles(spec, phases, R, C, dtype, mesh)
-
-
-# ---- the `wsc kernel` entry point -----------------------------------------------------------------------
-KERNELS = ("gemv", "gemm", "spmv", "allreduce")
-VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PEs (numpy, tile by tile)
-
-
-def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tuple[int, int] | None,
-               defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
-               clock_hz: float | None = None, algo: str = "2d") -> dict:
-    """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
-    n streamed vectors; allreduce of an m-element fp32 vector per PE (k, n unused). Without `pes` the whole
-    (logical, defect-free part of the) wafer is used. `verify` runs the functional tile-level execution on the
-    same mesh and compares it with numpy."""
-    from waferscale.fabric.presets import fabric_from_name
-
-    if kind not in KERNELS:
-        raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
-    _positive(m=m, k=k)
-    if n is not None:
-        _positive(n=n)
-    if kind == "gemm" and n is None:
-        raise ConfigError("gemm needs --n (the number of streamed input vectors)")
-    if not 0.0 <= sparsity < 1.0:
-        raise ConfigError(f"--sparsity must be in [0, 1), got {sparsity}")
-    spec = fabric_from_name(target, pes=pes, clock_hz=clock_hz)
-    mesh = Mesh.build(spec, defect_rate=defects, seed=seed)
-    R, C = mesh.logical_rows, mesh.logical_cols
-    dtype = "fp32" if kind == "allreduce" else "fp16"
-    rng = np.random.default_rng(seed)
-    W = None
-    if kind == "gemv":
-        cyc, flops, used_pes = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k, used(m, R) * used(k, C)
-    elif kind == "gemm":
-        cyc, flops = gemm_cycles(spec, m, k, n, R, C, dtype, mesh=mesh), 2 * m * k * n
-        used_pes = used(m, R) * used(k, C)
-    elif kind == "spmv":
-        if verify:
-            from waferscale.fabric.kernels import random_sparse
-            W = random_sparse(m, k, sparsity, rng)
-            nnz = int((W != 0).sum())
-        else:
-            nnz = max(1, round(m * k * (1 - sparsity)))
-        cyc, flops, used_pes = spmv_cycles(spec, m, k, nnz, R, C, dtype, mesh=mesh), 2 * nnz, used(m, R) * used(k, C)
-    else:
-        cyc, flops, used_pes = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1), R * C
-    ws_bytes = -(-m // used(m, R)) * -(-k // used(k, C)) * PE.dtype_bytes(dtype) if kind != "allreduce" else 0
-    if kind in ("gemv", "gemm") and ws_bytes > spec.sram_bytes_per_pe:
-        need = -(-m * k * PE.dtype_bytes(dtype) // spec.sram_bytes_per_pe)
-        raise ConfigError(f"mesh too small: a {m}x{k} {dtype} W needs {ws_bytes:,} B per PE on {R}x{C} PEs, over "
-                          f"the {spec.sram_bytes_per_pe:,} B SRAM; use at least {need:,} PEs (a larger --pes)")
-    out = {
-        "kernel": kind, "target": spec.name,
-        "region": f"{R}x{C}" if kind == "allreduce" else f"{used(m, R)}x{used(k, C)}", "pes": int(used_pes),
-        "usable_pes": mesh.usable_pes, "cycles": cyc.total, "time_s": cyc.seconds(spec), "flops": int(flops),
-        "flops_per_s": flops / cyc.seconds(spec) if cyc.total else 0.0,
-        "bottleneck": cyc.bottleneck, "breakdown": cyc.as_dict(),
-        "assumptions": {
-            "clock_hz": spec.clock_hz, "dtype": dtype,
-            "flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe if dtype == "fp16"
-            else spec.fp32_flops_per_cycle_per_pe,
-            "sram_read_bytes_per_cycle": spec.sram_read_bytes_per_cycle,
-            "sram_write_bytes_per_cycle": spec.sram_write_bytes_per_cycle,
-            "link_bytes_per_cycle": spec.link_bytes_per_cycle, "hop_latency_cycles": spec.hop_latency_cycles,
-            "ramp_latency_cycles": spec.ramp_latency_cycles, "colors": spec.colors,
-            "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
-            **({"algo": algo} if kind == "allreduce" else {}),
-            **({"sparsity": sparsity} if kind == "spmv" else {}),
-            "model": "analytic (fabric/cost.py), validated against the wavelet-level event simulation (sim.py)",
-        },
-    }
-    if verify:
-        out.update(_verify(kind, mesh, m, k, n, W, algo, rng, used_pes))
-    return out
-
-
-def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str, rng, used_pes: int) -> dict:
-    from waferscale.fabric import kernels as KN
-
-    if used_pes > VERIFY_MAX_PES:
-        raise ConfigError(f"--verify runs the tile-by-tile numpy execution; {used_pes:,} PEs is too many "
-                          f"(limit {VERIFY_MAX_PES:,}); add --pes 8x8 (or another small mesh)")
-    R, C = mesh.logical_rows, mesh.logical_cols
-    if kind == "allreduce":
-        R0, C0 = min(R, 64), min(C, 64)
-        data = rng.standard_normal((R0, C0, m)).astype(np.float32)
-        got, ref = KN.allreduce(mesh, data, algo, R0, C0).out, np.broadcast_to(data.sum((0, 1)), (R0, C0, m))
-    else:
-        W = rng.standard_normal((m, k)).astype(np.float32) if W is None else W
-        if kind == "gemm":
-            X = rng.standard_normal((k, n)).astype(np.float32)
-            got, ref = KN.gemm(mesh, W, X).out, W.astype(np.float64) @ X
-        else:
-            x = rng.standard_normal(k).astype(np.float32)
-            got = (KN.gemv if kind == "gemv" else KN.spmv)(mesh, W, x).out
-            ref = W.astype(np.float64) @ x
-    err = float(np.max(np.abs(got - ref)))
-    tol = 1e-4 * max(1.0, float(np.max(np.abs(ref)))) * max(1.0, np.sqrt(max(k, R * C)) / 8)
-    return {"verified": bool(err <= tol), "max_abs_err": err}
-
-
-def format_kernel_report(d: dict) -> str:
-    """A short human summary of `run_kernel`'s result, with its assumptions."""
-    b, a = d["breakdown"], d["assumptions"]
-    lines = [
-        f"{d['kernel']} on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
-        f"  {d['cycles']:,.0f} cycles = {d['time_s'] * 1e6:,.3f} us at {a['clock_hz'] / 1e9:g} GHz;  "
-        f"{d['flops']:,} FLOP -> {d['flops_per_s'] / 1e12:,.3f} TFLOP/s",
-        f"  bottleneck: {d['bottleneck']}  (compute {b['compute']:,.0f}, SRAM {b['sram']:,.0f}, "
-        f"fabric {b['fabric']:,.0f}, fill/drain {b['fill_drain']:,.0f}, I/O {b['io']:,.0f} cycles"
-        + (f", {b['passes']} routing passes" if b["passes"] > 1 else "") + ")",
-        f"  assumed: {a['dtype']} at {a['flops_per_cycle_per_pe']} FLOP/cycle/PE, SRAM "
-        f"{a['sram_read_bytes_per_cycle']}+{a['sram_write_bytes_per_cycle']} B/cycle, links "
-        f"{a['link_bytes_per_cycle']} B/cycle/direction, {a['hop_latency_cycles']} cycle/hop, ramp "
-        f"{a['ramp_latency_cycles']} cycles, {a['colors']} colors",
-        f"  mesh: {a['defects']}",
-    ]
-    if "verified" in d:
-        lines.append(f"  verified vs numpy: {'OK' if d['verified'] else 'FAILED'} (max abs err {d['max_abs_err']:.2e})")
-    return "\n".join(lines)

@@ -12,12 +12,3 @@ from waferscale.fabric.kernels.tiles import TileRun, Tiles
 __all__ = ["ALGOS", "ELEMENTWISE_OPS", "TileRun", "Tiles", "allreduce", "attention_decode", "attention_reference",
            "broadcast", "elementwise", "gemm", "gemv", "layernorm", "random_sparse", "reduce", "rmsnorm", "softmax",
            "spmv"]
-
-
-def __getattr__(name: str):
-    """`run_kernel` / `format_kernel_report` live in fabric.cost (which imports this package): re-exported lazily."""
-    if name in ("run_kernel", "format_kernel_report"):
-        from waferscale.fabric import cost
-
-        return getattr(cost, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,131 @@
+"""`wsc kernel`: one fabric kernel projected on a target by the cost model, optionally verified tile by tile.
+
+`run_kernel` builds the target's mesh (with defects), projects the kernel's cycles with the analytic model
+(`cost.py`) and, with `verify`, runs the functional tile-level execution (`kernels/`) on the same mesh and
+compares it with numpy; `format_kernel_report` prints the result with the assumptions behind it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from waferscale.errors import ConfigError
+from waferscale.fabric import kernels as KN
+from waferscale.fabric import pe as PE
+from waferscale.fabric.cost import allreduce_cycles, check_positive, gemm_cycles, gemv_cycles, spmv_cycles
+from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.presets import fabric_from_name
+from waferscale.fabric.schedules import used
+
+KERNELS = ("gemv", "gemm", "spmv", "allreduce")
+VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PEs (numpy, tile by tile)
+
+
+def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tuple[int, int] | None,
+               defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
+               clock_hz: float | None = None, algo: str = "2d") -> dict:
+    """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
+    n streamed vectors; allreduce of an m-element fp32 vector per PE (k, n unused). Without `pes` the whole
+    (logical, defect-free part of the) wafer is used. `verify` runs the functional tile-level execution on the
+    same mesh and compares it with numpy."""
+    if kind not in KERNELS:
+        raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
+    check_positive(m=m, k=k)
+    if n is not None:
+        check_positive(n=n)
+    if kind == "gemm" and n is None:
+        raise ConfigError("gemm needs --n (the number of streamed input vectors)")
+    if not 0.0 <= sparsity < 1.0:
+        raise ConfigError(f"--sparsity must be in [0, 1), got {sparsity}")
+    spec = fabric_from_name(target, pes=pes, clock_hz=clock_hz)
+    mesh = Mesh.build(spec, defect_rate=defects, seed=seed)
+    R, C = mesh.logical_rows, mesh.logical_cols
+    dtype = "fp32" if kind == "allreduce" else "fp16"
+    rng = np.random.default_rng(seed)
+    W = None
+    if kind == "gemv":
+        cyc, flops, used_pes = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k, used(m, R) * used(k, C)
+    elif kind == "gemm":
+        cyc, flops = gemm_cycles(spec, m, k, n, R, C, dtype, mesh=mesh), 2 * m * k * n
+        used_pes = used(m, R) * used(k, C)
+    elif kind == "spmv":
+        if verify:
+            W = KN.random_sparse(m, k, sparsity, rng)
+            nnz = int((W != 0).sum())
+        else:
+            nnz = max(1, round(m * k * (1 - sparsity)))
+        cyc, flops, used_pes = spmv_cycles(spec, m, k, nnz, R, C, dtype, mesh=mesh), 2 * nnz, used(m, R) * used(k, C)
+    else:
+        cyc, flops, used_pes = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1), R * C
+    ws_bytes = -(-m // used(m, R)) * -(-k // used(k, C)) * PE.dtype_bytes(dtype) if kind != "allreduce" else 0
+    if kind in ("gemv", "gemm") and ws_bytes > spec.sram_bytes_per_pe:
+        need = -(-m * k * PE.dtype_bytes(dtype) // spec.sram_bytes_per_pe)
+        raise ConfigError(f"mesh too small: a {m}x{k} {dtype} W needs {ws_bytes:,} B per PE on {R}x{C} PEs, over "
+                          f"the {spec.sram_bytes_per_pe:,} B SRAM; use at least {need:,} PEs (a larger --pes)")
+    out = {
+        "kernel": kind, "target": spec.name,
+        "region": f"{R}x{C}" if kind == "allreduce" else f"{used(m, R)}x{used(k, C)}", "pes": int(used_pes),
+        "usable_pes": mesh.usable_pes, "cycles": cyc.total, "time_s": cyc.seconds(spec), "flops": int(flops),
+        "flops_per_s": flops / cyc.seconds(spec) if cyc.total else 0.0,
+        "bottleneck": cyc.bottleneck, "breakdown": cyc.as_dict(),
+        "assumptions": {
+            "clock_hz": spec.clock_hz, "dtype": dtype,
+            "flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe if dtype == "fp16"
+            else spec.fp32_flops_per_cycle_per_pe,
+            "sram_read_bytes_per_cycle": spec.sram_read_bytes_per_cycle,
+            "sram_write_bytes_per_cycle": spec.sram_write_bytes_per_cycle,
+            "link_bytes_per_cycle": spec.link_bytes_per_cycle, "hop_latency_cycles": spec.hop_latency_cycles,
+            "ramp_latency_cycles": spec.ramp_latency_cycles, "colors": spec.colors,
+            "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
+            **({"algo": algo} if kind == "allreduce" else {}),
+            **({"sparsity": sparsity} if kind == "spmv" else {}),
+            "model": "analytic (fabric/cost.py), validated against the wavelet-level event simulation (sim.py)",
+        },
+    }
+    if verify:
+        out.update(_verify(kind, mesh, m, k, n, W, algo, rng, used_pes))
+    return out
+
+
+def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str, rng, used_pes: int) -> dict:
+    if used_pes > VERIFY_MAX_PES:
+        raise ConfigError(f"--verify runs the tile-by-tile numpy execution; {used_pes:,} PEs is too many "
+                          f"(limit {VERIFY_MAX_PES:,}); add --pes 8x8 (or another small mesh)")
+    R, C = mesh.logical_rows, mesh.logical_cols
+    if kind == "allreduce":
+        R0, C0 = min(R, 64), min(C, 64)
+        data = rng.standard_normal((R0, C0, m)).astype(np.float32)
+        got, ref = KN.allreduce(mesh, data, algo, R0, C0).out, np.broadcast_to(data.sum((0, 1)), (R0, C0, m))
+    else:
+        W = rng.standard_normal((m, k)).astype(np.float32) if W is None else W
+        if kind == "gemm":
+            X = rng.standard_normal((k, n)).astype(np.float32)
+            got, ref = KN.gemm(mesh, W, X).out, W.astype(np.float64) @ X
+        else:
+            x = rng.standard_normal(k).astype(np.float32)
+            got = (KN.gemv if kind == "gemv" else KN.spmv)(mesh, W, x).out
+            ref = W.astype(np.float64) @ x
+    err = float(np.max(np.abs(got - ref)))
+    tol = 1e-4 * max(1.0, float(np.max(np.abs(ref)))) * max(1.0, np.sqrt(max(k, R * C)) / 8)
+    return {"verified": bool(err <= tol), "max_abs_err": err}
+
+
+def format_kernel_report(d: dict) -> str:
+    """A short human summary of `run_kernel`'s result, with its assumptions."""
+    b, a = d["breakdown"], d["assumptions"]
+    lines = [
+        f"{d['kernel']} on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
+        f"  {d['cycles']:,.0f} cycles = {d['time_s'] * 1e6:,.3f} us at {a['clock_hz'] / 1e9:g} GHz;  "
+        f"{d['flops']:,} FLOP -> {d['flops_per_s'] / 1e12:,.3f} TFLOP/s",
+        f"  bottleneck: {d['bottleneck']}  (compute {b['compute']:,.0f}, SRAM {b['sram']:,.0f}, "
+        f"fabric {b['fabric']:,.0f}, fill/drain {b['fill_drain']:,.0f}, I/O {b['io']:,.0f} cycles"
+        + (f", {b['passes']} routing passes" if b["passes"] > 1 else "") + ")",
+        f"  assumed: {a['dtype']} at {a['flops_per_cycle_per_pe']} FLOP/cycle/PE, SRAM "
+        f"{a['sram_read_bytes_per_cycle']}+{a['sram_write_bytes_per_cycle']} B/cycle, links "
+        f"{a['link_bytes_per_cycle']} B/cycle/direction, {a['hop_latency_cycles']} cycle/hop, ramp "
+        f"{a['ramp_latency_cycles']} cycles, {a['colors']} colors",
+        f"  mesh: {a['defects']}",
+    ]
+    if "verified" in d:
+        lines.append(f"  verified vs numpy: {'OK' if d['verified'] else 'FAILED'} (max abs err {d['max_abs_err']:.2e})")
+    return "\n".join(lines)
