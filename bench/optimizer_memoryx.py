@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from waferscale.config import OptimizerParams
+from waferscale.params import OptimizerParams
 from waferscale.models import from_name
 from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.optim import build_optimizer

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from waferscale.config import OptimizerParams
+from waferscale.params import OptimizerParams
 from waferscale.models import build
 from waferscale.models.registry import config_from_name
 from waferscale.runtime.memoryx import MemoryX

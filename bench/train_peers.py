@@ -64,7 +64,7 @@ def build_model(a: argparse.Namespace):  # -> CausalLM on the CPU, fp32
 
 
 def optimizer_params(a: argparse.Namespace):
-    from waferscale.config import OptimizerParams
+    from waferscale.params import OptimizerParams
 
     return OptimizerParams(optimizer_type="AdamW", learning_rate=a.lr, betas=(0.9, 0.95), eps=1e-8,
                            weight_decay=a.weight_decay, max_gradient_norm=a.max_gradient_norm)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from waferscale.config import params_from_dict
+from waferscale.params import params_from_dict
 from waferscale.data import CharTokenizer, build_token_splits, read_documents
 from waferscale.models import from_name, lm_loss
 from waferscale.runtime.trainer import RunOptions, cache_dir, run

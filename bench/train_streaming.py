@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from waferscale.config import params_from_dict
+from waferscale.params import params_from_dict
 from waferscale.models import from_name
 from waferscale.runtime.trainer import RunOptions, run
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from waferscale.config import (InputParams, ModelParams, OptimizerParams, Params, RunConfig, load_params,
+from waferscale.params import (InputParams, ModelParams, OptimizerParams, Params, RunConfig, load_params,
                                params_from_dict, save_params)
 from waferscale.errors import ConfigError
 from waferscale.models.config import RopeScaling

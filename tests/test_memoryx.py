@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_params
-from waferscale.config import OptimizerParams, params_from_dict
+from waferscale.params import OptimizerParams, params_from_dict
 from waferscale.errors import ConfigError
 from waferscale.models import build
 from waferscale.models.registry import config_from_name
@@ -31,7 +31,7 @@ MARGIN_MB = 64
 
 _RSS_SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    from waferscale.config import OptimizerParams
+    from waferscale.params import OptimizerParams
     from waferscale.models.registry import config_from_name
     from waferscale.runtime.memoryx import MemoryX
     from waferscale.runtime.streaming import StreamingExecutor, build_skeleton

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from waferscale.config import OptimizerParams, load_params
+from waferscale.params import OptimizerParams, load_params
 from waferscale.errors import ConfigError
 from waferscale.runtime.optim import build_optimizer, build_schedule, param_groups, set_lr
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
-from waferscale.config import params_from_dict
+from waferscale.params import params_from_dict
 from waferscale.runtime.trainer import RunOptions, run
 
 
@@ -94,7 +94,7 @@ def test_bf16_within_tolerance(corpus: Path, tmp_path: Path) -> None:
 
 def test_fp16_dynamic_loss_scaling_matches_grad_scaler() -> None:
     """Executors driven directly (the trainer's fp16 matmul-peak probe takes minutes on a CPU)."""
-    from waferscale.config import OptimizerParams
+    from waferscale.params import OptimizerParams
     from waferscale.models import build
     from waferscale.models.registry import config_from_name
     from waferscale.runtime.executor import ResidentExecutor

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_params
-from waferscale.config import params_from_dict
+from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.trainer import RunOptions, run
 

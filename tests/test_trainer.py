@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_params
-from waferscale.config import params_from_dict
+from waferscale.params import params_from_dict
 from waferscale.runtime.trainer import RunOptions, run
 
 

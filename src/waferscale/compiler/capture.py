@@ -57,7 +57,7 @@ def capture_zoo(name: str, dtype: str = "fp16") -> Graph:
 
 def capture_params(path: str, dtype: str | None = None) -> Graph:
     """A params YAML: the model section becomes the graph; batch, sequence length and num_csx become defaults."""
-    from waferscale.config import load_params
+    from waferscale.params import load_params
 
     params = load_params(path)
     cfg = params.model.to_model_config()

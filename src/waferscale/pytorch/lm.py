@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from waferscale.config import OptimizerParams
+from waferscale.params import OptimizerParams
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.executor import Executor, ResidentExecutor

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from waferscale.config import OptimizerParams, normalize_learning_rate
+from waferscale.params import OptimizerParams, normalize_learning_rate
 from waferscale.errors import ConfigError
 
 

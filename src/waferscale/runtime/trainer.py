@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 import waferscale.pytorch as cstorch
-from waferscale.config import Params
+from waferscale.params import Params
 from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from waferscale.config import OptimizerParams
+from waferscale.params import OptimizerParams
 from waferscale.errors import ConfigError
 from waferscale.pytorch.optim import lr_scheduler
 from waferscale.pytorch.optim.extra import Lamb as _Lamb

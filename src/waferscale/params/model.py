@@ -1,0 +1,233 @@
+"""The params file's `model` section: Model Zoo keys, optionally on top of a zoo preset, mapped onto our
+`ModelConfig` (`ModelParams.to_model_config`).
+
+Our extensions to the Model Zoo keys (all optional):
+    model.name            a zoo preset to start from ('gpt-mini', 'gpt3-1.3b', 'llama2-70b', ...); explicit Model
+                          Zoo keys override it. Model Zoo family names ('llama', 'gpt3', ...) are labels only.
+    model.pretrained      weights to start from: a zoo name whose weights ship as an asset
+                          ('smollm2-135m-instruct'), a Hugging Face model dir, or a .gguf file
+    model.rope_scaling    {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
+                          (same meaning as Model Zoo's pos_scaling_type: llama3 + pos_scaling_*)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from waferscale.models.config import ModelConfig, RopeScaling
+from waferscale.params.typed import FieldError, check_fields
+
+
+@dataclass
+class ExtraAttentionParams:
+    num_kv_groups: int | None = None  # key/value heads (grouped-query attention); None = num_heads
+
+
+@dataclass
+class PosScalingExtraArgs:
+    """Model Zoo's `pos_scaling_extra_args` for `pos_scaling_type: llama3`."""
+
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+# Model Zoo model names (trainer layout `model.name`) that say which family, not which preset.
+ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mistral", "falcon", "bloom",
+                    "starcoder", "santacoder", "btlm", "jais", "mpt", "qwen2")
+_NONLINEARITY = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu",
+                 "swiglu": "swiglu"}
+_HALF_DTYPE = {"bfloat16": "bfloat16", "cbfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass
+class ModelParams:
+    """The `model` section: Model Zoo keys, optionally on top of a zoo preset (`name`).
+
+    Without `name`, vocab_size, hidden_size, num_hidden_layers, num_heads and max_position_embeddings are
+    required and the other keys take Model Zoo's GPT defaults (learned positions, layernorm, gelu, biases, tied
+    embeddings). `to_model_config()` is the one mapping to our `ModelConfig`.
+    """
+
+    name: str | None = None
+    pretrained: str | None = None
+    # shape
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_heads: int | None = None
+    filter_size: int | None = None
+    max_position_embeddings: int | None = None
+    extra_attention_params: ExtraAttentionParams | None = None
+    # structure
+    position_embedding_type: Literal["learned", "rotary"] | None = None
+    share_embedding_weights: bool | None = None
+    nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu", "swiglu"] | None = None
+    norm_type: Literal["layernorm", "rmsnorm"] | None = None
+    layer_norm_epsilon: float | None = None
+    rope_theta: float | None = None
+    rotary_dim: int | None = None  # must equal the head dim (partial rotary is not supported)
+    rope_scaling: RopeScaling | None = None
+    pos_scaling_type: Literal["llama3", "linear"] | None = None
+    pos_scaling_factor: float | None = None
+    pos_scaling_extra_args: PosScalingExtraArgs | None = None
+    use_projection_bias_in_attention: bool | None = None  # q/k/v biases
+    use_ffn_bias_in_attention: bool | None = None  # attention output-projection bias
+    use_ffn_bias: bool | None = None
+    use_bias_in_output: bool = False
+    use_position_embedding: bool = True
+    embedding_layer_norm: bool = False
+    attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
+    # regularization and init
+    dropout_rate: float | None = None
+    embedding_dropout_rate: float | None = None
+    attention_dropout_rate: float | None = None
+    initializer_range: float | None = None
+    # loss and precision
+    loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
+    loss_weight: float = 1.0
+    mixed_precision: bool = False
+    fp16_type: Literal["bfloat16", "float16", "cbfloat16"] | None = None  # None: float16 (Model Zoo's default)
+    use_bfloat16: bool = False  # legacy spelling of fp16_type: bfloat16
+
+    ALIASES: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads", "intermediate_size": "filter_size"}
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "attention_module": "attention is always multi-head / grouped-query as num_kv_groups says",
+        "attention_softmax_fp32": "softmax always runs in fp32",
+        "attention_kernel": "kernel choice is the compiler's",
+        "precision_opt_level": "a Cerebras compiler setting",
+        "boundary_casting": "a Cerebras compiler setting",
+        "tf_summary": "TensorFlow-only",
+        "dropout_seed": "dropout follows runconfig.seed",
+        "initializer": "weights use normal(0, initializer_range)",
+        "embedding_initializer": "weights use normal(0, initializer_range)",
+        "output_layer_initializer": "weights use normal(0, initializer_range)",
+        "use_pre_normalization": "blocks are always pre-norm",
+        "norm_first": "blocks are always pre-norm",
+        "fixed_sparse_attention": "dense attention only",
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.name is not None:
+            self.name = self.name.strip()
+        self.to_model_config()  # every shape check, now rather than at run time
+
+    @property
+    def half_dtype(self) -> str | None:
+        """'bfloat16' | 'float16' for mixed precision, None for fp32. cbfloat16 is bfloat16 on a host."""
+        if not self.mixed_precision:
+            return None
+        return _HALF_DTYPE[self.fp16_type or ("bfloat16" if self.use_bfloat16 else "float16")]
+
+    @property
+    def preset(self) -> str | None:
+        """The registry preset `name` refers to, or None (no name, or a Model Zoo family label)."""
+        from waferscale.models import registry
+
+        if self.name is None:
+            return None
+        try:
+            return registry.canonical_name(self.name)
+        except ValueError as e:
+            if self.name.lower() in ZOO_FAMILY_NAMES:
+                return None
+            raise FieldError("name", f"{e}. A Model Zoo family name ({', '.join(ZOO_FAMILY_NAMES[:6])}, ...) "
+                             f"is also accepted as a label") from None
+
+    def to_model_config(self) -> ModelConfig:
+        """Map the Model Zoo keys onto a ModelConfig (on top of the preset, if any). Cheap: no weights."""
+        from waferscale.models import registry
+
+        self._refuse_unsupported()
+        kv = self.extra_attention_params.num_kv_groups if self.extra_attention_params else None
+        zoo = {  # ModelConfig field <- Model Zoo key
+            "vocab_size": self.vocab_size, "d_model": self.hidden_size, "n_layer": self.num_hidden_layers,
+            "n_head": self.num_heads, "n_kv_head": kv, "d_ff": self.filter_size,
+            "max_seq_len": self.max_position_embeddings, "position": self.position_embedding_type,
+            "tie_embeddings": self.share_embedding_weights, "activation": _NONLINEARITY.get(self.nonlinearity or ""),
+            "norm": self.norm_type, "norm_eps": self.layer_norm_epsilon, "rope_theta": self.rope_theta,
+            "rope_scaling": self._rope_scaling(), "attn_bias": self._attn_bias(), "mlp_bias": self.use_ffn_bias,
+            "dropout": self.dropout_rate, "init_std": self.initializer_range,
+        }
+        o = {k: v for k, v in zoo.items() if v is not None}  # overrides of the preset / defaults
+
+        preset = self.preset
+        if preset is None:
+            missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads",
+                                   "max_position_embeddings") if getattr(self, k) is None]
+            if missing:
+                also = f" (also missing: {', '.join(missing[1:])})" if missing[1:] else ""
+                raise FieldError(missing[0], f"is required when model.name names no preset{also}; set it, or "
+                                 f"set model.name to a zoo preset such as 'gpt3-1.3b' or 'llama2-70b' to start from")
+            o = {"activation": "gelu"} | o  # Model Zoo's default nonlinearity (ModelConfig's is gelu_tanh)
+        activation = o.get("activation") or registry.PRESETS[preset].activation  # type: ignore[index]
+        o["family"] = "llama" if activation == "swiglu" else "gpt"
+        try:
+            cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
+                registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
+        except ValueError as e:  # ModelConfig's own shape checks, in Model Zoo's key names
+            raise FieldError("", _zoo_names(str(e))) from None
+        if preset is None and self.name is None:  # name an explicit shape after the preset it equals, if any
+            cfg = next((p for p in registry.PRESETS.values() if _explicit(cfg.replace(name=p.name)) == _explicit(p)),
+                       cfg)
+        if self.rotary_dim is not None and cfg.position == "rotary" and self.rotary_dim != cfg.head_dim:
+            raise FieldError("rotary_dim", f"{self.rotary_dim} differs from the head dim {cfg.head_dim} "
+                             f"(hidden_size / num_heads); partial rotary embeddings are not supported")
+        return cfg
+
+    def _refuse_unsupported(self) -> None:
+        if self.use_bias_in_output:
+            raise FieldError("use_bias_in_output", "true is not supported (the LM head has no bias); set false")
+        if not self.use_position_embedding:
+            raise FieldError("use_position_embedding", "false is not supported; use position_embedding_type "
+                             "learned or rotary")
+        if self.embedding_layer_norm:
+            raise FieldError("embedding_layer_norm", "true is not supported; set false")
+        for key in ("embedding_dropout_rate", "attention_dropout_rate"):
+            value, dropout = getattr(self, key), self.dropout_rate or 0.0
+            if value is not None and value != dropout:
+                raise FieldError(key, f"{value} differs from dropout_rate {dropout}; one dropout rate is used "
+                                 f"everywhere, set {key} equal to dropout_rate")
+
+    def _attn_bias(self) -> bool | None:
+        qkv, out = self.use_projection_bias_in_attention, self.use_ffn_bias_in_attention
+        if qkv is not None and out is not None and qkv != out:
+            raise FieldError("use_ffn_bias_in_attention", f"{out} differs from use_projection_bias_in_attention "
+                             f"{qkv}; attention biases are all on or all off, set both the same")
+        return qkv if qkv is not None else out
+
+    def _rope_scaling(self) -> RopeScaling | None:
+        zoo_keys = self.pos_scaling_type is not None or self.pos_scaling_factor not in (None, 1.0)
+        if self.rope_scaling is not None and zoo_keys:
+            raise FieldError("rope_scaling", "give either rope_scaling or pos_scaling_*, not both")
+        if not zoo_keys:
+            return self.rope_scaling
+        if self.pos_scaling_type != "llama3":
+            raise FieldError("pos_scaling_type", f"{self.pos_scaling_type!r} with pos_scaling_factor "
+                             f"{self.pos_scaling_factor} is not supported; only 'llama3' scaling is")
+        extra = self.pos_scaling_extra_args or PosScalingExtraArgs()
+        return RopeScaling(factor=self.pos_scaling_factor or 1.0, **dataclasses.asdict(extra))
+
+
+
+def _explicit(cfg: ModelConfig) -> ModelConfig:
+    """The same config with defaulted sizes spelled out (d_ff None -> 4 * d_model, n_kv_head None -> n_head)."""
+    return cfg.replace(d_ff=cfg.ffn_dim, n_kv_head=cfg.kv_heads)
+
+
+_ZOO_KEY_FOR = {"d_model": "hidden_size", "n_head": "num_heads", "n_kv_head": "num_kv_groups",
+                "n_layer": "num_hidden_layers", "d_ff": "filter_size", "max_seq_len": "max_position_embeddings",
+                "head_dim": "head dim"}
+
+
+def _zoo_names(message: str) -> str:
+    """Say ModelConfig's complaints in the YAML's words: 'd_model (100)' -> 'hidden_size (100)'."""
+    message = re.sub(r"^model config '[^']*': ", "", message)
+    return re.sub(r"\b(" + "|".join(_ZOO_KEY_FOR) + r")\b", lambda m: _ZOO_KEY_FOR[m.group(1)], message)
+
+
+__all__ = ["ModelParams", "ExtraAttentionParams", "PosScalingExtraArgs", "ZOO_FAMILY_NAMES"]

@@ -1,0 +1,279 @@
+"""The params file's sections as typed dataclasses, and reading / writing the whole file.
+
+Legacy layout (the seed's era): top-level sections `train_input`, `eval_input`, `model`, `optimizer`,
+`sparsity`, `runconfig`; the trainer layout is mapped onto it first (`trainer_layout`). Our extension keys:
+    *_input.tokenizer     'char' | 'smollm2' | a tokenizer.json / HF dir / .gguf path (default 'char')
+    *_input.val_fraction  share of the documents held out for validation (default 0.05)
+    runconfig.execution   'auto' | 'resident' | 'streaming'
+    runconfig.device      'auto' | 'cpu' | 'cuda'
+(and those of the model section, see `params.model`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from waferscale.errors import ConfigError
+from waferscale.params.model import ModelParams
+from waferscale.params.schedules import convert_learning_rate, normalize_learning_rate
+from waferscale.params.trainer_layout import legacy_from_trainer
+from waferscale.params.typed import (Ctx, FieldError, build_dataclass, check_fields, convert_value, positive, show,
+                                     to_plain)
+from waferscale.params.yaml_lines import read_yaml
+from waferscale.util.files import atomic_write_text
+
+
+# ---- input -----------------------------------------------------------------------------------------------
+
+def _convert_micro_batch(value: Any, path: str, ctx: Ctx, line: int | None) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "none", "explore")):
+        return None  # no gradient accumulation
+    return convert_value(value, int, path, ctx, line)
+
+
+@dataclass
+class InputParams:
+    """`train_input` / `eval_input`. `batch_size` is the global batch in sequences per step, split across
+    `runconfig.num_csx`; `micro_batch_size` (per system) accumulates gradients over smaller pieces."""
+
+    data_dir: list[str]
+    batch_size: int
+    micro_batch_size: int | None = field(default=None, metadata={"convert": _convert_micro_batch})
+    max_sequence_length: int | None = None  # tokens per sequence; None = the model's max_position_embeddings
+    tokenizer: str = "char"
+    shuffle: bool = True
+    shuffle_seed: int = 0
+    num_workers: int = 0
+    data_processor: str | None = None  # recorded; our loader reads .txt/.jsonl/dirs/"shakespeare" itself
+    val_fraction: float = 0.05
+
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "prefetch_factor": "host data-loader tuning",
+        "persistent_workers": "host data-loader tuning",
+        "use_worker_cache": "host data-loader tuning",
+        "repeat": "the loader always repeats",
+        "drop_last": "partial batches are always dropped",
+        "vocab_size": "the model's vocab_size is the one used",
+        "pad_last": "partial batches are always dropped",
+    }
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch_size, str):  # 'auto' when built in code
+            self.micro_batch_size = _convert_micro_batch(self.micro_batch_size, "micro_batch_size",
+                                                         Ctx("<InputParams>"), None)
+        if isinstance(self.data_dir, (str, os.PathLike)):
+            self.data_dir = [str(self.data_dir)]
+        if not self.data_dir:
+            raise FieldError("data_dir", "is empty; give a file, a directory or the builtin corpus 'shakespeare'")
+        positive(self, "batch_size", "max_sequence_length")
+        if self.micro_batch_size is not None:
+            positive(self, "micro_batch_size")
+            if self.batch_size % self.micro_batch_size:
+                raise FieldError("micro_batch_size", f"{self.micro_batch_size} does not divide batch_size "
+                                 f"{self.batch_size}; pick a divisor, or 'auto' for no accumulation")
+        if self.num_workers < 0:
+            raise FieldError("num_workers", f"must be >= 0, got {self.num_workers}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise FieldError("val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+
+
+# ---- optimizer -------------------------------------------------------------------------------------------
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Lamb", "Lion")
+
+
+@dataclass
+class OptimizerParams:
+    """The `optimizer` section. `learning_rate` is a constant, or a list of scheduler dicts run one after the
+    other, each normalized: the canonical `scheduler` name first ('Linear', 'CosineDecay', ...; see
+    `SCHEDULERS`), legacy spellings mapped, defaults filled in, unset optional keys left out."""
+
+    optimizer_type: Literal[OPTIMIZERS]  # type: ignore[valid-type]
+    learning_rate: float | list[dict[str, Any]] = field(metadata={"convert": convert_learning_rate})
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6  # cstorch's AdamW default (torch's is 1e-8)
+    weight_decay: float = 0.0  # applied to parameters with ndim >= 2 only (see runtime.optim.param_groups)
+    momentum: float = 0.0  # SGD
+    nesterov: bool = False  # SGD
+    max_gradient_norm: float | None = None
+    correct_bias: bool = True  # Adam/AdamW bias correction; false is refused (not implemented)
+    loss_scaling_factor: float | Literal["dynamic"] = 1.0
+    initial_loss_scale: float | None = None  # dynamic loss scaling: start value (None = 2**15)
+    steps_per_increase: int = 2000  # dynamic loss scaling: growth interval
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+
+    ALIASES: ClassVar[dict[str, str]] = {"weight_decay_rate": "weight_decay"}
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "log_summaries": "metrics.jsonl always has loss, lr and grad norm",
+        "disable_lr_steps_reset": "schedules are pure functions of the global step",
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.learning_rate = normalize_learning_rate(self.learning_rate)  # idempotent
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        for key in ("eps", "weight_decay", "momentum"):
+            if getattr(self, key) < 0:
+                raise FieldError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
+            raise FieldError("max_gradient_norm", f"must be > 0 (or left out for no clipping), "
+                             f"got {self.max_gradient_norm}")
+        if not self.correct_bias and self.optimizer_type in ("Adam", "AdamW"):
+            raise FieldError("correct_bias", "false (Adam without bias correction) is not implemented; "
+                             "set correct_bias: true")
+        if self.loss_scaling_factor != "dynamic" and self.loss_scaling_factor <= 0:
+            raise FieldError("loss_scaling_factor", f"must be > 0 or 'dynamic', got {self.loss_scaling_factor}")
+        if self.nesterov and self.optimizer_type != "SGD":
+            raise FieldError("nesterov", f"applies to SGD only, not {self.optimizer_type}")
+
+
+# ---- runconfig -------------------------------------------------------------------------------------------
+
+@dataclass
+class RunConfig:
+    """The `runconfig` section: how long to run, when to log, evaluate and checkpoint, and where. Command-line
+    flags (--max_steps, --num_csx, --model_dir, ...) override these."""
+
+    max_steps: int
+    eval_steps: int | None = None  # batches per evaluation; None = the whole validation split
+    checkpoint_steps: int | None = None  # 0 or None = a checkpoint at the end only
+    log_steps: int = 1
+    seed: int = 1
+    save_initial_checkpoint: bool = False
+    num_csx: int = 1
+    model_dir: str | None = None
+    execution: Literal["auto", "resident", "streaming"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_frequency: int | None = None  # train_and_eval: evaluate every this many steps (None = at the end)
+    mode: Literal["train", "eval", "train_and_eval", "eval_all"] = "train"
+    checkpoint_path: str | None = None
+    load_checkpoint_states: str | None = None  # "all" | "model" | comma list, as Model Zoo
+    disable_strict_checkpoint_loading: bool = False
+    num_wgt_servers: int | None = None
+    compile_only: bool = False
+    validate_only: bool = False
+    dist_backend: Literal["nccl", "gloo"] | None = None
+    # weight streaming (runtime/streaming.py, runtime/memoryx.py); the command-line flags of the same names win
+    device_memory_mb: float | None = None  # device budget; execution auto streams when the model does not fit
+    memoryx_ram_mb: float | None = None  # MemoryX RAM tier; units beyond it live in flash_dir
+    flash_dir: str | None = None  # MemoryX flash tier (default: model_dir/memoryx_flash when memoryx_ram_mb is set)
+
+    ALIASES: ClassVar[dict[str, str]] = {"save_checkpoint_steps": "checkpoint_steps", "num_steps": "max_steps"}
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "save_summary_steps": "metrics are written every log_steps",
+        "use_cs_grad_accum": "accumulation follows micro_batch_size",
+        "precision_opt_level": "a Cerebras compiler setting",
+        "keep_checkpoint_max": "all checkpoints are kept",
+        "python_paths": "appliance-mode setting",
+        "mount_dirs": "appliance-mode setting",
+        "credentials_path": "appliance-mode setting",
+        "mgmt_address": "appliance-mode setting",
+        "job_labels": "appliance-mode setting",
+        "num_workers_per_csx": "appliance-mode setting",
+        "log_summaries": "metrics.jsonl always has loss, lr and grad norm",
+        "enable_distributed": "distributed runs follow num_csx",
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive(self, "max_steps", "eval_steps", "log_steps", "num_csx", "eval_frequency")
+        for key in ("device_memory_mb", "memoryx_ram_mb"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise FieldError(key, f"must be a positive number of MiB, got {value}")
+        for key in ("checkpoint_steps", "num_wgt_servers"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise FieldError(key, f"must be >= 0, got {value}")
+
+
+# ---- the whole file --------------------------------------------------------------------------------------
+
+SECTIONS = ("train_input", "eval_input", "model", "optimizer", "sparsity", "runconfig")
+
+
+@dataclass
+class Params:
+    """One params file. Cross-section checks: the batch splits evenly over num_csx and micro-batches, and
+    sequences fit the model's positions."""
+
+    train_input: InputParams
+    model: ModelParams
+    optimizer: OptimizerParams
+    runconfig: RunConfig
+    eval_input: InputParams | None = None
+    sparsity: dict[str, Any] | None = None
+    source: str | None = field(default=None, compare=False)  # the file it was loaded from
+    ignored: list[str] = field(default_factory=list, compare=False)  # Model Zoo keys present but ignored
+
+    def __post_init__(self) -> None:
+        num_csx = self.runconfig.num_csx
+        for section in ("train_input", "eval_input"):
+            inp: InputParams | None = getattr(self, section)
+            if inp is None:
+                continue
+            if inp.batch_size % num_csx:
+                raise FieldError(f"{section}.batch_size", f"{inp.batch_size} is not divisible by "
+                                 f"runconfig.num_csx {num_csx}; the global batch is split evenly across systems")
+            per_csx = inp.batch_size // num_csx
+            if inp.micro_batch_size is not None and per_csx % inp.micro_batch_size:
+                raise FieldError(f"{section}.micro_batch_size", f"{inp.micro_batch_size} does not divide the "
+                                 f"per-system batch {per_csx} (batch_size {inp.batch_size} / num_csx {num_csx})")
+            max_len = self.model.to_model_config().max_seq_len
+            if inp.max_sequence_length is not None and inp.max_sequence_length > max_len:
+                raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
+                                 f"model's max_position_embeddings {max_len}; lower it or raise "
+                                 f"model.max_position_embeddings")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The legacy-layout dict (None-valued keys left out); `Params.from_dict(p.to_dict()) == p`."""
+        return {name: to_plain(getattr(self, name)) for name in SECTIONS if getattr(self, name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> "Params":
+        return params_from_dict(d, source)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, width=110)
+
+
+def load_params(path: str | Path) -> Params:
+    """Read a params YAML (legacy or trainer layout). Every problem is a ConfigError naming the file."""
+    return params_from_dict(read_yaml(path), source=str(Path(path)))
+
+
+def save_params(params: Params, path: str | Path) -> None:
+    """Write the params as legacy-layout YAML atomically (temp file, then rename)."""
+    atomic_write_text(path, params.to_yaml())
+
+
+def params_from_dict(d: Any, source: str = "<dict>") -> Params:
+    """Build Params from a parsed YAML mapping (legacy or trainer layout)."""
+    ctx = Ctx(source)
+    if not isinstance(d, Mapping):
+        got = "an empty file" if d is None else show(d)
+        raise ConfigError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+                          f"got {got}")
+    if "trainer" in d:
+        if len(d) > 1:
+            others = ", ".join(repr(k) for k in d if k != "trainer")
+            raise ctx.error("", f"mixes the trainer layout with legacy sections {others}; use one layout")
+        d = legacy_from_trainer(d["trainer"], ctx)
+        ctx = Ctx(source, note=" (key path in the legacy layout the trainer: form maps to)")
+    params = build_dataclass(Params, d, "", ctx)
+    params.source = source
+    params.ignored = ctx.ignored
+    return params
+
+
+__all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "load_params",
+           "save_params", "params_from_dict"]

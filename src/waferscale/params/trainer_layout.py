@@ -1,0 +1,136 @@
+"""The newer trainer layout, `trainer: {init: {...}, fit: {...}}` (cszoo), mapped onto the legacy sections.
+
+A useful subset is mapped: init.{backend, model_dir, seed, model, optimizer, schedulers, precision, loop,
+checkpoint, logging, callbacks, sparsity} and fit.{train_dataloader, val_dataloader, ckpt_path}. Unknown keys are
+errors, as everywhere; error key paths then refer to the legacy layout. A list of trainers (multi-phase) is
+refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from waferscale.params.typed import Ctx, expect_keys, show
+
+
+def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
+    """Map `trainer: {init, fit}` (cszoo) onto the legacy sections. Unknown keys are errors, as everywhere."""
+    if isinstance(trainer, list):
+        if len(trainer) != 1:
+            raise ctx.error("trainer", f"a list of {len(trainer)} trainers (multi-phase training) is not "
+                            f"supported; split it into one params file per phase")
+        trainer = trainer[0].get("trainer", trainer[0]) if isinstance(trainer[0], Mapping) else trainer[0]
+    expect_keys(trainer, "trainer", ("init", "fit", "validate", "validate_all"), ctx)
+    init, fit = trainer.get("init") or {}, trainer.get("fit") or {}
+    expect_keys(init, "trainer.init", ("backend", "model_dir", "seed", "device", "model", "optimizer",
+                                        "schedulers", "precision", "loop", "checkpoint", "logging", "callbacks",
+                                        "sparsity", "loggers"), ctx)
+    expect_keys(fit, "trainer.fit", ("train_dataloader", "val_dataloader", "ckpt_path"), ctx)
+
+    model = dict(init.get("model") or {})
+    optimizer: dict[str, Any] = {}
+    run: dict[str, Any] = {}
+    out: dict[str, Any] = {"model": model, "optimizer": optimizer, "runconfig": run}
+
+    opt = init.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, Mapping) or len(opt) != 1:
+            raise ctx.error("trainer.init.optimizer", f"expected one mapping like {{AdamW: {{...}}}}, got "
+                            f"{show(opt)}")
+        ((name, kwargs),) = opt.items()
+        optimizer.update({"optimizer_type": name, **(kwargs or {})})
+    if "schedulers" in init:
+        optimizer["learning_rate"] = _trainer_schedulers(init["schedulers"], ctx)
+
+    precision = dict(init.get("precision") or {})
+    expect_keys(precision, "trainer.init.precision", ("enabled", "fp16_type", "loss_scaling_factor",
+                                                       "max_gradient_norm", "initial_loss_scale",
+                                                       "steps_per_increase", "min_loss_scale", "max_loss_scale",
+                                                       "log_loss_scale", "precision_opt_level"), ctx)
+    if "enabled" in precision:
+        model["mixed_precision"] = precision.pop("enabled")
+    if "fp16_type" in precision:
+        model["fp16_type"] = precision.pop("fp16_type")
+    precision.pop("log_loss_scale", None)
+    precision.pop("precision_opt_level", None)
+    optimizer.update(precision)
+
+    backend = init.get("backend") or {}
+    expect_keys(backend, "trainer.init.backend", ("backend_type", "cluster_config", "compile_dir",
+                                                   "artifact_dir"), ctx)
+    device = {"csx": None, "cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+    if "backend_type" in backend:
+        kind = str(backend["backend_type"]).lower()
+        if kind not in device:
+            raise ctx.error("trainer.init.backend.backend_type", f"expected CSX, CPU or GPU, got {show(kind)}")
+        if device[kind]:
+            run["device"] = device[kind]
+    if "num_csx" in (backend.get("cluster_config") or {}):
+        run["num_csx"] = backend["cluster_config"]["num_csx"]
+    if "device" in init:
+        run["device"] = {"gpu": "cuda"}.get(str(init["device"]).lower(), init["device"])
+    for key in ("model_dir", "seed"):
+        if key in init:
+            run[key] = init[key]
+    for section, mapping in (("loop", {"max_steps": "max_steps", "num_steps": "max_steps",
+                                       "eval_steps": "eval_steps", "eval_frequency": "eval_frequency"}),
+                             ("checkpoint", {"steps": "checkpoint_steps",
+                                             "save_initial_checkpoint": "save_initial_checkpoint",
+                                             "disable_strict_checkpoint_loading":
+                                                 "disable_strict_checkpoint_loading"}),
+                             ("logging", {"log_steps": "log_steps", "log_level": None})):
+        values = init.get(section) or {}
+        expect_keys(values, f"trainer.init.{section}", tuple(mapping), ctx)
+        run.update({mapping[k]: v for k, v in values.items() if mapping[k]})
+
+    micro_batch = None
+    for callback in init.get("callbacks") or []:  # only the micro-batch flag matters on a host
+        for flags in (callback or {}).values() if isinstance(callback, Mapping) else ():
+            if isinstance(flags, Mapping) and "csx.performance.micro_batch_size" in flags:
+                micro_batch = flags["csx.performance.micro_batch_size"]
+    if init.get("sparsity") is not None:
+        out["sparsity"] = init["sparsity"]
+
+    if "train_dataloader" in fit:
+        out["train_input"] = dict(fit["train_dataloader"])
+        if micro_batch is not None:
+            out["train_input"].setdefault("micro_batch_size", micro_batch)
+    val = fit.get("val_dataloader")
+    if isinstance(val, list):
+        val = val[0] if val else None
+    if val is not None:
+        out["eval_input"] = dict(val)
+    if "ckpt_path" in fit:
+        run["checkpoint_path"] = fit["ckpt_path"]
+    return out
+
+
+def _trainer_schedulers(value: Any, ctx: Ctx) -> list[dict[str, Any]]:
+    """[{LinearLR: {...}}, {SequentialLR: {schedulers: [...]}}] -> legacy [{scheduler: Linear, ...}, ...]."""
+    items = value if isinstance(value, list) else [value]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        path = f"trainer.init.schedulers[{i}]"
+        if not isinstance(item, Mapping) or len(item) != 1:
+            raise ctx.error(path, f"expected one mapping like {{CosineDecayLR: {{...}}}}, got {show(item)}")
+        ((name, kwargs),) = item.items()
+        kwargs = dict(kwargs or {})
+        if str(name).lower() in ("sequentiallr", "sequential"):
+            phases = _trainer_schedulers(kwargs.pop("schedulers", []), ctx)
+            milestones = kwargs.pop("milestones", None)
+            if kwargs:
+                raise ctx.error(path, f"unknown SequentialLR key(s) {', '.join(map(repr, kwargs))}")
+            lengths = [p.get("total_iters") or p.get("steps") or p.get("decay_steps") for p in phases[:-1]]
+            if milestones is not None and None not in lengths:
+                cumulative = [sum(lengths[: j + 1]) for j in range(len(lengths))]
+                if list(milestones) != cumulative:
+                    raise ctx.error(f"{path}.milestones", f"{list(milestones)} disagree with the phases' "
+                                    f"total_iters (cumulative {cumulative}); drop milestones or fix them")
+            out.extend(phases)
+        else:
+            out.append({"scheduler": name, **kwargs})
+    return out
+
+
+__all__ = ["legacy_from_trainer"]
