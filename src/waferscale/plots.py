@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from waferscale.errors import DataError
+from waferscale.util.files import atomic_path
 
 
 def plot_loss(model_dir: Path, out: Path | None = None) -> Path:
@@ -42,8 +42,7 @@ def plot_loss(model_dir: Path, out: Path | None = None) -> Path:
     ax.set_title(f"{model_dir.name}: {len(rows)} steps")
     fig.tight_layout()
     out = out or model_dir / "loss.png"
-    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from waferscale.compiler.compile import compile_model
 from waferscale.compiler.plan import Plan
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
 from waferscale.errors import ConfigError
+from waferscale.util.files import atomic_write_bytes
 
 __all__ = ["compile_model", "plan_summary", "plan_json", "write_outputs", "estimate_memory", "estimate_table"]
 
@@ -102,16 +102,6 @@ def plan_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
     """plan.json (versioned, fingerprinted), wafer.png, wafer.svg, trace.json — each written to a temp file
@@ -138,7 +128,7 @@ def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
     blobs["trace.json"] = json.dumps(trace_events(plan)).encode()
     paths = []
     for name in ("plan.json", "wafer.png", "wafer.svg", "trace.json"):
-        _atomic_write(out / name, blobs[name])
+        atomic_write_bytes(out / name, blobs[name])
         paths.append(out / name)
     return paths
 

@@ -14,8 +14,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
-import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from waferscale.errors import DataError
+from waferscale.util.files import atomic_write_text
 
 __all__ = [
     "ASSETS",
@@ -110,7 +109,7 @@ class Tokenizer:
         """Write `tokenizer.json` (+ `tokenizer_config.json` when there is a template or bos/eos) into `directory`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(directory / TOKENIZER_FILE, self._tokenizer_json())
+        atomic_write_text(directory / TOKENIZER_FILE, self._tokenizer_json())
         config: dict[str, Any] = {}
         if self.chat_template:
             config["chat_template"] = self.chat_template
@@ -121,7 +120,7 @@ class Tokenizer:
             config["bos_token"] = self.bos_token
             config["bos_token_id"] = self.bos_id
         if config:
-            _atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False))
+            atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False))
 
     def _tokenizer_json(self) -> str:
         raise NotImplementedError
@@ -620,13 +619,3 @@ def _load_json_tokenizer(file: Path) -> Tokenizer:
         return CharTokenizer.from_json(data, str(file))
     return HFTokenizer.from_file(file)
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

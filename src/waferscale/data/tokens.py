@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 
 from waferscale.data.tokenizer import Tokenizer
 from waferscale.errors import DataError
+from waferscale.util.files import atomic_dir
 
 __all__ = ["FORMAT_VERSION", "TokenSplits", "build_token_splits", "load_token_splits", "token_cache_key"]
 
@@ -100,24 +100,20 @@ def build_token_splits(
                 return splits
             shutil.rmtree(entry)  # 64-bit prefix collision: vanishingly rare, but never serve wrong tokens
 
+    # Built in a temp directory, renamed into place; if another process finished the same entry first, its
+    # copy is kept.
+    writing = False
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".tmp-tokens-{key[:16]}-"))
+        with atomic_dir(entry) as tmp:
+            writing = True
+            meta = _tokenize_to(tmp, documents, tokenizer, val_fraction, eos_between_docs, progress)
+            meta["key"] = key
+            (tmp / _META_FILE).write_text(json.dumps(meta, indent=2))
     except OSError as e:
+        if writing:
+            raise
         raise DataError(f"cannot write the token cache in {cache_dir}: {e.strerror}") from e
-    try:
-        meta = _tokenize_to(tmp, documents, tokenizer, val_fraction, eos_between_docs, progress)
-        meta["key"] = key
-        (tmp / _META_FILE).write_text(json.dumps(meta, indent=2))
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not entry.is_dir():  # anything but "another process finished the same entry first"
-                raise
-            shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return load_token_splits(entry)
 
 

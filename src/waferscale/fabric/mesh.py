@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric.spec import FabricSpec
+from waferscale.util.files import atomic_write_json
 
 Coord = tuple[int, int]
 DEFECT_FORMAT = "waferscale-defects/1"
@@ -387,12 +387,7 @@ class Mesh:
 
     def save_defects(self, path: str | os.PathLike) -> Path:
         """Write the defect map (format in the module docstring) atomically."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.defects_json(), f)
-        os.replace(tmp, path)
-        return path
+        return atomic_write_json(path, self.defects_json())
 
     def summary(self) -> str:
         R, C = self.dead_cores.shape

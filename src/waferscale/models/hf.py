@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch import Tensor
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig, RopeScaling
 from waferscale.models.layers import Attention, CausalLM, rope_inv_freq
+from waferscale.util.files import atomic_dir
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 CONFIG_NAME = "config.json"
@@ -433,18 +433,13 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
         if isinstance(val, int):
             hf_config[key] = gen[key] = val
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, install=_move_into_place) as tmp:
         sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(model.state_dict(), cfg).items()}
         save_file(sd, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save(str(tmp))
-        _move_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
+from waferscale.util.files import atomic_path
 
 __all__ = ["save", "load"]
 
@@ -72,12 +73,8 @@ def save(state: Any, path: str | os.PathLike) -> None:
     tensors: dict[str, torch.Tensor] = {}
     structure = _flatten(state, tensors, {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"format": _FORMAT, "structure": json.dumps(structure)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def load(path: str | os.PathLike, map_location: Any = None) -> Any:
