@@ -59,3 +59,27 @@ def test_atomic_dir_renames_keeps_the_first_and_cleans_up(tmp_path):
         pass
     assert merged == [(d, target)]
     assert _leftovers(tmp_path) == []
+
+
+def test_half_dtype_names():
+    import torch
+
+    from waferscale.util.dtypes import HALF_DTYPES, half_dtype
+
+    assert half_dtype("bfloat16") is torch.bfloat16 and half_dtype("cbfloat16") is torch.bfloat16
+    assert half_dtype("float16") is torch.float16
+    assert half_dtype(None) is None and half_dtype("float32") is None and half_dtype("") is None
+    assert set(HALF_DTYPES) == {"bfloat16", "float16", "cbfloat16"}
+    with pytest.raises(KeyError):
+        half_dtype("float8")
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    from waferscale.util.paths import cache_dir
+
+    monkeypatch.setenv("WSC_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.setenv("WSC_CACHE_DIR", "")
+    assert cache_dir() == Path.home() / ".cache" / "waferscale"
+    monkeypatch.delenv("WSC_CACHE_DIR")
+    assert cache_dir() == Path.home() / ".cache" / "waferscale"

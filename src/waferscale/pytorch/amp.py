@@ -11,10 +11,10 @@ import torch
 
 from waferscale.errors import ConfigError
 from waferscale.runtime.memoryx import LossScaler
+from waferscale.util import dtypes
 
 __all__ = ["set_half_dtype", "get_half_dtype", "half_dtype", "GradScaler", "optimizer_step"]
 
-_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16, "cbfloat16": torch.bfloat16, "float32": None}
 _half: torch.dtype | None = None
 
 
@@ -23,9 +23,9 @@ def set_half_dtype(value: str | torch.dtype | None) -> None:
     global _half
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
-    if value is not None and value not in _HALF:
-        raise ConfigError(f"half dtype {value!r} is not one of float16, bfloat16, cbfloat16")
-    _half = _HALF[value] if value is not None else None
+    if value is not None and value != "float32" and value not in dtypes.HALF_DTYPES:
+        raise ConfigError(f"half dtype {value!r} is not one of {', '.join(dtypes.HALF_DTYPES)}")
+    _half = dtypes.half_dtype(value)
 
 
 def half_dtype() -> torch.dtype | None:
