@@ -1,0 +1,387 @@
+/* A check of the serving kernels (src/waferscale/serve/csrc) under AddressSanitizer and UBSan, built and run by
+   tests/test_serve_csrc.py: it includes the kernels' one translation unit, calls every entry point on small
+   inputs of odd and aligned sizes, with one thread and with the pool's two, and compares the results with
+   plain double-precision references written here (and batched with one-at-a-time results, bit for bit).
+   Every buffer is allocated at its exact size, so a read or write past it is a sanitizer report. Prints one
+   line per failed comparison and exits 1 if any failed; a sanitizer report aborts the run by itself.
+
+   Build: cc -I src/waferscale/serve/csrc -O1 -g -march=native -fno-fast-math -pthread
+          -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+          tests/csrc/serve_kernels_check.c -lm */
+
+#include "serve_kernels.c"
+
+#include <stdio.h>
+#include <string.h>
+
+static int g_fail;
+static unsigned long long g_rng = 88172645463325252ull;
+
+static float frand(void) {  /* uniform in [-1, 1), xorshift64 */
+    g_rng ^= g_rng << 13; g_rng ^= g_rng >> 7; g_rng ^= g_rng << 17;
+    return (float)((double)(g_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static void* xmalloc(size_t n) {
+    void* p = malloc(n ? n : 1);
+    if (!p) { fprintf(stderr, "out of memory\n"); exit(2); }
+    return p;
+}
+
+static float* randv(long n) {
+    float* v = xmalloc((size_t)n * sizeof(float));
+    for (long i = 0; i < n; i++) v[i] = frand();
+    return v;
+}
+
+static float* copyv(const float* s, long n) {
+    float* v = xmalloc((size_t)n * sizeof(float));
+    memcpy(v, s, (size_t)n * sizeof(float));
+    return v;
+}
+
+/* got vs want within tol * (1 + scale): scale is the magnitude of the terms summed (0: want's own) */
+static void expect(const char* what, long i, double got, double want, double scale, double tol) {
+    double lim = tol * (1.0 + (scale > 0 ? scale : fabs(want)));
+    if (!(fabs(got - want) <= lim)) {
+        if (g_fail < 20) fprintf(stderr, "FAIL %s [%ld]: got %.9g, want %.9g (limit %.3g)\n", what, i, got, want, lim);
+        g_fail++;
+    }
+}
+
+static void expect_same(const char* what, const float* a, const float* b, long n) {
+    if (memcmp(a, b, (size_t)n * sizeof(float)) != 0) {
+        if (g_fail < 20) fprintf(stderr, "FAIL %s: not the same bits\n", what);
+        g_fail++;
+    }
+}
+
+/* W (out, in) -> panels of 16 outputs, (ceil(out / 16), in, 16), rows past `out` zero (as kernels.pack) */
+static float* pack(const float* W, long out, long in) {
+    long np = (out + PANEL - 1) / PANEL;
+    float* wp = xmalloc((size_t)np * in * PANEL * sizeof(float));
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < in; k++)
+            for (long c = 0; c < PANEL; c++) {
+                long o = p * PANEL + c;
+                wp[(p * in + k) * PANEL + c] = o < out ? W[o * in + k] : 0.0f;
+            }
+    return wp;
+}
+
+/* ---- wsc_linear ---------------------------------------------------------------------------------------- */
+
+static void check_linear(long rows, long out, long in) {
+    char what[96];
+    float *x = randv(rows * in), *W = randv(out * in), *b = randv(out), *res = randv(rows * out);
+    float* wp = pack(W, out, in);
+    float *y = randv(rows * out), *yb = randv(rows * out);
+    if (wsc_linear(wp, x, NULL, NULL, y, rows, out, in) != 0 || wsc_linear(wp, x, b, res, yb, rows, out, in) != 0) {
+        fprintf(stderr, "FAIL linear %ldx%ldx%ld: out of memory\n", rows, out, in);
+        g_fail++;
+    }
+    snprintf(what, sizeof what, "linear rows=%ld out=%ld in=%ld", rows, out, in);
+    for (long r = 0; r < rows; r++)
+        for (long o = 0; o < out; o++) {
+            double s = 0, mag = 0;
+            for (long k = 0; k < in; k++) {
+                s += (double)x[r * in + k] * W[o * in + k];
+                mag += fabs((double)x[r * in + k] * W[o * in + k]);
+            }
+            expect(what, r * out + o, y[r * out + o], s, mag, 1e-6);
+            expect(what, r * out + o, yb[r * out + o], res[r * out + o] + s + b[o], mag + 2, 1e-6);
+        }
+    float* yi = copyv(res, rows * out);  /* the residual aliasing the output, as the decode layers use it */
+    wsc_linear(wp, x, b, yi, yi, rows, out, in);
+    snprintf(what, sizeof what, "linear in place rows=%ld out=%ld in=%ld", rows, out, in);
+    expect_same(what, yi, yb, rows * out);
+    free(x); free(W); free(b); free(res); free(wp); free(y); free(yb); free(yi);
+}
+
+/* the same product, alone and shared by the pool's threads (again and again: it picks either): same bits */
+static void check_linear_threads(long rows, long out, long in) {
+    char what[96];
+    float *x = randv(rows * in), *W = randv(out * in), *b = randv(out), *res = randv(rows * out);
+    float* wp = pack(W, out, in);
+    float *one = randv(rows * out), *two = randv(rows * out);
+    wsc_set_threads(1);
+    wsc_linear(wp, x, b, res, one, rows, out, in);
+    if (wsc_set_threads(2) != 2) { fprintf(stderr, "FAIL set_threads(2)\n"); g_fail++; }
+    snprintf(what, sizeof what, "linear on 2 threads rows=%ld out=%ld in=%ld", rows, out, in);
+    for (int i = 0; i < 40; i++) {
+        wsc_linear(wp, x, b, res, two, rows, out, in);
+        expect_same(what, two, one, rows * out);
+    }
+    wsc_set_threads(1);
+    free(x); free(W); free(b); free(res); free(wp); free(one); free(two);
+}
+
+/* ---- row-wise kernels ------------------------------------------------------------------------------------ */
+
+static void check_rms_norm(long rows, long n) {
+    char what[64];
+    snprintf(what, sizeof what, "rms_norm rows=%ld n=%ld", rows, n);
+    float *x = randv(rows * n), *w = randv(n), *y = randv(rows * n);
+    wsc_rms_norm(x, w, 1e-5f, y, rows, n);
+    for (long r = 0; r < rows; r++) {
+        double ss = 0;
+        for (long i = 0; i < n; i++) ss += (double)x[r * n + i] * x[r * n + i];
+        double inv = 1.0 / sqrt(ss / n + 1e-5);
+        for (long i = 0; i < n; i++) expect(what, r * n + i, y[r * n + i], w[i] * (x[r * n + i] * inv), 0, 1e-5);
+    }
+    free(x); free(w); free(y);
+}
+
+static void check_silu_mul(long rows, long n) {
+    char what[64];
+    snprintf(what, sizeof what, "silu_mul rows=%ld n=%ld", rows, n);
+    float *gu = randv(rows * 2 * n), *y = randv(rows * n);
+    for (long i = 0; i < rows * 2 * n; i += 7) gu[i] *= 60.0f;  /* large |x|: exp under- and overflow sides */
+    wsc_silu_mul(gu, y, rows, n);
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < n; i++) {
+            double g = gu[r * 2 * n + i], u = gu[r * 2 * n + n + i];
+            expect(what, r * n + i, y[r * n + i], g / (1.0 + exp(-g)) * u, 0, 1e-5);
+        }
+    free(gu); free(y);
+}
+
+static long ref_argmax(const float* x, long n) {
+    for (long i = 0; i < n; i++) if (x[i] != x[i]) return i;
+    long best = 0;
+    for (long i = 1; i < n; i++) if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static void check_argmax(long n) {
+    char what[64];
+    snprintf(what, sizeof what, "argmax n=%ld", n);
+    float* x = randv(n);
+    for (long at = 0; at < n; at += (n > 20 ? 5 : 1)) {  /* a planted maximum, tied later when there is room */
+        float* v = copyv(x, n);
+        v[at] = 2.0f;
+        if (at + 17 < n) v[at + 17] = 2.0f;
+        expect(what, at, (double)wsc_argmax(v, n), (double)ref_argmax(v, n), 0, 0);
+        v[n - 1 - at] = NAN;  /* the first NaN wins, as in torch */
+        expect(what, at, (double)wsc_argmax(v, n), (double)ref_argmax(v, n), 0, 0);
+        free(v);
+    }
+    long rows = 3, ld = n + 5;  /* rows of a wider matrix */
+    float* m = randv(rows * ld);
+    long* out = xmalloc((size_t)rows * sizeof(long));
+    wsc_argmax_rows(m, rows, ld, n, out);
+    for (long r = 0; r < rows; r++) expect(what, 100 + r, (double)out[r], (double)ref_argmax(m + r * ld, n), 0, 0);
+    free(x); free(m); free(out);
+}
+
+/* ---- decode attention -------------------------------------------------------------------------------- */
+
+/* rope of one token's q and k heads in place (double), as rope_write documents it */
+static void ref_rope(float* qkv, const float* cos, const float* sin_signed, long nh, long nkv, long hd) {
+    long half = hd / 2;
+    for (long h = 0; cos && h < nh + nkv; h++) {
+        float* x = qkv + h * hd;
+        for (long i = 0; i < half; i++) {
+            double a = x[i], b = x[i + half];
+            x[i] = (float)(a * cos[i] + b * sin_signed[i]);
+            x[i + half] = (float)(b * cos[i + half] + a * sin_signed[i + half]);
+        }
+    }
+}
+
+/* y (nh hd) = softmax(q K^T / sqrt(hd)) V over positions t < S at slot slot_of(t) */
+static void ref_attend(const float* q, const float* cache, long slots, const long* slot_of, long S, long nh,
+                       long nkv, long hd, double* y) {
+    long g = nh / nkv;
+    double* p = xmalloc((size_t)S * sizeof(double));
+    for (long h = 0; h < nh; h++) {
+        const float* K = cache + (h / g) * slots * hd;
+        const float* V = cache + (nkv + h / g) * slots * hd;
+        double m = -INFINITY, sum = 0;
+        for (long t = 0; t < S; t++) {
+            double s = 0;
+            for (long d = 0; d < hd; d++) s += (double)q[h * hd + d] * K[slot_of[t] * hd + d];
+            p[t] = s / sqrt((double)hd);
+            m = p[t] > m ? p[t] : m;
+        }
+        for (long t = 0; t < S; t++) sum += p[t] = exp(p[t] - m);
+        for (long d = 0; d < hd; d++) {
+            double o = 0;
+            for (long t = 0; t < S; t++) o += p[t] * V[slot_of[t] * hd + d];
+            y[h * hd + d] = o / sum;
+        }
+    }
+    free(p);
+}
+
+static void check_decode_attention(long nh, long nkv, long hd, long S, int rope) {
+    char what[96];
+    snprintf(what, sizeof what, "decode_attention nh=%ld nkv=%ld hd=%ld S=%ld rope=%d", nh, nkv, hd, S, rope);
+    long nq = (nh + 2 * nkv) * hd, slot0 = 2, slots = S + 3;
+    float *qkv = randv(nq), *cache = randv(2 * nkv * slots * hd), *y = randv(nh * hd);
+    float *cos = rope ? randv(hd) : NULL, *sin = rope ? randv(hd) : NULL;
+    float *rq = copyv(qkv, nq), *rc = copyv(cache, 2 * nkv * slots * hd);
+    double* ry = xmalloc((size_t)nh * hd * sizeof(double));
+    long* slot_of = xmalloc((size_t)S * sizeof(long));
+    for (long t = 0; t < S; t++) slot_of[t] = slot0 + t;
+    ref_rope(rq, cos, sin, nh, nkv, hd);
+    for (long h = 0; h < 2 * nkv; h++) memcpy(rc + (h * slots + slot0 + S - 1) * hd, rq + (nh + h) * hd, hd * 4);
+    ref_attend(rq, rc, slots, slot_of, S, nh, nkv, hd, ry);
+    if (wsc_decode_attention(qkv, cos, sin, cache, slots, slot0, S, nh, nkv, hd, 1.0f / sqrtf((float)hd), y) != 0) {
+        fprintf(stderr, "FAIL %s: out of memory\n", what);
+        g_fail++;
+    }
+    for (long i = 0; i < nq; i++) expect(what, i, qkv[i], rq[i], 0, 1e-6);
+    for (long i = 0; i < 2 * nkv * slots * hd; i++) expect(what, i, cache[i], rc[i], 0, 1e-6);
+    for (long i = 0; i < nh * hd; i++) expect(what, i, y[i], ry[i], 1, 1e-5);
+    free(qkv); free(cache); free(y); free(cos); free(sin); free(rq); free(rc); free(ry); free(slot_of);
+}
+
+/* B sequences over a block-paged cache, one thread and two (the pool's attention jobs): against the
+   reference, and the same bits either way */
+static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
+    enum { B = 3 };
+    const long pos[B] = {0, 6, 13}, rows[B] = {2, 0, 1};
+    char what[96];
+    snprintf(what, sizeof what, "decode_attention_batch nh=%ld nkv=%ld hd=%ld bs=%ld", nh, nkv, hd, bs);
+    long nq = (nh + 2 * nkv) * hd, ldt = (pos[B - 1] + bs) / bs, nblocks = B * ldt, slots = nblocks * bs;
+    long* tables = xmalloc((size_t)B * ldt * sizeof(long));
+    for (long i = 0; i < B * ldt; i++) tables[i] = (i * 7 + 3) % nblocks;  /* a scrambled order, all distinct */
+    long P = pos[B - 1] + 1;
+    float *cos_t = randv(P * hd), *sin_t = randv(P * hd);
+    float *qkv0 = randv(B * nq), *cache0 = randv(2 * nkv * slots * hd);
+    float* out[2];
+    for (int threads = 1; threads <= 2; threads++) {
+        float *qkv = copyv(qkv0, B * nq), *cache = copyv(cache0, 2 * nkv * slots * hd);
+        float* y = randv(B * nh * hd);
+        wsc_set_threads(threads);
+        if (wsc_decode_attention_batch(qkv, nq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh, nkv,
+                                       hd, 1.0f / sqrtf((float)hd), y, nh * hd) != 0) {
+            fprintf(stderr, "FAIL %s: out of memory\n", what);
+            g_fail++;
+        }
+        out[threads - 1] = y;
+        free(qkv); free(cache);
+    }
+    wsc_set_threads(1);
+    expect_same(what, out[1], out[0], B * nh * hd);
+    float* rc = copyv(cache0, 2 * nkv * slots * hd);
+    float* rq = copyv(qkv0, B * nq);
+    for (long b = 0; b < B; b++) {  /* every token's rope and KV write first, then each one's attention */
+        float* q = rq + rows[b] * nq;
+        long p = pos[b], slot = tables[b * ldt + p / bs] * bs + p % bs;
+        ref_rope(q, cos_t + p * hd, sin_t + p * hd, nh, nkv, hd);
+        for (long h = 0; h < 2 * nkv; h++) memcpy(rc + (h * slots + slot) * hd, q + (nh + h) * hd, hd * 4);
+    }
+    double* ry = xmalloc((size_t)nh * hd * sizeof(double));
+    long* slot_of = xmalloc((size_t)P * sizeof(long));
+    for (long b = 0; b < B; b++) {
+        for (long t = 0; t <= pos[b]; t++) slot_of[t] = tables[b * ldt + t / bs] * bs + t % bs;
+        ref_attend(rq + rows[b] * nq, rc, slots, slot_of, pos[b] + 1, nh, nkv, hd, ry);
+        for (long i = 0; i < nh * hd; i++) expect(what, b * 1000 + i, out[0][rows[b] * nh * hd + i], ry[i], 1, 1e-5);
+    }
+    free(tables); free(cos_t); free(sin_t); free(qkv0); free(cache0); free(out[0]); free(out[1]);
+    free(rc); free(rq); free(ry); free(slot_of);
+}
+
+/* ---- the decode layers: a batch of one agrees with the single-sequence call, and each sequence of a batch
+   with itself run alone, bit for bit ------------------------------------------------------------------- */
+
+enum { NL = 2, C = 32, NH = 2, NKV = 1, HD = 16, FFN = 40 };
+
+static void make_layers(layer_t* L, float** owned, int* nown, float* cache_for_layer[NL]) {
+    for (int l = 0; l < NL; l++) {
+        float *wqkv = randv((NH + 2 * NKV) * HD * C), *wo = randv(C * NH * HD);
+        float *wgu = randv(2 * FFN * C), *wd = randv(C * FFN);
+        layer_t t = {0};
+        t.attn_norm = owned[(*nown)++] = randv(C);
+        t.mlp_norm = owned[(*nown)++] = randv(C);
+        t.wqkv = owned[(*nown)++] = pack(wqkv, (NH + 2 * NKV) * HD, C);
+        t.wo = owned[(*nown)++] = pack(wo, C, NH * HD);
+        t.wgu = owned[(*nown)++] = pack(wgu, 2 * FFN, C);
+        t.wd = owned[(*nown)++] = pack(wd, C, FFN);
+        t.bqkv = l == 0 ? (owned[(*nown)++] = randv((NH + 2 * NKV) * HD)) : NULL;  /* biases: some present */
+        t.bd = l == 0 ? (owned[(*nown)++] = randv(C)) : NULL;
+        t.attn_eps = 1e-5f; t.mlp_eps = 1e-6f;
+        t.cache = cache_for_layer[l];
+        L[l] = t;
+        free(wqkv); free(wo); free(wgu); free(wd);
+    }
+}
+
+static void check_decode_layers(void) {
+    enum { R = 3, BS = 4, LDT = 2, SLOTS = R * LDT * BS };
+    const long pos[R] = {2, 5, 0}, rows[R] = {0, 1, 2};
+    long tables[R * LDT];
+    for (long i = 0; i < R * LDT; i++) tables[i] = (i * 5 + 1) % (R * LDT);
+    long P = 6, cn = 2 * NKV * SLOTS * HD;
+    float *cos_t = randv(P * HD), *sin_t = randv(P * HD), *x0 = randv(R * C);
+    float* cache0[NL];
+    for (int l = 0; l < NL; l++) cache0[l] = randv(cn);
+    float* owned[4 * NL * 8];
+    int nown = 0;
+    float* caches[NL];
+    layer_t L[NL];
+    for (int l = 0; l < NL; l++) caches[l] = copyv(cache0[l], cn);
+    make_layers(L, owned, &nown, caches);
+    long per = C + (NH + 2 * NKV) * HD + NH * HD + 3 * FFN;
+    float* scratch = xmalloc((size_t)R * per * sizeof(float));
+
+    float* xb = copyv(x0, R * C);  /* all R together */
+    if (wsc_decode_layers_batch(xb, L, NL, R, C, NH, NKV, HD, FFN, cos_t, sin_t, SLOTS, pos, tables, LDT, BS, rows,
+                                scratch) != 0) { fprintf(stderr, "FAIL decode_layers_batch: out of memory\n"); g_fail++; }
+    for (long r = 0; r < R; r++) {  /* each alone, on a fresh cache */
+        for (int l = 0; l < NL; l++) memcpy(caches[l], cache0[l], cn * sizeof(float));
+        float* x1 = copyv(x0 + r * C, C);
+        long zero = 0;
+        wsc_decode_layers_batch(x1, L, NL, 1, C, NH, NKV, HD, FFN, cos_t, sin_t, SLOTS, pos + r, tables + r * LDT, LDT,
+                                BS, &zero, scratch);
+        expect_same("decode_layers_batch: a sequence alone vs in the batch", x1, xb + r * C, C);
+        free(x1);
+    }
+    /* one sequence whose blocks are consecutive from slot 0: the single-sequence call, same bits */
+    long ident[LDT] = {0, 1}, p = 5, one = 0;
+    for (int l = 0; l < NL; l++) memcpy(caches[l], cache0[l], cn * sizeof(float));
+    float* xa = copyv(x0, C);
+    wsc_decode_layers_batch(xa, L, NL, 1, C, NH, NKV, HD, FFN, cos_t, sin_t, SLOTS, &p, ident, LDT, BS, &one, scratch);
+    for (int l = 0; l < NL; l++) memcpy(caches[l], cache0[l], cn * sizeof(float));
+    float* xs = copyv(x0, C);
+    if (wsc_decode_layers(xs, L, NL, C, NH, NKV, HD, FFN, cos_t + p * HD, sin_t + p * HD, SLOTS, 0, p + 1,
+                          scratch) != 0) { fprintf(stderr, "FAIL decode_layers: out of memory\n"); g_fail++; }
+    expect_same("decode_layers vs decode_layers_batch of one", xs, xa, C);
+    for (long i = 0; i < C; i++) expect("decode_layers finite", i, isfinite(xs[i]), 1, 0, 0);
+
+    free(cos_t); free(sin_t); free(x0); free(scratch); free(xb); free(xa); free(xs);
+    for (int l = 0; l < NL; l++) { free(cache0[l]); free(caches[l]); }
+    for (int i = 0; i < nown; i++) free(owned[i]);
+}
+
+int main(void) {
+    const long lin[][3] = {{1, 5, 37}, {1, 32, 64}, {3, 17, 16}, {4, 130, 64}, {5, 131, 37}, {7, 6, 15},
+                           {16, 33, 48}, {17, 50, 20}, {33, 16, 64}};
+    for (size_t i = 0; i < sizeof lin / sizeof lin[0]; i++) check_linear(lin[i][0], lin[i][1], lin[i][2]);
+    check_linear_threads(4, 700, 48);
+    check_linear_threads(1, 700, 48);
+    check_linear_threads(20, 300, 37);
+    check_rms_norm(3, 37);
+    check_rms_norm(2, 64);
+    check_rms_norm(1, 1);
+    check_silu_mul(2, 37);
+    check_silu_mul(1, 64);
+    const long am[] = {1, 7, 16, 31, 32, 37, 64, 100};
+    for (size_t i = 0; i < sizeof am / sizeof am[0]; i++) check_argmax(am[i]);
+    check_decode_attention(4, 2, 16, 1, 1);
+    check_decode_attention(4, 2, 16, 5, 0);
+    check_decode_attention(3, 1, 64, 33, 1);
+    check_decode_attention(2, 2, 48, 17, 1);
+    check_decode_attention(8, 1, 64, 40, 1);
+    check_decode_attention_batch(4, 2, 32, 4);
+    check_decode_attention_batch(3, 1, 64, 16);
+    check_decode_layers();
+    if (g_fail) {
+        fprintf(stderr, "%d checks failed\n", g_fail);
+        return 1;
+    }
+    printf("serve kernels: all checks passed\n");
+    return 0;
+}
