@@ -11,7 +11,8 @@ from torch import nn
 
 from waferscale.params import OptimizerParams, load_params
 from waferscale.errors import ConfigError
-from waferscale.runtime.optim import build_optimizer, build_schedule, param_groups, set_lr
+from waferscale.runtime.optim import param_groups, set_lr
+from waferscale.zoo.optim import build_optimizer, build_schedule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -214,3 +215,27 @@ def test_refusals() -> None:
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
         build_optimizer(frozen.parameters(), opt_params())
+
+
+# ---- the runtime's plain arguments (what the cstorch API and MemoryX use; no params layer) ------------------
+
+def test_runtime_takes_a_spec_and_canonical_schedules() -> None:
+    from waferscale.runtime import optim as rt
+
+    spec = rt.OptimizerSpec(optimizer_type="AdamW", learning_rate=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny()
+    b.load_state_dict(a.state_dict())
+    ours, ref = rt.build_optimizer(a.parameters(), spec), build_optimizer(b.parameters(), opt_params())
+    assert type(ours) is type(ref) and ours.defaults == ref.defaults
+    s = rt.build_schedule([{"scheduler": "LinearLR", "initial_learning_rate": 0.0, "end_learning_rate": 1.0,
+                            "total_iters": 4}, {"scheduler": "constant", "learning_rate": 0.5}])
+    assert [s(i) for i in (0, 2, 4, 9)] == pytest.approx([0.0, 0.5, 0.5, 0.5])
+    with pytest.raises(ConfigError, match="unknown scheduler 'Cosin'"):
+        rt.build_schedule({"scheduler": "Cosin", "initial_learning_rate": 1.0})
+    with pytest.raises(ConfigError, match="CosineDecay needs end_learning_rate"):
+        rt.build_schedule({"scheduler": "CosineDecay", "initial_learning_rate": 1.0, "total_iters": 5})
+    with pytest.raises(ConfigError, match="must be a number"):
+        rt.build_optimizer(Tiny().parameters(), opt_params(learning_rate=[linear(0.0, 1.0, 10)]))
+    with pytest.raises(ConfigError, match="not one of"):
+        rt.OptimizerSpec(optimizer_type="Adafactor")

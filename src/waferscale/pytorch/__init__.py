@@ -17,15 +17,14 @@
     for inputs, targets in executor:
         loss = training_step(inputs, targets)
 
-`wsc run` drives its runs through this same API (see `waferscale.runtime.trainer`).
+`wsc run` drives its runs through this same API (see `waferscale.zoo`).
 """
 
 from waferscale.pytorch import amp, distributed, optim, utils
 from waferscale.pytorch.backend import backend, current_backend
 from waferscale.pytorch.compiled import CompiledModel, compile
-from waferscale.pytorch.lm import compile_lm_step
 from waferscale.pytorch.serialization import load, save
 from waferscale.pytorch.step import checkpoint_closure, step, step_closure, trace
 
-__all__ = ["backend", "current_backend", "compile", "CompiledModel", "compile_lm_step", "trace", "step", "step_closure",
+__all__ = ["backend", "current_backend", "compile", "CompiledModel", "trace", "step", "step_closure",
            "checkpoint_closure", "save", "load", "optim", "amp", "utils", "distributed"]

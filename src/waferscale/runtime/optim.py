@@ -1,4 +1,8 @@
-"""Optimizers and learning-rate schedules from the params YAML's `optimizer` section.
+"""Optimizer math and learning-rate schedules: the one home of both (the cstorch API and the zoo wrap them).
+
+The runtime takes plain arguments: `OptimizerSpec` (which optimizer, its hyper-parameters, the first update's
+learning rate) and a learning rate that is a number or canonical scheduler dicts. Reading them from a params
+file is the zoo's business (`waferscale.zoo.optim`).
 
 A schedule is a pure function of the step, `lr = schedule(step)`, with no state to save: resuming at step k
 gives exactly the learning rate an uninterrupted run would have had. `step` counts optimizer updates already
@@ -28,13 +32,12 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from waferscale.params import OptimizerParams, normalize_learning_rate
 from waferscale.errors import ConfigError
 
 
@@ -178,10 +181,24 @@ _SCHEDULES: dict[str, type[LRSchedule]] = {
 }
 
 
-def _phase(spec: dict[str, Any]) -> LRSchedule:
-    cls = _SCHEDULES[spec["scheduler"]]
+def _schedule_class(name: Any) -> type[LRSchedule]:
+    """'CosineDecayLR', 'cosinedecay', 'CosineDecay' -> CosineDecay (any case, an 'LR' suffix is fine)."""
+    key = str(name).strip().lower()
+    key = key[:-2] if key.endswith("lr") and key != "lr" else key
+    for known, cls in _SCHEDULES.items():
+        if known.lower() == key:
+            return cls
+    raise ConfigError(f"optimizer.learning_rate: unknown scheduler {name!r}; known: {', '.join(_SCHEDULES)} "
+                      f"(an 'LR' suffix is fine)")
+
+
+def _phase(spec: Mapping[str, Any]) -> LRSchedule:
+    cls = _schedule_class(spec.get("scheduler"))
     accepted = inspect.signature(cls).parameters
     kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in spec.items() if k in accepted}
+    missing = [k for k, p in accepted.items() if p.default is p.empty and k not in kwargs]
+    if missing:
+        raise ConfigError(f"optimizer.learning_rate: {spec['scheduler']} needs {', '.join(missing)}")
     for key in ("total_iters", "T_max", "step_size"):
         if key in kwargs and kwargs[key] <= 0:
             raise ConfigError(f"optimizer.learning_rate: {spec['scheduler']} {key} must be positive, "
@@ -189,18 +206,28 @@ def _phase(spec: dict[str, Any]) -> LRSchedule:
     return cls(**kwargs)
 
 
-def build_schedule(learning_rate: float | dict[str, Any] | list[dict[str, Any]]) -> LRSchedule:
-    """A schedule from `optimizer.learning_rate`: a number, one scheduler dict, or a list run in sequence.
+def build_schedule(learning_rate: float | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> LRSchedule:
+    """A schedule from a learning rate: a number, one scheduler dict, or a list of them run in sequence.
 
-    Scheduler names are matched case-insensitively with or without the `LR` suffix ('CosineDecayLR')."""
-    lr = normalize_learning_rate(learning_rate)
-    if isinstance(lr, float):
-        return Constant(lr)
-    phases = [_phase(spec) for spec in lr]
+    Each dict names its schedule under `scheduler` (the names above; any case, an 'LR' suffix is fine) and
+    gives its arguments by name (keys a schedule does not take are ignored); every phase but the last needs
+    `total_iters`. This is the canonical form `waferscale.params` normalizes a params file's
+    `optimizer.learning_rate` to (legacy Model Zoo spellings such as `steps:` are mapped there)."""
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        return Constant(float(learning_rate))
+    if isinstance(learning_rate, Mapping):
+        learning_rate = [learning_rate]
+    if isinstance(learning_rate, (str, bytes)) or not isinstance(learning_rate, Sequence) or not learning_rate \
+            or not all(isinstance(spec, Mapping) for spec in learning_rate):
+        raise ConfigError(f"optimizer.learning_rate: expected a number, a scheduler dict or a non-empty list of "
+                          f"them, got {learning_rate!r}")
+    phases = [_phase(spec) for spec in learning_rate]
     if len(phases) == 1:
         return phases[0]
     starts = [0]
-    for spec in lr[:-1]:
+    for i, spec in enumerate(learning_rate[:-1]):
+        if not spec.get("total_iters"):
+            raise ConfigError(f"optimizer.learning_rate[{i}].total_iters: is required for every phase but the last")
         starts.append(starts[-1] + spec["total_iters"])
     return Sequential(tuple(phases), tuple(starts))
 
@@ -227,7 +254,7 @@ def param_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, A
     return groups
 
 
-def _fused_or_foreach(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> dict[str, bool]:
+def fused_or_foreach(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> dict[str, bool]:
     """fused=True where torch has a fused kernel for these tensors (CPU and CUDA, floating point), else
     foreach (one multi-tensor kernel per group) where the tensors allow it."""
     tensors = [p for g in groups for p in g["params"]]
@@ -238,39 +265,137 @@ def _fused_or_foreach(cls: type[torch.optim.Optimizer], groups: list[dict[str, A
     return {"foreach": True} if all(p.device.type in ("cpu", "cuda") for p in tensors) else {}
 
 
-def build_optimizer(params: Iterable[Any], opt: OptimizerParams) -> torch.optim.Optimizer:
-    """A torch optimizer for `params` per `opt`, starting at the schedule's step-0 learning rate.
+def _with_grads(opt: torch.optim.Optimizer, group: dict, *state: str) -> tuple[list, ...]:
+    """The group's parameters that have gradients, their gradients, and per name in `state` their state
+    tensors (zeros on first use)."""
+    ps = [p for p in group["params"] if p.grad is not None]
+    return (ps, [p.grad for p in ps],
+            *([opt.state[p].setdefault(n, torch.zeros_like(p)) for p in ps] for n in state))
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al., 2023): p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p); m = b2 * m + (1 - b2) * g.
+    Multi-tensor (foreach) kernels; torch ships no Lion."""
+
+    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        if lr < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Lion needs lr >= 0 and betas in [0, 1), got lr={lr}, betas={betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            ps, grads, ms = _with_grads(self, g, "exp_avg")
+            if not ps:
+                continue
+            b1, b2 = g["betas"]
+            if g["weight_decay"]:
+                torch._foreach_mul_(ps, 1.0 - g["lr"] * g["weight_decay"])
+            update = torch._foreach_mul(ms, b1)
+            torch._foreach_add_(update, grads, alpha=1.0 - b1)
+            torch._foreach_sign_(update)
+            torch._foreach_add_(ps, update, alpha=-g["lr"])
+            torch._foreach_mul_(ms, b2)
+            torch._foreach_add_(ms, grads, alpha=1.0 - b2)
+        return loss
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2019) without bias correction: u = m / (sqrt(v) + eps) + wd * p, then
+    p -= lr * trust * u with trust = ||p|| / ||u|| per parameter (1 where either norm is zero).
+    Multi-tensor (foreach) kernels; torch ships no Lamb."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:
+        if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Lamb needs lr >= 0, eps >= 0, betas in [0, 1), got {lr}, {eps}, {betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            ps, grads, ms, vs = _with_grads(self, g, "exp_avg", "exp_avg_sq")
+            if not ps:
+                continue
+            b1, b2 = g["betas"]
+            torch._foreach_lerp_(ms, grads, 1.0 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denom, g["eps"])
+            update = torch._foreach_div(ms, denom)
+            if g["weight_decay"]:
+                torch._foreach_add_(update, ps, alpha=g["weight_decay"])
+            w_norm = torch._foreach_norm(ps)
+            u_norm = torch._foreach_norm(update)
+            for p, u, wn, un in zip(ps, update, w_norm, u_norm):
+                trust = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
+                p.add_(u * trust, alpha=-g["lr"])
+        return loss
+
+
+# optimizer_type -> class; the torch ones get fused / foreach kernels (ours are multi-tensor already)
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
+    "Adamax": torch.optim.Adamax, "NAdam": torch.optim.NAdam, "RAdam": torch.optim.RAdam,
+    "RMSprop": torch.optim.RMSprop, "Lamb": Lamb, "Lion": Lion,
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer and its hyper-parameters, as `build_optimizer` and MemoryX read them.
+
+    `learning_rate` is the rate of the first update (a schedule, if any, sets the later ones each step);
+    `weight_decay` goes to parameters with ndim >= 2 only (`param_groups`); `momentum` / `nesterov` are SGD's
+    (`momentum` is also RMSprop's); betas and eps are used by the optimizers that take them."""
+
+    optimizer_type: str
+    learning_rate: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6  # cstorch's AdamW default (torch's is 1e-8)
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer_type not in OPTIMIZERS:
+            raise ConfigError(f"optimizer_type {self.optimizer_type!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """A torch optimizer for `params` per `spec`, at the spec's (first-update) learning rate.
 
     Weight decay goes to parameters with ndim >= 2 only (two param groups, see `param_groups`). SGD uses
-    `momentum` / `nesterov`; Adam is L2-coupled weight decay, AdamW decoupled, as in torch and cstorch.
-    `correct_bias: false` is refused by OptimizerParams (not implemented)."""
-    if not opt.correct_bias and opt.optimizer_type in ("Adam", "AdamW"):  # objects built in code, mutated
-        raise ConfigError("optimizer.correct_bias: false (Adam without bias correction) is not implemented; "
-                          "set correct_bias: true")
-    groups = param_groups(params, opt.weight_decay)
-    lr = build_schedule(opt.learning_rate)(0)
-    kind = opt.optimizer_type
-    if kind in ("Lamb", "Lion"):
-        from waferscale.pytorch.optim import extra
-
-        cls = getattr(extra, kind)
-    else:
-        cls = getattr(torch.optim, kind)
+    `momentum` / `nesterov`; Adam is L2-coupled weight decay, AdamW decoupled, as in torch and cstorch. Any
+    object with OptimizerSpec's attributes and a numeric learning_rate is read the same way."""
+    kind = spec.optimizer_type
+    cls = OPTIMIZERS.get(kind)
+    if cls is None:
+        raise ConfigError(f"optimizer_type {kind!r} is not one of {', '.join(OPTIMIZERS)}")
+    lr = spec.learning_rate
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise ConfigError(f"the optimizer's learning_rate must be a number (the first update's rate), got {lr!r}; "
+                          f"for a schedule pass build_schedule(learning_rate)(0)")
+    groups = param_groups(params, spec.weight_decay)
     if kind == "SGD":
-        kwargs: dict[str, Any] = {"momentum": opt.momentum, "nesterov": opt.nesterov}
-        if opt.nesterov and opt.momentum <= 0:
+        kwargs: dict[str, Any] = {"momentum": spec.momentum, "nesterov": spec.nesterov}
+        if spec.nesterov and spec.momentum <= 0:
             raise ConfigError("optimizer.nesterov: needs optimizer.momentum > 0")
     elif kind == "Lion":
-        kwargs = {"betas": tuple(opt.betas)}
+        kwargs = {"betas": tuple(spec.betas)}
     elif kind in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Lamb"):
-        kwargs = {"betas": tuple(opt.betas), "eps": opt.eps}
+        kwargs = {"betas": tuple(spec.betas), "eps": spec.eps}
     elif kind == "RMSprop":
-        kwargs = {"eps": opt.eps, "momentum": opt.momentum}
+        kwargs = {"eps": spec.eps, "momentum": spec.momentum}
     else:  # Adagrad
-        kwargs = {"eps": opt.eps}
+        kwargs = {"eps": spec.eps}
     if kind not in ("Lamb", "Lion"):  # (ours are multi-tensor already)
-        kwargs.update(_fused_or_foreach(cls, groups))
-    return cls(groups, lr=lr, **kwargs)
+        kwargs.update(fused_or_foreach(cls, groups))
+    return cls(groups, lr=float(lr), **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -279,4 +404,5 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-__all__ = ["LRSchedule", "build_schedule", "build_optimizer", "param_groups", "set_lr"]
+__all__ = ["LRSchedule", "build_schedule", "OptimizerSpec", "OPTIMIZERS", "build_optimizer", "param_groups",
+           "fused_or_foreach", "set_lr", "Lion", "Lamb"]

@@ -37,6 +37,7 @@ from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import Executor, choose_execution, resolve_device
 from waferscale.runtime.optim import build_schedule
 from waferscale.runtime.perf import measured_peak_flops
+from waferscale.zoo.lm import compile_lm_step
 
 MODES = ("train", "eval", "train_and_eval")
 
@@ -221,9 +222,9 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device, model
         cluster_config=cstorch.distributed.ClusterConfig(num_csx=opts.num_csx, timeout_s=opts.swarmx_timeout_s),
         spawn_script_copies=False)  # the workers run the compiled step, not copies of `wsc run`
     recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
-    model, executor = cstorch.compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
-                                              micro_batch_size=inp.micro_batch_size, recompute=recompute,
-                                              swarmx_timeout_s=opts.swarmx_timeout_s)
+    model, executor = compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
+                                      micro_batch_size=inp.micro_batch_size, recompute=recompute,
+                                      swarmx_timeout_s=opts.swarmx_timeout_s)
     return model, executor, why
 
 

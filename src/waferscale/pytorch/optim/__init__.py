@@ -15,12 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from waferscale.params import OptimizerParams
 from waferscale.errors import ConfigError
 from waferscale.pytorch.optim import lr_scheduler
-from waferscale.pytorch.optim.extra import Lamb as _Lamb
-from waferscale.pytorch.optim.extra import Lion as _Lion
-from waferscale.runtime.optim import _fused_or_foreach
+from waferscale.runtime.optim import Lamb as _Lamb
+from waferscale.runtime.optim import Lion as _Lion
+from waferscale.runtime.optim import OptimizerSpec, build_schedule, fused_or_foreach
 
 __all__ = ["SGD", "Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
            "configure_optimizer", "configure_lr_scheduler", "lr_scheduler"]
@@ -73,7 +72,7 @@ class _Streamable:
 def _fast(cls: type, params: Any) -> tuple[list[Any], dict[str, bool]]:
     params = list(params)
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    return params, _fused_or_foreach(cls, [{"params": list(g["params"])} for g in groups])
+    return params, fused_or_foreach(cls, [{"params": list(g["params"])} for g in groups])
 
 
 class SGD(_Streamable, torch.optim.SGD):
@@ -168,9 +167,9 @@ def configure_optimizer(optimizer_type: str, params: Any, **kwargs: Any) -> torc
 
 
 def configure_lr_scheduler(optimizer: torch.optim.Optimizer, learning_rate: Any) -> "lr_scheduler.LRScheduler":
-    """A scheduler from a Model Zoo `learning_rate` (a number, a scheduler dict, or a list of them)."""
-    from waferscale.runtime.optim import build_schedule
-
+    """A scheduler from a Model Zoo `learning_rate`: a number, a scheduler dict, or a list of them run in
+    sequence (`{"scheduler": "CosineDecayLR", "initial_learning_rate": ..., "total_iters": ...}`; see
+    `waferscale.runtime.optim.build_schedule`)."""
     return lr_scheduler.LRScheduler(optimizer, build_schedule(learning_rate))
 
 
@@ -185,11 +184,11 @@ def find_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
     return found[0] if found else None
 
 
-def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module) -> tuple[OptimizerParams, float]:
+def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module) -> tuple[OptimizerSpec, float]:
     """MemoryX's optimizer description from a user's optimizer, and the weight decay of vectors (MemoryX
     groups a unit's matrices and its vectors: the decay may differ between the two, not within one)."""
     if opt is None:
-        return OptimizerParams(optimizer_type="SGD", learning_rate=0.0), 0.0
+        return OptimizerSpec(optimizer_type="SGD", learning_rate=0.0), 0.0
     kind = type(opt).__name__
     if getattr(opt, "_no_stream", None):
         raise ConfigError(opt._no_stream)
@@ -219,4 +218,4 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
         kw.update(momentum=g0["momentum"], nesterov=g0["nesterov"])
         if g0.get("dampening"):
             raise ConfigError("SGD(dampening=...) is not supported with weight streaming")
-    return OptimizerParams(**kw), next(iter(decay[False]), 0.0)
+    return OptimizerSpec(**kw), next(iter(decay[False]), 0.0)

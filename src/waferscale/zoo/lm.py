@@ -1,5 +1,5 @@
-"""`cstorch.compile_lm_step`: a zoo language model's whole training step (forward, loss, backward, update)
-compiled for a backend, as one call `executor.train_step(x, y, lr)`. This is what `wsc run` traces.
+"""`compile_lm_step`: a zoo language model's whole training step (forward, loss, backward, update) compiled
+for a cstorch backend, as one call `executor.train_step(x, y, lr)`. This is what `wsc run` traces.
 
 Because the step is known whole, it runs on the fused executors: resident ("CPU"/"GPU"), weight streaming
 from MemoryX ("CSX"), and with `ClusterConfig(num_csx=N)` N SwarmX worker processes that receive the step's
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from waferscale.params import OptimizerParams
 from waferscale.models import CausalLM, ModelConfig, build
+from waferscale.params import OptimizerParams
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.executor import Executor, ResidentExecutor
 from waferscale.runtime.optim import build_optimizer
+from waferscale.zoo.optim import optimizer_spec
 
 __all__ = ["compile_lm_step"]
 
@@ -24,11 +25,12 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
     """(the model the run reports on, its executor). `model` may be None: a streamed model is then
     initialised inside MemoryX unit by unit, never materialized whole."""
     device = backend.device
+    spec = optimizer_spec(optimizer)
     budget = int(backend.device_memory_mb * 2**20) if backend.device_memory_mb is not None else None
     if not backend.is_csx:
         model = model if model is not None else build(cfg, device="cpu")
         model.to(device)
-        return model, ResidentExecutor(model, build_optimizer(model.parameters(), optimizer), device=device,
+        return model, ResidentExecutor(model, build_optimizer(model.parameters(), spec), device=device,
                                        half_dtype=half_dtype, micro_batch_size=micro_batch_size,
                                        max_gradient_norm=optimizer.max_gradient_norm,
                                        loss_scaling_factor=optimizer.loss_scaling_factor)
@@ -42,7 +44,7 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
         model = build(cfg, device="cpu")
     stream_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(half_dtype or "")
     scaler = LossScaler.from_config(optimizer.loss_scaling_factor) if half_dtype == "float16" else None
-    mx = MemoryX(model if model is not None else build_skeleton(cfg), optimizer, stream_dtype=stream_dtype,
+    mx = MemoryX(model if model is not None else build_skeleton(cfg), spec, stream_dtype=stream_dtype,
                  ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
                  max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler)
     del model
