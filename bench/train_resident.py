@@ -25,7 +25,7 @@ import torch
 from waferscale.params import params_from_dict
 from waferscale.data import CharTokenizer, build_token_splits, read_documents
 from waferscale.models import from_name, lm_loss
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 from waferscale.util.paths import cache_dir
 
 

@@ -22,7 +22,7 @@ import torch
 
 from waferscale.params import params_from_dict
 from waferscale.models import from_name
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 
 
 def params_dict(a: argparse.Namespace, model_dir: str) -> dict:

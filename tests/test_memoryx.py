@@ -25,7 +25,7 @@ from waferscale.models import build
 from waferscale.models.registry import config_from_name
 from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.optim import build_optimizer
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 
 MARGIN_MB = 64
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
 from waferscale.params import params_from_dict
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 
 
 def _run(corpus: Path, model_dir: Path, *, over: dict | None = None, **opts: object) -> dict:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import tiny_params
 from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 
 
 def _params(corpus: Path, tmp_path: Path, **run_over: object) -> Path:

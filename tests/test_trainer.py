@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_params
 from waferscale.params import params_from_dict
-from waferscale.runtime.trainer import RunOptions, run
+from waferscale.zoo.runner import RunOptions, run
 
 
 def _run(corpus: Path, model_dir: Path, mode: str = "train", *, params_over: dict | None = None,

@@ -32,7 +32,7 @@ EXIT_USAGE = 2
 def cmd_run(a: argparse.Namespace) -> int:
     from waferscale.params import load_params
     from waferscale.runtime import swarmx
-    from waferscale.runtime.trainer import RunOptions, run
+    from waferscale.zoo.runner import RunOptions, run
 
     if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
         return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)

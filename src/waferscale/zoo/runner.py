@@ -1,4 +1,5 @@
-"""The training loop behind `wsc run`, written on the cstorch-style API (`waferscale.pytorch`):
+"""The Model Zoo runner behind `wsc run`: a params file -> a cstorch program (`waferscale.pytorch`), as Model
+Zoo's `run.py` is one on `cerebras.pytorch`:
 
     cstorch.backend     "CSX" (weight streaming from MemoryX, `--num_csx N` systems over SwarmX) or the
                         resident "CPU"/"GPU", as `--execution` (or the budget, for auto) decides
