@@ -1,4 +1,7 @@
-"""The compiler's view of `waferscale.fabric`: the cost model and the defect map, behind one small seam."""
+"""The compiler's view of a wafer's defect map (`fabric.mesh`): the logical mesh placement works on.
+
+The cycle model the compiler composes is `waferscale.fabric.cost`, imported where it is used (`project.py`,
+`training.py`, `weight_streaming.py`)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from waferscale.errors import ConfigError
-from waferscale.fabric.spec import FabricSpec
-
-from waferscale.fabric import cost  # noqa: F401  (the analytic cycle model the compiler composes)
 from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.spec import FabricSpec
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from waferscale.compiler._fabric import cost
 from waferscale.compiler.ir import Unit
 from waferscale.errors import ConfigError
+from waferscale.fabric import cost
 from waferscale.fabric.spec import FabricSpec
 
 LABELS = ("compute", "SRAM", "fabric latency", "routing", "I/O")

@@ -1,0 +1,40 @@
+"""What every planning step of one compilation shares: the captured graph, the target, its wafers, the decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from waferscale.compiler._fabric import WaferMap
+from waferscale.compiler.ir import Graph
+from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.spec import FabricSpec
+
+
+@dataclass
+class CompileContext:
+    """One compilation: graph `g` on `systems` wafers of `spec` (one `WaferMap` each, defects drawn per
+    system); `decisions` collects one sentence per choice, in order (what `Plan.explain()` prints)."""
+
+    g: Graph
+    spec: FabricSpec
+    wafers: list[WaferMap]
+    systems: int
+    decisions: list[str]
+    _meshes: dict = field(default_factory=dict)
+
+    def say(self, text: str) -> None:
+        self.decisions.append(text)
+
+    @property
+    def defective(self) -> bool:
+        return any(w.mesh is not None and w.mesh.has_defects for w in self.wafers)
+
+    def region_mesh(self, system: int, row: int, col: int, rows: int, cols: int) -> Mesh | None:
+        """The placed rectangle's own defect map (`Mesh.subregion`), or None on a perfect wafer."""
+        w = self.wafers[system]
+        if w.mesh is None or not w.mesh.has_defects:
+            return None
+        key = (system, row, col, rows, cols)
+        if key not in self._meshes:
+            self._meshes[key] = w.mesh.subregion(row, col, rows, cols)
+        return self._meshes[key]

@@ -1,0 +1,310 @@
+"""Inference plans: weights and KV cache stay on-wafer, the layers form a pipeline of regions, users fill it.
+
+The steps, each appending its sentence to the decisions:
+
+1. `_wafers_per_pipeline`: the fewest wafers (`wpp`) whose SRAM holds the weights + one user's KV cache,
+   split into contiguous runs of units balanced by bytes (a multi-wafer pipeline when wpp > 1); the systems
+   then hold `systems // wpp` independent pipeline copies (data-parallel serving).
+2. `_choose_replicas`: on one wafer, how many copies k of the pipeline to place in a k-way grid (each copy
+   in a 1/k sub-rectangle) and how many users each serves (up to one per stage, as many as the KV cache
+   holds), picked by the cost model's aggregate decode rate.
+3. `_charge_detours`: on a defective wafer, the chosen copy re-projected on its regions' own routes.
+4. `_explain_choice` and `_projection`: the remaining decisions, then decode latency and rate, prefill
+   (`_prefill`: the prompt streamed through the stages in chunks) and what limits the aggregate rate.
+
+Bytes per unit: weights (+ a copy of a tied matrix), KV cache per token per user, double-buffered
+activations in and out. Times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from waferscale.compiler import project as pj
+from waferscale.compiler.context import CompileContext
+from waferscale.compiler.ir import Graph, Unit
+from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, crossing_time, decode_latency,
+                                          handoff, place_pipelines, with_detours)
+from waferscale.compiler.placement import Rect, grid_boxes, live_count
+from waferscale.compiler.strategy import (PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb,
+                                          split_contiguous)
+from waferscale.errors import ConfigError
+
+REPLICA_CANDIDATES = (1, 2, 3, 4, 6, 8, 9, 12, 16, 20, 24, 25, 32, 36, 48, 49, 64)  # copies per wafer tried
+
+
+@dataclass(frozen=True)
+class _Footprint:
+    """On-wafer bytes per unit of one pipeline copy at a context of `context` tokens."""
+
+    weights: list[int]  # (params + a tied copy) x dtype bytes
+    kv_per_token: list[int]  # KV cache bytes per token, per user
+    acts: list[int]  # activations in and out, double-buffered
+    context: int
+
+    @classmethod
+    def of(cls, units: Sequence[Unit], b: int, context: int) -> "_Footprint":
+        return cls([(u.params + u.tied_params) * b for u in units], [u.kv_elems_per_token() * b for u in units],
+                   [2 * (u.d_in + u.d_out) * b for u in units], context)
+
+    def mem(self, users: int) -> list[int]:
+        """Bytes per unit with `users` users' KV caches in flight."""
+        return [w + k_ * self.context * users + a for w, k_, a in zip(self.weights, self.kv_per_token, self.acts)]
+
+    @property
+    def one_user(self) -> list[int]:
+        return [w + k * self.context + a for w, k, a in zip(self.weights, self.kv_per_token, self.acts)]
+
+    @property
+    def kv_per_token_total(self) -> int:
+        return sum(self.kv_per_token)
+
+
+@dataclass
+class _Choice:
+    """The chosen placement: k copies per wafer, users_r users per copy, and the first copy's projection."""
+
+    agg: float  # aggregate decode tokens/s over all copies
+    k: int
+    pipes: list[Layout]
+    users_r: int
+    lat: float  # decode latency, s per token
+    breakdown: pj.Time
+    stage_max: float  # slowest stage (or wafer crossing), s
+
+
+def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int | None,
+                   users: int | None) -> dict:
+    """The inference plan's strategy, workload, regions and projection (see the module docstring). Raises
+    ConfigError when the model cannot stay on the systems' SRAM or the users' KV caches do not fit."""
+    g = ctx.g
+    C, P = _context_and_prompt(g, prompt_len, context_len)
+    b = g.dtype_bytes
+    units = list(g.units)
+    fp = _Footprint.of(units, b, C)
+    cap_pe = data_bytes_per_pe(ctx.spec)
+    cap_w = min(w.usable_pes for w in ctx.wafers) * cap_pe
+    wpp = _wafers_per_pipeline(ctx, fp, cap_w, cap_pe)
+    sys_reps = ctx.systems // wpp
+
+    def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:
+        return pj.unit_time(ctx.spec, u, r, c, n_tokens=1, attn_ctx=C, dtype=g.dtype, mesh=mesh)
+
+    choice, candidates, kmax = _choose_replicas(ctx, units, fp, wpp, sys_reps, users, cap_w, cap_pe, stage_time)
+    if ctx.defective:
+        _charge_detours(ctx, units, choice, sys_reps, users, stage_time, b)
+    _explain_choice(ctx, units, fp, choice, candidates, kmax, cap_w, users, b)
+    return _result(ctx, units, fp, choice, wpp, sys_reps, users, P, b)
+
+
+def _context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | None) -> tuple[int, int]:
+    """(context C, prompt P) in tokens: C defaults to min(max_seq_len, 2048), P to half of it (at most 1024)."""
+    C = context_len or min(g.max_seq_len, 2048)
+    P = prompt_len or max(1, min(1024, C // 2))
+    if C > g.max_seq_len:
+        raise ConfigError(f"--context_len {C} exceeds {g.name}'s maximum sequence length {g.max_seq_len}")
+    if P > C:
+        raise ConfigError(f"--prompt_len {P} is longer than --context_len {C}; the context holds the prompt")
+    return C, P
+
+
+def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe: int) -> int:
+    """The fewest wafers one pipeline copy (weights + one user's KV cache) splits over; ConfigError when that
+    is more than the systems given (inference never streams weights: decode would be I/O-bound)."""
+    g, spec = ctx.g, ctx.spec
+    units, mem1, wb, kv_tok, C = ctx.g.units, fp.one_user, fp.weights, fp.kv_per_token_total, fp.context
+    wpp = None
+    for n in range(max(1, math.ceil(sum(mem1) / cap_w)), min(len(units), max(ctx.systems, 1) + 64) + 1):
+        if split_contiguous(mem1, n, cap_w):
+            wpp = n
+            break
+    if wpp is None or wpp > ctx.systems:
+        need = wpp or math.ceil(sum(mem1) / cap_w)
+        raise ConfigError(
+            f"{g.name} inference needs {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} of KV cache (one user, "
+            f"context {C}) on-wafer, but {ctx.systems} x {spec.name} hold {gb(ctx.systems * cap_w)} for data "
+            f"({min(w.usable_pes for w in ctx.wafers):,} PEs x {cap_pe:,} B after a {PROGRAM_RESERVE_BYTES_PER_PE // 1024} "
+            f"KiB/PE program reserve); it needs at least {need} systems (--systems {need})"
+            + ("" if sum(wb) <= need * cap_w else "") +
+            "; streaming weights from MemoryX for decode would be I/O-bound (WSE.md), so inference keeps them on-wafer")
+    sys_reps = ctx.systems // wpp
+    b = g.dtype_bytes
+    if wpp > 1:
+        ctx.say(f"multi-wafer pipeline: {gb(sum(wb))} of weights + KV cache exceed one {spec.name} "
+                f"({gb(cap_w)} for data), so the layers are split over {wpp} wafers, balanced by bytes; only "
+                f"activations ({units[0].d_out * b:,} B per token) cross between systems")
+    else:
+        ctx.say(f"fits one wafer: {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} KV per user at context {C} "
+                f"<= {gb(cap_w)} of SRAM for data ({cap_pe // 1024} KiB of each PE's {spec.sram_bytes_per_pe // 1024} KiB)")
+    if ctx.systems > wpp:
+        ctx.say(f"{sys_reps} independent pipeline copies over {ctx.systems} systems (data-parallel serving)"
+                + (f"; {ctx.systems - sys_reps * wpp} system(s) left idle" if ctx.systems % wpp else ""))
+    return wpp
+
+
+def _users_to_try(fp: _Footprint, users: int | None, copies: int, box_cap: int, wpp: int, stages: int) -> list[int]:
+    """Users per copy to try, most first: the requested users spread over `copies`, else up to one per stage
+    as the KV cache in a `box_cap`-byte box allows (eighths of that maximum)."""
+    if users:
+        return [math.ceil(users / copies)]
+    kv_tok, C = fp.kv_per_token_total, fp.context
+    free = box_cap * wpp - sum(fp.weights) - sum(fp.acts)
+    top = min(stages, int(free // (kv_tok * C))) if kv_tok else stages
+    return sorted({max(1, top * f // 8) for f in range(8, 0, -1)}, reverse=True) if top >= 1 else []
+
+
+def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp: int, sys_reps: int,
+                     users: int | None, cap_w: int, cap_pe: int,
+                     stage_time: StageTime) -> tuple[_Choice, list[int], int]:
+    """Try k copies per wafer (one wafer's pipeline only: kmax = 1 when wpp > 1) with the most users each
+    whose KV caches still place; keep the highest aggregate decode rate. Returns (choice, the k tried, kmax);
+    ConfigError when no k places the users."""
+    b = ctx.g.dtype_bytes
+    mem1 = fp.one_user
+    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    runs = split_contiguous(mem1, wpp, cap_w)
+    assert runs is not None
+    kmax = 1
+    if wpp == 1:
+        kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem1))))
+    candidates = sorted({k for k in REPLICA_CANDIDATES if k <= kmax})
+    prefixes = [w.dead_prefix() if len(w.dead) else None for w in ctx.wafers]
+    best: _Choice | None = None
+    for k in candidates:
+        boxes = grid_boxes(full, k)
+        if len(boxes) != k:
+            continue
+        R_total = sys_reps * k
+        box_cap = min(live_count(p, boxes[0]) for p in prefixes[:1]) * cap_pe
+        pipes = None
+        for users_r in _users_to_try(fp, users, R_total, box_cap, wpp, len(units)):
+            mem = fp.mem(users_r)  # the most users (up to one per stage) whose KV cache still places
+            runs_k = split_contiguous(mem, wpp, cap_w) if k == 1 else [(0, len(units))]
+            if runs_k is None:
+                continue
+            pipes = place_pipelines(ctx, units, mem, runs_k, boxes, sys_reps, wpp, prefixes, stage_time)
+            if pipes is not None:
+                break
+        if pipes is None:
+            continue
+        p0 = pipes[0]
+        lat, breakdown = decode_latency(ctx, units, p0, b)
+        stage_max = max(max(t.s for t in p0.stage_times), crossing_time(ctx, units, p0, b))
+        agg = min((users or users_r * R_total) / lat, R_total / stage_max)  # users spread over the copies
+        if best is None or agg > best.agg * 1.000001:
+            best = _Choice(agg, k, pipes, users_r, lat, breakdown, stage_max)
+    if best is None:
+        kv_tok, C = fp.kv_per_token_total, fp.context
+        max_users = int((wpp * cap_w - sum(fp.weights) - sum(fp.acts)) // max(1, kv_tok * C))
+        raise ConfigError(f"{ctx.g.name}: {users} users x context {C} need {gb((users or 1) * kv_tok * C)} of KV "
+                          f"cache beyond the weights; at most {max(0, max_users) * sys_reps} users fit at this context "
+                          f"(lower --users or --context_len)")
+    return best, candidates, kmax
+
+
+def _charge_detours(ctx: CompileContext, units: list[Unit], c: _Choice, sys_reps: int, users: int | None,
+                    stage_time: StageTime, b: int) -> None:
+    """Re-project the first copy on its regions' own routes around dead cores and links (updates `c`)."""
+    lat0 = c.lat
+    c.pipes[0] = with_detours(ctx, units, c.pipes[0], stage_time)
+    c.lat, c.breakdown = decode_latency(ctx, units, c.pipes[0], b)
+    c.stage_max = max(max(t.s for t in c.pipes[0].stage_times), crossing_time(ctx, units, c.pipes[0], b))
+    c.agg = min((users or c.users_r * sys_reps * c.k) / c.lat, sys_reps * c.k / c.stage_max)
+    ctx.say(f"detours: each placed region's kernels re-projected on its own routes around dead cores and links "
+            f"(exact routes for regions up to 4,096 PEs, per-link hop estimates above): decode latency "
+            f"{lat0 * 1e6:.2f} -> {c.lat * 1e6:.2f} us per token (+{(c.lat / lat0 - 1):.2%})")
+
+
+def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, candidates: list[int],
+                    kmax: int, cap_w: int, users: int | None, b: int) -> None:
+    """The decisions behind the chosen placement: copies, stages, a tied embedding, users, routing colors."""
+    g, spec = ctx.g, ctx.spec
+    if c.k > 1:
+        ctx.say(f"data-parallel replicas: the model needs {sum(fp.one_user) / cap_w:.1%} of the wafer, so {c.k} "
+                f"copies (each in a 1/{c.k} sub-rectangle) give the highest aggregate decode rate of the candidates "
+                f"{candidates} by the cost model ({c.agg:,.0f} tokens/s vs one copy)")
+    elif kmax > 1:
+        ctx.say(f"one copy: more replicas (up to {kmax} fit in memory) project no higher aggregate throughput")
+    p0 = c.pipes[0]
+    S = len(units)
+    ctx.say(f"pipelined: {S} stages (embedding, {g.n_blocks} blocks, head) as rectangles in a snake of bands, "
+            f"each sized by its bytes then by its FLOPs (balanced: slowest stage {c.stage_max * 1e6:.2f} us, "
+            f"fastest {min(t.s for t in p0.stage_times) * 1e6:.2f} us); consecutive stages share an edge, one hop apart")
+    if units[0].tied_to:
+        ctx.say(f"tied embedding: the embedding region keeps its own copy of the {units[0].tied_params:,}-parameter "
+                f"matrix so the lookup is local ({gb(units[0].tied_params * b)})")
+    if not users:
+        ctx.say(f"users in flight: {c.users_r} per pipeline copy = min(stages {S}, KV cache capacity at context "
+                f"{fp.context})")
+    routing = [check_routing(spec, u) for u in units]
+    worst = max(routing)
+    ctx.say(f"routing: at most {worst[0]} colors per region (fabric has {spec.colors}, {spec.routes_per_pe} routes/PE)"
+            + ("" if worst[1] == 1 else f"; regions needing more run in {worst[1]} phases"))
+
+
+def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, wpp: int, sys_reps: int,
+            users: int | None, P: int, b: int) -> dict:
+    """The plan's strategy, workload, regions and projection for the chosen placement."""
+    C, kv_tok = fp.context, fp.kv_per_token_total
+    R_total = sys_reps * c.k
+    total_users = users or c.users_r * R_total
+    p0, lat, stage_max = c.pipes[0], c.lat, c.stage_max
+    # prefill: prompt tokens stream through the stages in chunks (the pipeline fills with prompt tokens)
+    ttft, chunk, pre_tps = _prefill(ctx, units, p0, b, P)
+    proj = {
+        "decode_latency_s_per_token": lat,
+        "decode_tokens_per_s_per_user": 1 / lat,
+        "users_in_flight": total_users,
+        "aggregate_decode_tokens_per_s": min(total_users / lat, R_total / stage_max),
+        "pipeline_limit_tokens_per_s": R_total / stage_max,
+        "prefill_tokens_per_s": pre_tps * R_total,
+        "prefill_chunk_tokens": chunk,
+        "time_to_first_token_s": ttft,
+        "prompt_len": P, "context_len": C,
+        "stages": len(units), "slowest_stage_s": stage_max,
+        "kv_cache_bytes_per_token": kv_tok,
+        "kv_cache_bytes": kv_tok * C * total_users,
+        "weight_bytes": sum(fp.weights),
+        "bottleneck": c.breakdown.bottleneck(),
+        "decode_time_shares": c.breakdown.shares(),
+        "aggregate_bottleneck": _aggregate_bottleneck(p0, stage_max, lat, c.users_r, ctx, units, b),
+        "stage_times_s": [t.s for t in p0.stage_times],
+    }
+    regions = [r for pipe in c.pipes for r in pipe.regions]
+    strategy = "multi_wafer_pipelined" if wpp > 1 else ("replicated" if R_total > 1 else "pipelined")
+    return {"strategy": strategy, "replicas": R_total, "wafers_per_pipeline": wpp, "fits_in_sram": True,
+            "workload": {"prompt_len": P, "context_len": C, "users": total_users, "users_per_replica": c.users_r},
+            "regions": regions, "projection": proj}
+
+
+def _aggregate_bottleneck(pipe: Layout, stage_max: float, lat: float, users_r: int, ctx: CompileContext,
+                          units: list[Unit], b: int) -> str:
+    """What limits the aggregate decode rate: too few users to fill the pipeline, a wafer crossing, or the
+    slowest stage's own bottleneck."""
+    if users_r / lat < 1 / stage_max:
+        return "too few users to fill the pipeline (latency-bound)"
+    slow = max(pipe.stage_times, key=lambda t: t.s)
+    if crossing_time(ctx, units, pipe, b) >= slow.s:
+        return "I/O"
+    return slow.bottleneck()
+
+
+def _prefill(ctx: CompileContext, units: list[Unit], pipe: Layout, b: int, P: int) -> tuple[float, int, float]:
+    """A P-token prompt streamed through the stages in chunks of c tokens (c a power of two up to P, the one
+    with the earliest first token): (time to first token s, chunk tokens, prefill tokens/s of one copy)."""
+    spec, g = ctx.spec, ctx.g
+    chunks = sorted({min(P, 2 ** i) for i in range(0, 20)})
+    best = None
+    for c in chunks:
+        times = [pj.unit_time(spec, units[r.unit], r.rows, r.cols, n_tokens=c, attn_ctx=max(1, P // 2),
+                              dtype=g.dtype, decode=False,
+                              mesh=ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols)) for r in pipe.regions]
+        hands = [handoff(ctx, a, n, units[a.unit].d_out * c, b) for a, n in zip(pipe.regions, pipe.regions[1:])]
+        slow = max([t.s for t in times] + [h.s for h in hands if h.parts.get("I/O")])
+        ttft = sum(t.s for t in times) + sum(h.s for h in hands) + (math.ceil(P / c) - 1) * slow + \
+            pj.io_time(spec, 4 * P).s
+        if best is None or ttft < best[0]:
+            best = (ttft, c, c / slow)
+    return best

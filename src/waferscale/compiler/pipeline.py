@@ -1,0 +1,111 @@
+"""Layer pipelines placed on wafers, shared by inference and resident training.
+
+A pipeline copy is its units' regions in stage order (a `Layout`), spread over `wpp` consecutive wafers when
+one wafer cannot hold it (multi-wafer pipeline). Here: placing every copy (`place_pipelines`), re-projecting
+a placed copy on its regions' own defect maps (`with_detours`), and the times between stages: activation
+hand-offs on the fabric or through the systems' I/O (`handoff`), one token's trip through every stage
+(`decode_latency`) and the slowest wafer-to-wafer crossing (`crossing_time`). Times in seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from waferscale.compiler import project as pj
+from waferscale.compiler.context import CompileContext
+from waferscale.compiler.ir import Unit
+from waferscale.compiler.placement import Rect
+from waferscale.compiler.plan import Region
+from waferscale.compiler.strategy import Layout, place_replica
+
+MAX_REPLICAS_PER_WAFER = 64
+
+StageTime = Callable[..., pj.Time]  # (unit, rows, cols, mesh=None) -> one stage's time on a rows x cols region
+
+
+def place_pipelines(ctx: CompileContext, units: Sequence[Unit], mem: list[int], runs: list[tuple[int, int]],
+                    boxes: list[Rect], sys_reps: int, wpp: int, prefixes: list[np.ndarray | None],
+                    stage_time: StageTime) -> list[Layout] | None:
+    """Every pipeline copy: `sys_reps` groups of `wpp` wafers (wafer j of a group holds the units
+    runs[j] = [lo, hi)), and `len(boxes)` copies inside each wafer. `mem` is bytes per unit, `prefixes` each
+    wafer's dead-PE prefix sum (None: no defects). None when a copy does not place."""
+    pipes: list[Layout] = []
+    cache: dict = {}
+    for s_rep in range(sys_reps):
+        for bi, box in enumerate(boxes):
+            regions, times = [], []
+            for j, (lo, hi) in enumerate(runs):
+                system = s_rep * wpp + j
+                pre = prefixes[system]
+                key = (lo, hi, box.rows, box.cols)
+                if pre is None and key in cache:  # no defects: the same layout, moved
+                    base = cache[key]
+                    lay = Layout([Region(r.unit, r.name, system, 0, r.stage, r.row - base[1].row + box.row,
+                                         r.col - base[1].col + box.col, r.rows, r.cols, r.live_pes, r.bytes)
+                                  for r in base[0].regions], base[0].stage_times)
+                else:
+                    lay = place_replica(ctx.spec, units[lo:hi], list(range(lo, hi)), mem[lo:hi], box, pre, stage_time,
+                                        system=system, replica=0, stage0=lo)
+                    if lay is None:
+                        return None
+                    if pre is None:
+                        cache[key] = (lay, box)
+                regions += lay.regions
+                times += lay.stage_times
+            rep = s_rep * len(boxes) + bi
+            pipes.append(Layout([Region(r.unit, r.name, r.system, rep, r.stage, r.row, r.col, r.rows, r.cols,
+                                        r.live_pes, r.bytes) for r in regions], times))
+    return pipes
+
+
+def with_detours(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, time_fn: StageTime) -> Layout:
+    """A placed pipeline's stage times re-projected with each region's own defect map, so the hops of the
+    detours around its dead cores and links are charged (placement itself searched shapes on a perfect mesh:
+    the logical mesh is defect-free after spare remapping, only its routes are longer)."""
+    if not ctx.defective:
+        return pipe
+    return Layout(pipe.regions, [time_fn(units[r.unit], r.rows, r.cols,
+                                         ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols))
+                                 for r in pipe.regions])
+
+
+def _rect(r: Region) -> Rect:
+    return Rect(r.row, r.col, r.rows, r.cols)
+
+
+def handoff(ctx: CompileContext, a: Region, bnext: Region, elems: int, b: int) -> pj.Time:
+    """`elems` values of `b` bytes from region `a` to the next stage's region: across the shared edge (or the
+    hops between them) on one wafer, through the systems' I/O between wafers."""
+    if a.system != bnext.system:
+        return pj.io_time(ctx.spec, elems * b)
+    edge = _rect(a).shared_edge(_rect(bnext))
+    hops = 1 if edge else abs(a.row - bnext.row) + abs(a.col - bnext.col)
+    return pj.handoff_time(ctx.spec, elems, b, edge or 1, hops)
+
+
+def decode_latency(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, b: int) -> tuple[float, pj.Time]:
+    """One decoded token through every stage and hand-off, and the sampled id back to the embedding region:
+    (seconds, the time by part)."""
+    t = pj.Time()
+    regs = pipe.regions
+    for i, (r, st) in enumerate(zip(regs, pipe.stage_times)):
+        t += st
+        if i + 1 < len(regs):
+            t += handoff(ctx, r, regs[i + 1], units[r.unit].d_out, b)
+    first, last = regs[0], regs[-1]  # the sampled token id returns to the embedding region
+    if first.system != last.system:
+        t += pj.io_time(ctx.spec, 4)
+    else:
+        hops = abs(first.row - last.row) + abs(first.col - last.col)
+        t += pj.handoff_time(ctx.spec, 1, 4, 1, hops)
+    return t.s, t
+
+
+def crossing_time(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, b: int) -> float:
+    """Seconds the slowest wafer-to-wafer activation transfer of one token occupies the I/O (latency
+    excluded: transfers pipeline); 0 on one wafer."""
+    regs = pipe.regions
+    return max([pj.io_time(ctx.spec, units[a.unit].d_out * b).s - ctx.spec.io_latency_s
+                for a, c in zip(regs, regs[1:]) if a.system != c.system] or [0.0])

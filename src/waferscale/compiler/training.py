@@ -1,0 +1,140 @@
+"""Training plans: resident (the layer pipeline keeps weights, gradients and Adam state in SRAM) or weight
+streaming (`weight_streaming.py`), data-parallel over systems through SwarmX (`data_parallel.py`).
+
+Resident memory per unit: fp16/bf16 weights + gradients + fp32 master weights + two Adam moments (16 B/param,
+`strategy.ADAM_STATE_BYTES_PER_PARAM`) + the activations kept for backward (1F1B: stage i holds the sequences
+between its forward and its backward, min(stages - i, sequences per step)). Times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from waferscale.compiler import project as pj
+from waferscale.compiler.context import CompileContext
+from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
+from waferscale.compiler.ir import Unit
+from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, place_pipelines, with_detours
+from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, data_bytes_per_pe, gb
+from waferscale.compiler.weight_streaming import plan_weight_streaming
+from waferscale.errors import ConfigError
+from waferscale.fabric import cost
+
+
+def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | None) -> dict:
+    """The training plan: sequence length and batch (default: the weight-streaming no-stall minimum), then
+    resident (`_train_pipelined`) when weights + gradients + Adam state + activations fit in SRAM, else
+    weight streaming (`weight_streaming.plan_weight_streaming`). Raises ConfigError on a bad request."""
+    g, spec = ctx.g, ctx.spec
+    seq = seq_len or int(g.defaults.get("seq_len") or g.max_seq_len)
+    if seq > g.max_seq_len:
+        raise ConfigError(f"--seq_len {seq} exceeds {g.name}'s maximum sequence length {g.max_seq_len}")
+    b = g.dtype_bytes
+    mixed = g.dtype != "fp32"
+    units = list(g.units)
+    usable = min(w.usable_pes for w in ctx.wafers)
+    F = usable * spec.fp16_flops_per_cycle_per_pe * spec.clock_hz if mixed else \
+        usable * spec.fp32_flops_per_cycle_per_pe * spec.clock_hz
+    BW = spec.io_bytes_per_s
+    t_min = math.ceil((b / 3) * F / BW)  # WSE.md: T >= (b/3) F / BW
+    if batch_size is None and g.defaults.get("batch_size"):
+        batch_size = int(g.defaults["batch_size"])
+    if batch_size is None:
+        batch_size = ctx.systems * max(1, math.ceil(t_min / seq))
+        ctx.say(f"batch size: none given, so {batch_size} sequences of {seq} ({batch_size // ctx.systems} per "
+                f"system) = the weight-streaming no-stall minimum T >= (b/3)F/BW = {t_min:,} tokens per system")
+    if batch_size % ctx.systems:
+        raise ConfigError(f"--batch_size {batch_size} is not divisible by --systems {ctx.systems}; the global batch "
+                          f"is split evenly across systems")
+    per_sys = batch_size // ctx.systems
+    micro = int(g.defaults.get("micro_batch_size") or per_sys)
+    if per_sys % micro:
+        micro = per_sys
+    state = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"]
+    spp = sum(state)
+    cap_pe = data_bytes_per_pe(spec)
+    cap_w = usable * cap_pe
+    S = len(units)
+    resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * seq * min(S - i, per_sys)
+                for i, u in enumerate(units)]
+    params_b = sum((u.params + u.tied_params) * spp for u in units)
+    workload = {"batch_size": batch_size, "seq_len": seq, "micro_batch_size": micro,
+                "tokens_per_step": batch_size * seq, "systems": ctx.systems}
+    common = {"no_stall_min_tokens_per_step": t_min, "peak_flops_per_wafer": F, "io_bytes_per_s": BW,
+              "streamed_bytes_per_weight": b}
+    if sum(resident) <= cap_w:
+        ctx.say(f"resident training: weights + gradients + Adam state ({spp} B/param: {gb(params_b)}) + activations "
+                f"of the sequences in flight ({gb(sum(resident) - params_b)}) = {gb(sum(resident))} <= "
+                f"{gb(cap_w)} of SRAM: layer-pipelined on the wafer, no streaming")
+        return _train_pipelined(ctx, units, resident, per_sys, seq, workload, common, b, cap_w)
+    ctx.say(f"weight streaming: resident training would need {gb(sum(resident))} (weights + gradients + Adam state "
+            f"at {spp} B/param = {gb(params_b)}, + activations of a 1F1B layer pipeline {gb(sum(resident) - params_b)}) "
+            f"> {gb(cap_w)} of SRAM, so weights live in MemoryX (fp32 master + Adam moments there, the update runs "
+            f"there), stream in one layer at a time across the whole wafer, gradients stream out")
+    return plan_weight_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w, t_min, F)
+
+
+def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per_sys: int, seq: int, workload: dict,
+                     common: dict, b: int, cap_w: int) -> dict:
+    """Resident training: the layers pipelined on the wafer (1F1B), `mem` bytes per unit; k copies of the
+    pipeline per wafer (a k-way grid) when that projects more tokens/s; the optimizer runs in place; with
+    several systems the gradients are all-reduced through SwarmX after every step."""
+    g, spec = ctx.g, ctx.spec
+    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    prefixes = [w.dead_prefix() if len(w.dead) else None for w in ctx.wafers]
+
+    def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
+        return pj.unit_time(spec, u, r, c, n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False,
+                            mesh=mesh).scaled(3)
+
+    kmax = max(1, min(MAX_REPLICAS_PER_WAFER, per_sys, int(cap_w // sum(mem))))
+    best = None
+    for k in sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= kmax}):
+        boxes = grid_boxes(full, k)
+        if len(boxes) != k:
+            continue
+        pipes = place_pipelines(ctx, units, mem, [(0, len(units))], boxes, ctx.systems, 1, prefixes, stage_time)
+        if pipes is None:
+            continue
+        p0 = pipes[0]
+        seqs_r = math.ceil(per_sys / k)
+        slow = max(t.s for t in p0.stage_times)
+        fill = sum(t.s for t in p0.stage_times)
+        opt = max(pj.Time().add_cycles(cost.elementwise_cycles(spec, max(1, r.bytes // 16), r.rows, r.cols, 12),
+                                       spec.clock_hz).s for r in p0.regions)
+        step = (seqs_r - 1) * slow + fill + opt
+        tps = workload["tokens_per_step"] / step
+        if best is None or tps > best[0] * 1.000001:
+            best = (tps, k, pipes, step, slow, p0, opt)
+    if best is None:
+        raise ConfigError(f"{g.name}: could not place {len(units)} resident training regions on the "
+                          f"{full.rows}x{full.cols} mesh; use a larger --pes or fewer sequences per step")
+    tps, k, pipes, step, slow, p0, opt = best
+    if ctx.defective:  # charge the detours inside the placed regions (real routes of each region)
+        p0 = pipes[0] = with_detours(ctx, units, p0, stage_time)
+        slow = max(t.s for t in p0.stage_times)
+        step0, step = step, (math.ceil(per_sys / k) - 1) * slow + sum(t.s for t in p0.stage_times) + opt
+        ctx.say(f"detours: the placed regions re-projected on their own routes around dead cores and links: "
+                f"step {step0 * 1e3:.3f} -> {step * 1e3:.3f} ms (+{step / step0 - 1:.2%})")
+    if k > 1:
+        ctx.say(f"data-parallel replicas on the wafer: {k} copies of the layer pipeline (small model) give the "
+                f"highest projected tokens/s")
+    grads = sum(u.params + u.tied_params for u in units) * b
+    sync = swarmx_allreduce(ctx, grads, ctx.systems)
+    step += sync.s
+    tps = workload["tokens_per_step"] / step
+    if ctx.systems > 1:
+        ctx.say(f"data parallel across {ctx.systems} systems, {per_sys} sequences each: after each step the "
+                f"gradients ({gb(grads)}) go out through SwarmX, are summed in its 1:4 tree and come back "
+                f"({sync.s * 1e3:.2f} ms, not overlapped with compute; weights stay resident)")
+    slow_t = max(p0.stage_times, key=lambda t: t.s)
+    flops = ctx.g.model_flops_per_token(seq, training=True)
+    proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (common["peak_flops_per_wafer"] * ctx.systems),
+            "weights_streamed": False, "bottleneck": slow_t.bottleneck(), "time_shares": slow_t.shares(),
+            "slowest_stage_s_per_sequence": slow, "model_flops_per_token": flops, **common,
+            "scaling": weak_scaling(ctx, per_sys, seq, lambda n: step - sync.s + swarmx_allreduce(ctx, grads, n).s,
+                                     lambda n: swarmx_allreduce(ctx, grads, n).s)}
+    return {"strategy": "replicated" if k > 1 else "pipelined", "replicas": k * ctx.systems, "wafers_per_pipeline": 1,
+            "fits_in_sram": True, "workload": workload, "projection": proj,
+            "regions": [r for p in pipes for r in p.regions]}

@@ -1,0 +1,174 @@
+"""Weight-streaming training: weights live in MemoryX and stream in one layer at a time across the whole wafer.
+
+Per micro-batch, every layer's weights arrive through SwarmX (a layer's compute hides its transfer, or waits
+for it), its forward and backward (2 forward-equivalents, +1 when the forward is recomputed) run on the whole
+wafer, or on g copies of it when a layer is too small to keep every PE busy, and its gradients stream out;
+the optimizer runs in MemoryX. On-wafer: one layer's weights double-buffered + its gradients, and the micro-batch's
+activations (all layers, or layer-boundary checkpoints + one layer's with recomputation). Times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from waferscale.compiler import project as pj
+from waferscale.compiler.context import CompileContext
+from waferscale.compiler.data_parallel import swarmx, weak_scaling
+from waferscale.compiler.ir import Unit
+from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.plan import Region
+from waferscale.compiler.strategy import gb
+from waferscale.errors import ConfigError
+from waferscale.fabric import cost
+
+
+def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b: int, recompute: bool, n_systems: int,
+                  free_bytes: float) -> tuple[pj.Time, pj.Time, pj.Time, list[int]]:
+    """One micro-batch of t_mb tokens, layer by layer over the whole wafer: (total, compute-only, io-only,
+    groups per layer). A streamed layer may be multicast into g copies (a g-way grid of the wafer), each
+    taking t_mb/g tokens, when g copies of its weights + gradients fit in `free_bytes`; the copies' gradients
+    are reduced before streaming out. g is chosen per layer by the cost model."""
+    spec, g = ctx.spec, ctx.g
+    R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
+    sx = swarmx(ctx, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
+    BW = sx.swarmx_bytes_per_s
+    total, comp, io = pj.Time(), pj.Time(), pj.Time()
+    groups = []
+    for u in units:
+        best = None
+        for gg in (1, 4, 16, 64, 256):
+            if gg > 1 and (3 * u.params * b * gg > free_bytes or not u.matmuls or t_mb < gg):
+                continue
+            box = grid_boxes(Rect(0, 0, R, Cc), gg)[0] if gg > 1 else Rect(0, 0, R, Cc)
+            f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
+                             dtype=g.dtype, decode=False)
+            red = pj.Time()
+            if gg > 1:  # reduce the copies' gradient tiles across the g-way grid (tile per PE, grid hops)
+                gr = R // box.rows
+                tile = max(1, math.ceil(u.params / (box.rows * box.cols)))
+                red.add_cycles(cost.reduce_cycles(spec, tile, gr, gg // gr), spec.clock_hz)
+                red.add("fabric latency", (R + Cc) * spec.hop_latency_cycles / spec.clock_hz)
+            t = f.s * (3 + recompute) + red.s
+            if best is None or t < best[0]:
+                best = (t, gg, f, red)
+        _, gg, f, red = best
+        if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
+            box = grid_boxes(Rect(0, 0, R, Cc), gg)[0] if gg > 1 else Rect(0, 0, R, Cc)
+            f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
+                             dtype=g.dtype, decode=False, mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
+        groups.append(gg)
+        w = u.params * b / BW + sx.swarmx_hops * spec.io_latency_s  # a layer's request pays the tree latency
+        for mult in (1, 2 + (1 if recompute else 0)):  # forward, then backward (+ recomputed forward)
+            c = f.scaled(mult)
+            if mult > 1:
+                c += red
+            comp += c
+            io.add("I/O", w)
+            total += c if c.s >= w else pj.Time().add("I/O", w)
+    if units[0].kind == "embed":  # the micro-batch's embedded tokens enter through the wafer edge
+        total += pj.io_time(spec, units[0].d_out * b * t_mb)
+    return total, comp, io, groups
+
+
+def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: int) -> pj.Time:
+    """What a step cannot overlap: the last backward layer's gradients reach MemoryX through the SwarmX reduce
+    tree, the optimizer updates it there (time not modelled: MemoryX's CPU is not in WSE.md), and the next
+    step's first layer comes back through the broadcast tree. Within a step the next layer is always
+    prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
+    sx = swarmx(ctx, n_systems)
+    first = next((u for u in units if u.params), units[0])
+    last = first  # backward ends at the first layer
+    return pj.Time().add("I/O", (first.params + last.params) * b / sx.swarmx_bytes_per_s
+                         + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
+
+
+def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, micro: int, seq: int, workload: dict,
+                          common: dict, b: int, cap_w: int, t_min: int, F: float) -> dict:
+    """The weight-streaming plan for `per_sys` sequences of `seq` tokens per system and step, in micro-batches
+    of `micro` (fewer when their activation checkpoints do not fit); `b` bytes per streamed weight, `cap_w`
+    data bytes per wafer, `t_min` the no-stall minimum tokens per micro-batch, `F` peak FLOP/s per wafer.
+    `workload` gains the micro-batch size actually used."""
+    g, spec = ctx.g, ctx.spec
+    biggest = max(u.params for u in units)
+    layer_buf = 3 * biggest * b  # two weight buffers (compute one, receive the next) + its gradients
+    if layer_buf > cap_w:
+        raise ConfigError(f"{g.name}: even streamed, its largest layer ({biggest:,} parameters) needs "
+                          f"{gb(layer_buf)} on-wafer (double-buffered weights + gradients) > {gb(cap_w)} of SRAM")
+    d = max(u.d_out for u in units if u.kind != "head")
+    act_tok_all = sum(u.train_act_elems_per_token for u in units) * b
+    act_tok_ckpt = g.n_blocks * d * b + max(u.train_act_elems_per_token for u in units) * b
+    t_mb = micro * seq
+    recompute = False
+    if act_tok_all * t_mb + layer_buf > cap_w:
+        recompute = True
+        if act_tok_ckpt * t_mb + layer_buf > cap_w:
+            fit = int((cap_w - layer_buf) // (act_tok_ckpt * seq))
+            if fit < 1:
+                raise ConfigError(f"{g.name}: one sequence of {seq} tokens needs {gb(act_tok_ckpt * seq)} of "
+                                  f"activation checkpoints > {gb(cap_w - layer_buf)} free SRAM; use a shorter --seq_len")
+            ctx.say(f"micro-batch: {micro} sequences need {gb(act_tok_ckpt * t_mb)} of activation checkpoints; "
+                    f"the largest that fits is {fit}, used for gradient accumulation")
+            micro = max(m for m in range(1, fit + 1) if per_sys % m == 0)
+            t_mb = micro * seq
+        ctx.say(f"activations: the micro-batch's full activations ({gb(act_tok_all * t_mb)}) exceed SRAM, so layer "
+                f"inputs are checkpointed ({gb(g.n_blocks * d * b * t_mb)}) and each layer's forward is recomputed "
+                f"in backward (4 instead of 3 forward-equivalents per layer)")
+    else:
+        ctx.say(f"activations: the micro-batch's activations ({gb(act_tok_all * t_mb)}) stay on the wafer between "
+                f"forward and backward")
+    workload["micro_batch_size"] = micro
+    n_micro = per_sys // micro
+    act = (act_tok_ckpt if recompute else act_tok_all)
+    total, comp, io, groups = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, cap_w - act * t_mb)
+    if ctx.defective:
+        ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
+                "cores and links (per-link hop estimates of fabric.mesh for regions over 4,096 PEs)")
+    if max(groups) > 1:
+        ctx.say(f"layer copies: a streamed layer is too small to keep every PE busy as one GEMM, so the cost model "
+                f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "
+                f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
+    boundary = _step_boundary(ctx, units, b, ctx.systems)
+    total_1 = total.s  # one step on this many systems, and the same step's parts on n systems (weak scaling)
+    step = n_micro * total.s + boundary.s
+    tps = workload["tokens_per_step"] / step
+    flops = g.model_flops_per_token(seq, training=True)
+    bott = total.bottleneck()
+    ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW = ({b}/3) x {F / 1e15:.2f} PF / "
+            f"{spec.io_bytes_per_s / 1e9:.0f} GB/s = {t_min:,}; this plan streams per {t_mb:,} tokens: "
+            + ("compute-bound" if t_mb >= t_min else "I/O-bound (the wafer waits for weights)"))
+    free = cap_w - act * t_mb
+
+    def step_at(n: int) -> float:
+        tot = total_1 if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free)[0].s
+        return n_micro * tot + _step_boundary(ctx, units, b, n).s
+
+    base = n_micro * _stream_micro(ctx, units, t_mb, seq, b, recompute, 1, free)[0].s + \
+        _step_boundary(ctx, units, b, 1).s
+    scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
+    for r in scaling:
+        r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
+    levels = swarmx(ctx, ctx.systems).swarmx_levels
+    ctx.say(f"data parallel (weak scaling): each system keeps {per_sys} sequences per step ({n_micro} micro-batches "
+            f"of {micro}), so the global batch is {per_sys} x N; every system runs the same layer-by-layer "
+            f"execution. Weights are broadcast and gradients reduced through SwarmX, a tree of 1:4 nodes at line "
+            f"rate (the system's 150 GB/s for any N) whose depth ceil(log4 N) adds {spec.io_latency_s * 1e6:.0f} us "
+            f"per level to each layer's request and to the step boundary (last gradients out, first weights in): "
+            f"what compute does not hide is the only loss"
+            + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
+    proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
+            "weights_streamed": True, "recompute": recompute, "bottleneck": bott, "time_shares": total.shares(),
+            "compute_time_per_micro_batch_s": comp.s, "io_time_per_micro_batch_s": io.s,
+            "micro_batches_per_step": n_micro, "layer_copies": groups, "tokens_per_micro_batch": t_mb, "model_flops_per_token": flops,
+            "no_stall_met": t_mb >= t_min, **common, "scaling": scaling}
+    R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
+    regions = [Region(-1, f"all {len(units)} layers, streamed one at a time", s, s, 0, 0, 0, R, Cc,
+                      ctx.wafers[s].usable_pes, int(layer_buf + act * t_mb))
+               for s in range(ctx.systems)]
+    return {"strategy": "weight_streaming", "replicas": ctx.systems, "wafers_per_pipeline": 1, "fits_in_sram": False,
+            "workload": workload, "projection": proj, "regions": regions,
+            "assumptions": {"optimizer_update": "in MemoryX, overlapped with the next step's streaming",
+                            "gradients_out": "on the egress direction of the same links, concurrent with weights in",
+                            "swarmx": "tree of 1:4 broadcast-reduce nodes, 100 Gb/s ports at line rate (12 parallel "
+                                      "trees = the system's I/O bandwidth for any N), one I/O latency per level",
+                            "swarmx_latency_per_level_s": spec.io_latency_s,
+                            "scaling": "weak: per-system batch fixed, global batch = N x per-system batch"}}
