@@ -216,6 +216,29 @@ def test_gguf_tokenizer_special_tokens_and_template():
     assert load_tokenizer(str(path)) is tok  # same file -> cached object
 
 
+# Ids (and the fingerprint, which hashes vocabulary, merges, pre-tokenizer and added tokens) of the tokenizer
+# rebuilt from the SmolLM2 GGUF, recorded when its metadata was read by a hand-written parser; reading it
+# with the `gguf` library must give the same tokenizer.
+SMOLLM2_IDS = {
+    "Hello world": [19556, 905],
+    "The year 2024: 3.14159 apples!": [504, 713, 216, 34, 32, 34, 36, 42, 216, 35, 30, 33, 36, 33, 37, 41, 13855, 17],
+    "  leading spaces\tand\ttabs\n\nnew lines": [216, 2899, 5600, 197, 397, 197, 100, 7366, 198, 198, 2241, 3204],
+    "café naïve 你好 😀": [83, 1939, 2756, 15486, 46494, 216, 18645, 250, 48392, 138, 40303, 218],
+    "<|im_start|>user\nhi<|im_end|>": [1, 4093, 198, 6004, 2],
+    "It's we'll they've I'd": [1589, 506, 392, 3060, 502, 3543, 339, 6737],
+    "def f(x):\n    return x**2  # square": [1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 216, 907, 5222],
+}
+SMOLLM2_FINGERPRINT = "1024c2c2c6a5d7224ea608ad0bd4eb40bea89fe5f306aa314d79c796e80d822f"
+
+
+@pytest.mark.assets
+@needs_smollm2
+def test_gguf_tokenizer_ids_are_pinned():
+    tok = load_tokenizer("smollm2")
+    assert {text: tok.encode(text) for text in SMOLLM2_IDS} == SMOLLM2_IDS
+    assert tok.fingerprint() == SMOLLM2_FINGERPRINT
+
+
 @pytest.mark.assets
 @pytest.mark.slow
 @needs_smollm2

@@ -27,6 +27,7 @@ from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig, RopeScaling
 from waferscale.models.hf import model_from_state_dict
 from waferscale.models.layers import CausalLM, rope_inv_freq
+from waferscale.util.gguf import gguf_metadata, read_gguf
 
 # GGUF per-block tensor name -> ours (blocks.{i}.<ours>)
 _BLOCK_NAMES = {
@@ -38,18 +39,6 @@ _TOP_NAMES = {"token_embd.weight": "embed.tok.weight", "output_norm.weight": "he
               "output.weight": "head.lm_head.weight"}
 # Metadata arrays longer than this (token lists, merges, scores) stay out of the returned metadata dict.
 _MAX_META_ARRAY = 64
-
-
-def _open(path: str | os.PathLike) -> Any:
-    import gguf
-
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"{p}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(str(p))
-    except (ValueError, OSError, IndexError) as e:  # gguf raises these on a bad magic / truncated file
-        raise CheckpointError(f"{p}: not a readable GGUF file ({e})") from None
 
 
 def _field(reader: Any, key: str, default: Any = None, required: bool = False) -> Any:
@@ -150,15 +139,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _metadata(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
-    meta: dict[str, Any] = {"path": str(path)}
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or len(f.data) > _MAX_META_ARRAY:
-            continue
-        try:
-            meta[key] = f.contents()
-        except (ValueError, IndexError, UnicodeDecodeError):  # a field the reader cannot decode: leave it out
-            continue
-    return meta
+    """"path" and the scalar and short-array metadata (decoded once per file: the tokenizer reuses it)."""
+    meta = gguf_metadata(path, reader=reader)
+    return {"path": str(path), **{k: v for k, v in meta.items()
+                                  if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
 
 def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -172,7 +156,7 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     """
     from gguf.quants import dequantize
 
-    reader = _open(path)
+    reader = read_gguf(path)
     cfg = config_from_gguf(reader, name=_name_from_path(path))
     sd: dict[str, Tensor] = {}
     unknown: list[str] = []
