@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from conftest import tiny_params, wsc
+from serve_helpers import have_smollm2, tiny_model_dir
 
 
 def _write(tmp_path: Path, d: dict, name: str = "p.yaml") -> Path:
@@ -99,5 +100,17 @@ def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
 
 def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", "gpt-tni", "--prompt", "x"), "gpt-tiny")
-    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "no checkpoint")
+    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "no checkpoint",
+                       "Hugging Face", "--model")
     _assert_user_error(wsc("generate", "--model", "gpt-tiny", "--prompt", "x"), "--tokenizer")
+    (tmp_path / "checkpoint_3.json").write_text("{}")  # a `wsc run` model_dir given as --model
+    _assert_user_error(wsc("generate", "--model", str(tmp_path), "--prompt", "x"), "--checkpoint")
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="needs the smollm2 asset's tokenizer")
+def test_generate_checkpoint_takes_a_hf_dir(tmp_path: Path) -> None:
+    hf = tiny_model_dir(tmp_path)
+    args = ("--prompt", "Hello", "--max_new_tokens", "8", "--temperature", "0")
+    r = wsc("generate", "--checkpoint", str(hf), *args)
+    assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
+    assert r.stdout == wsc("generate", "--model", str(hf), *args).stdout

@@ -219,7 +219,7 @@ def test_smollm2_without_unpermute_fails_the_threshold(tokenizer) -> None:
 @pytest.mark.assets
 @needs_asset
 def test_smollm2_greedy_answer_names_paris(smollm2, tokenizer) -> None:
-    from waferscale.models.generate import generate
+    from generate_reference import generate
 
     model = smollm2[0]
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -1,6 +1,6 @@
-"""The engine on tiny random models: parity with models/generate.py, batching that does not change results,
-per-request sampling, stop strings, abort / admission / RequestTooLong, logprobs, pipelined stages, AsyncEngine;
-and one test with the real SmolLM2 model."""
+"""The engine on tiny random models: parity with the plain forward (generate_reference.py), batching that does
+not change results, per-request sampling, stop strings, abort / admission / RequestTooLong, logprobs, pipelined
+stages, AsyncEngine; and one test with the real SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import string
 import pytest
 import torch
 
+from generate_reference import generate
 from waferscale.data.tokenizer import CharTokenizer
 from waferscale.models import from_name
-from waferscale.models.generate import generate
 from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.engine import AsyncEngine, Engine, RequestTooLong, SamplingParams
 
@@ -88,7 +88,7 @@ def test_seeded_sampling_is_independent_of_the_batch(llama, tok) -> None:
     assert ids(crowded["x"]) == alone
     again = ids(run(engine(llama, tok), {"x": (PROMPTS[2], SamplingParams(**{**sp.__dict__, "seed": 99}))})["x"])
     assert again != alone  # the seed matters
-    # and seeded temperature sampling draws what generate.py draws with the same seed
+    # and seeded temperature sampling draws what the plain forward (generate_reference.py) draws, same seed
     ref = list(generate(llama, PROMPTS[0], 20, temperature=0.8, seed=5, vocab_limit=tok.vocab_size))
     got = ids(run(engine(llama, tok), {"y": (PROMPTS[0], SamplingParams(temperature=0.8, seed=5, max_tokens=20))})["y"])
     assert got == ref

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from generate_reference import generate
 from waferscale.models import from_name
-from waferscale.models.generate import generate
 from waferscale.models.layers import rope_cos_sin
 from waferscale.serve import kernels
 from waferscale.serve.model_runner import BatchSpec, ModelRunner

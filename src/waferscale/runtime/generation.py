@@ -1,15 +1,15 @@
-"""Load a model + tokenizer for sampling (zoo name, real checkpoint, or training checkpoint) and stream text."""
+"""Load a model + tokenizer for sampling: a zoo name, real weights (an asset, a Hugging Face directory, a
+.gguf), or a training checkpoint (runtime/checkpoint.py manifests). Sampling itself runs on the serving
+engine (serve/llm.py), as `wsc generate` does."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from waferscale.data import load_tokenizer
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import CausalLM, ModelConfig, build, config_from_name
-from waferscale.models.generate import generate
 from waferscale.models.registry import META_THRESHOLD_PARAMS
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import resolve_device
@@ -22,11 +22,37 @@ def _is_pretrained(name: str) -> bool:
     return name.lower() in PRETRAINED or Path(name).exists()
 
 
+def _is_training_dir(p: Path) -> bool:
+    """A `wsc run` model_dir or one of its checkpoint manifests."""
+    return (p.is_dir() and ckpt.latest_checkpoint(p) is not None) or (p.is_file() and p.name.startswith(
+        "checkpoint_") and p.suffix == ".json")
+
+
+def _checkpoint_or_weights(checkpoint: str) -> tuple[str | None, str | None]:
+    """--checkpoint PATH -> (training checkpoint, None) or, for a Hugging Face directory or a .gguf file,
+    (None, PATH) to load as real weights. A directory that is neither: CheckpointError naming both kinds."""
+    p = Path(checkpoint).expanduser()
+    if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".gguf"):
+        return None, checkpoint
+    if p.is_dir() and ckpt.latest_checkpoint(p) is None:
+        raise CheckpointError(f"no checkpoint_*.json found in {p}, and it is not a Hugging Face model directory "
+                              "(no config.json): --checkpoint takes a `wsc run` model_dir, a checkpoint_*.json, "
+                              "a Hugging Face directory or a .gguf file; for a zoo or asset name use --model")
+    return checkpoint, None
+
+
 def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer: str | None, device: str = "auto",
                         need_tokenizer: bool = True) -> tuple[CausalLM, Any, str | None]:
-    """Returns (model in eval mode on the device, tokenizer or None, a note for the user or None)."""
+    """Returns (model in eval mode on the device, tokenizer or None, a note for the user or None).
+
+    checkpoint: a `wsc run` model_dir (its latest checkpoint) or checkpoint_*.json; a Hugging Face directory or
+    a .gguf file is loaded as `model` loads it. CheckpointError names the flag to use for the other kind."""
     note = None
     tok = None
+    if checkpoint is not None:
+        checkpoint, model = _checkpoint_or_weights(checkpoint)
+    elif model is not None and _is_training_dir(Path(model).expanduser()):
+        raise CheckpointError(f"{model} holds `wsc run` checkpoints: pass it with --checkpoint, not --model")
     if checkpoint is not None:
         c = ckpt.load_checkpoint(checkpoint, with_optimizer=False)
         m = build(ModelConfig.from_dict(c.model_config), device="cpu")
@@ -58,28 +84,4 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
     return m.to(resolve_device(device)).eval(), tok, note
 
 
-def stream_text(model: CausalLM, tok: Any, text: str, *, max_new_tokens: int, temperature: float = 0.8,
-                top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Iterator[str]:
-    """Yield printable text pieces as tokens are sampled (byte-level BPE pieces decode once complete)."""
-    prompt = tok.encode(text)
-    stop = {tok.eos_id} if tok.eos_id is not None else set()
-    ids: list[int] = []
-    printed = ""
-    for t in generate(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, stop_ids=stop, vocab_limit=tok.vocab_size):
-        ids.append(t)
-        full = tok.decode(ids)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            continue
-        yield full[len(printed):]
-        printed = full
-    full = tok.decode(ids)
-    if len(full) > len(printed):
-        yield full[len(printed):]
-
-
-def generate_text(model: CausalLM, tok: Any, text: str, **kw: Any) -> str:
-    return "".join(stream_text(model, tok, text, **kw))
-
-
-__all__ = ["load_for_generation", "stream_text", "generate_text"]
+__all__ = ["load_for_generation"]

@@ -323,6 +323,8 @@ class Engine:
         if not reqs:
             return []
         sub = logits if len(rows) == logits.shape[0] else logits[rows]
+        if sub.device.type != "cpu":  # sampling runs on the CPU, each request with its own CPU generator
+            sub = sub.cpu()
         sampled = sample_rows(sub, [(r.sampler, r.seq.output_ids) for r in reqs], self.vocab_limit)
         now = time.perf_counter()
         outs = []

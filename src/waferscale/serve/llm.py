@@ -1,0 +1,122 @@
+"""`LLM`: generation in this process on the serving engine, as vLLM's `LLM` class is; what `wsc generate` runs.
+
+The same `Engine` (scheduler, paged model runner with the C kernels on CPU float32, per-request sampler,
+detokenizer) that `wsc serve` runs, so a prompt with the same `SamplingParams` decodes and samples the same
+tokens from the command line and from the server. Any `CausalLM` runs: the Llama family (rotary positions,
+RMSNorm, SwiGLU) and the GPT family (learned positions, LayerNorm, GELU), with any tokenizer (a char-level
+tokenizer of a `wsc run` checkpoint included).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from waferscale.errors import ConfigError
+from waferscale.models.layers import CausalLM
+from waferscale.serve.engine import Engine, EngineOutput
+from waferscale.serve.kv import blocks_for
+from waferscale.serve.sampling import SamplingParams
+
+__all__ = ["LLM", "Completion", "SamplingParams"]
+
+
+@dataclass
+class Completion:
+    """One prompt's generated text and token ids (eos and stop strings not included)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (eos, a stop token or string) or "length" (max_tokens or the context)
+
+
+class LLM:
+    """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size).
+
+    max_num_seqs: sequences decoded together. max_model_len: prompt + generated tokens a sequence may reach
+    (None: the model's context); with `max_num_seqs` it sizes the KV cache (blocks for that many sequences of
+    that length) unless `num_blocks` or `kv_cache_mb` is given. Other keywords go to `Engine`.
+    """
+
+    def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 1, max_model_len: int | None = None,
+                 **engine_kw: Any) -> None:
+        ctx = model.config.max_seq_len if max_model_len is None else min(max_model_len, model.config.max_seq_len)
+        if "num_blocks" not in engine_kw and "kv_cache_mb" not in engine_kw:
+            engine_kw["num_blocks"] = max_num_seqs * blocks_for(ctx, engine_kw.get("block_size", 16))
+        engine_kw.setdefault("device", model.head.lm_head.weight.device)
+        self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, **engine_kw)
+        self.tokenizer = tokenizer
+        self.max_model_len = ctx
+        self.note: str | None = None  # what the loader wants the user to know (e.g. random weights)
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, *, model: str | None = None, checkpoint: str | None = None, tokenizer: str | None = None,
+             device: str = "auto", **kw: Any) -> LLM:
+        """From a zoo or asset name, a HF directory or .gguf (`model`), or a checkpoint (`checkpoint`: a
+        `wsc run` model_dir or checkpoint_*.json, a HF directory or a .gguf): see runtime/generation.py."""
+        from waferscale.runtime.generation import load_for_generation
+
+        m, tok, note = load_for_generation(model=model, checkpoint=checkpoint, tokenizer=tokenizer, device=device)
+        llm = cls(m, tok, **kw)
+        llm.note = note
+        return llm
+
+    def _prompt_ids(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Token ids, and params whose max_tokens is cut to what the context leaves after the prompt."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ConfigError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens "
+                              "(the model's, or max_model_len): shorten the prompt")
+        return ids, (params if params.max_tokens <= room else replace(params, max_tokens=room))
+
+    def _add(self, prompts: list[str | list[int]], params: SamplingParams) -> dict[str, int]:
+        """Queue every prompt (ConfigError for one that cannot run, before any is queued); request id -> index."""
+        checked = [self._prompt_ids(p, params) for p in prompts]
+        rids = {}
+        for i, (ids, sp) in enumerate(checked):
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, ids, sp)
+            rids[rid] = i
+        return rids
+
+    def _outputs(self, rids: dict[str, int]) -> Iterator[tuple[int, EngineOutput]]:
+        """(prompt index, output) as the engine steps, every queued prompt in flight together."""
+        try:
+            while self.engine.has_unfinished():
+                for o in self.engine.step():
+                    if o.request_id in rids:
+                        yield rids[o.request_id], o
+        finally:  # a consumer that stops early (or an error) leaves no request holding KV blocks
+            if self.engine.has_unfinished():
+                self.engine.abort_all()
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+        """Text deltas of one prompt's continuation as they are sampled (stop strings are never emitted).
+        The prompt is checked now (ConfigError), before the first delta is asked for."""
+        outputs = self._outputs(self._add([prompt], params))
+        return (o.new_text for _, o in outputs if o.new_text)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[Completion]:
+        """Run every prompt to completion, batched; one Completion per prompt, in order."""
+        done = [Completion("", [], "length") for _ in prompts]
+        for i, o in self._outputs(self._add(prompts, params)):
+            done[i].text += o.new_text
+            done[i].token_ids += o.new_token_ids
+            if o.finished:
+                done[i].finish_reason = o.finish_reason or "stop"
+        return done
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

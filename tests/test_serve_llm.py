@@ -1,0 +1,52 @@
+"""`LLM` (serve/llm.py, what `wsc generate` runs): the engine's tokens in process, for the GPT family (learned
+positions, a char tokenizer) as for Llama; streaming equals batch; the context cuts max_tokens; an abandoned
+stream frees its KV blocks; a prompt that cannot run is one ConfigError."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from generate_reference import generate
+from waferscale.data.tokenizer import CharTokenizer
+from waferscale.errors import ConfigError
+from waferscale.models import from_name
+from waferscale.serve.llm import LLM, SamplingParams
+
+TOK = CharTokenizer(list(string.ascii_letters + string.digits + " .,"))
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_generate_and_stream_match_the_plain_forward(name: str) -> None:
+    torch.manual_seed(0)
+    model = from_name(name).eval()
+    prompts = ["Hello", "ab", "The cat sat"]
+    ref = [list(generate(model, TOK.encode(p), 20, temperature=0, vocab_limit=TOK.vocab_size)) for p in prompts]
+    with LLM(model, TOK, max_num_seqs=3) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+        assert [o.token_ids for o in outs] == ref
+        assert all(o.finish_reason == "length" and o.text == TOK.decode(o.token_ids) for o in outs)
+        assert "".join(llm.stream(prompts[2], SamplingParams(temperature=0, max_tokens=20))) == outs[2].text
+        sp = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=3, max_tokens=20)
+        seeded = list(generate(model, TOK.encode(prompts[0]), 20, temperature=0.8, top_k=10, top_p=0.9, seed=3,
+                               vocab_limit=TOK.vocab_size))
+        assert llm.generate([prompts[0]], sp)[0].token_ids == seeded
+
+
+def test_context_cuts_max_tokens_and_abandoned_streams_free_blocks() -> None:
+    torch.manual_seed(0)
+    model = from_name("gpt-tiny").eval()  # context 64
+    ctx = model.config.max_seq_len
+    llm = LLM(model, TOK)
+    out = llm.generate(["abcd"], SamplingParams(temperature=0, max_tokens=1000))[0]
+    assert len(out.token_ids) == ctx - 4 and out.finish_reason == "length"
+    it = llm.stream("abcd", SamplingParams(temperature=0, max_tokens=30))
+    next(it)
+    it.close()
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+    with pytest.raises(ConfigError, match="context"):
+        llm.stream("a" * ctx, SamplingParams(max_tokens=5))
+    with pytest.raises(ConfigError, match="empty"):
+        llm.stream("", SamplingParams(max_tokens=5))
