@@ -7,13 +7,12 @@ shape and their rows of the batch (not copies of the script) while this process 
 
 from __future__ import annotations
 
-import torch
-
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.params import OptimizerParams
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.executor import Executor, ResidentExecutor
 from waferscale.runtime.optim import build_optimizer
+from waferscale.util import dtypes
 from waferscale.zoo.optim import optimizer_spec
 
 __all__ = ["compile_lm_step"]
@@ -42,7 +41,7 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
     # materialize on the CPU (the resident run's exact initial weights) unless that alone would break the budget
     if model is None and cfg.num_params <= META_THRESHOLD_PARAMS and (ram is None or 4 * cfg.num_params <= ram):
         model = build(cfg, device="cpu")
-    stream_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(half_dtype or "")
+    stream_dtype = dtypes.half_dtype(half_dtype)
     scaler = LossScaler.from_config(optimizer.loss_scaling_factor) if half_dtype == "float16" else None
     mx = MemoryX(model if model is not None else build_skeleton(cfg), spec, stream_dtype=stream_dtype,
                  ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
