@@ -114,3 +114,33 @@ def test_generate_checkpoint_takes_a_hf_dir(tmp_path: Path) -> None:
     r = wsc("generate", "--checkpoint", str(hf), *args)
     assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
     assert r.stdout == wsc("generate", "--model", str(hf), *args).stdout
+
+
+def test_run_compile_only_writes_the_wafer_plan_and_validate_only_checks(corpus: Path, tmp_path: Path) -> None:
+    """--compile_only writes what `wsc compile --params P --mode train` writes (into the model_dir) and trains
+    nothing; --validate_only (and `wsc validate`) checks the file and the flags, and writes nothing."""
+    md = tmp_path / "md"
+    p = _write(tmp_path, tiny_params(corpus, md))
+    r = wsc("run", "--params", str(p), "--compile_only", "--target", "wse2")
+    assert r.returncode == 0, r.stderr
+    written = {f.name for f in md.iterdir()}
+    assert written == {"plan.json", "wafer.png", "wafer.svg", "trace.json"}  # no checkpoint, no metrics
+    assert (md / "wafer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = json.loads((md / "plan.json").read_text())
+    assert plan["mode"] == "train" and plan["target"] == "wse2" and plan["systems"] == 1
+    assert plan["workload"]["batch_size"] == 4 and plan["workload"]["seq_len"] == 32
+    assert "tokens/s" in r.stdout and f"wrote {md / 'plan.json'}" in r.stdout
+    out = tmp_path / "compiled"
+    r = wsc("compile", "--params", str(p), "--mode", "train", "--target", "wse2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "plan.json").read_text())["fingerprint_sha256"] == plan["fingerprint_sha256"]
+
+    md2 = tmp_path / "md2"
+    p2 = _write(tmp_path, tiny_params(corpus, md2), "p2.yaml")
+    for argv in (("run", "--params", str(p2), "--validate_only"), ("validate", str(p2))):
+        r = wsc(*argv)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"{p2}: valid") and "M-parameter model" in r.stdout
+    assert not md2.exists()
+    _assert_user_error(wsc("run", "--params", str(p2), "--validate_only", "--num_csx", "3"), "--num_csx 3")
+    _assert_user_error(wsc("run", "--params", str(p2), "--validate_only", "--num_steps", "0"), "--num_steps")

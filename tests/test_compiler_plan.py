@@ -13,6 +13,8 @@ from waferscale.compiler.capture import capture_module, capture_zoo
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost
 from waferscale.fabric.presets import fabric_from_name
+from waferscale.params import load_params
+from waferscale.zoo.wafer import params_graph
 
 
 def test_json_round_trip_and_fingerprint_stable():
@@ -141,7 +143,7 @@ def test_capture_arbitrary_module_and_compile():
 
 
 def test_params_yaml():
-    p = compile_model(params="configs/gpt3_xl.yaml", target="wse2", mode="train")
+    p = compile_model(graph=params_graph(load_params("configs/gpt3_xl.yaml")), target="wse2", mode="train")
     assert p.workload["batch_size"] == 528 and p.workload["seq_len"] == 2048
     assert p.strategy == "weight_streaming"
     assert math.isclose(p.projection["tokens_per_s"] * p.projection["step_time_s"], 528 * 2048)

@@ -6,6 +6,8 @@ import pytest
 
 from waferscale.compiler import compile_model
 from waferscale.errors import ConfigError
+from waferscale.params import load_params
+from waferscale.zoo.wafer import params_graph
 
 
 def test_small_model_fits_and_is_pipelined_or_replicated():
@@ -36,7 +38,8 @@ def test_training_scaling_is_weak_and_never_superlinear(systems):
     """GPT-3 XL with its params YAML (batch 528): the scaling table holds the per-system batch fixed (global
     batch grows with N, as --num_csx does) and charges SwarmX, so efficiency never exceeds 100%, falls with
     the tree depth, and the plan's own row equals its projection."""
-    p = compile_model(params="configs/gpt3_xl.yaml", target="wse2", mode="train", systems=systems)
+    p = compile_model(graph=params_graph(load_params("configs/gpt3_xl.yaml")), target="wse2", mode="train",
+                      systems=systems)
     sc = p.projection["scaling"]
     per = 528 // systems
     assert [r["systems"] for r in sc] == [1, 2, 4, 8, 16]

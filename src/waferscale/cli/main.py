@@ -21,8 +21,13 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from waferscale.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from waferscale.compiler import Plan
+    from waferscale.compiler.ir import Graph
 
 EXIT_USAGE = 2
 
@@ -32,24 +37,31 @@ EXIT_USAGE = 2
 def cmd_run(a: argparse.Namespace) -> int:
     from waferscale.params import load_params
     from waferscale.runtime import swarmx
-    from waferscale.zoo.runner import RunOptions, run
+    from waferscale.zoo.runner import RunOptions, check_batch_split, run
 
     if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
         return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)
     params = load_params(a.params)
-    if a.validate_only:
-        print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
-        return 0
     num_csx = a.num_csx if a.num_csx is not None else params.runconfig.num_csx
-    if a.compile_only:
-        raise ConfigError("--compile_only needs the wafer compiler, which this build does not include yet")
     model_dir = a.model_dir or params.runconfig.model_dir or "model_dir"
-    opts = RunOptions(mode=a.mode, model_dir=Path(model_dir), num_steps=a.num_steps, max_steps=a.max_steps,
+    opts = RunOptions(mode=getattr(a, "mode", "train"), model_dir=Path(model_dir), num_steps=a.num_steps,
+                      max_steps=a.max_steps,
                       eval_steps=a.eval_steps, checkpoint_path=a.checkpoint_path,
                       load_checkpoint_states=a.load_checkpoint_states, device=a.device, execution=a.execution,
                       progress=not a.no_progress, num_csx=num_csx, device_memory_mb=a.device_memory_mb,
                       memoryx_ram_mb=a.memoryx_ram_mb, flash_dir=a.flash_dir, trace=a.trace,
-                      recompute=a.recompute, swarmx_timeout_s=a.swarmx_timeout_s)
+                      recompute=a.recompute, swarmx_timeout_s=a.swarmx_timeout_s)  # checks the flags
+    check_batch_split(params.train_input.batch_size, params.train_input.micro_batch_size, num_csx)
+    if a.validate_only:  # the params file and the flags, as the run would read them
+        print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
+        return 0
+    if a.compile_only:  # the wafer plan of the run's training step: what `wsc compile --params --mode train` writes
+        from waferscale.compiler import compile_model
+        from waferscale.zoo.wafer import params_graph
+
+        plan = compile_model(graph=params_graph(params), target=a.target, systems=num_csx, mode="train")
+        _report_plan(plan, Path(model_dir), as_json=False)
+        return 0
     try:
         run(params, opts)
     except swarmx.WorkerFailure as e:  # not bad input: a system died or hung; the checkpoints are intact
@@ -69,8 +81,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from waferscale.runtime.generation import load_for_generation
-    from waferscale.serve.llm import LLM, SamplingParams
+    from waferscale.runtime.generation import load_for_generation, stream_text
 
     if (a.model is None) == (a.checkpoint is None):
         raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
@@ -82,8 +93,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be >= 0, got {a.temperature}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise ConfigError(f"--top_p must be in (0, 1], got {a.top_p}")
-    if a.top_k is not None and a.top_k < 0:
-        raise ConfigError(f"--top_k must be >= 0 (0 turns it off), got {a.top_k}")
     model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
                                            device=a.device)
     if note:
@@ -94,16 +103,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     else:
         text = a.prompt
-    ids = tok.encode(text)
-    params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
-                            top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
-    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens) as llm:  # the serving engine, in process
-        pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
-        if a.chat is None:
-            sys.stdout.write(text)
-        for piece in pieces:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        sys.stdout.write(text)
+    for piece in stream_text(model, tok, text, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                             top_k=a.top_k, top_p=a.top_p, seed=a.seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
@@ -131,27 +135,43 @@ def cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compile(a: argparse.Namespace) -> int:
+def _params_graph(path: str) -> "Graph":
+    """A params file's model as the compiler's graph (its batch, sequence length and num_csx as defaults)."""
+    from waferscale.params import load_params
+    from waferscale.zoo.wafer import params_graph
+
+    return params_graph(load_params(path))
+
+
+def _report_plan(plan: "Plan", out: Path | None, as_json: bool) -> None:
+    """Write plan.json, wafer.png, wafer.svg and trace.json into `out` (if given), then print the plan."""
     import json
 
-    from waferscale.compiler import compile_model, plan_json, plan_summary, write_outputs
+    from waferscale.compiler import plan_json, plan_summary, write_outputs
+
+    written = write_outputs(plan, out) if out is not None else []
+    if as_json:
+        print(json.dumps(plan_json(plan), indent=1))
+    else:
+        print(plan_summary(plan))
+        for p in written:
+            print(f"wrote {p}")
+
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    from waferscale.compiler import compile_model
     from waferscale.fabric.presets import parse_pes
 
     if (a.model is None) == (a.params is None):
         raise ConfigError("give exactly one of --model NAME or --params P.yaml")
     if not 0.0 <= a.defects < 1.0:
         raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
-    plan = compile_model(model=a.model, params=a.params, target=a.target, systems=a.systems,
-                         pes=parse_pes(a.pes) if a.pes else None, mode=a.mode, batch_size=a.batch_size,
-                         seq_len=a.seq_len, prompt_len=a.prompt_len, context_len=a.context_len, users=a.users,
-                         defects=a.defects, seed=a.seed, clock_hz=a.clock_hz)
-    written = write_outputs(plan, Path(a.out)) if a.out else []
-    if a.json:
-        print(json.dumps(plan_json(plan), indent=1))
-    else:
-        print(plan_summary(plan))
-        for p in written:
-            print(f"wrote {p}")
+    plan = compile_model(model=a.model, graph=_params_graph(a.params) if a.params else None, target=a.target,
+                         systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
+                         batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
+                         context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
+                         clock_hz=a.clock_hz)
+    _report_plan(plan, Path(a.out) if a.out else None, as_json=a.json)
     return 0
 
 
@@ -162,7 +182,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
 
     if (a.model is None) == (a.params is None):
         raise ConfigError("give exactly one of --model NAME or --params P.yaml")
-    d = estimate_memory(model=a.model, params=a.params, target=a.target, mixed_precision=not a.fp32)
+    d = estimate_memory(model=a.model, graph=_params_graph(a.params) if a.params else None, target=a.target,
+                        mixed_precision=not a.fp32)
     print(json.dumps(d, indent=1) if a.json else estimate_table(d))
     return 0
 
@@ -218,8 +239,11 @@ def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False) -> N
     p.add_argument("--checkpoint_path", default=None, help="resume or evaluate from this checkpoint")
     p.add_argument("--load_checkpoint_states", default="all", choices=["all", "model"])
     p.add_argument("--num_wgt_servers", type=int, default=0, help="accepted for compatibility (0 = auto)")
-    p.add_argument("--compile_only", action="store_true")
-    p.add_argument("--validate_only", action="store_true")
+    p.add_argument("--compile_only", action="store_true",
+                   help="write the wafer plan of the training step (plan.json, wafer.png/.svg, trace.json) to "
+                        "MODEL_DIR and print its projection, without running")
+    p.add_argument("--validate_only", action="store_true", help="check the params file and the flags, then stop")
+    p.add_argument("--target", default="wse3", help="--compile_only: the wafer to compile for (wse1 | wse2 | wse3)")
     p.add_argument("--logging", default="INFO", help="accepted for compatibility")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--execution", default="auto", choices=["auto", "resident", "streaming"],

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from waferscale.compiler.compile import compile_model
+from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
 from waferscale.errors import ConfigError
@@ -135,21 +136,22 @@ def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
 
 # ---- memory estimate (`wsc estimate`) ------------------------------------------------------------------------
 
-def estimate_memory(*, model: str | None = None, params: str | None = None, target: str = "wse3",
+def estimate_memory(*, model: str | None = None, graph: Graph | None = None, target: str = "wse3",
                     mixed_precision: bool = True) -> dict[str, Any]:
     """Training and inference memory of a model against one target's SRAM (Adam optimizer).
 
     Mixed precision: fp16/bf16 weights and gradients are what the wafer computes with; the fp32 master
     weights and the two fp32 Adam moments are optimizer state (in MemoryX when streaming). fp32 training has
-    no master copy. Activations are not in the table's total (they depend on batch and schedule)."""
+    no master copy. Activations are not in the table's total (they depend on batch and schedule). A captured
+    `graph` (a params file's: `waferscale.zoo.wafer.params_graph`) brings its own precision."""
     from waferscale.compiler import capture
     from waferscale.fabric.presets import fabric_from_name
 
-    if (model is None) == (params is None):
+    if (model is None) == (graph is None):
         raise ConfigError("give exactly one of --model NAME or --params P.yaml")
     spec = fabric_from_name(target)
-    g = capture.capture_zoo(model) if model else capture.capture_params(str(params))
-    if params is not None:
+    g = capture.capture_zoo(model) if model else graph
+    if graph is not None:
         mixed_precision = g.dtype != "fp32"
     n = g.params
     w, gr, master, m1, m2 = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed_precision else "fp32"]

@@ -1,22 +1,26 @@
 """Capture a model into the compiler IR on the meta device. The only torch import in `compiler/`.
 
-Three inputs: a zoo model name, a params YAML (Model Zoo legacy layout accepted), or any `nn.Module` with a
-sample input. Nothing is materialized: zoo models are built on the meta device and walked unit by unit;
-arbitrary modules run once on meta tensors (`torch.func.functional_call`) with forward hooks recording the
-shape every leaf module saw.
+Three inputs: a zoo model name, a ModelConfig (what a params file describes: the caller reads the file, see
+`waferscale.zoo.wafer`), or any `nn.Module` with a sample input. Nothing is materialized: zoo models are built on
+the meta device and walked unit by unit; arbitrary modules run once on meta tensors
+(`torch.func.functional_call`) with forward hooks recording the shape every leaf module saw.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from contextlib import contextmanager
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
 from waferscale.compiler.ir import Graph, MatMul, Unit
 from waferscale.errors import ConfigError
+
+if TYPE_CHECKING:
+    from waferscale.models import ModelConfig
 
 _FUSE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 _HALF = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}
@@ -52,24 +56,24 @@ def capture_zoo(name: str, dtype: str = "fp16") -> Graph:
     from waferscale.models import config_from_name
 
     cfg = config_from_name(name)
-    return _capture_causal_lm(_build_meta(cfg), source=f"zoo:{cfg.name}", dtype=dtype)
+    return capture_config(cfg, source=f"zoo:{cfg.name}", dtype=dtype)
 
 
-def capture_params(path: str, dtype: str | None = None) -> Graph:
-    """A params YAML: the model section becomes the graph; batch, sequence length and num_csx become defaults."""
-    from waferscale.params import load_params
+def dtype_label(half_dtype: str | None) -> str:
+    """The graph's dtype for a model's mixed-precision setting: 'bfloat16' -> 'bf16', 'float16' -> 'fp16', None
+    (fp32 training) -> 'fp32'."""
+    return _HALF.get(half_dtype, "fp16")
 
-    params = load_params(path)
-    cfg = params.model.to_model_config()
-    ti = params.train_input
-    defaults: dict[str, Any] = {"batch_size": ti.batch_size, "seq_len": ti.max_sequence_length or cfg.max_seq_len,
-                                "num_csx": params.runconfig.num_csx}
-    if ti.micro_batch_size is not None:
-        defaults["micro_batch_size"] = ti.micro_batch_size
-    g = _capture_causal_lm(_build_meta(cfg), source=f"params:{path}",
-                           dtype=dtype or _HALF.get(params.model.half_dtype, "fp16"))
+
+def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
+                   defaults: Mapping[str, Any] | None = None) -> Graph:
+    """A model config (a zoo model's shape), walked unit by unit on the meta device. `defaults` are the
+    workload's own sizes, used where the request gives none (batch_size, seq_len, num_csx, micro_batch_size)."""
+    g = _capture_causal_lm(_build_meta(cfg), source=source, dtype=dtype)
+    if not defaults:
+        return g
     return Graph(name=g.name, source=g.source, units=g.units, dtype=g.dtype, max_seq_len=g.max_seq_len,
-                 defaults=defaults)
+                 defaults=dict(defaults))
 
 
 def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
