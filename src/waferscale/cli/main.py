@@ -81,7 +81,8 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from waferscale.runtime.generation import load_for_generation, stream_text
+    from waferscale.runtime.generation import load_for_generation
+    from waferscale.serve.llm import LLM, SamplingParams
 
     if (a.model is None) == (a.checkpoint is None):
         raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
@@ -93,6 +94,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise ConfigError(f"--temperature must be >= 0, got {a.temperature}")
     if a.top_p is not None and not 0 < a.top_p <= 1:
         raise ConfigError(f"--top_p must be in (0, 1], got {a.top_p}")
+    if a.top_k is not None and a.top_k < 0:
+        raise ConfigError(f"--top_k must be >= 0 (0 turns it off), got {a.top_k}")
     model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
                                            device=a.device)
     if note:
@@ -103,11 +106,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     else:
         text = a.prompt
-        sys.stdout.write(text)
-    for piece in stream_text(model, tok, text, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                             top_k=a.top_k, top_p=a.top_p, seed=a.seed):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    ids = tok.encode(text)
+    params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
+                            top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
+    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens) as llm:  # the serving engine, in process
+        pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
+        if a.chat is None:
+            sys.stdout.write(text)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
