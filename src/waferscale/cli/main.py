@@ -10,6 +10,7 @@
     wsc compile  (--model NAME | --params P.yaml) --target wse3 [--systems N] [--mode inference|train] ...
     wsc estimate (--model NAME | --params P.yaml) [--target wse3]
     wsc serve    [--model NAME|PATH] [--host H] [--port P] [--api-key K] [--stages K] [--target wse3 [--systems N]]
+                 [--max-num-seqs N]     (also `python -m waferscale.serve.server ...`)
     wsc kernel   {gemv,gemm,spmv,allreduce} --m M --k K [--n N] --target wse2 [--pes RxC] [--verify]
 
 Bad input prints one `error:` line and exits 2.
@@ -214,7 +215,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from waferscale.serve.server import serve
 
     serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
-          systems=a.systems)
+          systems=a.systems, engine_kw={"max_num_seqs": a.max_num_seqs} if a.max_num_seqs is not None else None)
     return 0
 
 
@@ -359,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--stages", type=int, default=1, help="pipeline stages (layers split across workers)")
             p.add_argument("--target", default=None, help="show wafer projections for wse1|wse2|wse3")
             p.add_argument("--systems", type=int, default=1, help="wafers for the projection")
+            p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=None,
+                           help="sequences the engine decodes together (default 64)")
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")

@@ -1,2 +1,3 @@
 """Inference serving: the continuous-batching engine (engine.py), its scheduler, sampling and paged KV cache,
-pipelined stages, and the OpenAI-compatible server (openai/)."""
+the paged model runner (model_runner.py), pipelined stages, the OpenAI-compatible server (openai/), and the
+in-process front end that `wsc generate` runs (llm.py)."""

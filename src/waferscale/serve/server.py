@@ -1,14 +1,14 @@
 """`serve(...)`: load a model into the engine and serve the OpenAI-compatible API + playground with uvicorn.
 
     wsc serve [--model NAME|PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--stages K]
-              [--target wse3 [--systems N]]
+              [--target wse3 [--systems N]] [--max-num-seqs N]
 
-Also runnable as `python -m waferscale.serve.server ...` with the same flags.
+`python -m waferscale.serve.server ...` is `wsc serve ...`: the flags are parsed by the command line's one table
+(cli/main.py), the only entry point above this module.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -102,6 +102,9 @@ def serve(model: str = DEFAULT_MODEL, host: str = "127.0.0.1", port: int = 8000,
         raise ConfigError(f"--stages must be a positive integer, got {stages!r}")
     if not isinstance(systems, int) or systems < 1:
         raise ConfigError(f"--systems must be a positive integer, got {systems!r}")
+    seqs = (engine_kw or {}).get("max_num_seqs", 1)
+    if not isinstance(seqs, int) or seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be a positive integer, got {seqs!r}")
     if api_key is None:
         api_key = os.environ.get("WSC_API_KEY") or None
     app = build_app(model, api_key=api_key, stages=stages, target=target, systems=systems, engine_kw=engine_kw)
@@ -110,28 +113,7 @@ def serve(model: str = DEFAULT_MODEL, host: str = "127.0.0.1", port: int = 8000,
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m waferscale.serve.server", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="asset name, zoo name with a checkpoint, .gguf or HF dir")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    ap.add_argument("--stages", type=int, default=1)
-    ap.add_argument("--target", default=None, help="wafer target for the projection, e.g. wse3")
-    ap.add_argument("--systems", type=int, default=1)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    a = ap.parse_args(argv)
-    from waferscale.errors import UserError
+if __name__ == "__main__":  # one argparse, the command line's: this is `wsc serve`
+    from waferscale.cli.main import main
 
-    try:
-        serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
-              systems=a.systems, engine_kw={"max_num_seqs": a.max_num_seqs} if a.max_num_seqs else None)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["serve", *sys.argv[1:]]))
