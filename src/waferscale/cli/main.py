@@ -38,6 +38,7 @@ EXIT_USAGE = 2
 def cmd_run(a: argparse.Namespace) -> int:
     from waferscale.params import load_params
     from waferscale.runtime import swarmx
+    from waferscale.runtime.cluster import SwarmXFailure
     from waferscale.zoo.runner import RunOptions, check_batch_split, run
 
     if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
@@ -65,7 +66,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         return 0
     try:
         run(params, opts)
-    except swarmx.WorkerFailure as e:  # not bad input: a system died or hung; the checkpoints are intact
+    except SwarmXFailure as e:  # not bad input: a system died or hung; the checkpoints are intact
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

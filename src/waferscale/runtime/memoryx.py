@@ -133,11 +133,14 @@ class UnitLayout:
 
 
 def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> list[UnitLayout]:
-    """Layouts of `units` (default `model.units()`), submodules of `model` that together hold all its
-    parameters, in execution order; works on meta-device models (shapes only)."""
+    """Layouts of `units` (default `model.units()`), modules that together hold all of `model`'s parameters, in
+    execution order (submodules of `model`, or units split from its traced forward that share its parameter
+    objects); works on meta-device models (shapes only). A parameter is stored by the first unit that uses it
+    and named by its name in `model`."""
     units = model.units() if units is None else units
     mod_name = {id(m): n for n, m in model.named_modules()}
     all_params = list(model.parameters())  # unique, in order
+    pname = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, p in enumerate(all_params)}
     decay = [p for p in all_params if p.ndim >= 2]
     no_decay = [p for p in all_params if p.ndim < 2]
@@ -146,15 +149,16 @@ def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> lis
     owner: dict[int, tuple[int, str, int]] = {}  # id(param) -> (unit, name, offset)
     layouts = []
     for u, mod in enumerate(units):
-        prefix = mod_name[id(mod)]
-        lay = UnitLayout(u, prefix)
+        lay = UnitLayout(u, mod_name.get(id(mod)) or f"unit{u}")
         named = list(mod.named_parameters())
         offset = 0
         owned_order = [(n, p) for n, p in named if id(p) not in owner and p.ndim >= 2] + \
                       [(n, p) for n, p in named if id(p) not in owner and p.ndim < 2]
         owned_ids = {id(p) for _, p in owned_order}
         for n, p in owned_order:
-            owner[id(p)] = (u, f"{prefix}.{n}", offset)
+            if id(p) not in pname:
+                raise ValueError(f"unit {u}'s parameter {n} is not a parameter of the model")
+            owner[id(p)] = (u, pname[id(p)], offset)
             offset += p.numel()
         pay = {True: 0, False: 0}
         for half in (True, False):
@@ -163,7 +167,7 @@ def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> lis
             for n, p in group:
                 ou, oname, ooff = owner[id(p)]
                 if ou > u:
-                    raise ValueError(f"{prefix}.{n} is owned by a later unit; units must own what they first use")
+                    raise ValueError(f"{oname} is owned by a later unit; units must own what they first use")
                 lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), half, ou, ooff, pay[half],
                                               gidx[id(p)], order[id(p)]))
                 pay[half] += p.numel()

@@ -1,0 +1,495 @@
+"""The streaming engine: a model's units visit the device one at a time, weights stream in over a link, gradients
+stream back out. The one engine under both `wsc run` (the zoo's fused LM step) and the cstorch "CSX" backend.
+The model stays pure: units run through `torch.func.functional_call` with streamed tensors in place of their
+parameters.
+
+Schedule of one training step with n units, fetch order 0, 1, ..., n-1, n-2, ..., 0:
+
+    forward   for u in 0..n-2: wait for unit u's weights (prefetched while u-1 computed; the fetch of the next
+              unit starts now), run every micro-batch through u, keep only u's outputs (the unit-boundary
+              activations) -- or, with `recompute=False`, u's autograd graph too
+    last unit the head runs forward and backward together: `step` computes the loss inside it; the cstorch
+              path (`forward_train` / `backward`) returns its output with the graph kept and continues when the
+              caller's loss calls backward
+    backward  for u in n-2..0: the same prefetch; recompute u's forward with autograd on (replaying the RNG its
+              forward saw, so dropout masks match), backpropagate each micro-batch, accumulate the weight
+              gradients in fp32 on the device, hand them to the link (asynchronous) as soon as the unit is done,
+              and drop the weights
+
+The link (`runtime/links.py`) decides where weights come from and gradients go: MemoryX in this process, or
+SwarmX's broadcast and reduce. The device holds at most two units' weights, their gradient buffers, the boundary
+activations and one unit's autograd state. With `recompute=False` saved weights are swapped for a key by
+saved-tensor hooks and re-fetched for the backward, so the weights still leave the device after each unit.
+
+Peak device working set: on CUDA, `torch.cuda.max_memory_allocated`. On a CPU "device" there is no separate
+allocator, so the engine counts what it holds in device copies (the `DeviceLedger`): streamed weight buffers,
+gradient buffers, boundary activations and their gradients, and every tensor autograd saves for backward (counted
+once per storage through saved-tensor hooks). Temporaries that live inside a single op are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from waferscale.runtime.memoryx import Lane, UnitLayout
+from waferscale.runtime.trace import Tracer
+
+__all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "nbytes"]
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DeviceLedger:
+    """Bytes the engine holds on the device, by kind, with the peak of their sum. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: dict[str, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.peak_by_kind: dict[str, int] = {}
+
+    def alloc(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.current[kind] = self.current.get(kind, 0) + n
+            self.total += n
+            if self.total > self.peak:
+                self.peak = self.total
+                self.peak_by_kind = dict(self.current)
+
+    def free(self, kind: str, n: int) -> None:
+        self.alloc(kind, -n)
+
+
+class DeviceUnit:
+    """One unit's weights on the device: two flat buffers (matrices in the stream dtype, vectors in fp32) and
+    per-parameter views into them."""
+
+    def __init__(self, u: int, lay: UnitLayout, matrices: Tensor, vectors: Tensor) -> None:
+        self.u, self.matrices, self.vectors = u, matrices, vectors
+        self.views = {e.local: (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel]
+                      .view(e.shape) for e in lay.entries}
+        self.ptrs = {p: k for k, p in ((0, matrices.untyped_storage().data_ptr() if matrices.numel() else 0),
+                                       (1, vectors.untyped_storage().data_ptr() if vectors.numel() else 0)) if p}
+        self.nbytes = nbytes(matrices) + nbytes(vectors)
+
+
+def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def rng_restored(state: tuple[Tensor, Tensor | None] | None, device: torch.device):
+    """Replay the RNG a unit's forward saw (dropout masks match on recompute); leave the global RNG as it was."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class _StreamIn(torch.autograd.Function):
+    """Marks streamed weights for autograd; their gradients go to the engine's per-unit fp32 accumulator.
+    Holds no tensor, so a kept graph never pins a unit's weights on the device."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: "StreamingEngine", u: int, anchor: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.engine, ctx.u = engine, u
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        ctx.engine._accumulate_weight_grads(ctx.u, grads)
+        return (None, None, None, *([None] * len(grads)))
+
+
+def _has_dropout(unit: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in unit.modules())
+
+
+class StreamingEngine:
+    """The per-unit schedule on one device. Weights come from `link.fetch(u) -> (matrices, vectors)` (called on
+    the prefetch lane, in fetch order); gradients go to `link.push(u, matrices, vectors) -> Future` (fp32, payload
+    layout).
+
+    units        the model's units in execution order (`runtime.units.model_units`)
+    takes_input  unit u is called `unit(h, x)` with the model's input x (units split from a traced forward)
+    loss_fn      `loss_fn(last unit's output, target)` for the fused `step` / `forward_loss`
+    float_boundaries  under mixed precision, hand fp32 activations from unit to unit (the zoo's LM step)
+    """
+
+    def __init__(self, units: Sequence[nn.Module], layouts: list[UnitLayout], link: Any, *, device: torch.device,
+                 half: torch.dtype | None, recompute: bool = True, takes_input: bool = False,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None, float_boundaries: bool = False,
+                 track_rng: Sequence[bool] | None = None) -> None:
+        self.units = list(units)
+        self.layouts = layouts
+        self.n = len(self.units)
+        self.link, self.device, self.half, self.recompute = link, device, half, recompute
+        self.takes_input, self.loss_fn, self.float_boundaries = takes_input, loss_fn, float_boundaries
+        self.track_rng = list(track_rng) if track_rng is not None else [_has_dropout(m) for m in self.units]
+        self.ledger = DeviceLedger()
+        self._prefetch = Lane("weight-prefetch")
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._acc: dict[int, tuple[Tensor, Tensor, set[int]]] = {}
+        self._inputs: tuple[Tensor, ...] = ()
+        self._order: deque[int] = deque()
+        self._inflight: Future | None = None
+        self._bwd_unit: DeviceUnit | None = None
+        self._pack_unit: DeviceUnit | None = None
+        self._pack_count: dict[int, int] | None = None
+        self._pack_exclude: int = 0
+        self._pushes: list[Future] = []
+        self.tracer: Tracer | None = None
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+
+    # ---- weights ----
+    def _fetch_task(self, u: int) -> DeviceUnit:
+        t0 = time.perf_counter()
+        matrices, vectors = self.link.fetch(u)
+        dev = DeviceUnit(u, self.layouts[u], matrices, vectors)
+        self.ledger.alloc("weights", dev.nbytes)
+        t1 = time.perf_counter()
+        self.stats["fetch_busy_s"] += t1 - t0
+        self.stats["bytes_in"] += dev.nbytes
+        if self.tracer:
+            self.tracer.span("prefetch", f"fetch unit {u}", t0, t1, bytes=dev.nbytes)
+        return dev
+
+    def _start_fetches(self, order: list[int]) -> None:
+        self.drain()
+        self._order = deque(order)
+        self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft())
+
+    def _next_unit(self) -> DeviceUnit:
+        t0 = time.perf_counter()
+        assert self._inflight is not None
+        dev = self._inflight.result()
+        t1 = time.perf_counter()
+        self.stats["wait_weights_s"] += t1 - t0
+        if self.tracer and t1 - t0 > 1e-5:
+            self.tracer.span("main", f"wait unit {dev.u}", t0, t1)
+        self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft()) if self._order else None
+        if self.device.type == "cuda":
+            dev.matrices.record_stream(torch.cuda.current_stream(self.device))
+            dev.vectors.record_stream(torch.cuda.current_stream(self.device))
+        return dev
+
+    def _release(self, dev: DeviceUnit) -> None:
+        self.ledger.free("weights", dev.nbytes)
+
+    def drain(self) -> None:
+        """Finish the fetches still queued from a schedule that ended early (an evaluation cut short, a forward
+        whose backward never came): every system must run the same fetches, in the same order."""
+        while self._inflight is not None:
+            self._release(self._inflight.result())
+            self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft()) if self._order else None
+
+    # ---- saved-tensor hooks: weights become keys; activations are counted ----
+    def _pack(self, t: Tensor) -> Any:
+        dev = self._pack_unit
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if dev is not None and ptr in dev.ptrs:
+            return ("w", dev.u, dev.ptrs[ptr], tuple(t.size()), t.stride(), t.storage_offset())
+        counted = self._pack_count
+        if counted is not None and ptr and ptr != self._pack_exclude and ptr not in counted:
+            counted[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, tuple):
+            _, u, k, size, stride, offset = packed
+            dev = self._bwd_unit
+            assert dev is not None and dev.u == u, "a unit's saved weights were asked for outside its backward"
+            return (dev.matrices if k == 0 else dev.vectors).as_strided(size, stride, offset)
+        return packed
+
+    def _hooks(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextlib.contextmanager
+    def _counting(self, dev: DeviceUnit, inp: Tensor):
+        count: dict[int, int] = {}
+        self._pack_unit, self._pack_count = dev, count
+        self._pack_exclude = inp.untyped_storage().data_ptr() if inp.numel() else 0
+        try:
+            yield count
+        finally:
+            self._pack_unit, self._pack_count = None, None
+
+    # ---- one unit ----
+    def _run(self, u: int, dev: DeviceUnit, inp: Tensor, target: Tensor | None) -> Tensor:
+        """Unit u on `inp` with autograd through the streamed weights (when grad mode is on)."""
+        lay = self.layouts[u]
+        names = [e.local for e in lay.entries]
+        if torch.is_grad_enabled():
+            ws = _StreamIn.apply(self, u, self._anchor, *[dev.views[k] for k in names])
+            params = dict(zip(names, ws))
+        else:
+            params = dev.views
+        ctx = torch.autocast(self.device.type, dtype=self.half) if self.half else contextlib.nullcontext()
+        with ctx:
+            out = torch.func.functional_call(self.units[u], params, (inp, *self._inputs))
+            if target is not None:
+                assert self.loss_fn is not None, "a fused step needs the engine's loss_fn"
+                return self.loss_fn(out, target)
+        if self.float_boundaries and self.half and out.is_floating_point():
+            return out.float()
+        return out
+
+    def _accumulate_weight_grads(self, u: int, grads: tuple[Tensor, ...]) -> None:
+        matrices, vectors, fresh = self._acc[u]
+        for i, (e, g) in enumerate(zip(self.layouts[u].entries, grads)):
+            if g is None:
+                continue
+            dst = (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel]
+            if i in fresh:  # first micro-batch: copy (the buffer starts uninitialised, no zeroing pass)
+                dst.copy_(g.reshape(-1))
+                fresh.discard(i)
+            else:
+                dst.add_(g.reshape(-1))
+
+    def _open_gradients(self, u: int) -> int:
+        lay = self.layouts[u]
+        self._acc[u] = (torch.empty(lay.n_big, dtype=torch.float32, device=self.device),
+                        torch.empty(lay.n_small, dtype=torch.float32, device=self.device),
+                        set(range(len(lay.entries))))
+        acc_bytes = 4 * (lay.n_big + lay.n_small)
+        self.ledger.alloc("gradients", acc_bytes)
+        return acc_bytes
+
+    def _push_gradients(self, u: int, acc_bytes: int) -> None:
+        """Unit u's gradients are complete: zero what got none (as autograd would), hand them to the link."""
+        matrices, vectors, fresh = self._acc.pop(u)
+        lay = self.layouts[u]
+        for i in fresh:
+            e = lay.entries[i]
+            (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel].zero_()
+        t1 = time.perf_counter()
+        fut = self.link.push(u, matrices, vectors)
+        fut.add_done_callback(lambda _f, b=acc_bytes: self.ledger.free("gradients", b))
+        self._pushes.append(fut)
+        self.stats["bytes_out"] += acc_bytes
+        self.stats["push_s"] += time.perf_counter() - t1
+
+    def wait_pushes(self) -> None:
+        """Wait until every gradient handed to the link has been taken (raises the link's failure, if any)."""
+        pushes, self._pushes = self._pushes, []
+        for f in pushes:
+            f.result()
+
+    # ---- the forward over units 0..upto-1, every micro-batch ----
+    def _forward_units(self, upto: int, acts: list[list[Tensor]], graphs: dict, rng: dict) -> None:
+        led = self.ledger
+        for u in range(upto):
+            dev = self._next_unit()
+            t0 = time.perf_counter()
+            outs = []
+            for m, inp in enumerate(acts[u]):
+                if self.recompute:
+                    if self.track_rng[u]:
+                        rng[u, m] = rng_state(self.device)
+                    with torch.no_grad():
+                        out = self._run(u, dev, inp, None)
+                else:
+                    leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
+                    with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
+                        out = self._run(u, dev, leaf, None)
+                    led.alloc("saved", sum(count.values()))
+                    graphs[u, m] = (leaf, out, count)
+                    out = out.detach()
+                outs.append(out)
+                led.alloc("activations", nbytes(out))
+            acts.append(outs)
+            self._span("main", f"forward unit {u}", t0)
+            self._release(dev)
+            del dev
+
+    # ---- the backward over units `us` (descending, below the last), every micro-batch ----
+    def _backward_units(self, us: Sequence[int], acts: list[list[Tensor]], graphs: dict, rng: dict,
+                        grad_out: list[Tensor | None]) -> None:
+        led = self.ledger
+        for u in us:
+            dev = self._next_unit()
+            t0 = time.perf_counter()
+            acc_bytes = self._open_gradients(u)
+            self._bwd_unit = dev
+            new_grad: list[Tensor | None] = [None] * len(grad_out)
+            for m in range(len(grad_out)):
+                inp = acts[u][m]
+                if self.recompute:
+                    leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
+                    with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad(), \
+                            rng_restored(rng.get((u, m)), self.device):
+                        out = self._run(u, dev, leaf, None)
+                    led.alloc("saved", sum(count.values()))
+                else:
+                    leaf, out, count = graphs.pop((u, m))
+                with self._hooks():
+                    torch.autograd.backward(out, grad_out[m])
+                led.free("saved", sum(count.values()))
+                del out
+                new_grad[m] = self._take_input_grad(u, leaf)
+                del leaf
+                self._drop_boundary(acts, u, m, grad_out)
+            grad_out[:] = new_grad
+            self._bwd_unit = None
+            self._span("main", f"backward unit {u}", t0)
+            self._push_gradients(u, acc_bytes)
+            self._release(dev)
+            del dev
+
+    def _take_input_grad(self, u: int, leaf: Tensor) -> Tensor | None:
+        if u == 0 or leaf.grad is None:
+            return None
+        self.ledger.alloc("activations", nbytes(leaf.grad))
+        return leaf.grad
+
+    def _drop_boundary(self, acts: list[list[Tensor]], u: int, m: int, grad_out: list[Tensor | None]) -> None:
+        if grad_out[m] is not None:
+            self.ledger.free("activations", nbytes(grad_out[m]))
+            grad_out[m] = None
+        self.ledger.free("activations", nbytes(acts[u][m]))
+        acts[u][m] = None  # type: ignore[call-overload]
+
+    def _schedule(self) -> list[int]:
+        n = self.n
+        return list(range(n)) + list(range(n - 2, -1, -1))
+
+    # ---- the zoo's fused step: loss inside the last unit, micro-batches ----
+    def step(self, x: Tensor, y: Tensor, *, micro_batch: int, loss_divisor: float, loss_scale: float = 1.0
+             ) -> float:
+        """Forward and backward over the units for (x, y) (B, T); gradients of sum(micro-batch losses /
+        loss_divisor) * loss_scale are pushed to the link per unit. Returns the (unscaled) loss sum."""
+        n, led = self.n, self.ledger
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        xs, ys = list(x.split(micro_batch)), y.split(micro_batch)
+        acts: list[list[Tensor]] = [xs]
+        led.alloc("activations", nbytes(x))
+        graphs: dict[tuple[int, int], Any] = {}
+        rng: dict[tuple[int, int], Any] = {}
+        self._start_fetches(self._schedule())
+        self._forward_units(n - 1, acts, graphs, rng)
+
+        # the last unit: its forward (with the loss) and backward together, micro-batch by micro-batch
+        u = n - 1
+        dev = self._next_unit()
+        t0 = time.perf_counter()
+        acc_bytes = self._open_gradients(u)
+        self._bwd_unit = dev
+        loss_sum = torch.zeros((), device=self.device)
+        grad_out: list[Tensor | None] = [None] * len(xs)
+        for m in range(len(xs)):
+            inp = acts[u][m]
+            leaf = inp.detach().requires_grad_(True) if u > 0 else inp
+            with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
+                loss = self._run(u, dev, leaf, ys[m]) / loss_divisor
+            led.alloc("saved", sum(count.values()))
+            loss_sum += loss.detach()
+            with self._hooks():
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            led.free("saved", sum(count.values()))
+            del loss
+            grad_out[m] = self._take_input_grad(u, leaf)
+            del leaf
+            led.free("activations", nbytes(acts[u][m]))
+            acts[u][m] = None  # type: ignore[call-overload]
+        self._bwd_unit = None
+        self._span("main", f"backward unit {u}", t0)
+        self._push_gradients(u, acc_bytes)
+        self._release(dev)
+        del dev
+        self._backward_units(range(n - 2, -1, -1), acts, graphs, rng, grad_out)
+        return float(loss_sum)
+
+    # ---- the cstorch path: the caller computes the loss from the last unit's output ----
+    def forward_train(self, x: Tensor, inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor, dict[str, Any]]:
+        """Units 0..n-2 without a graph, the last unit with its graph kept; returns its output (with grad) and
+        what `backward` needs. The last unit's weights stay on the device until `backward`."""
+        self._inputs = inputs
+        acts: list[list[Tensor]] = [[x]]
+        self.ledger.alloc("activations", nbytes(x))
+        rng: dict[tuple[int, int], Any] = {}
+        self._start_fetches(self._schedule())
+        self._forward_units(self.n - 1, acts, {}, rng)
+        u = self.n - 1
+        dev = self._next_unit()
+        acc_bytes = self._open_gradients(u)
+        inp = acts[u][0]
+        leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
+        with self._counting(dev, inp) as count, torch.enable_grad():
+            out = self._run(u, dev, leaf, None)
+        self.ledger.alloc("saved", sum(count.values()))
+        return out, {"acts": acts, "rng": rng, "leaf": leaf, "dev": dev, "acc_bytes": acc_bytes, "count": count,
+                     "inputs": inputs}
+
+    def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> None:
+        """Backpropagate `grad` (of `forward_train`'s output) through every unit, pushing each unit's gradients."""
+        self._inputs = saved["inputs"]
+        u, acts, dev = self.n - 1, saved["acts"], saved["dev"]
+        torch.autograd.backward(out, grad)
+        self.ledger.free("saved", sum(saved["count"].values()))
+        grad_out = [self._take_input_grad(u, saved["leaf"])]
+        self.ledger.free("activations", nbytes(acts[u][0]))
+        acts[u][0] = None
+        self._push_gradients(u, saved["acc_bytes"])
+        self._release(dev)
+        rng = saved["rng"]
+        saved.clear()
+        try:
+            self._backward_units(range(u - 1, -1, -1), acts, {}, rng, grad_out)
+        finally:
+            self._inputs = ()
+
+    # ---- no gradients ----
+    @torch.no_grad()
+    def forward(self, x: Tensor, inputs: tuple[Tensor, ...] = ()) -> Tensor:
+        """The model's output with streamed weights, no gradients."""
+        self._inputs = inputs
+        try:
+            self._start_fetches(list(range(self.n)))
+            h = x
+            for u in range(self.n):
+                dev = self._next_unit()
+                h = self._run(u, dev, h, None)
+                self._release(dev)
+            return h
+        finally:
+            self._inputs = ()
+
+    @torch.no_grad()
+    def forward_loss(self, x: Tensor, y: Tensor) -> float:
+        """Mean loss over (x, y) with streamed weights, no gradients."""
+        x, y = x.to(self.device), y.to(self.device)
+        self._start_fetches(list(range(self.n)))
+        h = x
+        for u in range(self.n):
+            dev = self._next_unit()
+            h = self._run(u, dev, h, y if u == self.n - 1 else None)
+            self._release(dev)
+        return float(h)
+
+    def reset_stats(self) -> None:
+        self.stats = {"wait_weights_s": 0.0, "fetch_busy_s": 0.0, "bytes_in": 0, "bytes_out": 0, "push_s": 0.0}
+
+    def _span(self, lane: str, name: str, t0: float) -> None:
+        if self.tracer:
+            self.tracer.span(lane, name, t0, time.perf_counter())
+
+    def close(self) -> None:
+        self.drain()
+        self._prefetch.close()

@@ -1,0 +1,125 @@
+"""Links: where a streaming engine's weights come from and where its gradients go. One protocol:
+
+    fetch(u) -> (matrices, vectors)     unit u's payload on the engine's device (called on the prefetch lane,
+                                        in the schedule's fetch order)
+    push(u, matrices, vectors) -> Future   unit u's fp32 gradients, taken asynchronously
+
+    LocalLink   MemoryX in this process. On a CPU device the payload is MemoryX's fp32 masters themselves where
+                they are the payload (no copy); on CUDA, pinned staging buffers and one copy stream per direction
+    SwarmLink   SwarmX: weights broadcast from rank 0's MemoryX to every rank, gradients summed back to it by
+                reduce. The same class on every rank: a rank holding MemoryX reads and updates through it (and,
+                when it computes no gradients itself, pushes zeros); the others only receive and send
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from waferscale.runtime.cluster import Cluster
+from waferscale.runtime.memoryx import Lane, MemoryX, UnitLayout
+
+__all__ = ["LocalLink", "SwarmLink"]
+
+
+class LocalLink:
+    """MemoryX in this process. On CUDA: pinned staging, a copy stream per direction, events."""
+
+    def __init__(self, memoryx: MemoryX, device: torch.device) -> None:
+        self.mx, self.device = memoryx, device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+            self._writer = Lane("grad-writeback")
+
+    def fetch(self, u: int) -> tuple[Tensor, Tensor]:
+        if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
+            return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
+        lay = self.mx.layouts[u]
+        hm = torch.empty(lay.n_big, dtype=self.mx.stream_dtype, pin_memory=True)
+        hv = torch.empty(lay.n_small, dtype=torch.float32, pin_memory=True)
+        self.mx.fetch(u, hm, hv)
+        with torch.cuda.stream(self.h2d):
+            matrices = hm.to(self.device, non_blocking=True)
+            vectors = hv.to(self.device, non_blocking=True)
+        self.h2d.synchronize()  # this runs on the prefetch thread; the pinned buffers may now go
+        return matrices, vectors
+
+    def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+        if not self.cuda:
+            return self.mx.push_grads(u, matrices, vectors)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        hm = torch.empty(matrices.shape, dtype=matrices.dtype, pin_memory=True)
+        hv = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(ev)
+            hm.copy_(matrices, non_blocking=True)
+            hv.copy_(vectors, non_blocking=True)
+            matrices.record_stream(self.d2h)
+            vectors.record_stream(self.d2h)
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+
+        def hand_over() -> None:
+            done.synchronize()
+            self.mx.push_grads(u, hm, hv).result()
+
+        return self._writer.submit(hand_over)
+
+    def close(self) -> None:
+        if self.cuda:
+            self._writer.close()
+
+
+class SwarmLink:
+    """Weights by broadcast from rank 0's MemoryX, gradients by reduce (sum) to it, per unit, over the cluster's
+    link groups. `mean`: rank 0 divides the sum by the number of ranks (each rank's loss was its own batch's
+    mean) before MemoryX takes it. Failures surface as the raw collective error from `fetch` or the future;
+    the caller's `cluster.guard` names the rank that caused them."""
+
+    def __init__(self, cluster: Cluster, layouts: list[UnitLayout], stream_dtype: torch.dtype, device: torch.device,
+                 memoryx: MemoryX | None = None, *, mean: bool = False) -> None:
+        self.cluster, self.layouts, self.stream_dtype, self.device = cluster, layouts, stream_dtype, device
+        self.mx, self.mean = memoryx, mean
+        self._lane = Lane("swarmx-grads")
+
+    def fetch(self, u: int) -> tuple[Tensor, Tensor]:
+        if self.mx is not None:
+            matrices, vectors = self.mx.fetch(u)
+        else:
+            lay = self.layouts[u]
+            matrices = torch.empty(lay.n_big, dtype=self.stream_dtype)
+            vectors = torch.empty(lay.n_small, dtype=torch.float32)
+        for t in (matrices, vectors):
+            if t.numel():
+                dist.broadcast(t, 0, group=self.cluster.g_weights)
+        if self.device.type == "cuda":
+            return matrices.to(self.device), vectors.to(self.device)
+        return matrices, vectors
+
+    def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+        def send() -> None:
+            m, v = matrices.cpu(), vectors.cpu()
+            for t in (m, v):
+                if t.numel():
+                    dist.reduce(t, 0, op=dist.ReduceOp.SUM, group=self.cluster.g_grads)
+            if self.mx is not None:
+                if self.mean:
+                    m.div_(self.cluster.world)
+                    v.div_(self.cluster.world)
+                self.mx.push_grads(u, m, v).result()
+
+        return self._lane.submit(send)
+
+    def push_zeros(self, u: int) -> Future:
+        """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank)."""
+        lay = self.layouts[u]
+        return self.push(u, torch.zeros(lay.n_big), torch.zeros(lay.n_small))
+
+    def close(self) -> None:
+        self._lane.close()
