@@ -18,6 +18,8 @@ from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.zoo.runner import RunOptions, run
 
+pytestmark = pytest.mark.slow  # each test starts MemoryX and worker processes
+
 
 def _params(corpus: Path, tmp_path: Path, **run_over: object) -> Path:
     d = tiny_params(corpus, tmp_path / "unused", **run_over)
