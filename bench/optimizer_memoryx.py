@@ -49,8 +49,8 @@ def main() -> None:
     by_name = dict(zip([k for k, _ in model.named_parameters()], grads))
     unit_grads = []
     for lay in mx.layouts:
-        big = torch.cat([by_name[e.name].reshape(-1) for e in lay.entries if e.half] or [torch.empty(0)])
-        small = torch.cat([by_name[e.name].reshape(-1) for e in lay.entries if not e.half] or [torch.empty(0)])
+        big = torch.cat([by_name[e.name].reshape(-1) for e in lay.entries if e.matrix] or [torch.empty(0)])
+        small = torch.cat([by_name[e.name].reshape(-1) for e in lay.entries if not e.matrix] or [torch.empty(0)])
         unit_grads.append((big, small))
 
     def run_peer() -> float:

@@ -160,7 +160,7 @@ def test_masks_hold_through_updates_and_are_saved() -> None:
     mx.begin_step(1e-2)
     for v in range(mx.n_units - 1, -1, -1):
         lay = mx.layouts[v]
-        mx.push_grads(v, torch.randn(lay.n_big), torch.randn(lay.n_small))
+        mx.push_grads(v, torch.randn(lay.n_matrices), torch.randn(lay.n_vectors))
     mx.end_backward()
     w = mx.checkpoint_module().state_dict()
     assert torch.all(w[name][~mask] == 0) and torch.all(w[name][mask] != 0)

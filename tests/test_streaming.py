@@ -98,7 +98,8 @@ def test_fp16_dynamic_loss_scaling_matches_grad_scaler() -> None:
     from waferscale.models import build
     from waferscale.models.registry import config_from_name
     from waferscale.runtime.executor import ResidentExecutor
-    from waferscale.runtime.memoryx import LossScaler, MemoryX
+    from waferscale.runtime.loss_scale import LossScaler
+    from waferscale.runtime.memoryx import MemoryX
     from waferscale.runtime.optim import build_optimizer
     from waferscale.runtime.streaming import StreamingExecutor, build_skeleton
 

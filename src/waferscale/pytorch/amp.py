@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from waferscale.errors import ConfigError
-from waferscale.runtime.memoryx import LossScaler
+from waferscale.runtime.loss_scale import LossScaler
 from waferscale.util import dtypes
 
 __all__ = ["set_half_dtype", "get_half_dtype", "half_dtype", "GradScaler", "optimizer_step"]

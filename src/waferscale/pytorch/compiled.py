@@ -33,7 +33,8 @@ from waferscale.pytorch import distributed as _dist
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.engine import StreamingEngine
 from waferscale.runtime.links import LocalLink, SwarmLink
-from waferscale.runtime.memoryx import MemoryX, build_layouts
+from waferscale.runtime.layout import build_layouts
+from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.units import StreamUnits, model_units
 
 __all__ = ["CompiledModel", "compile", "model_units"]

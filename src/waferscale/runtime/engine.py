@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from waferscale.runtime.memoryx import Lane, UnitLayout
+from waferscale.runtime.lane import Lane
+from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.trace import Tracer
 
 __all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "nbytes"]
@@ -77,7 +78,7 @@ class DeviceUnit:
 
     def __init__(self, u: int, lay: UnitLayout, matrices: Tensor, vectors: Tensor) -> None:
         self.u, self.matrices, self.vectors = u, matrices, vectors
-        self.views = {e.local: (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel]
+        self.views = {e.local: (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                       .view(e.shape) for e in lay.entries}
         self.ptrs = {p: k for k, p in ((0, matrices.untyped_storage().data_ptr() if matrices.numel() else 0),
                                        (1, vectors.untyped_storage().data_ptr() if vectors.numel() else 0)) if p}
@@ -256,7 +257,7 @@ class StreamingEngine:
         for i, (e, g) in enumerate(zip(self.layouts[u].entries, grads)):
             if g is None:
                 continue
-            dst = (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel]
+            dst = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
             if i in fresh:  # first micro-batch: copy (the buffer starts uninitialised, no zeroing pass)
                 dst.copy_(g.reshape(-1))
                 fresh.discard(i)
@@ -265,10 +266,10 @@ class StreamingEngine:
 
     def _open_gradients(self, u: int) -> int:
         lay = self.layouts[u]
-        self._acc[u] = (torch.empty(lay.n_big, dtype=torch.float32, device=self.device),
-                        torch.empty(lay.n_small, dtype=torch.float32, device=self.device),
+        self._acc[u] = (torch.empty(lay.n_matrices, dtype=torch.float32, device=self.device),
+                        torch.empty(lay.n_vectors, dtype=torch.float32, device=self.device),
                         set(range(len(lay.entries))))
-        acc_bytes = 4 * (lay.n_big + lay.n_small)
+        acc_bytes = 4 * (lay.n_matrices + lay.n_vectors)
         self.ledger.alloc("gradients", acc_bytes)
         return acc_bytes
 
@@ -278,7 +279,7 @@ class StreamingEngine:
         lay = self.layouts[u]
         for i in fresh:
             e = lay.entries[i]
-            (matrices if e.half else vectors)[e.payload_offset:e.payload_offset + e.numel].zero_()
+            (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].zero_()
         t1 = time.perf_counter()
         fut = self.link.push(u, matrices, vectors)
         fut.add_done_callback(lambda _f, b=acc_bytes: self.ledger.free("gradients", b))

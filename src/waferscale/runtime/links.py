@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from waferscale.runtime.cluster import Cluster
-from waferscale.runtime.memoryx import Lane, MemoryX, UnitLayout
+from waferscale.runtime.lane import Lane
+from waferscale.runtime.layout import UnitLayout
+from waferscale.runtime.memoryx import MemoryX
 
 __all__ = ["LocalLink", "SwarmLink"]
 
@@ -40,8 +42,8 @@ class LocalLink:
         if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
             return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
         lay = self.mx.layouts[u]
-        hm = torch.empty(lay.n_big, dtype=self.mx.stream_dtype, pin_memory=True)
-        hv = torch.empty(lay.n_small, dtype=torch.float32, pin_memory=True)
+        hm = torch.empty(lay.n_matrices, dtype=self.mx.stream_dtype, pin_memory=True)
+        hv = torch.empty(lay.n_vectors, dtype=torch.float32, pin_memory=True)
         self.mx.fetch(u, hm, hv)
         with torch.cuda.stream(self.h2d):
             matrices = hm.to(self.device, non_blocking=True)
@@ -93,8 +95,8 @@ class SwarmLink:
             matrices, vectors = self.mx.fetch(u)
         else:
             lay = self.layouts[u]
-            matrices = torch.empty(lay.n_big, dtype=self.stream_dtype)
-            vectors = torch.empty(lay.n_small, dtype=torch.float32)
+            matrices = torch.empty(lay.n_matrices, dtype=self.stream_dtype)
+            vectors = torch.empty(lay.n_vectors, dtype=torch.float32)
         for t in (matrices, vectors):
             if t.numel():
                 dist.broadcast(t, 0, group=self.cluster.g_weights)
@@ -119,7 +121,7 @@ class SwarmLink:
     def push_zeros(self, u: int) -> Future:
         """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank)."""
         lay = self.layouts[u]
-        return self.push(u, torch.zeros(lay.n_big), torch.zeros(lay.n_small))
+        return self.push(u, torch.zeros(lay.n_matrices), torch.zeros(lay.n_vectors))
 
     def close(self) -> None:
         self._lane.close()

@@ -27,152 +27,26 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from waferscale.errors import CheckpointError, ConfigError
+from waferscale.runtime.lane import Lane, done_future
+from waferscale.runtime.layout import ParamEntry, UnitLayout, build_layouts
+from waferscale.runtime.loss_scale import LossScaler
 
-__all__ = ["MemoryX", "LossScaler", "ParamEntry", "UnitLayout", "build_layouts", "Lane", "STATE_SLOTS"]
+__all__ = ["MemoryX", "STATE_SLOTS"]
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
 STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1, "Lion": 1,
                "Lamb": 2}
-
-
-# ---- a worker thread with futures (daemon: a hung collective never blocks interpreter exit) ---------------
-
-class Lane:
-    """One daemon thread running submitted callables in order; `submit` returns a Future."""
-
-    def __init__(self, name: str) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to whoever waits on the future
-                fut.set_exception(e)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def close(self, timeout: float | None = 10.0) -> None:
-        self._q.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-
-def done_future(value: Any = None) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
-# ---- layout -------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamEntry:
-    """One parameter as a unit streams it. `local` is its name inside the unit module (for functional_call)."""
-
-    local: str
-    name: str  # the model's state-dict name of the owner (the first name of a tied weight)
-    shape: tuple[int, ...]
-    numel: int
-    half: bool  # ndim >= 2: streams in the half dtype under mixed precision; vectors stream in fp32
-    owner: int  # unit that stores it
-    offset: int  # in the owner's flat buffers
-    payload_offset: int  # in this unit's payload ("big" region if half else "small")
-    global_index: int  # index in the resident optimizer's state dict (decay group first, as param_groups)
-    param_order: int  # position in model.parameters() (clip_grad_norm_'s summation order)
-
-
-@dataclass
-class UnitLayout:
-    index: int
-    name: str  # "embed", "blocks.3", "head"
-    entries: list[ParamEntry] = field(default_factory=list)  # payload order: owned big, borrowed big, owned small, ...
-
-    @property
-    def owned(self) -> list[ParamEntry]:
-        return [e for e in self.entries if e.owner == self.index]
-
-    @property
-    def numel(self) -> int:  # stored here
-        return sum(e.numel for e in self.owned)
-
-    @property
-    def n_big(self) -> int:  # payload elements streamed in the half dtype
-        return sum(e.numel for e in self.entries if e.half)
-
-    @property
-    def n_small(self) -> int:
-        return sum(e.numel for e in self.entries if not e.half)
-
-    def payload_bytes(self, half_itemsize: int) -> int:
-        return self.n_big * half_itemsize + self.n_small * 4
-
-
-def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> list[UnitLayout]:
-    """Layouts of `units` (default `model.units()`), modules that together hold all of `model`'s parameters, in
-    execution order (submodules of `model`, or units split from its traced forward that share its parameter
-    objects); works on meta-device models (shapes only). A parameter is stored by the first unit that uses it
-    and named by its name in `model`."""
-    units = model.units() if units is None else units
-    mod_name = {id(m): n for n, m in model.named_modules()}
-    all_params = list(model.parameters())  # unique, in order
-    pname = {id(p): n for n, p in model.named_parameters()}
-    order = {id(p): i for i, p in enumerate(all_params)}
-    decay = [p for p in all_params if p.ndim >= 2]
-    no_decay = [p for p in all_params if p.ndim < 2]
-    gidx = {id(p): i for i, p in enumerate(decay)}
-    gidx.update({id(p): len(decay) + i for i, p in enumerate(no_decay)})
-    owner: dict[int, tuple[int, str, int]] = {}  # id(param) -> (unit, name, offset)
-    layouts = []
-    for u, mod in enumerate(units):
-        lay = UnitLayout(u, mod_name.get(id(mod)) or f"unit{u}")
-        named = list(mod.named_parameters())
-        offset = 0
-        owned_order = [(n, p) for n, p in named if id(p) not in owner and p.ndim >= 2] + \
-                      [(n, p) for n, p in named if id(p) not in owner and p.ndim < 2]
-        owned_ids = {id(p) for _, p in owned_order}
-        for n, p in owned_order:
-            if id(p) not in pname:
-                raise ValueError(f"unit {u}'s parameter {n} is not a parameter of the model")
-            owner[id(p)] = (u, pname[id(p)], offset)
-            offset += p.numel()
-        pay = {True: 0, False: 0}
-        for half in (True, False):
-            group = [(n, p) for n, p in named if (p.ndim >= 2) == half]
-            group = [x for x in group if id(x[1]) in owned_ids] + [x for x in group if id(x[1]) not in owned_ids]
-            for n, p in group:
-                ou, oname, ooff = owner[id(p)]
-                if ou > u:
-                    raise ValueError(f"{oname} is owned by a later unit; units must own what they first use")
-                lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), half, ou, ooff, pay[half],
-                                              gidx[id(p)], order[id(p)]))
-                pay[half] += p.numel()
-        layouts.append(lay)
-    return layouts
 
 
 # ---- storage: RAM tensors or memory-mapped files ----------------------------------------------------------
@@ -221,43 +95,6 @@ class _UnitStore:
 
     def flash_bytes(self) -> int:
         return sum(p.stat().st_size for p, _ in self._files.values())
-
-
-# ---- dynamic loss scaling (torch GradScaler's rule and state-dict keys) ------------------------------------
-
-class LossScaler:
-    """fp16 loss scale: halve on overflow (the step is skipped), double after `growth_interval` clean steps."""
-
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5) -> None:
-        self.scale = float(init_scale)
-        self.growth_interval = growth_interval
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.tracker = 0
-
-    @classmethod
-    def from_config(cls, loss_scaling_factor: float | str) -> "LossScaler":
-        dynamic = loss_scaling_factor == "dynamic"  # as ResidentExecutor's GradScaler
-        return cls(2.0 ** 16 if dynamic else float(loss_scaling_factor), 2000 if dynamic else 2 ** 31 - 1)
-
-    def update(self, found_inf: bool) -> None:
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.tracker = 0
-        else:
-            self.tracker += 1
-            if self.tracker == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.tracker = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.tracker}
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.scale = float(s["scale"])
-        self.tracker = int(s.get("_growth_tracker", 0))
 
 
 # ---- init that reproduces CausalLM.reset_parameters without materializing the model ------------------------
@@ -365,7 +202,7 @@ class MemoryX:
                         _init_like_reset(e.name, v, self.cfg.n_layer, self.cfg.init_std)
                     else:
                         v.copy_(skeleton[e.name].detach())
-            nb = sum(e.numel for e in lay.owned if e.half)
+            nb = sum(e.numel for e in lay.owned if e.matrix)
             groups = []
             # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
             for region, shape in ((slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))):
@@ -461,33 +298,33 @@ class MemoryX:
         self._adopted[u] = True
 
     # ---- streaming in ----
-    def fetch(self, u: int, out_big: Tensor | None = None, out_small: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Unit u's payload: (big, small) = matrices in the stream dtype, vectors in fp32, in payload order.
+    def fetch(self, u: int, out_matrices: Tensor | None = None, out_vectors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Unit u's payload: (matrices, vectors): the matrices in the stream dtype, vectors in fp32, in payload order.
         Waits for pending updates of u and of the owners of weights it borrows."""
         lay = self.layouts[u]
         for o in {u, *(e.owner for e in lay.entries)}:
             self._update_done[o].result()
-        big = out_big if out_big is not None else torch.empty(lay.n_big, dtype=self.stream_dtype)
-        small = out_small if out_small is not None else torch.empty(lay.n_small, dtype=torch.float32)
+        matrices = out_matrices if out_matrices is not None else torch.empty(lay.n_matrices, dtype=self.stream_dtype)
+        vectors = out_vectors if out_vectors is not None else torch.empty(lay.n_vectors, dtype=torch.float32)
         masters = {o: self.stores[o].open("param") for o in {e.owner for e in lay.entries}}
-        owned_big = sum(e.numel for e in lay.owned if e.half)
-        owned_small = lay.numel - owned_big
+        owned_matrices = sum(e.numel for e in lay.owned if e.matrix)
+        owned_vectors = lay.numel - owned_matrices
         with torch.no_grad():
-            if owned_big:  # one contiguous copy (and cast) for the owned matrices, one for the vectors
-                big[:owned_big].copy_(masters[u][:owned_big])
-            if owned_small:
-                small[:owned_small].copy_(masters[u][owned_big:owned_big + owned_small])
+            if owned_matrices:  # one contiguous copy (and cast) for the owned matrices, one for the vectors
+                matrices[:owned_matrices].copy_(masters[u][:owned_matrices])
+            if owned_vectors:
+                vectors[:owned_vectors].copy_(masters[u][owned_matrices:owned_matrices + owned_vectors])
             for e in lay.entries:
                 if e.owner != u:
-                    dst = big if e.half else small
+                    dst = matrices if e.matrix else vectors
                     dst[e.payload_offset:e.payload_offset + e.numel].copy_(masters[e.owner][e.offset:e.offset + e.numel])
             for e in lay.entries:
                 if e.name in self._masks:
-                    dst = big if e.half else small
+                    dst = matrices if e.matrix else vectors
                     dst[e.payload_offset:e.payload_offset + e.numel].mul_(self._masks[e.name].reshape(-1))
         with self._stats_lock:
-            self._stats["bytes_in"] += big.numel() * big.element_size() + small.numel() * 4
-        return big, small
+            self._stats["bytes_in"] += matrices.numel() * matrices.element_size() + vectors.numel() * 4
+        return matrices, vectors
 
     def fetch_view(self, u: int) -> tuple[Tensor, Tensor] | None:
         """Unit u's payload without a copy, where the payload is exactly its RAM-tier masters (fp32 streaming,
@@ -501,7 +338,7 @@ class MemoryX:
         master = store.open("param")
         with self._stats_lock:
             self._stats["bytes_in_place"] += lay.numel * 4
-        return master[:lay.n_big], master[lay.n_big:lay.numel]
+        return master[:lay.n_matrices], master[lay.n_matrices:lay.numel]
 
     # ---- a step ----
     def begin_step(self, lr: float) -> None:
@@ -511,20 +348,20 @@ class MemoryX:
         self._finite = True
         self._grad_futs = []
 
-    def push_grads(self, u: int, big: Tensor, small: Tensor) -> Future:
+    def push_grads(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
         """Hand over unit u's gradients (fp32, payload layout; host tensors MemoryX may keep until done).
         Asynchronous: accumulation (and, in the eager policy, the update) runs on MemoryX's lane."""
-        fut = self._lane.submit(self._accumulate, u, big, small, self._lr)
+        fut = self._lane.submit(self._accumulate, u, matrices, vectors, self._lr)
         self._grad_futs.append(fut)
         return fut
 
-    def _accumulate(self, u: int, big: Tensor, small: Tensor, lr: float) -> None:
+    def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float) -> None:
         t0 = time.perf_counter()
         lay = self.layouts[u]
         grads = {o: self.stores[o].open("grad") for o in {e.owner for e in lay.entries}}
         with torch.no_grad():
             for e in lay.entries:
-                src = (big if e.half else small)[e.payload_offset:e.payload_offset + e.numel]
+                src = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                 dst = grads[e.owner][e.offset:e.offset + e.numel]
                 if e.global_index in self._written:
                     dst.add_(src)
@@ -542,7 +379,7 @@ class MemoryX:
         del grads, own
         with self._stats_lock:
             self._stats["grad_writeback_s"] += time.perf_counter() - t0
-            self._stats["bytes_out"] += big.numel() * big.element_size() + small.numel() * small.element_size()
+            self._stats["bytes_out"] += matrices.numel() * matrices.element_size() + vectors.numel() * vectors.element_size()
         if self.policy == "eager":
             self._update(u, lr, 1.0, 1.0)
 
@@ -685,9 +522,9 @@ class MemoryX:
                 hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
             group_state = {p.ndim == 2: opt.state.get(p, {}) for p, _ in self._groups[u]}  # matrices: (1, n)
             for e in lay.owned:
-                members["decay" if e.half else "no_decay"].append(e.global_index)
+                members["decay" if e.matrix else "no_decay"].append(e.global_index)
                 st: dict[str, Any] = {}
-                for k, v in group_state.get(e.half, {}).items():
+                for k, v in group_state.get(e.matrix, {}).items():
                     if k in slots:
                         st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
                     elif v is not None:  # scalars (AdamW's "step") are per group here, per parameter there

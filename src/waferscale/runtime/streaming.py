@@ -27,7 +27,8 @@ from waferscale.models.layers import CausalLM, lm_loss
 from waferscale.runtime.engine import StreamingEngine, nbytes
 from waferscale.runtime.executor import Executor, StepResult
 from waferscale.runtime.links import LocalLink
-from waferscale.runtime.memoryx import MemoryX, UnitLayout
+from waferscale.runtime.layout import UnitLayout
+from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.trace import Tracer
 from waferscale.util.dtypes import half_dtype as torch_half_dtype
 
@@ -102,7 +103,7 @@ class MemoryPlan:
 def _saved_bytes_meta(unit: nn.Module, lay: UnitLayout, x: Tensor, half: torch.dtype | None,
                       device_type: str, loss_target: Tensor | None) -> int:
     """Bytes autograd saves running `unit` once (meta tensors: shapes only), weights excluded."""
-    weights = {e.local: torch.empty(e.shape, device="meta", dtype=(half if (half and e.half) else torch.float32),
+    weights = {e.local: torch.empty(e.shape, device="meta", dtype=(half if (half and e.matrix) else torch.float32),
                                     requires_grad=True) for e in lay.entries}
     wids = {id(w) for w in weights.values()}
     weights.update({n: b.to("meta") for n, b in unit.named_buffers()})
@@ -132,7 +133,7 @@ def plan_device_memory(skeleton: CausalLM, layouts: list[UnitLayout], *, batch: 
     pay = [lay.payload_bytes(hb) for lay in layouts]
     order = list(range(n)) + list(range(n - 2, -1, -1))
     weights = max(pay[a] + pay[b] for a, b in zip(order, order[1:])) if n > 1 else pay[0]
-    gbytes = [4 * (lay.n_big + lay.n_small) for lay in layouts]
+    gbytes = [4 * (lay.n_matrices + lay.n_vectors) for lay in layouts]
     grads = max(gbytes[a] + gbytes[b] for a, b in zip(order[::-1], order[::-1][1:])) if n > 1 else gbytes[0]
     C = skeleton.config.d_model
     act = batch * seq_len * C * 4

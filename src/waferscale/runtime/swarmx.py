@@ -42,7 +42,9 @@ from waferscale.errors import ConfigError
 from waferscale.runtime.cluster import Cluster, connect, fault_hook, launch, under_torchrun
 from waferscale.runtime.executor import StepResult
 from waferscale.runtime.links import SwarmLink
-from waferscale.runtime.memoryx import Lane, MemoryX, build_layouts
+from waferscale.runtime.lane import Lane
+from waferscale.runtime.layout import build_layouts
+from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.streaming import MemoryXExecutor, StreamingExecutor, build_skeleton, lm_engine, \
     step_observability
 from waferscale.util.dtypes import half_dtype as torch_half_dtype

@@ -34,7 +34,8 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
                                        max_gradient_norm=optimizer.max_gradient_norm,
                                        loss_scaling_factor=optimizer.loss_scaling_factor)
     from waferscale.models.registry import META_THRESHOLD_PARAMS
-    from waferscale.runtime.memoryx import LossScaler, MemoryX
+    from waferscale.runtime.loss_scale import LossScaler
+    from waferscale.runtime.memoryx import MemoryX
     from waferscale.runtime.streaming import StreamingExecutor, build_skeleton
 
     ram = int(backend.memoryx_ram_mb * 2**20) if backend.memoryx_ram_mb is not None else None
