@@ -372,14 +372,27 @@ def _projection_for(s: ServerState, prompt_tokens: int, completion_tokens: int) 
 
 
 # ---- chat ---------------------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    s = _state(request)
-    t0, created = time.perf_counter(), time.time()
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
-    _check_model(s, req.model)
-    _check_bias(s, req)
+@dataclass
+class _ChatPlan:
+    """What a chat request asks of the engine: the rendered prompt's ids, the completion budget, the tools in
+    play (none when tool_choice is "none"), and the grammar that constrains the answer (None: free text)."""
 
+    prompt: list[int]
+    max_new: int
+    tools: list[st.ToolSpec]
+    tool_choice: Any  # "auto" | "required" | "none" | {"type": "function", "function": {"name": ...}}
+    grammar: Any = None
+    free_text: bool = False  # tools offered with "auto": the grammar allows plain text or a call
+
+    @property
+    def hold_all(self) -> bool:
+        """Constrained to tool calls: a stream sends them parsed, at the end."""
+        return bool(self.tools) and self.tool_choice != "auto"
+
+
+def _chat_plan(s: ServerState, req: ChatCompletionRequest) -> _ChatPlan:
+    """Request -> prompt (the chat template over the messages and tools) and grammar; APIError 400 for
+    messages the template cannot render, a prompt over the context, or a schema the grammar cannot take."""
     tools = [st.ToolSpec(t.function.name, t.function.description, t.function.parameters, bool(t.function.strict))
              for t in req.tools or []]
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -412,125 +425,148 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, str(e), param=e.param or gparam) from None
     except ValueError as e:
         raise APIError(400, f"invalid schema: {e}", param=gparam) from None
+    return _ChatPlan(prompt, max_new, active_tools, choice, grammar, free_text)
 
+
+def _chat_jobs(req: ChatCompletionRequest, plan: _ChatPlan) -> list[tuple[list[int], SamplingParams]]:
+    """One engine sequence per choice (`n`), each with its own grammar state and seed + i."""
     top = req.top_logprobs or 0
     jobs = []
     for i in range(req.n):
-        g = st.Grammar(grammar, max_tokens=max_new, free_text=free_text) if grammar is not None else None
-        jobs.append((prompt, _sampling(req, max_new, logprobs=req.logprobs, top_logprobs=top, seed_offset=i,
-                                       grammar=g)))
+        g = st.Grammar(plan.grammar, max_tokens=plan.max_new, free_text=plan.free_text) \
+            if plan.grammar is not None else None
+        jobs.append((plan.prompt, _sampling(req, plan.max_new, logprobs=req.logprobs, top_logprobs=top,
+                                            seed_offset=i, grammar=g)))
+    return jobs
+
+
+def _chat_message(req: ChatCompletionRequest, plan: _ChatPlan, c: _Choice) -> tuple[dict[str, Any], str]:
+    """The final assistant message of a choice, tool calls parsed out, and its finish reason."""
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = c.finish_reason or "stop"
+    if plan.tools:
+        content, calls = st.parse_tool_calls(c.text, plan.tools)
+        if calls:
+            msg["content"], msg["tool_calls"] = content, calls if req.parallel_tool_calls else calls[:1]
+            if reason in ("stop", "length"):  # complete calls; an unfinished trailing block is dropped
+                reason = "tool_calls"
+    return msg, reason
+
+
+def _chat_logprobs(req: ChatCompletionRequest, entries: list[dict]) -> dict[str, Any] | None:
+    top = req.top_logprobs or 0
+    return {"content": [_chat_logprob(e, top) for e in entries]} if req.logprobs else None
+
+
+def _with_totals(s: ServerState, fan: _FanOut, created: float, body: dict[str, Any]) -> dict[str, Any]:
+    """body + usage, time_info and (with --target) the wafer projection of this answer."""
+    u, ti = fan.totals(created)
+    body.update(usage=u, time_info=ti)
+    proj = _projection_for(s, u["prompt_tokens"], u["completion_tokens"])
+    if proj:
+        body["wafer_projection"] = proj
+    return body
+
+
+async def _replay(first: list, it: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """The events `_first_event` already took, then the rest."""
+    for ev in first:
+        yield ev
+    async for ev in it:
+        yield ev
+
+
+async def _chat_response(request: Request, s: ServerState, req: ChatCompletionRequest, plan: _ChatPlan,
+                         fan: _FanOut, it: AsyncIterator, base: dict[str, Any], created: float) -> JSONResponse:
+    """The non-streaming answer: every choice run to completion, one chat.completion object."""
+    await _drain(request, fan, it)
+    choices = []
+    for c in fan.choices:
+        msg, reason = _chat_message(req, plan, c)
+        choices.append({"index": c.index, "message": msg, "finish_reason": reason,
+                        "logprobs": _chat_logprobs(req, c.logprobs)})
+    return JSONResponse(_with_totals(s, fan, created, {**base, "object": "chat.completion", "choices": choices}))
+
+
+async def _chat_stream(s: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, fan: _FanOut, first: list,
+                       it: AsyncIterator, base: dict[str, Any], created: float) -> AsyncIterator[str]:
+    """The streaming answer as SSE chunks: a role chunk per choice, then text deltas as they come. A reply that
+    is (or, with tools on "auto", starts like) a tool call is held and sent parsed when its choice finishes.
+    Usage goes on the last choice's final chunk, or with stream_options.include_usage on a chunk of its own."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    chunk = {**base, "object": "chat.completion.chunk"}
+    mode = ["hold" if plan.hold_all else ("probe" if plan.tools else "text") for _ in fan.choices]
+    sent = [0] * len(fan.choices)  # characters of c.text already sent
+    lp_sent = [0] * len(fan.choices)
+    for c in fan.choices:
+        yield _sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+    try:
+        async for i, out in _replay(first, it):
+            c = fan.choices[i]
+            if mode[i] == "probe":  # tools offered, auto: a reply starting with '<' is a tool call
+                head = c.text.lstrip()
+                if head:
+                    mode[i] = "hold" if head.startswith("<") else "text"
+            delta: dict[str, Any] = {}
+            if mode[i] == "text" and len(c.text) > sent[i]:
+                delta["content"] = c.text[sent[i]:]
+                sent[i] = len(c.text)
+            logprobs = None
+            if req.logprobs and len(c.logprobs) > lp_sent[i] and mode[i] == "text":
+                logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
+                lp_sent[i] = len(c.logprobs)
+            reason = None
+            if out.finished:
+                msg, reason = _chat_message(req, plan, c)
+                if mode[i] != "text":
+                    if msg.get("tool_calls"):
+                        calls = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+                        if msg.get("content"):
+                            yield _sse({**chunk, "choices": [{"index": i, "delta": {"content": msg["content"]},
+                                                              "logprobs": None, "finish_reason": None}]})
+                        delta["tool_calls"] = calls
+                    elif c.text[sent[i]:]:
+                        delta["content"] = c.text[sent[i]:]
+                    sent[i] = len(c.text)
+                    if req.logprobs and len(c.logprobs) > lp_sent[i]:
+                        logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
+            if delta or reason or logprobs:
+                last = {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": reason}]}
+                if reason and all(x.finish_reason for x in fan.choices) and not include_usage:
+                    _with_totals(s, fan, created, last)
+                yield _sse(last)
+        if include_usage:
+            yield _sse(_with_totals(s, fan, created, {**chunk, "choices": []}))
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # headers are gone: report in-band, as OpenAI does
+        err = _engine_error(e)
+        yield _sse(err.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await fan.close()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    s = _state(request)
+    t0, created = time.perf_counter(), time.time()
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
+    _check_model(s, req.model)
+    _check_bias(s, req)
+    plan = _chat_plan(s, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    fan = _FanOut(s, rid, jobs, t0)
+    fan = _FanOut(s, rid, _chat_jobs(req, plan), t0)
     fan.n_per_prompt = req.n
     base = {"id": rid, "created": int(created), "model": s.model_id, "system_fingerprint": s.fingerprint}
-
-    def finish(c: _Choice) -> tuple[dict[str, Any], str]:
-        """The final assistant message of a choice, tool calls parsed out."""
-        msg: dict[str, Any] = {"role": "assistant", "content": c.text}
-        reason = c.finish_reason or "stop"
-        if active_tools:
-            content, calls = st.parse_tool_calls(c.text, active_tools)
-            if calls:
-                msg["content"], msg["tool_calls"] = content, calls if req.parallel_tool_calls else calls[:1]
-                if reason in ("stop", "length"):  # complete calls; an unfinished trailing block is dropped
-                    reason = "tool_calls"
-        return msg, reason
-
-    def lp(entries: list[dict]) -> dict[str, Any] | None:
-        return {"content": [_chat_logprob(e, top) for e in entries]} if req.logprobs else None
-
-    it, pending = await _first_event(fan)
-
+    it, first = await _first_event(fan)
     if not req.stream:
-        await _drain(request, fan, it)
-        u, ti = fan.totals(created)
-        choices = []
-        for c in fan.choices:
-            msg, reason = finish(c)
-            choices.append({"index": c.index, "message": msg, "finish_reason": reason, "logprobs": lp(c.logprobs)})
-        body = {**base, "object": "chat.completion", "choices": choices, "usage": u, "time_info": ti}
-        proj = _projection_for(s, u["prompt_tokens"], u["completion_tokens"])
-        if proj:
-            body["wafer_projection"] = proj
-        return JSONResponse(body)
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    hold_all = bool(active_tools) and choice != "auto"  # constrained to tool calls: send them parsed at the end
-
-    async def stream() -> AsyncIterator[str]:
-        chunk = {**base, "object": "chat.completion.chunk"}
-        mode = ["hold" if hold_all else ("probe" if active_tools else "text") for _ in fan.choices]
-        sent = [0] * len(fan.choices)  # characters of c.text already sent
-        lp_sent = [0] * len(fan.choices)
-        for c in fan.choices:
-            yield _sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
-        last: dict[str, Any] | None = None
-
-        async def events() -> AsyncIterator[tuple[int, Any]]:
-            for ev in pending:
-                yield ev
-            async for ev in it:
-                yield ev
-
-        try:
-            async for i, out in events():
-                c = fan.choices[i]
-                if mode[i] == "probe":  # tools offered, auto: a reply starting with '<' is a tool call
-                    head = c.text.lstrip()
-                    if head:
-                        mode[i] = "hold" if head.startswith("<") else "text"
-                delta: dict[str, Any] = {}
-                if mode[i] == "text" and len(c.text) > sent[i]:
-                    delta["content"] = c.text[sent[i]:]
-                    sent[i] = len(c.text)
-                logprobs = None
-                if req.logprobs and len(c.logprobs) > lp_sent[i] and mode[i] == "text":
-                    logprobs = lp(c.logprobs[lp_sent[i]:])
-                    lp_sent[i] = len(c.logprobs)
-                reason = None
-                if out.finished:
-                    msg, reason = finish(c)
-                    if mode[i] != "text":
-                        if msg.get("tool_calls"):
-                            calls = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
-                            if msg.get("content"):
-                                yield _sse({**chunk, "choices": [{"index": i, "delta": {"content": msg["content"]},
-                                                                  "logprobs": None, "finish_reason": None}]})
-                            delta["tool_calls"] = calls
-                        elif c.text[sent[i]:]:
-                            delta["content"] = c.text[sent[i]:]
-                        sent[i] = len(c.text)
-                        if req.logprobs and len(c.logprobs) > lp_sent[i]:
-                            logprobs = lp(c.logprobs[lp_sent[i]:])
-                if delta or reason or logprobs:
-                    last = {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                  "finish_reason": reason}]}
-                    if reason and all(x.finish_reason for x in fan.choices) and not include_usage:
-                        u, ti = fan.totals(created)
-                        last.update(usage=u, time_info=ti)
-                        proj = _projection_for(s, u["prompt_tokens"], u["completion_tokens"])
-                        if proj:
-                            last["wafer_projection"] = proj
-                    yield _sse(last)
-            if include_usage:
-                u, ti = fan.totals(created)
-                end = {**chunk, "choices": [], "usage": u, "time_info": ti}
-                proj = _projection_for(s, u["prompt_tokens"], u["completion_tokens"])
-                if proj:
-                    end["wafer_projection"] = proj
-                yield _sse(end)
-            yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # headers are gone: report in-band, as OpenAI does
-            err = _engine_error(e)
-            yield _sse(err.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            await fan.close()
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
+        return await _chat_response(request, s, req, plan, fan, it, base, created)
+    return StreamingResponse(_chat_stream(s, req, plan, fan, first, it, base, created),
+                             media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
@@ -603,15 +639,10 @@ async def completions(request: Request) -> Response:
 
     if not req.stream:
         await _drain(request, fan, it)
-        u, ti = fan.totals(created)
         choices = [{"index": c.index, "text": echo[c.index // req.n] + c.text, "finish_reason": c.finish_reason,
                     "logprobs": _legacy_logprobs(c.logprobs, k, len(echo[c.index // req.n])) if k is not None
                     else None} for c in fan.choices]
-        body = {**base, "choices": choices, "usage": u, "time_info": ti}
-        proj = _projection_for(s, u["prompt_tokens"], u["completion_tokens"])
-        if proj:
-            body["wafer_projection"] = proj
-        return JSONResponse(body)
+        return JSONResponse(_with_totals(s, fan, created, {**base, "choices": choices}))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -622,15 +653,8 @@ async def completions(request: Request) -> Response:
             for c in fan.choices:
                 yield _sse({**base, "choices": [{"index": c.index, "text": echo[c.index // req.n],
                                                  "logprobs": None, "finish_reason": None}]})
-
-        async def events() -> AsyncIterator[tuple[int, Any]]:
-            for ev in pending:
-                yield ev
-            async for ev in it:
-                yield ev
-
         try:
-            async for i, out in events():
+            async for i, out in _replay(pending, it):
                 c = fan.choices[i]
                 piece = c.text[sent[i]:]
                 sent[i] = len(c.text)
