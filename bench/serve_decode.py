@@ -27,8 +27,9 @@ import time
 
 import torch
 
+from waferscale.data import load_tokenizer
 from waferscale.models.hf import config_to_hf, state_dict_to_hf
-from waferscale.models.pretrained import load_pretrained, pretrained_tokenizer
+from waferscale.models.pretrained import load_pretrained
 from waferscale.serve.engine import Engine, SamplingParams
 from waferscale.serve.kernels import hugepage_tensor
 
@@ -142,7 +143,7 @@ def main() -> None:
           f"load average at start {loads[0]:.2f} (other processes share these cores)")
 
     model = load_pretrained(MODEL).to(dtype)
-    tok = pretrained_tokenizer(MODEL)
+    tok = load_tokenizer(MODEL)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied head counted once
     n = a.new_tokens

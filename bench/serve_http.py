@@ -171,9 +171,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args()
 
-    from waferscale.models.pretrained import pretrained_tokenizer
+    from waferscale.data import load_tokenizer
 
-    tok = pretrained_tokenizer(a.model)
+    tok = load_tokenizer(a.model)
     ps = prompts(tok, a.users)
     print(f"serve_http: {a.model} float32, {a.users} users x {a.new_tokens} new tokens (greedy, ignore_eos), "
           f"prompts {min(map(len, ps))}-{max(map(len, ps))} tokens, {a.threads} threads", flush=True)

@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_decode import MODEL, QUESTION, copy_bandwidth, ours_generate  # noqa: E402
 
 from waferscale.models.gguf import load_gguf  # noqa: E402
-from waferscale.models.pretrained import load_pretrained, pretrained_tokenizer  # noqa: E402
+from waferscale.data import load_tokenizer  # noqa: E402
+from waferscale.models.pretrained import load_pretrained  # noqa: E402
 from waferscale.serve.engine import Engine  # noqa: E402
 
 WHEELS = "~/.cache/waferscale/wheels"
@@ -229,7 +230,7 @@ def main() -> None:
 
     src = source_gguf()
     model = load_pretrained(MODEL).to(dtype)
-    tok = pretrained_tokenizer(MODEL)
+    tok = load_tokenizer(MODEL)
     text = tok.apply_chat_template([{"role": "user", "content": QUESTION}])
     prompt = tok.encode(text)
     n = a.new_tokens

@@ -30,12 +30,12 @@ def tiny_model_dir(root: Path) -> Path:
 
     from waferscale.models import ModelConfig, build
     from waferscale.models.hf import save_hf_dir
-    from waferscale.models.pretrained import pretrained_tokenizer
+    from waferscale.data import load_tokenizer
 
     out = root / "tiny-chat"
     if (out / "config.json").is_file():
         return out
-    tok = pretrained_tokenizer("smollm2-135m-instruct")
+    tok = load_tokenizer("smollm2-135m-instruct")
     cfg = ModelConfig(name="tiny-chat", family="llama", vocab_size=49152, n_layer=2, n_head=4, n_kv_head=2,
                       d_model=64, d_ff=128, max_seq_len=512, norm="rmsnorm", activation="swiglu", position="rotary",
                       attn_bias=False, mlp_bias=False, tie_embeddings=True)

