@@ -10,9 +10,9 @@ C kernels they (and the tokens of short prefill chunks) attend over the paged ca
 The runner reuses each block's own norm and activation modules; its projections are fused (q|k|v in one
 matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels
 of serve/kernels.py over weights packed in panels, in one huge-page arena in the order they are read, shared
-by `decode_threads` threads: at memory speed for one row, ~180 GFLOP/s over 2 cores for a 16-sequence decode
-batch, at or above MKL for prefill. Decode rows' rope, KV write and attention run in one C call over the
-paged cache (`kernels.decode_attention_batch`), with no gather; prefill chunks use SDPA. Single-stream decode
+by `decode_threads` threads (how fast: README's Serving section, bench/serve_decode.py, bench/serve_http.py).
+Decode rows' rope, KV write and attention run in one C call over the paged cache
+(`kernels.decode_attention_batch`), with no gather; prefill chunks use SDPA. Single-stream decode
 (one token of one sequence whose KV sits in consecutive slots, the common case) runs every layer in one C
 call (`kernels.DecodeStack`); the per-op path stays the reference. Without a C compiler, the projections use
 MKL (its packed single-row GEMM for one row). A runner covers a contiguous range of layers, so a pipeline
