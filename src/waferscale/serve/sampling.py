@@ -1,5 +1,6 @@
 """Per-request sampling: penalties, logit bias, the structured-output hook, temperature / top-k / top-p with a
-per-request `torch.Generator`, logprobs; and the incremental detokenizer that withholds stop strings.
+per-request `torch.Generator`, logprobs; and the incremental detokenizer that withholds stop strings. The one
+home of sampling: `wsc serve` and `wsc generate` (serve/llm.py) both draw through `RequestSampler`.
 
 A request's random stream is its own generator (seeded from `seed`, else from the OS), drawn only for that
 request's rows, so a seeded request samples the same tokens whatever else shares the batch.
@@ -20,7 +21,7 @@ from waferscale.serve import kernels
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (argmax)
+GREEDY_BELOW = 1e-5  # the one greedy rule: temperature 0 (as vLLM, anything below 1e-5) takes the argmax
 
 
 @dataclass
