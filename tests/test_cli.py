@@ -107,6 +107,22 @@ def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", str(tmp_path), "--prompt", "x"), "--checkpoint")
 
 
+def test_server_module_is_wsc_serve() -> None:
+    """One argparse: `python -m waferscale.serve.server` is `wsc serve` (same flags, same bad-input rule)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "waferscale.serve.server", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout == wsc("serve", "--help").stdout
+    for flag in ("--model", "--host", "--port", "--api-key", "--stages", "--target", "--systems", "--max-num-seqs"):
+        assert flag in r.stdout, flag
+    _assert_user_error(wsc("serve", "--max-num-seqs", "0"), "--max-num-seqs")
+
+
 @pytest.mark.skipif(not have_smollm2(), reason="needs the smollm2 asset's tokenizer")
 def test_generate_checkpoint_takes_a_hf_dir(tmp_path: Path) -> None:
     hf = tiny_model_dir(tmp_path)
