@@ -138,7 +138,7 @@ def test_imports_point_one_way() -> None:
                 other = _part(target)
                 if other != part and other not in allowed:
                     bad.append(f"{_where(module, line)} -> {target}  ({part} may not import {other})")
-    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+    assert not bad, "imports against the layer order:\n" + "\n".join(dict.fromkeys(bad))
 
 
 def test_third_party_imports() -> None:
@@ -153,7 +153,7 @@ def test_third_party_imports() -> None:
             if top and top != "waferscale" and top not in stdlib and top not in allowed:
                 bad.append(f"{_where(module, line)} -> {target}  ({_part(module)} may use only "
                            f"{sorted(allowed) or 'the standard library'})")
-    assert not bad, "third-party imports against the rules:\n" + "\n".join(bad)
+    assert not bad, "third-party imports against the rules:\n" + "\n".join(dict.fromkeys(bad))
 
 
 def _loads(graph: dict[str, list[tuple[int, str, bool, bool]]], start: str) -> dict[str, list[str]]:
