@@ -1,0 +1,87 @@
+"""`CharTokenizer`: one id per character, for tiny experiments (vocabulary = the characters of the text)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from waferscale.data.tokenizer.base import Tokenizer
+from waferscale.errors import DataError
+
+__all__ = ["CharTokenizer"]
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character; the vocabulary is the sorted set of characters seen in the training text."""
+
+    def __init__(self, chars: list[str] | str):
+        chars = list(chars)
+        if not chars:
+            raise DataError("character tokenizer needs a non-empty vocabulary (got no characters)")
+        if any(len(c) != 1 for c in chars):
+            raise DataError("character tokenizer vocabulary must hold single characters")
+        if len(set(chars)) != len(chars):
+            raise DataError("character tokenizer vocabulary has duplicate characters")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        # Vectorized encode: code point -> id lookup table (-1 for unknown).
+        cps = np.array([ord(c) for c in chars], dtype=np.int64)
+        self._lut = np.full(int(cps.max()) + 1, -1, dtype=np.int64)
+        self._lut[cps] = np.arange(len(chars))
+        self._itos = np.array(chars, dtype=object)
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        if not text:
+            raise DataError("cannot build a character tokenizer from empty text")
+        return cls(sorted(set(text)))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Ids as an int64 array of shape (len(text),)."""
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        ids = np.full(cps.shape, -1, dtype=np.int64)
+        known = cps < len(self._lut)
+        ids[known] = self._lut[cps[known]]
+        if (ids < 0).any():
+            pos = int(np.argmax(ids < 0))
+            ch = text[pos]
+            raise DataError(
+                f"character {ch!r} (U+{ord(ch):04X}) at position {pos} is not in the character tokenizer's "
+                f"vocabulary of {self.vocab_size} characters; build the tokenizer from text that includes it"
+            )
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        out = []
+        for n, t in enumerate(texts):
+            try:
+                out.append(self.encode(t))
+            except DataError as e:
+                raise DataError(f"text {n} of the batch: {e}") from None
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        n = self.vocab_size
+        return "".join(self.chars[i] for i in map(int, ids) if 0 <= i < n)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.chars[token_id] if 0 <= token_id < self.vocab_size else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.stoi.get(token)
+
+    def _tokenizer_json(self) -> str:
+        return json.dumps({"type": "char", "version": 1, "vocab": self.chars}, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "<json>") -> CharTokenizer:
+        vocab = data.get("vocab")
+        if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
+            raise DataError(f"{source}: a char tokenizer file needs 'vocab': a list of single characters")
+        return cls(vocab)
+

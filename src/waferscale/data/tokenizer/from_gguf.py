@@ -1,0 +1,147 @@
+"""`tokenizer_from_gguf`: the byte-level BPE tokenizer that llama.cpp embeds in a GGUF file
+(`tokenizer.ggml.*` metadata), rebuilt as an `HFTokenizer`, so the real SmolLM2 model needs no hub access.
+
+The metadata is read with the `gguf` library through `waferscale.util.gguf` (shared with the model loader).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from waferscale.data.tokenizer.hf import HFTokenizer
+from waferscale.errors import DataError
+from waferscale.util.gguf import gguf_metadata
+
+__all__ = ["read_gguf_metadata", "tokenizer_from_gguf"]
+
+# llama.cpp token types (gguf.TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` values -> pre-tokenizer family, as grouped in llama.cpp's llama-vocab.cpp.
+_PRE_FAMILIES = {
+    "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
+    # StarCoder family: every digit is its own pre-token, then the GPT-2 regex (HF: Digits + ByteLevel).
+    "smollm": "starcoder", "starcoder": "starcoder", "refact": "starcoder", "codeshell": "starcoder",
+    "command-r": "starcoder", "exaone": "starcoder", "minerva-7b": "starcoder",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "smaug-bpe": "llama3", "falcon3": "llama3",
+    "qwen2": "qwen2", "stablelm2": "qwen2",
+}
+
+
+def _pre_tokenizer(pre: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    family = _PRE_FAMILIES.get(pre)
+    if family is None:
+        raise DataError(
+            f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_FAMILIES))}"
+        )
+    if family == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if family == "starcoder":
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    regex = _LLAMA3_REGEX if family == "llama3" else _QWEN2_REGEX
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def tokenizer_from_gguf(path: Path | str) -> HFTokenizer:
+    """Build the GPT-2-style byte-level BPE tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
+
+    CONTROL and USER_DEFINED tokens become added tokens, so "<|im_start|>" in text encodes as one id. The
+    pre-tokenizer follows `tokenizer.ggml.pre` (SmolLM2: "smollm" = single digits + GPT-2 regex). Results are
+    cached per (path, size, mtime): opening a GGUF file indexes its whole vocabulary, which takes seconds.
+    """
+    path = Path(path).expanduser().resolve()
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise DataError(f"cannot read GGUF file {path}: {e.strerror}") from e
+    return _tokenizer_from_gguf_cached(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokenizer:
+    from tokenizers import AddedToken, decoders, models, processors
+    from tokenizers import Tokenizer as _TK
+
+    metadata = gguf_metadata(path, error=DataError)
+
+    def field(name: str, default: Any = None, required: bool = False) -> Any:
+        if name not in metadata:
+            if required:
+                raise DataError(f"{path}: GGUF metadata lacks {name!r}; it carries no usable tokenizer")
+            return default
+        return metadata[name]
+
+    model = field("tokenizer.ggml.model", required=True)
+    if model != "gpt2":
+        raise DataError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "export a tokenizer.json with Hugging Face tokenizers and pass its path instead"
+        )
+    tokens: list[str] = field("tokenizer.ggml.tokens", required=True)
+    merges_raw: list[str] = field("tokenizer.ggml.merges", required=True)
+    types: list[int] = field("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise DataError(f"{path}: {len(tokens)} tokens but {len(types)} token types in GGUF metadata")
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise DataError(f"{path}: GGUF vocabulary has duplicate tokens")
+    merges = []
+    for m in merges_raw:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise DataError(f"{path}: malformed BPE merge {m!r} in GGUF metadata")
+        merges.append((a, b))
+
+    tk = _TK(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    added = [
+        AddedToken(tokens[i], special=(t == _CONTROL), normalized=False)
+        for i, t in enumerate(types)
+        if t in (_CONTROL, _USER_DEFINED)
+    ]
+    tk.add_special_tokens([a for a in added if a.special])
+    tk.add_tokens([a for a in added if not a.special])
+    if tk.get_vocab_size(with_added_tokens=True) != len(tokens):
+        n = tk.get_vocab_size(with_added_tokens=True)
+        raise DataError(f"{path}: rebuilt tokenizer has {n} tokens, GGUF lists {len(tokens)}")
+
+    eos_id = field("tokenizer.ggml.eos_token_id")
+    bos_id = field("tokenizer.ggml.bos_token_id")
+    return HFTokenizer(
+        tk,
+        eos_id=None if eos_id is None else int(eos_id),
+        bos_id=None if bos_id is None else int(bos_id),
+        chat_template=field("tokenizer.chat_template"),
+    )
+
+
+def read_gguf_metadata(path: Path | str) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file as Python values (arrays as lists), read with the `gguf` library
+    (`waferscale.util.gguf`); DataError naming the file if it is not readable GGUF."""
+    return dict(gguf_metadata(path, error=DataError))
+
