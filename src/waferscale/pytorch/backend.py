@@ -53,7 +53,7 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
     """Create (and make current) a backend; `backend()` with no type returns the current one.
 
     With num_csx > 1 the script runs once per system (see `waferscale.pytorch.distributed`), unless
-    `spawn_script_copies=False`: then only fused steps (`compile_lm_step`) run there, in their own workers."""
+    `spawn_script_copies=False`: then only fused steps (the zoo's `compile_lm_step`) run there, in their own workers."""
     global _current
     if backend_type is None:
         if _current is None:
