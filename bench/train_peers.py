@@ -262,9 +262,9 @@ def worker(a: argparse.Namespace) -> None:
         if isinstance(e, ModuleNotFoundError) and e.name == "deepspeed":
             res["error"] += " (pip install deepspeed)"
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res))
-    tmp.rename(out)
+    from waferscale.util.files import atomic_write_json
+
+    atomic_write_json(out, res)
     sys.stdout.flush()
     if a.worker in ("ours", "resident"):
         close()
