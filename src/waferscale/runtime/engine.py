@@ -320,28 +320,39 @@ class StreamingEngine:
             self._release(dev)
             del dev
 
-    # ---- the backward over units `us` (descending, below the last), every micro-batch ----
+    # ---- the backward over units `us` (descending), every micro-batch ----
     def _backward_units(self, us: Sequence[int], acts: list[list[Tensor]], graphs: dict, rng: dict,
-                        grad_out: list[Tensor | None]) -> None:
+                        grad_out: list[Tensor | None], fused: tuple[Sequence[Tensor], float, float] | None = None
+                        ) -> Tensor:
+        """`fused` = (targets, loss divisor, loss scale): the last unit computes the loss (its forward runs here
+        for the first time) and backpropagates it. Returns the sum of the micro-batch losses (0 if not fused)."""
         led = self.ledger
+        loss_sum = torch.zeros((), device=self.device)
         for u in us:
             dev = self._next_unit()
             t0 = time.perf_counter()
             acc_bytes = self._open_gradients(u)
             self._bwd_unit = dev
+            head = fused is not None and u == self.n - 1
             new_grad: list[Tensor | None] = [None] * len(grad_out)
             for m in range(len(grad_out)):
                 inp = acts[u][m]
-                if self.recompute:
+                if head or self.recompute:
                     leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
                     with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad(), \
                             rng_restored(rng.get((u, m)), self.device):
-                        out = self._run(u, dev, leaf, None)
+                        out = self._run(u, dev, leaf, fused[0][m] if head else None)
                     led.alloc("saved", sum(count.values()))
                 else:
                     leaf, out, count = graphs.pop((u, m))
                 with self._hooks():
-                    torch.autograd.backward(out, grad_out[m])
+                    if head:
+                        loss = out / fused[1]
+                        loss_sum += loss.detach()
+                        (loss * fused[2] if fused[2] != 1.0 else loss).backward()
+                        del loss
+                    else:
+                        torch.autograd.backward(out, grad_out[m])
                 led.free("saved", sum(count.values()))
                 del out
                 new_grad[m] = self._take_input_grad(u, leaf)
@@ -353,6 +364,7 @@ class StreamingEngine:
             self._push_gradients(u, acc_bytes)
             self._release(dev)
             del dev
+        return loss_sum
 
     def _take_input_grad(self, u: int, leaf: Tensor) -> Tensor | None:
         if u == 0 or leaf.grad is None:
@@ -376,45 +388,16 @@ class StreamingEngine:
              ) -> float:
         """Forward and backward over the units for (x, y) (B, T); gradients of sum(micro-batch losses /
         loss_divisor) * loss_scale are pushed to the link per unit. Returns the (unscaled) loss sum."""
-        n, led = self.n, self.ledger
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        xs, ys = list(x.split(micro_batch)), y.split(micro_batch)
+        xs = list(x.split(micro_batch))
         acts: list[list[Tensor]] = [xs]
-        led.alloc("activations", nbytes(x))
+        self.ledger.alloc("activations", nbytes(x))
         graphs: dict[tuple[int, int], Any] = {}
         rng: dict[tuple[int, int], Any] = {}
         self._start_fetches(self._schedule())
-        self._forward_units(n - 1, acts, graphs, rng)
-
-        # the last unit: its forward (with the loss) and backward together, micro-batch by micro-batch
-        u = n - 1
-        dev = self._next_unit()
-        t0 = time.perf_counter()
-        acc_bytes = self._open_gradients(u)
-        self._bwd_unit = dev
-        loss_sum = torch.zeros((), device=self.device)
-        grad_out: list[Tensor | None] = [None] * len(xs)
-        for m in range(len(xs)):
-            inp = acts[u][m]
-            leaf = inp.detach().requires_grad_(True) if u > 0 else inp
-            with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
-                loss = self._run(u, dev, leaf, ys[m]) / loss_divisor
-            led.alloc("saved", sum(count.values()))
-            loss_sum += loss.detach()
-            with self._hooks():
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            led.free("saved", sum(count.values()))
-            del loss
-            grad_out[m] = self._take_input_grad(u, leaf)
-            del leaf
-            led.free("activations", nbytes(acts[u][m]))
-            acts[u][m] = None  # type: ignore[call-overload]
-        self._bwd_unit = None
-        self._span("main", f"backward unit {u}", t0)
-        self._push_gradients(u, acc_bytes)
-        self._release(dev)
-        del dev
-        self._backward_units(range(n - 2, -1, -1), acts, graphs, rng, grad_out)
+        self._forward_units(self.n - 1, acts, graphs, rng)
+        loss_sum = self._backward_units(range(self.n - 1, -1, -1), acts, graphs, rng, [None] * len(xs),
+                                        (y.split(micro_batch), loss_divisor, loss_scale))
         return float(loss_sum)
 
     # ---- the cstorch path: the caller computes the loss from the last unit's output ----

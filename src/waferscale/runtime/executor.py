@@ -1,6 +1,6 @@
 """The runtime interface: an Executor runs one training step of a model on the hardware at hand.
 
-The trainer (runtime/trainer.py) owns the loop (schedule -> execute -> update) and never looks inside an
+The zoo runner (zoo/runner.py) owns the loop (schedule -> execute -> update) and never looks inside an
 executor. `ResidentExecutor` keeps the whole model, its gradients and optimizer state on the device; the
 weight-streaming executor implements the same interface with weights held in MemoryX.
 """

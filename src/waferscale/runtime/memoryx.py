@@ -149,7 +149,7 @@ class MemoryX:
                  loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
         here as `reset_parameters` would, unit by unit); any other nn.Module with CPU weights and its `units`.
-        optimizer: the params YAML's OptimizerParams."""
+        optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters)."""
         from waferscale.runtime.optim import build_optimizer
 
         if optimizer.optimizer_type == "Lamb":
