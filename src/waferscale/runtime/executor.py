@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from waferscale.models.layers import CausalLM, lm_loss
-
-HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "cbfloat16": torch.bfloat16}
+from waferscale.util.dtypes import half_dtype as torch_half_dtype
 
 
 @dataclass
@@ -95,7 +94,7 @@ class ResidentExecutor(Executor):
         self.model = model
         self.optimizer = optimizer
         self.device = device
-        self.half = HALF_DTYPES[half_dtype] if half_dtype else None
+        self.half = torch_half_dtype(half_dtype)
         self.micro_batch_size = micro_batch_size
         self.max_gradient_norm = max_gradient_norm
         self.scaler: torch.amp.GradScaler | None = None
