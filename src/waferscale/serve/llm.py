@@ -33,7 +33,8 @@ class Completion:
 
 
 class LLM:
-    """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size).
+    """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size); load them with
+    runtime/generation.py's `load_for_generation` (a zoo or asset name, a HF directory, a .gguf, a checkpoint).
 
     max_num_seqs: sequences decoded together. max_model_len: prompt + generated tokens a sequence may reach
     (None: the model's context); with `max_num_seqs` it sizes the KV cache (blocks for that many sequences of
@@ -49,20 +50,7 @@ class LLM:
         self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, **engine_kw)
         self.tokenizer = tokenizer
         self.max_model_len = ctx
-        self.note: str | None = None  # what the loader wants the user to know (e.g. random weights)
         self._ids = itertools.count()
-
-    @classmethod
-    def load(cls, *, model: str | None = None, checkpoint: str | None = None, tokenizer: str | None = None,
-             device: str = "auto", **kw: Any) -> LLM:
-        """From a zoo or asset name, a HF directory or .gguf (`model`), or a checkpoint (`checkpoint`: a
-        `wsc run` model_dir or checkpoint_*.json, a HF directory or a .gguf): see runtime/generation.py."""
-        from waferscale.runtime.generation import load_for_generation
-
-        m, tok, note = load_for_generation(model=model, checkpoint=checkpoint, tokenizer=tokenizer, device=device)
-        llm = cls(m, tok, **kw)
-        llm.note = note
-        return llm
 
     def _prompt_ids(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """Token ids, and params whose max_tokens is cut to what the context leaves after the prompt."""
