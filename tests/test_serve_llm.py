@@ -12,16 +12,21 @@ import torch
 from generate_reference import generate
 from waferscale.data.tokenizer import CharTokenizer
 from waferscale.errors import ConfigError
-from waferscale.models import from_name
+from waferscale.models import ModelConfig, build, from_name
 from waferscale.serve.llm import LLM, SamplingParams
 
 TOK = CharTokenizer(list(string.ascii_letters + string.digits + " .,"))
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+# d_model 256: the runner takes the C kernels for the GPT block too (LayerNorm, GELU, learned positions)
+GPT_C = ModelConfig(name="gpt-c", family="gpt", vocab_size=256, n_layer=2, n_head=4, d_model=256, max_seq_len=64,
+                    norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "gpt-c"])
 def test_generate_and_stream_match_the_plain_forward(name: str) -> None:
     torch.manual_seed(0)
-    model = from_name(name).eval()
+    model = (build(GPT_C, device="cpu") if name == "gpt-c" else from_name(name)).eval()
     prompts = ["Hello", "ab", "The cat sat"]
     ref = [list(generate(model, TOK.encode(p), 20, temperature=0, vocab_limit=TOK.vocab_size)) for p in prompts]
     with LLM(model, TOK, max_num_seqs=3) as llm:
