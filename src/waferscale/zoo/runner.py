@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -38,13 +36,11 @@ from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import Executor, choose_execution, resolve_device
 from waferscale.runtime.optim import build_schedule
 from waferscale.runtime.perf import measured_peak_flops
+from waferscale.util.files import atomic_dir, atomic_write_json, atomic_write_text
+from waferscale.util.paths import cache_dir
 from waferscale.zoo.lm import compile_lm_step
 
 MODES = ("train", "eval", "train_and_eval")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("WSC_CACHE_DIR", Path.home() / ".cache" / "waferscale"))
 
 
 @dataclass
@@ -131,11 +127,8 @@ def save_tokenizer_once(tokenizer: Any, model_dir: Path) -> None:
     target = model_dir / "tokenizer"
     if target.exists():
         return
-    tmp = model_dir / f".tokenizer.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tokenizer.save(tmp)
-    os.replace(tmp, target)
+    with atomic_dir(target) as tmp:
+        tokenizer.save(tmp)
 
 
 # ---- metrics file ------------------------------------------------------------------------------------
@@ -145,15 +138,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
 # ---- the run -------------------------------------------------------------------------------------------
@@ -356,7 +341,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     summary.update(executor.summary())
     summary.update({"peak_memory_bytes": executor.peak_device_bytes(),
                     "checkpoint": str(last_ckpt) if last_ckpt else (str(source) if source else None)})
-    write_json_atomic(model_dir / "summary.json", summary)
+    atomic_write_json(model_dir / "summary.json", summary, indent=2)
     print_summary(summary, model_dir, out)
     return summary
 
@@ -395,7 +380,7 @@ def finish_trace(executor: Executor, path: str, t0: float, t1: float) -> None:
     """Executors without their own trace get one span for the whole step."""
     if hasattr(executor, "set_trace"):
         return
-    from waferscale.runtime.streaming import Tracer
+    from waferscale.runtime.trace import Tracer
 
     tr = Tracer()
     tr.t0 = t0
