@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from waferscale.util.paths import cache_dir
+
 __all__ = ["DecodeStack", "PANEL", "argmax", "argmax_rows", "available", "decode_attention", "decode_attention_batch",
            "hugepage_tensor", "linear", "pack", "packed_numel", "rms_norm", "set_threads", "silu_mul"]
 
@@ -96,7 +98,7 @@ def _build() -> ctypes.CDLL:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     h.update("\0".join([cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
     key = h.hexdigest()[:16]
-    root = Path(os.environ.get("WSC_CACHE_DIR") or Path.home() / ".cache" / "waferscale") / "kernels"
+    root = cache_dir() / "kernels"
     root.mkdir(parents=True, exist_ok=True)
     so = root / f"serve_kernels-{key}.so"
     if not so.exists():
