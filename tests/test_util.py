@@ -123,6 +123,10 @@ def test_gguf_metadata_is_read_once_per_file(tmp_path):
     assert meta["llama.block_count"] == 2 and meta["tokenizer.ggml.tokens"] == ["a", "b", "<|x|>"]
     assert not any(k.startswith("GGUF.") for k in meta)
     assert gguf_metadata(str(path), reader=object()) is meta  # cached: the reader is not touched
+    import waferscale.util.gguf as ug
+
+    ug._cache.clear()  # as in a new process: the decoded metadata comes back from its copy on disk
+    assert gguf_metadata(path, reader=object()) == meta
     (tmp_path / "bad.gguf").write_bytes(b"nope" * 10)
     with pytest.raises(DataError, match="bad.gguf: not a readable GGUF file"):
         gguf_metadata(tmp_path / "bad.gguf", error=DataError)

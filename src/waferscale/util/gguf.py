@@ -3,13 +3,16 @@
 `read_gguf(path)` opens a file (a `gguf.GGUFReader`: metadata and tensors memory-mapped, nothing copied);
 `gguf_metadata(path)` gives its key/value metadata as Python values (strings, numbers, lists), without the
 reader's own `GGUF.*` header fields. Opening indexes every metadata value, and a 49k-token vocabulary with
-its merges makes that the slow part, so the decoded metadata of the last few files is kept (keyed by path,
-size and modification time): a model loaded from a GGUF file (models/gguf.py) and its tokenizer built right
-after (data/tokenizer) parse the file once between them.
+its merges makes that the slow part (seconds), so the decoded metadata is kept, keyed by path, size and
+modification time: in memory for the last few files (a model loaded from a GGUF file and its tokenizer built
+right after parse the file once between them) and on disk as JSON under the cache directory (a later process
+reads it back in a fraction of the time).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from waferscale.errors import CheckpointError, UserError
+from waferscale.util.files import atomic_write_text
+from waferscale.util.paths import cache_dir
 
 __all__ = ["gguf_metadata", "read_gguf"]
 
@@ -56,7 +61,24 @@ def gguf_metadata(path: str | os.PathLike, *, reader: Any = None,
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    reader = reader if reader is not None else read_gguf(p, error)
+    on_disk = cache_dir() / "gguf-metadata" / (hashlib.sha256(repr(key).encode()).hexdigest()[:24] + ".json")
+    try:
+        meta: dict[str, Any] = json.loads(on_disk.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = _decode(reader if reader is not None else read_gguf(p, error))
+        try:
+            on_disk.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(on_disk, json.dumps(meta))
+        except (OSError, TypeError, ValueError):  # a read-only cache or a value JSON cannot hold: no disk copy
+            pass
+    with _lock:
+        _cache[key] = meta
+        while len(_cache) > _KEEP:
+            _cache.popitem(last=False)
+    return meta
+
+
+def _decode(reader: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -65,8 +87,4 @@ def gguf_metadata(path: str | os.PathLike, *, reader: Any = None,
             meta[name] = field.contents()
         except (ValueError, IndexError, UnicodeDecodeError):
             continue
-    with _lock:
-        _cache[key] = meta
-        while len(_cache) > _KEEP:
-            _cache.popitem(last=False)
     return meta
