@@ -273,8 +273,8 @@ class Engine:
 
         The step runs with one torch intra-op thread: the runner lends its threads only to work that pays for
         them, and the C kernels have their own pool. (An OpenMP parallel region anywhere in the step, e.g. in
-        sampling, leaves its worker spinning on the other core for a while afterwards, where it halves the
-        pool's speed: measured 360 -> 420 tok/s for 16 users on 2 cores.)"""
+        sampling, leaves its worker spinning on the other core for a while afterwards, where it slows the
+        pool; bench/serve_http.py shows the difference.)"""
         prev = torch.get_num_threads()
         if prev != 1:
             torch.set_num_threads(1)

@@ -178,12 +178,12 @@ class Prepared:
 # Threads (the torch path; the C kernels have their own pool, see kernels.set_threads). A decode step is
 # hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys) and a few dozen
 # matrix-vector products that one core already runs at memory speed. An OpenMP parallel
-# region costs microseconds on a quiet machine and milliseconds when another process holds the second core
-# (measured: SDPA 14 us -> 3.7 ms on this 2-core box under load), so the runner runs single-threaded and
+# region costs microseconds on a quiet machine and can cost milliseconds when another process holds the other
+# cores, so the runner runs single-threaded and
 # lends its thread budget (`threads`, default 1) only to work big enough to pay for it: GEMMs of PAR_MACS+
 # multiply-adds (about a millisecond on one core) and long prefill attention. The default is 1 because on a
-# shared 2-core machine even big 2-thread GEMMs collapse under load (16-user aggregate, SmolLM2: 76-80 tok/s
-# with 1 thread vs 10-18 with 2, same run); the way to use more cores is stages=K, one process per stage.
+# shared machine even big multi-thread GEMMs collapse under load (bench/serve_http.py --threads shows it); the
+# way to use more cores is stages=K, one process per stage.
 PAR_MACS = 1 << 23
 
 # Prefill chunks up to this many tokens go through the C stack with the decode rows, each token attending at
@@ -289,7 +289,7 @@ class _Layer:
 
 def _norm(mod: nn.Module, ckern: bool = False):
     """The block's own norm module; an RMSNorm over float32 is inlined (RMSNorm.forward's arithmetic in four
-    ops, without its dtype round trips, measured ~4x faster per call than the module or F.rms_norm here), and
+    ops, without its dtype round trips, so faster per call than the module or F.rms_norm), and
     with `ckern` a few rows go through the C kernel (one call instead of six)."""
     if isinstance(mod, RMSNorm) and mod.weight.dtype == torch.float32:
         w, eps = mod.weight, mod.eps
