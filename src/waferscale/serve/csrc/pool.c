@@ -104,21 +104,32 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
     }
 }
 
+/* enter job `gen` for one chunk, with this thread's chunk buffer in *buf. The job's fields are read only
+   inside the job (a worker that reads them before may see the next job being written); 0: stale job, or out
+   of memory (the others, the caller at the latest, do the chunk). */
+static int enter_with_buf(uint64_t gen, const job_t* j, long cp, float** buf) {
+    if (!enter(gen)) return 0;
+    if (!*buf && !(*buf = chunk_buf(job_buf(j, cp)))) {
+        atomic_fetch_sub(&g_inflight, 1);
+        return 0;
+    }
+    return 1;
+}
+
 /* thread `me` of job `gen`: its own segment front to back, then the others' from their backs */
 static void work(uint64_t gen, const job_t* j, long me) {
     long cp = atomic_load(&g_chunk_panels), ns = atomic_load(&g_nseg);
     if (atomic_load(&g_gen) != gen || me >= ns) return;
-    float* buf = chunk_buf(job_buf(j, cp));
-    if (!buf) return;  /* the others (the caller at the latest) do this thread's chunks */
+    float* buf = NULL;
     for (long c; (c = take(me, 1)) >= 0;) {
-        if (!enter(gen)) return;  /* stale: the segments belong to a newer job */
+        if (!enter_with_buf(gen, j, cp, &buf)) return;  /* stale: the segments belong to a newer job */
         finish_chunk(gen, j, c, cp, buf);
         atomic_fetch_sub(&g_inflight, 1);
     }
     for (long d = 1; d < ns; d++) {
         long k = (me + d) % ns;
         for (long c; (c = take(k, 0)) >= 0;) {
-            if (!enter(gen)) return;
+            if (!enter_with_buf(gen, j, cp, &buf)) return;
             finish_chunk(gen, j, c, cp, buf);
             atomic_fetch_sub(&g_inflight, 1);
         }
