@@ -43,14 +43,70 @@ def test_a_tutorial_lm_is_split_into_a_chain_of_units():
     assert torch.equal(h, model(x))
 
 
-@pytest.mark.parametrize("name", ["tutorial", "tied"])
-def test_a_users_lm_streams_block_by_block_with_the_cpu_losses(name, tmp_path):
+@pytest.mark.parametrize("name,units", [("tutorial", 6), ("tied", 6), ("batchnorm", 5)])
+def test_a_users_lm_streams_block_by_block_with_the_cpu_losses(name, units, tmp_path):
+    """Dropout inside nn.MultiheadAttention and nn.Dropout (replayed when a unit is recomputed), tied weights,
+    batch-norm running statistics (counted once per step): losses and every state tensor as on "CPU"."""
     cpu_losses, cpu_w, _ = train(name, "CPU", artifact_dir=str(tmp_path))
     csx_losses, csx_w, opt = train(name, "CSX", artifact_dir=str(tmp_path))
     stream = opt._stream
-    assert stream is not None and stream.mx is not None and stream.n == 6  # streamed, unit by unit
+    assert stream is not None and stream.mx is not None and stream.n == units  # streamed, unit by unit
     assert stream.stats["bytes_in"] > 0
     assert_same_run((csx_losses, csx_w), (cpu_losses, cpu_w))
+
+
+class _Glue(TutorialLM):
+    """Variants of the tutorial forward that a split cannot reproduce exactly."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, idx: torch.Tensor):
+        T = idx.size(1)
+        x = self.embedding(idx)
+        if self.variant == "in_place":
+            x.mul_(2.0)
+        x = x + self.pos[:, :T]
+        if self.variant == "training_flag":
+            x = torch.nn.functional.dropout(x, 0.1, self.training)
+        if self.variant == "noise_from_input":
+            x = x + torch.randn_like(self.pos[:, :T]) * idx.size(0)
+        for blk in self.blocks:
+            x = blk(x, self.causal[:T, :T])
+        if self.variant == "unused_unit":
+            self.ln_f(x)
+            return self.head(x)
+        out = self.head(self.ln_f(x))
+        return (out,) if self.variant == "tuple_output" else out
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("in_place", "changes tensors in place"),
+    ("training_flag", "reads `self.training`"),
+    ("tuple_output", "its output is not one tensor"),
+    ("unused_unit", "not of the unit before it"),
+])
+def test_a_forward_a_split_cannot_reproduce_streams_whole(variant, reason):
+    split = model_units(_Glue(variant))
+    assert split.report.how == "whole" and reason in split.report.reason, split.report
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_split_units_chained_equal_the_model_in_both_modes(training):
+    """Same seed, same draws: the units run the model's own ops in its own order (dropout in attention too)."""
+    torch.manual_seed(0)
+    model = TutorialLM().train(training)
+    split = model_units(model)
+    assert split.report.how == "traced"
+    x = torch.randint(0, 41, (2, 16))
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    h = x
+    for unit in split.modules:
+        h = unit(h, x)
+    assert torch.equal(h, want)
 
 
 def test_a_forward_that_cannot_be_split_streams_whole_and_says_why(tmp_path, capsys):

@@ -21,7 +21,7 @@ class Block(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(d, heads, dropout=dropout, batch_first=True)  # functional dropout
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(dropout), nn.Linear(4 * d, d))
 
@@ -68,7 +68,38 @@ class BranchyLM(TutorialLM):
         return self.head(self.ln_f(x))
 
 
-MODELS = {"tutorial": TutorialLM, "tied": lambda **kw: TutorialLM(tie=True, **kw), "branchy": BranchyLM}
+class TokenNorm(nn.Module):
+    """BatchNorm over every token's features (running statistics: a recomputed forward must not count twice)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        return self.bn(x.reshape(B * T, D)).reshape(B, T, D)
+
+
+class BatchNormLM(nn.Module):
+    """An embedding, an MLP with batch norms, a head: a plain top-level chain of children."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 32, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, 2 * d)
+        self.norm = TokenNorm(2 * d)
+        self.drop = nn.Dropout(dropout)
+        self.down = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(idx)
+        x = self.drop(torch.relu(self.norm(self.up(x))))
+        return self.head(self.down(x))
+
+
+MODELS = {"tutorial": TutorialLM, "tied": lambda **kw: TutorialLM(tie=True, **kw), "branchy": BranchyLM,
+          "batchnorm": BatchNormLM}
 
 
 def batches(n: int, b: int = 4, t: int = BLOCK) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -106,9 +106,9 @@ class _Streamed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-        ctx.runner.backward(ctx.saved, ctx.out, grad)
+        gx = ctx.runner.backward(ctx.saved, ctx.out, grad)
         ctx.saved = ctx.out = None
-        return None, None, None
+        return None, None, gx
 
 
 class StreamRunner:
@@ -244,10 +244,10 @@ class StreamRunner:
             self.mx.begin_step(self.optimizer.param_groups[0]["lr"])
         self.grads_pending = True
 
-    def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> None:
+    def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> Tensor | None:
         self._begin_gradients()
-        _dist.guard("streaming the weights and gradients of a backward pass",
-                    lambda: self.engine.backward(saved, out, grad))
+        return _dist.guard("streaming the weights and gradients of a backward pass",
+                           lambda: self.engine.backward(saved, out, grad))
 
     # ---- the optimizer step (called by the bound optimizer) ----
     def finish_step(self) -> tuple[float | None, bool]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from waferscale.errors import ConfigError
 from waferscale.runtime import cluster as _cluster
-from waferscale.runtime.cluster import Cluster, SwarmXFailure
+from waferscale.runtime.cluster import Cluster, LinkError, SwarmXFailure
 
 if TYPE_CHECKING:
     from waferscale.pytorch.backend import Backend
@@ -88,6 +88,7 @@ def launch(backend: "Backend") -> None:
         threads = max(1, (os.cpu_count() or 1) // n)
         torch.set_num_threads(threads)
     _cluster_here = _cluster.launch(n, list(sys.argv), timeout_s=backend.cluster_config.timeout_s, label="system",
+                                    advice="the checkpoints already written are complete",
                                     threads=threads, log_dir=backend.artifact_dir,
                                     needed_by=f"ClusterConfig(num_csx={n})", what="processes")
     atexit.register(_shutdown)
@@ -106,17 +107,20 @@ def _shutdown() -> None:
     c.close()
 
 
-def fault_hook(step: int) -> None:
-    """The cluster's test hook (WSC_SWARMX_FAULT="RANK:STEP:die|hang"), at the start of each step."""
-    if world_size() > 1:
-        _cluster.fault_hook(rank(), step)
+def step_started(step: int) -> None:
+    """Each step's start: this system's heartbeat (so a hung one can be named) and the cluster's test hook
+    (WSC_SWARMX_FAULT="RANK:STEP:die|hang")."""
+    if _cluster_here is not None and _cluster_here.world > 1:
+        _cluster_here.beat(step, "start")
+        _cluster.fault_hook(_cluster_here.rank, step)
 
 
 def guard(what: str, fn):  # noqa: ANN001, ANN201 - passes fn's result through
-    """Run `fn` (which uses the cluster's collectives); a failure becomes a SwarmXFailure naming its cause."""
+    """Run `fn` (streaming work that also runs the user's code): a failed link collective becomes a
+    SwarmXFailure naming its cause; any other error (the user's) passes through as it is."""
     if _cluster_here is None:
         return fn()
-    return _cluster_here.guard(what, fn)
+    return _cluster_here.guard(what, fn, only=(LinkError,))
 
 
 def all_mean(values: list[float]) -> list[float]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from waferscale.errors import ConfigError
 
-__all__ = ["Cluster", "SwarmXFailure", "launch", "fault_hook", "free_port", "FAULT_ENV"]
+__all__ = ["Cluster", "LinkError", "SwarmXFailure", "launch", "fault_hook", "free_port", "FAULT_ENV"]
 
 FAULT_ENV = "WSC_SWARMX_FAULT"
 PHASES = ("idle", "start", "scatter", "compute", "done")
@@ -39,6 +39,10 @@ PHASES = ("idle", "start", "scatter", "compute", "done")
 
 class SwarmXFailure(RuntimeError):
     """A system died or stopped answering; the message names it."""
+
+
+class LinkError(RuntimeError):
+    """A collective of a weight link failed (what it was moving, and the transport's error)."""
 
 
 def free_port() -> int:
@@ -67,9 +71,10 @@ class Cluster:
     """This process's place in a run of `world` processes, with the groups the links use."""
 
     def __init__(self, rank: int, world: int, store: Any, timeout_s: float, procs: dict[int, subprocess.Popen],
-                 label: str) -> None:
+                 label: str, advice: str) -> None:
         self.rank, self.world, self.store, self.timeout_s, self.procs = rank, world, store, timeout_s, procs
         self.label = label  # what a rank is called in messages: "system" or "worker"
+        self.advice = advice  # what a person does after a failure
         timeout = timedelta(seconds=timeout_s)
         self.g_weights = dist.new_group(backend="gloo", timeout=timeout)
         self.g_grads = dist.new_group(backend="gloo", timeout=timeout)
@@ -116,6 +121,9 @@ class Cluster:
         elif dead:
             r, code = sorted(dead.items())[0]
             who = f"{self.name(r)} died (exit code {code})"
+        elif self.rank == 0 and len(others) == 1:
+            seq, _, phase = beats.get(others[0], (0, 0, "never reported"))
+            who = f"{self.name(others[0])} stopped answering (last heartbeat: step {seq}, {phase})"
         elif self.rank == 0:
             who = f"{self.label}s {', '.join(map(str, others))} stopped answering"
         else:
@@ -123,17 +131,18 @@ class Cluster:
         self.stop_started()
         when = f"during step {step}, " if step is not None else ""
         self.failure = SwarmXFailure(f"SwarmX: {who} {when}while {what} (timeout {self.timeout_s:.0f} s; "
-                             f"{str(err).splitlines()[0][:100]}). The run stopped; the checkpoints already written "
-                             f"are complete, so rerunning the same command resumes from the last one")
+                             f"{str(err).splitlines()[0][:100]}). The run stopped; {self.advice}")
         return self.failure
 
-    def guard(self, what: str, fn: Any, *, step: int | None = None) -> Any:
-        """Run a collective; turn its failure into a SwarmXFailure naming the cause."""
+    def guard(self, what: str, fn: Any, *, step: int | None = None,
+              only: tuple[type[BaseException], ...] = (RuntimeError, OSError)) -> Any:
+        """Run `fn`; a failure of one of its collectives (`only`: any RuntimeError for a collective called
+        directly, LinkError for work that also runs the user's code) becomes a SwarmXFailure naming the cause."""
         try:
             return fn()
         except SwarmXFailure:
             raise
-        except (RuntimeError, OSError) as e:
+        except only as e:
             raise self.diagnose(what, e, step=step) from None
 
     # ---- shutdown ----
@@ -160,18 +169,20 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
         self.g_weights = self.g_grads = self.store = None
-        if dist.is_initialized():
+        if dist.is_initialized() and self.failure is None:  # (after a failure, link threads may still be inside
+            #  a collective: destroying the group under them can abort the process)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - shutting down after a failure; nothing left to release
                 pass
 
 
-def launch(world: int, argv: list[str], *, timeout_s: float, label: str, threads: int | None = None,
-           log_dir: Path | None = None, needed_by: str = "this run", what: str = "processes") -> Cluster:
+def launch(world: int, argv: list[str], *, timeout_s: float, label: str, advice: str, threads: int | None = None,
+           log_dir: Path | None = None, needed_by: str = "this run", what: str = "processes",
+           local_rank_base: int = 0) -> Cluster:
     """Join (under torchrun) or start (locally) the `world` processes of a run; see the module docstring.
     `argv` is what ranks >= 1 run after the interpreter; their output goes to `log_dir/swarmx_rank{r}.log`
-    (or nowhere)."""
+    (or nowhere). A started rank r gets LOCAL_RANK r - `local_rank_base` (its GPU on a multi-GPU host)."""
     env = os.environ
     procs: dict[int, subprocess.Popen] = {}
     if under_torchrun():
@@ -187,7 +198,7 @@ def launch(world: int, argv: list[str], *, timeout_s: float, label: str, threads
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         for r in range(1, world):
-            child_env = {**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+            child_env = {**env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r - local_rank_base),
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             if threads:
                 child_env["OMP_NUM_THREADS"] = str(threads)
@@ -197,7 +208,7 @@ def launch(world: int, argv: list[str], *, timeout_s: float, label: str, threads
             else:  # their own messages (why a worker stopped) reach this terminal's stderr
                 procs[r] = subprocess.Popen([sys.executable, *argv], env=child_env, stdout=subprocess.DEVNULL)
     try:
-        return connect(url, rank, world, timeout_s, procs, label)
+        return connect(url, rank, world, timeout_s, procs, label, advice)
     except Exception as e:  # noqa: BLE001 - a process that never arrived
         for p in procs.values():
             p.kill()
@@ -206,13 +217,13 @@ def launch(world: int, argv: list[str], *, timeout_s: float, label: str, threads
 
 
 def connect(url: str, rank: int, world: int, timeout_s: float, procs: dict[int, subprocess.Popen] | None = None,
-            label: str = "system") -> Cluster:
+            label: str = "system", advice: str = "the checkpoints already written are complete") -> Cluster:
     """Rendezvous at `url`, the default gloo group and the two link groups."""
     timeout = timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous(url, rank=rank, world_size=world, timeout=timeout))
     dist.init_process_group("gloo", store=dist.PrefixStore("swarmx", store), rank=rank, world_size=world,
                             timeout=timeout)
-    return Cluster(rank, world, store, timeout_s, procs or {}, label)
+    return Cluster(rank, world, store, timeout_s, procs or {}, label, advice)
 
 
 def all_mean(cluster: Cluster | None, values: list[float], what: str) -> list[float]:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from waferscale.errors import ConfigError
 from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.trace import Tracer
@@ -117,8 +118,12 @@ class _StreamIn(torch.autograd.Function):
         return (None, None, None, *([None] * len(grads)))
 
 
-def _has_dropout(unit: nn.Module) -> bool:
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in unit.modules())
+def _leaf(x: Tensor, u: int) -> Tensor:
+    """A unit's input as an autograd leaf: detached from the caller's graph, requiring grad where a gradient
+    can flow (activations between units; the model's input only when it asked for one)."""
+    if not x.is_floating_point() or (u == 0 and not x.requires_grad):
+        return x
+    return x.detach().requires_grad_(True)
 
 
 class StreamingEngine:
@@ -130,6 +135,8 @@ class StreamingEngine:
     takes_input  unit u is called `unit(h, x)` with the model's input x (units split from a traced forward)
     loss_fn      `loss_fn(last unit's output, target)` for the fused `step` / `forward_loss`
     float_boundaries  under mixed precision, hand fp32 activations from unit to unit (the zoo's LM step)
+    track_rng    per unit, whether its recompute replays the RNG its forward saw (default: every unit; dropout
+                 may hide anywhere, in a module, a functional call or an attention kernel)
     """
 
     def __init__(self, units: Sequence[nn.Module], layouts: list[UnitLayout], link: Any, *, device: torch.device,
@@ -141,7 +148,11 @@ class StreamingEngine:
         self.n = len(self.units)
         self.link, self.device, self.half, self.recompute = link, device, half, recompute
         self.takes_input, self.loss_fn, self.float_boundaries = takes_input, loss_fn, float_boundaries
-        self.track_rng = list(track_rng) if track_rng is not None else [_has_dropout(m) for m in self.units]
+        self.track_rng = list(track_rng) if track_rng is not None else [True] * self.n
+        # batch norms count the batches they see: a recomputed forward must not count them twice
+        self._norm_stats = [[m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+                            for unit in self.units]
+        self._pending: dict[str, Any] | None = None  # a cstorch forward waiting for its backward
         self.ledger = DeviceLedger()
         self._prefetch = Lane("weight-prefetch")
         self._anchor = torch.empty(0, device=device, requires_grad=True)
@@ -195,9 +206,16 @@ class StreamingEngine:
 
     def drain(self) -> None:
         """Finish the fetches still queued from a schedule that ended early (an evaluation cut short, a forward
-        whose backward never came): every system must run the same fetches, in the same order."""
+        whose backward never came): every system must run the same fetches, in the same order. A fetch that
+        failed ends the schedule (its error is raised once)."""
+        self._drop_pending()
         while self._inflight is not None:
-            self._release(self._inflight.result())
+            try:
+                dev = self._inflight.result()
+            except BaseException:
+                self._inflight, self._order = None, deque()
+                raise
+            self._release(dev)
             self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft()) if self._order else None
 
     # ---- saved-tensor hooks: weights become keys; activations are counted ----
@@ -307,7 +325,7 @@ class StreamingEngine:
                     with torch.no_grad():
                         out = self._run(u, dev, inp, None)
                 else:
-                    leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
+                    leaf = _leaf(inp, u)
                     with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
                         out = self._run(u, dev, leaf, None)
                     led.alloc("saved", sum(count.values()))
@@ -338,9 +356,9 @@ class StreamingEngine:
             for m in range(len(grad_out)):
                 inp = acts[u][m]
                 if head or self.recompute:
-                    leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
+                    leaf = _leaf(inp, u)
                     with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad(), \
-                            rng_restored(rng.get((u, m)), self.device):
+                            rng_restored(rng.get((u, m)), self.device), self._norm_stats_kept(u, not head):
                         out = self._run(u, dev, leaf, fused[0][m] if head else None)
                     led.alloc("saved", sum(count.values()))
                 else:
@@ -366,8 +384,21 @@ class StreamingEngine:
             del dev
         return loss_sum
 
+    @contextlib.contextmanager
+    def _norm_stats_kept(self, u: int, recomputing: bool):
+        """Around a recomputed forward: the batch norms' running statistics as the first forward left them."""
+        norms = [m for m in self._norm_stats[u] if m.training and m.track_running_stats] if recomputing else []
+        kept = [(m, {k: b.clone() for k, b in m._buffers.items() if b is not None}) for m in norms]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, bufs in kept:
+                    for k, b in bufs.items():
+                        m._buffers[k].copy_(b)
+
     def _take_input_grad(self, u: int, leaf: Tensor) -> Tensor | None:
-        if u == 0 or leaf.grad is None:
+        if leaf.grad is None:
             return None
         self.ledger.alloc("activations", nbytes(leaf.grad))
         return leaf.grad
@@ -388,6 +419,7 @@ class StreamingEngine:
              ) -> float:
         """Forward and backward over the units for (x, y) (B, T); gradients of sum(micro-batch losses /
         loss_divisor) * loss_scale are pushed to the link per unit. Returns the (unscaled) loss sum."""
+        assert not self.takes_input, "the fused step is for units called unit(h) (a zoo model's units())"
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         xs = list(x.split(micro_batch))
         acts: list[list[Tensor]] = [xs]
@@ -403,7 +435,8 @@ class StreamingEngine:
     # ---- the cstorch path: the caller computes the loss from the last unit's output ----
     def forward_train(self, x: Tensor, inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor, dict[str, Any]]:
         """Units 0..n-2 without a graph, the last unit with its graph kept; returns its output (with grad) and
-        what `backward` needs. The last unit's weights stay on the device until `backward`."""
+        what `backward` needs. The last unit's weights stay on the device until `backward` (or the next
+        forward, which drops this one's pending backward)."""
         self._inputs = inputs
         acts: list[list[Tensor]] = [[x]]
         self.ledger.alloc("activations", nbytes(x))
@@ -412,25 +445,45 @@ class StreamingEngine:
         self._forward_units(self.n - 1, acts, {}, rng)
         u = self.n - 1
         dev = self._next_unit()
-        acc_bytes = self._open_gradients(u)
         inp = acts[u][0]
-        leaf = inp.detach().requires_grad_(inp.is_floating_point()) if u > 0 else inp
-        with self._counting(dev, inp) as count, torch.enable_grad():
+        leaf = _leaf(inp, u)
+        self._bwd_unit = dev
+        with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
             out = self._run(u, dev, leaf, None)
         self.ledger.alloc("saved", sum(count.values()))
-        return out, {"acts": acts, "rng": rng, "leaf": leaf, "dev": dev, "acc_bytes": acc_bytes, "count": count,
-                     "inputs": inputs}
+        self._pending = {"acts": acts, "rng": rng, "leaf": leaf, "dev": dev, "count": count, "inputs": inputs}
+        return out, self._pending
 
-    def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> None:
-        """Backpropagate `grad` (of `forward_train`'s output) through every unit, pushing each unit's gradients."""
+    def _drop_pending(self) -> None:
+        """A forward whose backward never came (an evaluation with gradients on): free what it held."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        self.ledger.free("saved", sum(p["count"].values()))
+        for acts in p["acts"]:
+            self.ledger.free("activations", sum(nbytes(a) for a in acts if a is not None))
+        self._release(p["dev"])
+        self._bwd_unit = None
+        p.clear()
+
+    def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> Tensor | None:
+        """Backpropagate `grad` (of `forward_train`'s output) through every unit, pushing each unit's gradients;
+        returns the gradient of the model's input where it asked for one."""
+        if saved is not self._pending or not saved:
+            raise ConfigError("backward of a weight-streamed forward that is no longer the latest: with weight "
+                              "streaming, call backward on each training forward before the next forward")
+        self._pending = None
         self._inputs = saved["inputs"]
         u, acts, dev = self.n - 1, saved["acts"], saved["dev"]
-        torch.autograd.backward(out, grad)
+        acc_bytes = self._open_gradients(u)
+        self._bwd_unit = dev
+        with self._hooks():
+            torch.autograd.backward(out, grad)
+        self._bwd_unit = None
         self.ledger.free("saved", sum(saved["count"].values()))
         grad_out = [self._take_input_grad(u, saved["leaf"])]
-        self.ledger.free("activations", nbytes(acts[u][0]))
-        acts[u][0] = None
-        self._push_gradients(u, saved["acc_bytes"])
+        self._drop_boundary(acts, u, 0, [None])
+        self._push_gradients(u, acc_bytes)
         self._release(dev)
         rng = saved["rng"]
         saved.clear()
@@ -438,6 +491,7 @@ class StreamingEngine:
             self._backward_units(range(u - 1, -1, -1), acts, {}, rng, grad_out)
         finally:
             self._inputs = ()
+        return grad_out[0]
 
     # ---- no gradients ----
     @torch.no_grad()
@@ -475,5 +529,13 @@ class StreamingEngine:
             self.tracer.span(lane, name, t0, time.perf_counter())
 
     def close(self) -> None:
-        self.drain()
-        self._prefetch.close()
+        """Stop: the rest of a schedule is not fetched (a failed or interrupted run), the prefetch lane ends."""
+        self._order = deque()
+        try:
+            if self._inflight is not None:
+                self._inflight.result()
+        except BaseException:  # noqa: BLE001 - closing after a failure: the failure was raised where it happened
+            pass
+        finally:
+            self._inflight = None
+            self._prefetch.close()

@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from waferscale.runtime.cluster import Cluster
+from waferscale.runtime.cluster import Cluster, LinkError
 from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.memoryx import MemoryX
@@ -81,8 +82,8 @@ class LocalLink:
 class SwarmLink:
     """Weights by broadcast from rank 0's MemoryX, gradients by reduce (sum) to it, per unit, over the cluster's
     link groups. `mean`: rank 0 divides the sum by the number of ranks (each rank's loss was its own batch's
-    mean) before MemoryX takes it. Failures surface as the raw collective error from `fetch` or the future;
-    the caller's `cluster.guard` names the rank that caused them."""
+    mean) before MemoryX takes it. A failed collective raises LinkError (from `fetch`, or through the push's
+    future); the caller's `cluster.guard` names the rank that caused it."""
 
     def __init__(self, cluster: Cluster, layouts: list[UnitLayout], stream_dtype: torch.dtype, device: torch.device,
                  memoryx: MemoryX | None = None, *, mean: bool = False) -> None:
@@ -97,31 +98,40 @@ class SwarmLink:
             lay = self.layouts[u]
             matrices = torch.empty(lay.n_matrices, dtype=self.stream_dtype)
             vectors = torch.empty(lay.n_vectors, dtype=torch.float32)
-        for t in (matrices, vectors):
-            if t.numel():
-                dist.broadcast(t, 0, group=self.cluster.g_weights)
+        try:
+            for t in (matrices, vectors):
+                if t.numel():
+                    dist.broadcast(t, 0, group=self.cluster.g_weights)
+        except RuntimeError as e:
+            raise LinkError(f"broadcasting the weights of unit {u}: {e}") from e
         if self.device.type == "cuda":
             return matrices.to(self.device), vectors.to(self.device)
         return matrices, vectors
 
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
-        def send() -> None:
-            m, v = matrices.cpu(), vectors.cpu()
+        return self._lane.submit(self._send, u, lambda: (matrices.cpu(), vectors.cpu()))
+
+    def push_zeros(self, u: int) -> Future:
+        """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank); the
+        zeros are made when the reduce runs, one unit at a time."""
+        lay = self.layouts[u]
+        return self._lane.submit(self._send, u, lambda: (torch.zeros(lay.n_matrices), torch.zeros(lay.n_vectors)))
+
+    def _send(self, u: int, make: Any) -> None:
+        """Unit u's reduce (on this link's lane, in push order); rank 0 hands the sum to MemoryX, whose own lane
+        accumulates it while the next unit's reduce runs (MemoryX.end_backward waits for it)."""
+        m, v = make()
+        try:
             for t in (m, v):
                 if t.numel():
                     dist.reduce(t, 0, op=dist.ReduceOp.SUM, group=self.cluster.g_grads)
-            if self.mx is not None:
-                if self.mean:
-                    m.div_(self.cluster.world)
-                    v.div_(self.cluster.world)
-                self.mx.push_grads(u, m, v).result()
-
-        return self._lane.submit(send)
-
-    def push_zeros(self, u: int) -> Future:
-        """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank)."""
-        lay = self.layouts[u]
-        return self.push(u, torch.zeros(lay.n_matrices), torch.zeros(lay.n_vectors))
+        except RuntimeError as e:
+            raise LinkError(f"reducing the gradients of unit {u}: {e}") from e
+        if self.mx is not None:
+            if self.mean:
+                m.div_(self.cluster.world)
+                v.div_(self.cluster.world)
+            self.mx.push_grads(u, m, v)
 
     def close(self) -> None:
-        self._lane.close()
+        self._lane.close(0 if self.cluster.failure is not None else 10.0)

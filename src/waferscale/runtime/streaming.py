@@ -302,4 +302,5 @@ class StreamingExecutor(MemoryXExecutor):
         self.mx.synchronize()
         if self.engine is not None:
             self.engine.close()
+            self.engine.link.close()
         self.mx.close()

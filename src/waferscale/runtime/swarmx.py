@@ -96,6 +96,8 @@ class SwarmXExecutor(MemoryXExecutor):
         if threads:
             argv += ["--threads", str(threads)]
         self.cluster: Cluster = launch(world, argv, timeout_s=timeout_s, label="worker", threads=threads,
+                                       advice="the checkpoints in the model directory are complete, so rerunning "
+                                              "the same command resumes from the last one", local_rank_base=1,
                                        needed_by=f"--num_csx {num_csx}",
                                        what=f"processes (MemoryX + {num_csx} workers)")
         self.link = SwarmLink(self.cluster, memoryx.layouts, memoryx.stream_dtype, torch.device("cpu"), memoryx)

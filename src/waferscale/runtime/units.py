@@ -19,9 +19,12 @@ why (define `units()` on the model to choose the pieces yourself).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["StreamUnits", "SplitReport", "model_units", "split_into_units"]
@@ -90,29 +93,74 @@ def _whole(model: nn.Module, reason: str) -> StreamUnits:
     return StreamUnits([model], report=SplitReport("whole", reason))
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.setitem}
+_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+                     torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.dropout,
+                     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "geometric_",
+                   "cauchy_", "log_normal_"}
+
+
+def _mutates(node: fx.Node, model: nn.Module) -> bool:
+    """An in-place op (`x.add_(y)`, `x += y`, `x[i] = y`, `inplace=True`): a split would drop or repeat it."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        return node.target in _INPLACE_OPERATORS or getattr(node.target, "__name__", "").endswith("_")
+    if node.op == "call_module":
+        return getattr(model.get_submodule(str(node.target)), "inplace", False) is True
+    return False
+
+
+def _random(node: fx.Node, model: nn.Module) -> bool:
+    if node.op == "call_function":
+        return node.target in _RANDOM_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op == "call_module":
+        return isinstance(model.get_submodule(str(node.target)), nn.modules.dropout._DropoutNd)
+    return False
+
+
+def _trace(model: nn.Module, leaves: set[str], training: bool) -> fx.Graph:
+    was = model.training
+    model.train(training)
+    try:
+        return _UnitTracer(leaves).trace(model)
+    finally:
+        model.train(was)
+
+
 def split_into_units(model: nn.Module) -> StreamUnits:
-    """Split a user's module into a chain of units by tracing its forward (see the module docstring)."""
+    """Split a user's module into a chain of units by tracing its forward (see the module docstring). The
+    split is exact or not made: anything it cannot reproduce makes the model stream whole, with the reason."""
     cands = _candidates(model)
     weighted = {q for q, m in cands.items() if any(True for _ in m.parameters())}
     if len(weighted) < 2:
         return _whole(model, "fewer than two of its top-level modules hold weights")
     try:
-        graph = _UnitTracer(set(cands)).trace(model)
+        graph = _trace(model, set(cands), model.training)
+        if str(_trace(model, set(cands), not model.training)) != str(graph):
+            return _whole(model, "its forward reads `self.training` outside its submodules (a traced split would "
+                                 "keep one mode's branch)")
     except Exception as e:  # noqa: BLE001 - any tracing failure means: stream it whole, and say why
         return _whole(model, f"its forward could not be traced ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         return _whole(model, f"its forward takes {len(placeholders)} inputs (a streamed model takes one tensor)")
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    mutating = [n.name for n in body if _mutates(n, model)]
+    if mutating:
+        return _whole(model, f"its forward changes tensors in place ({', '.join(mutating[:3])})")
 
-    # which nodes start units, and which values depend on the model's input alone (recomputed where needed)
-    starts = [n for n in graph.nodes if n.op == "call_module" and n.target in weighted]
-    part: dict[fx.Node, int] = {}  # node -> unit that computes it; absent: input-only (recomputed per unit)
+    # which unit computes each node; absent: depends on the model's input alone (recomputed where needed)
+    part: dict[fx.Node, int] = {}
     k = -1
-    for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            continue
-        if node.op == "output":
-            break
+    for node in body:
         deps = [part[a] for a in node.all_input_nodes if a in part]
         if node.op == "call_module" and node.target in weighted:
             k += 1
@@ -124,27 +172,30 @@ def split_into_units(model: nn.Module) -> StreamUnits:
             part[node] = max(deps)
     if k < 1:
         return _whole(model, "its forward calls fewer than two weighted modules")
+    random_input_only = [n.name for n in body if n not in part and _random(n, model)]
+    if random_input_only:
+        return _whole(model, f"a random value every unit would redraw ({', '.join(random_input_only[:3])})")
     out_node = next(n for n in graph.nodes if n.op == "output")
+    result = out_node.args[0]
+    if not isinstance(result, fx.Node) or part.get(result) != k:
+        return _whole(model, "its output is not one tensor computed by the last unit")
 
-    # the one value each unit hands to the next: everything a later unit reads from unit u must be one node
-    handoff: dict[int, fx.Node] = {}
-    for node in graph.nodes:
+    # the one value each unit hands to the next: everything a later unit reads from unit u must be that node
+    handoff: dict[int, fx.Node] = {k: result}
+    for node in body:
         for a in node.all_input_nodes:
-            if a not in part:
-                continue
-            reader = part.get(node, k if node is out_node else None)
-            if reader is None:  # an input-only node reading a unit's output cannot happen (it would be in part)
-                continue
-            if reader == part[a]:
-                continue
-            if reader != part[a] + 1 or handoff.setdefault(part[a], a) is not a:
-                return _whole(model, f"the value {a.name} of unit {part[a]} is read by unit {reader}: units "
-                                     f"must form a chain, each reading only the one before it")
-    if len(out_node.all_input_nodes) != 1 or part.get(out_node.all_input_nodes[0]) != k:
-        return _whole(model, "its output is not one value computed by the last unit")
-    handoff[k] = out_node.all_input_nodes[0]
-
+            if a in part and part[node] != part[a]:
+                if part[node] != part[a] + 1 or handoff.setdefault(part[a], a) is not a:
+                    return _whole(model, f"the value {a.name} of unit {part[a]} is read by unit {part[node]}: "
+                                         f"units must form a chain, each reading only the one before it")
+    if len(handoff) != k + 1:
+        unread = sorted(set(range(k + 1)) - set(handoff))
+        return _whole(model, f"the output of unit {unread[0]} is never read by the unit after it")
     units = [_unit_module(model, graph, part, u, handoff, placeholders[0]) for u in range(k + 1)]
+    covered = {id(p) for u in units for p in u.parameters()}
+    unused = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if unused:
+        return _whole(model, f"its forward does not use every parameter ({', '.join(unused[:3])})")
     return StreamUnits(units, takes_input=True, report=SplitReport("traced"))
 
 
@@ -169,8 +220,4 @@ def _unit_module(model: nn.Module, graph: fx.Graph, part: dict[fx.Node, int], u:
         if part.get(node) == u:
             copy(node)
     g.output(env[handoff[u]])
-    gm = fx.GraphModule(model, g, class_name=f"Unit{u}")
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    gm.train(model.training)
-    return gm
+    return fx.GraphModule(model, g, class_name=f"Unit{u}")

@@ -167,7 +167,7 @@ class DataExecutor:
                     local = _shard(batch, rank, world) if world > 1 else batch
                     stepped = self.iteration
                     self._step = stepped + 1
-                    _dist.fault_hook(self._step)
+                    _dist.step_started(self._step)
                     yield local
                     if self.iteration == stepped:  # the step was not traced: count it here
                         self._step_done()
