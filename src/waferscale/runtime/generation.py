@@ -27,6 +27,8 @@ def _checkpoint_or_weights(checkpoint: str) -> tuple[str | None, str | None]:
     p = Path(checkpoint).expanduser()
     if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".gguf"):
         return None, checkpoint
+    if not p.exists() and p.suffix == ".gguf":
+        raise CheckpointError(f"--checkpoint {p}: no such GGUF file")
     if p.is_dir() and ckpt.latest_checkpoint(p) is None:
         raise CheckpointError(f"no checkpoint_*.json found in {p}, and it is not a Hugging Face model directory "
                               "(no config.json): --checkpoint takes a `wsc run` model_dir, a checkpoint_*.json, "
