@@ -550,13 +550,20 @@ async def _chat_stream(s: ServerState, req: ChatCompletionRequest, plan: _ChatPl
         await fan.close()
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
+async def _begin(request: Request, cls: type) -> tuple[ServerState, float, float, Any]:
+    """(state, start time, creation time, the parsed request) for a generation route; the model and the
+    logit_bias are checked (APIError otherwise)."""
     s = _state(request)
     t0, created = time.perf_counter(), time.time()
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
+    req = parse_request(cls, await _json_body(request))
     _check_model(s, req.model)
     _check_bias(s, req)
+    return s, t0, created, req
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    s, t0, created, req = await _begin(request, ChatCompletionRequest)
     plan = _chat_plan(s, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     fan = _FanOut(s, rid, _chat_jobs(req, plan), t0)
@@ -613,11 +620,7 @@ def _legacy_logprobs(entries: list[dict], k: int, offset0: int) -> dict[str, Any
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    s = _state(request)
-    t0, created = time.perf_counter(), time.time()
-    req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request))
-    _check_model(s, req.model)
-    _check_bias(s, req)
+    s, t0, created, req = await _begin(request, CompletionRequest)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this model", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
