@@ -123,7 +123,8 @@ def test_server_module_is_wsc_serve() -> None:
     _assert_user_error(wsc("serve", "--max-num-seqs", "0"), "--max-num-seqs")
 
 
-@pytest.mark.skipif(not have_smollm2(), reason="needs the smollm2 asset's tokenizer")
+@pytest.mark.assets
+@pytest.mark.skipif(not have_smollm2(), reason="needs the smollm2 asset's tokenizer (make setup installs it)")
 def test_generate_checkpoint_takes_a_hf_dir(tmp_path: Path) -> None:
     hf = tiny_model_dir(tmp_path)
     args = ("--prompt", "Hello", "--max_new_tokens", "8", "--temperature", "0")
