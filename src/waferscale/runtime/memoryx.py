@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
-from waferscale.runtime.layout import ParamEntry, UnitLayout, build_layouts
+from waferscale.runtime.layout import ParamEntry, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 
 __all__ = ["MemoryX", "STATE_SLOTS"]
