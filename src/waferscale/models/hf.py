@@ -172,44 +172,45 @@ def _t(x: Tensor) -> Tensor:
     return x.t().contiguous()
 
 
+def _conv1d(hf_name: str, t: Tensor) -> Tensor:
+    """GPT-2's Conv1D matrices (inside `transformer.h.*`) are stored (in, out), the transpose of nn.Linear's:
+    transposing converts either way."""
+    return _t(t) if hf_name.startswith("transformer.h.") and t.ndim == 2 else t
+
+
+def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) of every tensor but GPT-2's packed c_attn, biases included whether the model has them
+    or not; `lm_head` only when it is not tied (HF does not save a tied head)."""
+    if _hf_model_type(cfg) == "gpt2":
+        modules = [("embed.tok", "transformer.wte"), ("embed.pos", "transformer.wpe"),
+                   ("head.norm", "transformer.ln_f")]
+        layers = "transformer.h"
+        per_layer = [("attn_norm", "ln_1"), ("mlp_norm", "ln_2"), ("attn.o_proj", "attn.c_proj"),
+                     ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")]
+    else:
+        modules = [("embed.tok", "model.embed_tokens"), ("head.norm", "model.norm")]
+        layers = "model.layers"
+        per_layer = [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
+                     *((f"attn.{n}_proj", f"self_attn.{n}_proj") for n in "qkvo"),
+                     *((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down"))]
+    modules += [(f"blocks.{i}.{ours}", f"{layers}.{i}.{theirs}")
+                for i in range(cfg.n_layer) for ours, theirs in per_layer]
+    if not cfg.tie_embeddings:
+        modules.append(("head.lm_head", "lm_head"))
+    return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+
+
 def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Our names -> HF names (GPT-2 weights transposed to Conv1D's (in, out), q/k/v packed into c_attn).
 
     With tied embeddings `lm_head.weight` is omitted, as HF saves it.
     """
-    out: dict[str, Tensor] = {}
+    out = {theirs: _conv1d(theirs, sd[ours]) for ours, theirs in _renames(cfg) if ours in sd}
     if _hf_model_type(cfg) == "gpt2":
-        out["transformer.wte.weight"] = sd["embed.tok.weight"]
-        out["transformer.wpe.weight"] = sd["embed.pos.weight"]
         for i in range(cfg.n_layer):
-            b, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[f"{h}{theirs}.weight"] = sd[f"{b}{ours}.weight"]
-                out[f"{h}{theirs}.bias"] = sd[f"{b}{ours}.bias"]
-            q, k, v = (sd[f"{b}attn.{n}_proj.weight"] for n in "qkv")  # each (C, C)
-            out[f"{h}attn.c_attn.weight"] = _t(torch.cat([q, k, v], dim=0))  # (C, 3C)
-            out[f"{h}attn.c_attn.bias"] = torch.cat([sd[f"{b}attn.{n}_proj.bias"] for n in "qkv"])
-            for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"),
-                                 ("mlp.down_proj", "mlp.c_proj")):
-                out[f"{h}{theirs}.weight"] = _t(sd[f"{b}{ours}.weight"])
-                out[f"{h}{theirs}.bias"] = sd[f"{b}{ours}.bias"]
-        out["transformer.ln_f.weight"] = sd["head.norm.weight"]
-        out["transformer.ln_f.bias"] = sd["head.norm.bias"]
-    else:
-        out["model.embed_tokens.weight"] = sd["embed.tok.weight"]
-        for i in range(cfg.n_layer):
-            b, h = f"blocks.{i}.", f"model.layers.{i}."
-            out[f"{h}input_layernorm.weight"] = sd[f"{b}attn_norm.weight"]
-            out[f"{h}post_attention_layernorm.weight"] = sd[f"{b}mlp_norm.weight"]
-            names = [f"attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
-            for ours in names:
-                theirs = ours.replace("attn.", "self_attn.")
-                for p in ("weight", "bias"):
-                    if f"{b}{ours}.{p}" in sd:
-                        out[f"{h}{theirs}.{p}"] = sd[f"{b}{ours}.{p}"]
-        out["model.norm.weight"] = sd["head.norm.weight"]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["head.lm_head.weight"]
+            b, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
+            out[h + "weight"] = _t(torch.cat([sd[f"{b}{n}_proj.weight"] for n in "qkv"]))  # 3 x (C, C) -> (C, 3C)
+            out[h + "bias"] = torch.cat([sd[f"{b}{n}_proj.bias"] for n in "qkv"])  # (3C,)
     return out
 
 
@@ -227,21 +228,16 @@ def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None
     return key
 
 
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _check_against(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], cfg: ModelConfig,
-                   where: str) -> None:
+def _check_against(found: dict[str, Tensor], expected: dict[str, Tensor], cfg: ModelConfig, where: str) -> None:
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
-    wrong = [k for k in expected if k in found and found[k] != expected[k]]
+    wrong = [k for k in expected if k in found and found[k].shape != expected[k].shape]
     if not (missing or unexpected or wrong):
         return
     problems = []
     if wrong:
         problems.append("shape mismatch: " + "; ".join(
-            f"{k!r} is {list(found[k])} in the checkpoint but the model expects {list(expected[k])}"
+            f"{k!r} is {list(found[k].shape)} in the checkpoint but the model expects {list(expected[k].shape)}"
             for k in wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""))
     if missing:
         problems.append(f"{len(missing)} missing key(s), e.g. " + ", ".join(repr(k) for k in missing[:5]))
@@ -253,57 +249,26 @@ def _check_against(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[
                           "these weights.")
 
 
-def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from waferscale.models.registry import build
-
-    return {k: _shape(v) for k, v in state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg).items()}
-
-
 def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = "checkpoint") -> dict[str, Tensor]:
     """HF names -> ours, validated first: missing/unexpected keys or wrong shapes raise CheckpointError.
 
     Accepts `*ForCausalLM` names and bare-model names (no `transformer.`/`model.` prefix). With tied
     embeddings the result holds the embedding under both `embed.tok.weight` and `head.lm_head.weight`.
     """
-    mt = _hf_model_type(cfg)
-    norm: dict[str, Tensor] = {}
-    for k, v in sd.items():
-        nk = _normalize_hf_key(k, mt, cfg)
-        if nk is not None:
-            norm[nk] = v
-    _check_against({k: _shape(v) for k, v in norm.items()}, _expected_hf_shapes(cfg), cfg, where)
+    from waferscale.models.registry import build
 
-    out: dict[str, Tensor] = {}
-    C = cfg.d_model
+    mt = _hf_model_type(cfg)
+    norm = {nk: v for k, v in sd.items() if (nk := _normalize_hf_key(k, mt, cfg)) is not None}
+    _check_against(norm, state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg), cfg, where)
+    out = {ours: _conv1d(theirs, norm[theirs]) for ours, theirs in _renames(cfg) if theirs in norm}
     if mt == "gpt2":
-        out["embed.tok.weight"] = norm["transformer.wte.weight"]
-        out["embed.pos.weight"] = norm["transformer.wpe.weight"]
         for i in range(cfg.n_layer):
-            b, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[f"{b}{ours}.weight"] = norm[f"{h}{theirs}.weight"]
-                out[f"{b}{ours}.bias"] = norm[f"{h}{theirs}.bias"]
-            qkv_w = _t(norm[f"{h}attn.c_attn.weight"])  # (3C, C)
-            qkv_b = norm[f"{h}attn.c_attn.bias"]  # (3C,)
-            for j, n in enumerate("qkv"):
-                out[f"{b}attn.{n}_proj.weight"] = qkv_w[j * C:(j + 1) * C].contiguous()  # (C, C)
-                out[f"{b}attn.{n}_proj.bias"] = qkv_b[j * C:(j + 1) * C].contiguous()
-            for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"),
-                                 ("mlp.down_proj", "mlp.c_proj")):
-                out[f"{b}{ours}.weight"] = _t(norm[f"{h}{theirs}.weight"])
-                out[f"{b}{ours}.bias"] = norm[f"{h}{theirs}.bias"]
-        out["head.norm.weight"] = norm["transformer.ln_f.weight"]
-        out["head.norm.bias"] = norm["transformer.ln_f.bias"]
-    else:
-        out["embed.tok.weight"] = norm["model.embed_tokens.weight"]
-        for i in range(cfg.n_layer):
-            b, h = f"blocks.{i}.", f"model.layers.{i}."
-            out[f"{b}attn_norm.weight"] = norm[f"{h}input_layernorm.weight"]
-            out[f"{b}mlp_norm.weight"] = norm[f"{h}post_attention_layernorm.weight"]
-            for k in [k for k in norm if k.startswith(f"{h}self_attn.") or k.startswith(f"{h}mlp.")]:
-                out[b + k[len(h):].replace("self_attn.", "attn.")] = norm[k]
-        out["head.norm.weight"] = norm["model.norm.weight"]
-    out["head.lm_head.weight"] = out["embed.tok.weight"] if cfg.tie_embeddings else norm["lm_head.weight"]
+            b, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
+            qkv_w, qkv_b = _t(norm[h + "weight"]), norm[h + "bias"]  # (3C, C), (3C,)
+            for n, w, bias in zip("qkv", qkv_w.chunk(3), qkv_b.chunk(3)):
+                out[f"{b}{n}_proj.weight"], out[f"{b}{n}_proj.bias"] = w.contiguous(), bias.contiguous()  # (C, C), (C,)
+    if cfg.tie_embeddings:
+        out["head.lm_head.weight"] = out["embed.tok.weight"]
     return out
 
 
@@ -318,8 +283,7 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
     from waferscale.models.registry import build
 
     model = build(cfg, device="meta")
-    expected = {k: _shape(v) for k, v in model.state_dict().items()}
-    _check_against({k: _shape(v) for k, v in sd.items()}, expected, cfg, where)
+    _check_against(sd, model.state_dict(), cfg, where)
     dtype = dtype or sd["embed.tok.weight"].dtype
     moved: dict[int, Tensor] = {}  # a tensor stored under two names (tied embeddings) is moved once
     for v in sd.values():
@@ -403,10 +367,6 @@ def load_hf_dir(path: str | os.PathLike, device: torch.device | str = "cpu",
     return model_from_state_dict(cfg, sd, device=device, dtype=dtype)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = None) -> None:
     """Write config.json, generation_config.json, model.safetensors (and the tokenizer's files) to `out_dir`.
 
@@ -425,8 +385,7 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
         raise CheckpointError(f"{out}: exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    dtype = model.embed.tok.weight.dtype
-    hf_config["torch_dtype"] = _dtype_name(dtype)
+    hf_config["torch_dtype"] = str(model.embed.tok.weight.dtype).removeprefix("torch.")
     gen: dict[str, Any] = {"_from_model_config": True}
     for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):  # waferscale.data Tokenizer
         val = getattr(tokenizer, attr, None) if tokenizer is not None else None
