@@ -7,7 +7,7 @@ runtimes read them from one place.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from waferscale.errors import ConfigError
@@ -55,14 +55,9 @@ class ModelConfig:
         def bad(msg: str) -> None:
             raise ConfigError(f"model config {self.name!r}: {msg}")
 
-        if self.family not in FAMILIES:
-            bad(f"family must be one of {FAMILIES}, got {self.family!r}")
-        if self.norm not in NORMS:
-            bad(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.activation not in ACTIVATIONS:
-            bad(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.position not in POSITIONS:
-            bad(f"position must be one of {POSITIONS}, got {self.position!r}")
+        for k, allowed in (("family", FAMILIES), ("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
+            if getattr(self, k) not in allowed:
+                bad(f"{k} must be one of {allowed}, got {getattr(self, k)!r}")
         for k in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
             if int(getattr(self, k)) <= 0:
                 bad(f"{k} must be a positive integer, got {getattr(self, k)!r}")
@@ -140,10 +135,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        return cls(**d)
+        return cls(**d)  # __post_init__ turns a rope_scaling dict into RopeScaling
 
 
-__all__ = ["ModelConfig", "RopeScaling", "field"]
+__all__ = ["ModelConfig", "RopeScaling"]

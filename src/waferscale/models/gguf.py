@@ -133,16 +133,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     The converter applies w.reshape(n_head, 2, hd/2, ...).swapaxes(1, 2): within each head, rows become the
     interleaved pairs (0, hd/2), (1, hd/2+1), ... We reshape as (n_head, hd/2, 2, ...) and swap back.
     """
-    out = w.shape[0]
-    hd = out // n_head
+    hd = w.shape[0] // n_head
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _metadata(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """"path" and the scalar and short-array metadata (decoded once per file: the tokenizer reuses it)."""
-    meta = gguf_metadata(path, reader=reader)
-    return {"path": str(path), **{k: v for k, v in meta.items()
-                                  if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
 
 def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -187,7 +179,9 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     if cfg.tie_embeddings and "embed.tok.weight" in sd:
         sd["head.lm_head.weight"] = sd["embed.tok.weight"]
     model = model_from_state_dict(cfg, sd, device=device, dtype=dtype, where=f"GGUF file {str(path)!r}")
-    return model, _metadata(reader, path)
+    meta = gguf_metadata(path, reader=reader)  # decoded once per file: the tokenizer reuses it
+    return model, {"path": str(path), **{k: v for k, v in meta.items()
+                                         if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
 
 __all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
