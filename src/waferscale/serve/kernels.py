@@ -1,43 +1,23 @@
 """Small C kernels for CPU serving (decode and prefill), built once per machine with the system C compiler.
 
 Why: a decode step reads every weight once, so a step of a few sequences is bound by memory bandwidth and one
-of many by the FMA units, plus overheads; both bounds are within reach only if the weights stream while the
-FMA units stay busy. (Measured figures: README, "Serving"; bench/serve_decode.py.)
+of many by the FMA units; both bounds are within reach only if the weights stream while the FMA units stay busy
+(figures: README, "Serving"; bench/serve_decode.py). `torch.compile` would generate similar loops, but each
+compiled call pays its guards (x 121 projections per token for SmolLM2-135M) and a long first compile.
 
-- Weights are packed in panels of 16 outputs (`pack`): panel p is W[16p .. 16p + 15] transposed, (in, 16),
-  one sequential stream of memory. The microkernel holds 16 x rows' partial sums for the panel's 16 outputs
-  in 16 AVX-512 registers: per k, one panel load and one broadcast x element and one FMA per row, no
-  horizontal sums, with a software prefetch 2 KiB ahead. It serves one row (decode, memory-bound) and
-  prefill-sized batches (compute-bound) alike, so on CPU float32 every projection runs here.
-- Each output is one FMA chain over k in order, then + bias, then residual +: the same arithmetic whatever
-  the number of rows, the row's place in the batch or the thread that computes it, so results do not depend
-  on the batch or on the thread count.
-- On 4 KiB pages every 4 KiB of weights is a TLB miss, and under virtualisation a costly one: the weights
-  live in one 2 MiB-aligned arena on transparent huge pages (`hugepage_tensor`).
-- A second thread: `set_threads` starts a work-stealing pool that measures whether sharing pays (per size
-  of work) and falls back to one thread when it does not (e.g. when another process holds the other core).
-- `torch.compile` would generate similar loops, but each compiled call pays its guards (x 121 projections
-  per token for SmolLM2-135M) and a long first compile; this C builds in seconds, once per machine (cached).
+- Weights are packed in panels of 16 outputs (`pack`; the microkernel is in csrc/panels.c): one sequential
+  stream that serves one row (decode) and prefill-sized batches alike, so on CPU float32 every projection runs
+  here. Each output is one FMA chain over k in order, so results depend neither on the batch nor on the thread
+  count; the two decode attentions share their arithmetic, so a sequence decodes to the same bits alone or in
+  a batch. `rms_norm` and `silu_mul` agree with torch to float32 rounding (~1e-6 relative), not bit for bit.
+- The weights live in one 2 MiB-aligned arena on transparent huge pages (`hugepage_tensor`).
+- `set_threads` starts a work-stealing pool that measures whether sharing pays (csrc/pool.c).
 
-Kernels (float32, contiguous; results identical whichever thread computes them):
-
-- `linear(x, wp, out, bias=None, residual=None)`: y = residual + x W^T + bias over a packed W, any rows.
-- `decode_attention` (one sequence, consecutive cache slots) and `decode_attention_batch` (several
-  sequences, block-paged cache): rope, KV write and GQA attention of each sequence's new token, with the same
-  arithmetic, so a sequence decodes to the same bits alone or in a batch.
-- `rms_norm`, `silu_mul` (SwiGLU), `argmax` (greedy sampling), and `DecodeStack`: every layer of a
-  Llama-style block stack for one token in one call. They agree with the torch ops to float32 rounding
-  (~1e-6 relative), not bit for bit.
-
-The C source is in csrc/ (package data): serve_kernels.c is the one translation unit and includes the rest
-(kernels.h shared helpers, panels.c, pool.c, attention.c, rowwise.c, decode_layers.c). It is compiled from
-those files where they lie, so the compiler's messages name their lines.
-
-Not available (`available()` is False) when there is no C compiler, when the build fails, or with
-WSC_NO_C_KERNELS=1; the serving code then uses the torch path. The shared object is cached under
-$WSC_CACHE_DIR (default ~/.cache/waferscale), keyed by the csrc/ files' contents, the compiler, the flags
-and this CPU's flags, and written to a temporary name then renamed, so concurrent builds (pipeline stages)
-never see half a file.
+csrc/serve_kernels.c is the one translation unit; it includes the other csrc/ files. Not available
+(`available()` is False) without a C compiler, when the build fails, or with WSC_NO_C_KERNELS=1: serving then
+uses the torch path. The shared object is cached under $WSC_CACHE_DIR (default ~/.cache/waferscale), keyed by
+the csrc/ files, the compiler, the flags and this CPU's flags, and built aside then renamed, so concurrent
+builds (pipeline stages) never see half a file.
 """
 
 from __future__ import annotations
@@ -110,29 +90,20 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, so)
     lib = ctypes.CDLL(str(so))
-    P, L = ctypes.c_void_p, ctypes.c_long
-    lib.wsc_linear.argtypes = [P, P, P, P, P, L, L, L]
-    lib.wsc_linear.restype = ctypes.c_int
-    lib.wsc_rms_norm.argtypes = [P, P, ctypes.c_float, P, L, L]
-    lib.wsc_rms_norm.restype = None
-    lib.wsc_decode_attention.argtypes = [P, P, P, P, L, L, L, L, L, L, ctypes.c_float, P]
-    lib.wsc_decode_attention.restype = ctypes.c_int
-    lib.wsc_decode_attention_batch.argtypes = [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, ctypes.c_float, P, L]
-    lib.wsc_decode_attention_batch.restype = ctypes.c_int
-    lib.wsc_silu_mul.argtypes = [P, P, L, L]
-    lib.wsc_silu_mul.restype = None
-    lib.wsc_argmax.argtypes = [P, L]
-    lib.wsc_argmax.restype = L
-    lib.wsc_argmax_rows.argtypes = [P, L, L, L, P]
-    lib.wsc_argmax_rows.restype = None
-    lib.wsc_decode_layers.argtypes = [P, P, L, L, L, L, L, L, P, P, L, L, L, P]
-    lib.wsc_decode_layers.restype = ctypes.c_int
-    lib.wsc_decode_layers_batch.argtypes = [P, P, L, L, L, L, L, L, L, P, P, L, P, P, L, L, P, P]
-    lib.wsc_decode_layers_batch.restype = ctypes.c_int
-    lib.wsc_stats.argtypes = [P]
-    lib.wsc_stats.restype = None
-    lib.wsc_set_threads.argtypes = [ctypes.c_int]
-    lib.wsc_set_threads.restype = ctypes.c_int
+    P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+    for name, args, res in [
+            ("wsc_linear", [P, P, P, P, P, L, L, L], I),
+            ("wsc_rms_norm", [P, P, F, P, L, L], None),
+            ("wsc_decode_attention", [P, P, P, P, L, L, L, L, L, L, F, P], I),
+            ("wsc_decode_attention_batch", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L], I),
+            ("wsc_silu_mul", [P, P, L, L], None),
+            ("wsc_argmax", [P, L], L),
+            ("wsc_argmax_rows", [P, L, L, L, P], None),
+            ("wsc_decode_layers", [P, P, L, L, L, L, L, L, P, P, L, L, L, P], I),
+            ("wsc_decode_layers_batch", [P, P, L, L, L, L, L, L, L, P, P, L, P, P, L, L, P, P], I),
+            ("wsc_set_threads", [I], I)]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
@@ -162,11 +133,9 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 
 def hugepage_tensor(numel: int) -> Tensor:
     """An uninitialised float32 (numel,) CPU tensor whose memory starts on a 2 MiB boundary and is marked for
-    transparent huge pages before it is first touched (Linux; elsewhere, or if madvise fails, plain pages).
-
-    Why: streaming the weights through 4 KiB pages costs a TLB miss every 4 KiB, and under virtualisation
-    (nested page tables) that costs a large share of one core's read bandwidth (figures: README, "Serving").
-    """
+    transparent huge pages before it is first touched (Linux; elsewhere, or if madvise fails, plain pages):
+    through 4 KiB pages every 4 KiB of weights streamed is a TLB miss, and under virtualisation (nested page
+    tables) a costly one (figures: README, "Serving")."""
     pad = HUGE_PAGE // 4
     raw = torch.empty(numel + pad)
     off = (-raw.data_ptr() % HUGE_PAGE) // 4
@@ -187,22 +156,6 @@ def set_threads(threads: int) -> int:
     if not available():
         return 1
     return int(_lib.wsc_set_threads(max(1, int(threads))))
-
-
-def stats() -> dict:
-    """How the shared products have gone: GB/s measured alone and shared (running averages; 0 = not measured)
-    and how many products ran each way."""
-    if not available():
-        return {}
-    buf = (ctypes.c_long * 4)()
-    _lib.wsc_stats(buf)
-    return {"alone_GBps": 1e6 / buf[0] if buf[0] else 0.0, "shared_GBps": 1e6 / buf[1] if buf[1] else 0.0,
-            "products_alone": buf[2], "products_shared": buf[3]}
-
-
-def usable(*ts: Tensor) -> bool:
-    """Whether these tensors can go to the kernels: float32, contiguous, on the CPU."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
 
 PANEL = 16  # outputs per weight panel (see pack)
@@ -228,14 +181,17 @@ def packed_numel(shape: tuple[int, int]) -> int:
     return -(-shape[0] // PANEL) * PANEL * shape[1]
 
 
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# The kernels below take float32 contiguous CPU tensors.
 def linear(x: Tensor, wp: Tensor, out: int, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """(R, in) x, packed weight `wp` (see pack) of `out` outputs [, (out,) bias, (R, out) residual] -> (R, out)
-    residual + x W^T + bias. All float32 contiguous CPU tensors (see `usable`)."""
+    residual + x W^T + bias."""
     R, n = x.shape
     y = torch.empty(R, out)
-    rc = _lib.wsc_linear(wp.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                         None if residual is None else residual.data_ptr(), y.data_ptr(), R, out, n)
-    if rc != 0:
+    if _lib.wsc_linear(wp.data_ptr(), x.data_ptr(), _ptr(bias), _ptr(residual), y.data_ptr(), R, out, n) != 0:
         raise MemoryError(f"linear over {R} rows: out of memory for the packed input")
     return y
 
@@ -243,15 +199,13 @@ def linear(x: Tensor, wp: Tensor, out: int, bias: Tensor | None = None, residual
 def decode_attention(qkv: Tensor, cos: Tensor | None, sin_signed: Tensor | None, cache: Tensor, slot0: int,
                      S: int, n_head: int, n_kv: int) -> Tensor:
     """One new token of one sequence whose KV is in consecutive slots [slot0, slot0 + S) of `cache`
-    ((2 n_kv, slots, hd), contiguous): rotates q and k of `qkv` ((1, (n_head + 2 n_kv) hd), contiguous; in
-    place) by `cos` / `sin_signed` ((hd,) each, or None), writes k and v to slot slot0 + S - 1 and returns
-    the (1, n_head * hd) attention output (scale 1/sqrt(hd), no mask: every position is visible)."""
+    ((2 n_kv, slots, hd)): rotates q and k of `qkv` ((1, (n_head + 2 n_kv) hd); in place) by `cos` /
+    `sin_signed` ((hd,) each, or None), writes k and v to slot slot0 + S - 1 and returns the (1, n_head * hd)
+    attention output (scale 1/sqrt(hd), no mask: every position is visible)."""
     hd = cache.shape[-1]
     y = torch.empty(1, n_head * hd)
-    rc = _lib.wsc_decode_attention(qkv.data_ptr(), None if cos is None else cos.data_ptr(),
-                                   None if sin_signed is None else sin_signed.data_ptr(), cache.data_ptr(),
-                                   cache.shape[1], slot0, S, n_head, n_kv, hd, hd ** -0.5, y.data_ptr())
-    if rc != 0:
+    if _lib.wsc_decode_attention(qkv.data_ptr(), _ptr(cos), _ptr(sin_signed), cache.data_ptr(), cache.shape[1],
+                                 slot0, S, n_head, n_kv, hd, hd ** -0.5, y.data_ptr()) != 0:
         raise MemoryError(f"decode attention over {S} positions: out of memory for the scores")
     return y
 
@@ -260,15 +214,14 @@ def decode_attention_batch(qkv: Tensor, rows: Tensor, pos: Tensor, cos_t: Tensor
                            cache: Tensor, tables: Tensor, block_size: int, n_head: int, n_kv: int,
                            y: Tensor) -> None:
     """Decode tokens of several sequences over a block-paged cache, one C call: for each b, row rows[b] of
-    `qkv` ((N, (n_head + 2 n_kv) hd), contiguous; rotated in place at position pos[b] by the rotary tables
-    `cos_t` / `sin_t` ((positions, hd), sin with its first half negated; None: no rotation)) writes its k and
-    v to the slot of position pos[b] and attends over positions [0, pos[b]] of its block table tables[b]
-    ((B, max blocks) int64); the result goes to row rows[b] of y ((N, n_head hd), contiguous). rows, pos:
-    (B,) int64. Same arithmetic as `decode_attention`."""
+    `qkv` ((N, (n_head + 2 n_kv) hd); rotated in place at position pos[b] by the rotary tables `cos_t` /
+    `sin_t` ((positions, hd), sin with its first half negated; None: no rotation)) writes its k and v to the
+    slot of position pos[b] and attends over positions [0, pos[b]] of its block table tables[b] ((B, max
+    blocks) int64); the result goes to row rows[b] of y ((N, n_head hd)). rows, pos: (B,) int64. Same
+    arithmetic as `decode_attention`."""
     hd = cache.shape[-1]
     rc = _lib.wsc_decode_attention_batch(
-        qkv.data_ptr(), qkv.shape[1], rows.data_ptr(), rows.shape[0], pos.data_ptr(),
-        None if cos_t is None else cos_t.data_ptr(), None if sin_t is None else sin_t.data_ptr(),
+        qkv.data_ptr(), qkv.shape[1], rows.data_ptr(), rows.shape[0], pos.data_ptr(), _ptr(cos_t), _ptr(sin_t),
         cache.data_ptr(), cache.shape[1], tables.data_ptr(), tables.shape[1], block_size, n_head, n_kv, hd,
         hd ** -0.5, y.data_ptr(), y.shape[1])
     if rc != 0:
@@ -276,7 +229,7 @@ def decode_attention_batch(qkv: Tensor, rows: Tensor, pos: Tensor, cos_t: Tensor
 
 
 def silu_mul(gu: Tensor, n: int) -> Tensor:
-    """(R, 2n) fused gate|up -> (R, n) silu(gate) * up; float32 contiguous CPU."""
+    """(R, 2n) fused gate|up -> (R, n) silu(gate) * up."""
     R = gu.shape[0]
     y = torch.empty(R, n)
     _lib.wsc_silu_mul(gu.data_ptr(), y.data_ptr(), R, n)
@@ -284,13 +237,12 @@ def silu_mul(gu: Tensor, n: int) -> Tensor:
 
 
 def argmax(x: Tensor) -> int:
-    """Index of the first maximum of a 1-D float32 contiguous CPU tensor (the first NaN if any, as torch)."""
+    """Index of the first maximum of a 1-D tensor (the first NaN if any, as torch)."""
     return int(_lib.wsc_argmax(x.data_ptr(), x.shape[0]))
 
 
 def argmax_rows(x: Tensor, n: int | None = None) -> list[int]:
-    """`argmax` of each row of a 2-D float32 CPU tensor with unit column stride, over its first n columns
-    (None: all)."""
+    """`argmax` of each row of a 2-D tensor with unit column stride, over its first n columns (None: all)."""
     R, V = x.shape
     n = V if n is None else min(n, V)
     if x.stride(1) != 1 or n < 1:
@@ -300,39 +252,45 @@ def argmax_rows(x: Tensor, n: int | None = None) -> list[int]:
     return out.tolist()
 
 
-class _LayerT(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_void_p) for f in
-                ("attn_norm", "wqkv", "bqkv", "wo", "bo", "mlp_norm", "wgu", "bgu", "wd", "bd")] + \
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """(R, n) x, (n,) w -> (R, n) RMSNorm(x) * w."""
+    R, n = x.shape
+    y = torch.empty(R, n)
+    _lib.wsc_rms_norm(x.data_ptr(), w.data_ptr(), eps, y.data_ptr(), R, n)
+    return y
+
+
+_LAYER_PTRS = ("attn_norm", "wqkv", "bqkv", "wo", "bo", "mlp_norm", "wgu", "bgu", "wd", "bd")
+
+
+class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
+    _fields_ = [(f, ctypes.c_void_p) for f in _LAYER_PTRS] + \
         [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)]
 
 
 class DecodeStack:
-    """Layers of Llama-style blocks (RMSNorm, fused q|k|v, GQA attention, fused gate|up SwiGLU) for one decode
-    token of one sequence at a time, in one C call. Holds references to every tensor it points at."""
+    """Layers of Llama-style blocks (RMSNorm, fused q|k|v, GQA attention, fused gate|up SwiGLU) for decode
+    tokens, every layer in one C call. Holds references to every tensor it points at."""
 
     def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
-        for absent biases) and cache ((2 n_kv, slots, hd)); float32 contiguous CPU tensors."""
+        for absent biases) and cache ((2 n_kv, slots, hd))."""
         self._keep = layers
         self.n, self.nh, self.nkv, self.hd, self.ffn = len(layers), n_head, n_kv, head_dim, ffn
         self.C = layers[0]["attn_norm"].shape[0]
         self.slots = layers[0]["cache"].shape[1]
-        arr = (_LayerT * len(layers))()
-        for t, d in zip(arr, layers):
-            for f in ("attn_norm", "wqkv", "bqkv", "wo", "bo", "mlp_norm", "wgu", "bgu", "wd", "bd", "cache"):
-                setattr(t, f, None if d[f] is None else d[f].data_ptr())
+        self._arr = (_LayerT * len(layers))()
+        for t, d in zip(self._arr, layers):
+            for f in (*_LAYER_PTRS, "cache"):
+                setattr(t, f, _ptr(d[f]))
             t.attn_eps, t.mlp_eps = d["attn_eps"], d["mlp_eps"]
-        self._arr = arr
         self._scratch = torch.empty(self.C + (n_head + 2 * n_kv) * head_dim + n_head * head_dim + 3 * ffn)
 
     def __call__(self, x: Tensor, cos: Tensor | None, sin_signed: Tensor | None, slot0: int, S: int) -> Tensor:
-        """x (1, C) -> (1, C) after every layer; the token's k/v go to slot slot0 + S - 1, attention reads slots
-        [slot0, slot0 + S). x is updated in place (pass a copy if it must survive)."""
-        rc = _lib.wsc_decode_layers(x.data_ptr(), self._arr, self.n, self.C, self.nh, self.nkv, self.hd, self.ffn,
-                                    None if cos is None else cos.data_ptr(),
-                                    None if sin_signed is None else sin_signed.data_ptr(), self.slots, slot0, S,
-                                    self._scratch.data_ptr())
-        if rc != 0:
+        """One token of one sequence: x (1, C) -> (1, C) after every layer, in place (pass a copy if it must
+        survive); the token's k/v go to slot slot0 + S - 1, attention reads slots [slot0, slot0 + S)."""
+        if _lib.wsc_decode_layers(x.data_ptr(), self._arr, self.n, self.C, self.nh, self.nkv, self.hd, self.ffn,
+                                  _ptr(cos), _ptr(sin_signed), self.slots, slot0, S, self._scratch.data_ptr()) != 0:
             raise MemoryError(f"decode attention over {S} positions: out of memory for the scores")
         return x
 
@@ -346,19 +304,9 @@ class DecodeStack:
         nq = (self.nh + 2 * self.nkv) * self.hd
         scratch = torch.empty(R * (self.C + nq + self.nh * self.hd + 3 * self.ffn))
         rows = torch.arange(R)
-        rc = _lib.wsc_decode_layers_batch(x.data_ptr(), self._arr, self.n, R, self.C, self.nh, self.nkv, self.hd,
-                                          self.ffn, None if cos_t is None else cos_t.data_ptr(),
-                                          None if sin_t is None else sin_t.data_ptr(), self.slots, pos.data_ptr(),
-                                          tables.data_ptr(), tables.shape[1], block_size, rows.data_ptr(),
-                                          scratch.data_ptr())
-        if rc != 0:
+        if _lib.wsc_decode_layers_batch(x.data_ptr(), self._arr, self.n, R, self.C, self.nh, self.nkv, self.hd,
+                                        self.ffn, _ptr(cos_t), _ptr(sin_t), self.slots, pos.data_ptr(),
+                                        tables.data_ptr(), tables.shape[1], block_size, rows.data_ptr(),
+                                        scratch.data_ptr()) != 0:
             raise MemoryError(f"batched decode of {R} sequences: out of memory")
         return x
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """(R, n) x, (n,) w -> (R, n) RMSNorm(x) * w, float32 contiguous CPU tensors."""
-    R, n = x.shape
-    y = torch.empty(R, n)
-    _lib.wsc_rms_norm(x.data_ptr(), w.data_ptr(), eps, y.data_ptr(), R, n)
-    return y

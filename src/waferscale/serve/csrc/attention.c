@@ -6,7 +6,7 @@
 
 /* ---- one decode token's attention, for one sequence whose KV sits in consecutive cache slots ---------- */
 
-static _Thread_local float* t_scores;
+static _Thread_local void* t_scores;
 static _Thread_local long t_cap;
 
 /* The cache slots of positions [t0, t0 + n) of a sequence: one run of consecutive slots starting at *base.
@@ -43,14 +43,7 @@ static void rope_write(float* qkv, const float* cos, const float* sin_signed, fl
 }
 
 /* this thread's scratch for g * S scores; NULL when out of memory */
-static float* scores_buf(long n) {
-    if (t_cap < n) {
-        float* nb = realloc(t_scores, (size_t)n * sizeof(float) + 64);
-        if (!nb) return NULL;
-        t_scores = nb; t_cap = n;
-    }
-    return t_scores;
-}
+static float* scores_buf(long n) { return grow(&t_scores, &t_cap, n, sizeof(float)); }
 
 /* table == NULL: positions [0, S) in slots [slot0, slot0 + S); else in blocks of bs (see run_of).
    Scores go 16 positions at a time: 16 vector accumulators (q . K_t over hd), then one 16-way tree
@@ -145,7 +138,7 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
     long g = nh / nkv;
     float* sc = scores_buf(g * S);
     if (!sc) return -1;
-    if (t_slot_cap < S) {  /* the slot of every position */
+    if (t_slot_cap < S) {  /* the slot of every position (written out, not grow(): attend's code as measured) */
         long* nb = realloc(t_slot, (size_t)S * sizeof(long) + 64);
         if (!nb) return -1;
         t_slot = nb; t_slot_cap = S;

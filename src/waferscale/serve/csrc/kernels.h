@@ -99,6 +99,17 @@ static inline v16 vexp(v16 x) {
     return (v16)((v16i)y & ~under);
 }
 
+/* this thread's buffer *buf, grown to hold at least n elements of `size` bytes; NULL when out of memory */
+static inline void* grow(void** buf, long* cap, long n, size_t size) {
+    if (*cap < n) {
+        void* nb = realloc(*buf, (size_t)n * size + 64);
+        if (!nb) return NULL;
+        *buf = nb;
+        *cap = n;
+    }
+    return *buf;
+}
+
 #define PANEL 16
 #define TILE 16
 #ifndef PF_DIST

@@ -63,16 +63,9 @@ static long take(long k, int front) {
 }
 
 /* this thread's buffer for one chunk's outputs (n floats); NULL when out of memory */
-static _Thread_local float* t_buf;
+static _Thread_local void* t_buf;
 static _Thread_local long t_buf_cap;
-static float* chunk_buf(long n) {
-    if (t_buf_cap < n) {
-        float* nb = realloc(t_buf, (size_t)n * sizeof(float) + 64);
-        if (!nb) return NULL;
-        t_buf = nb; t_buf_cap = n;
-    }
-    return t_buf;
-}
+static float* chunk_buf(long n) { return grow(&t_buf, &t_buf_cap, n, sizeof(float)); }
 
 static inline int enter(uint64_t gen) {
     atomic_fetch_add(&g_inflight, 1);
@@ -196,21 +189,12 @@ static double g_ns[2], g_bytes[2];  /* [0]: caller alone, [1]: shared */
 static double g_cns[NCLASS][2], g_cbytes[NCLASS][2];
 static long g_njobs, g_burst_left;
 static int g_burst_mode;
-static long g_count[2];  /* products run alone / shared */
 
 static inline int faster_shared(const double* ns, const double* bytes) {
     return ns[1] * bytes[0] <= ns[0] * bytes[1];
 }
 
-/* out: fs per byte alone, shared (0: not measured yet); products run alone, shared */
-void wsc_stats(long* out) {
-    for (int m = 0; m < 2; m++) {
-        out[m] = g_bytes[m] > 0 ? (long)(g_ns[m] * 1e6 / g_bytes[m]) : 0;
-        out[2 + m] = g_count[m];
-    }
-}
-
-static _Thread_local float* t_xt;
+static _Thread_local void* t_xt;
 static _Thread_local long t_xt_cap;
 
 /* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed (see panels.c), x (rows, in), y/res (rows, out).
@@ -220,11 +204,7 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
                long rows, long out, long in) {
     const float* xt = x;
     if (rows > 1) {  /* (one row is its own transpose) */
-        if (t_xt_cap < rows * in) {
-            float* nb = realloc(t_xt, (size_t)rows * in * sizeof(float) + 64);
-            if (!nb) return -1;
-            t_xt = nb; t_xt_cap = rows * in;
-        }
+        if (!grow(&t_xt, &t_xt_cap, rows * in, sizeof(float))) return -1;
         pack_x(x, rows, in, t_xt);
         xt = t_xt;
     }
@@ -260,7 +240,6 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
         g_burst_left--;
     }
     long t0 = now_ns();
-    g_count[shared]++;
     if (shared) count &= run_pool(&j, cp, nc, ns); else panels_into(&j, 0, np, y, out);
     if (count) {  /* decay: overall, the last ~64 MB-weighted products of each way count; per class, ~4 */
         double dt = (double)(now_ns() - t0), keep = 1.0 - bytes / (bytes + 64e6);
