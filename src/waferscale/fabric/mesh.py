@@ -367,27 +367,18 @@ class Mesh:
     @staticmethod
     def tree_depth(tree: tuple[dict, dict], root: Coord) -> int:
         """Hops from the physical `root` to the farthest delivering node of a multicast tree."""
-        children, deliver = tree
-        depth, todo, best = {root: 0}, [root], 0
-        while todo:
-            v = todo.pop()
-            if v in deliver:
-                best = max(best, depth[v])
-            for q in children.get(v, ()):
-                depth[q] = depth[v] + 1
-                todo.append(q)
-        return best
+        depth = Mesh.tree_depths(tree, root)
+        return max((depth[v] for v in tree[1] if v in depth), default=0)
 
     # ---- defect files ----------------------------------------------------------------------------------
-    def defects_json(self) -> dict:
-        return {"format": DEFECT_FORMAT, "rows": int(self.dead_cores.shape[0]), "cols": int(self.dead_cores.shape[1]),
-                "dead_cores": np.argwhere(self.dead_cores).tolist(),
-                "dead_links": [[int(r), int(c), "E"] for r, c in np.argwhere(self.dead_east)]
-                + [[int(r), int(c), "S"] for r, c in np.argwhere(self.dead_south)]}
-
     def save_defects(self, path: str | os.PathLike) -> Path:
         """Write the defect map (format in the module docstring) atomically."""
-        return atomic_write_json(path, self.defects_json())
+        R, C = self.dead_cores.shape
+        return atomic_write_json(path, {
+            "format": DEFECT_FORMAT, "rows": int(R), "cols": int(C),
+            "dead_cores": np.argwhere(self.dead_cores).tolist(),
+            "dead_links": [[int(r), int(c), "E"] for r, c in np.argwhere(self.dead_east)]
+            + [[int(r), int(c), "S"] for r, c in np.argwhere(self.dead_south)]})
 
     def summary(self) -> str:
         R, C = self.dead_cores.shape

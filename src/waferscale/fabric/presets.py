@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 
 from waferscale.errors import ConfigError
-from waferscale.fabric.spec import FabricSpec, SystemSpec
+from waferscale.fabric.spec import FabricSpec
 
 _COMMON = dict(
     sram_bytes_per_pe=48 * 1024,  # Chip: "SRAM per PE 48 KB" (A)
@@ -66,7 +66,3 @@ def parse_pes(text: str) -> tuple[int, int]:
     if r <= 0 or c <= 0:
         raise ConfigError(f"--pes must be positive, got {text!r}")
     return r, c
-
-
-def system_from_name(name: str, systems: int = 1, **kw) -> SystemSpec:
-    return SystemSpec(fabric_from_name(name, **kw), systems)

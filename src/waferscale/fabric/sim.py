@@ -17,8 +17,7 @@ What is simulated, event by event (a heap ordered by cycle):
 
 Omitted: finite router buffers and back-pressure (queues are unbounded), color/route table limits (checked by
 the cost model, not timed here), task-switch overhead, and sending from memory costs no core cycles.
-
-`simulate(kind, spec, ...)` returns the cycle at which the last event of the kernel happens.
+Every `sim_*` returns the cycle at which the last event of the kernel happens.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from typing import Callable
 
 import numpy as np
 
-from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Coord, Mesh
 from waferscale.fabric.schedules import reduce_parents, used
@@ -96,11 +94,7 @@ class EventSim:
         if self.ready[pe] and pe not in self.busy:
             self._start(t, pe)
 
-    # ---- streams ---------------------------------------------------------------------------------------
-    def stream(self, pes: list[Coord], branches: list[list[Coord]] = ()) -> tuple[dict, dict]:
-        """A multicast tree through logical `pes` (see `Mesh.multicast_tree`)."""
-        return self.mesh.multicast_tree(pes, branches)
-
+    # ---- streams (multicast trees from `Mesh.multicast_tree`) -------------------------------------------
     def send(self, t: int, src: Coord, tree: tuple[dict, dict], on_deliver: Callable, payload) -> None:
         """Inject one wavelet at logical `src` (through its ramp) into multicast `tree`."""
         node = self.mesh.physical(*src)
@@ -136,10 +130,10 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
     sim = EventSim(spec, mesh, R, C)
     mts, kts = _split(m, R), _split(k, C)
     epw = PE.elems_per_wavelet(spec, dtype)
-    x_trees = [sim.stream([(i, j) for i in range(R)]) for j in range(C)]
+    x_trees = [sim.mesh.multicast_tree([(i, j) for i in range(R)]) for j in range(C)]
     # the PE of row 0 also takes its own x from the stream (loop-back through its ramp)
     x_trees = [(ch, {**dl, sim.mesh.physical(0, j): (0, j)}) for j, (ch, dl) in enumerate(x_trees)]
-    west = {(i, j): sim.stream([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
+    west = {(i, j): sim.mesh.multicast_tree([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
     x_waves = [_chunks(kt, epw) for kt in kts]
     done_x = defaultdict(int)
     ready: dict = defaultdict(set)
@@ -196,7 +190,7 @@ def sim_gemv(spec, m, k, rows, cols, dtype="fp16", mesh=None) -> int:
 # ---- collectives ----------------------------------------------------------------------------------------
 def broadcast_tree(sim: EventSim, R: int, C: int):
     """Root (0, 0) multicasts East along row 0; every row-0 router also multicasts South down its column."""
-    return sim.stream([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
+    return sim.mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
 
 
 def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
@@ -207,7 +201,7 @@ def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     n_children = defaultdict(int)
     for p in parents.values():
         n_children[p] += 1
-    up = {pe: sim.stream([pe, par]) for pe, par in parents.items()}
+    up = {pe: sim.mesh.multicast_tree([pe, par]) for pe, par in parents.items()}
     bcast = broadcast_tree(sim, R, C)
     waves = _chunks(n_elems, PE.elems_per_wavelet(spec, dtype))
     added = defaultdict(int)
@@ -280,8 +274,8 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
     sim = EventSim(spec, mesh, rows, cols)
     R, C = sim.rows, sim.cols
     epw = PE.elems_per_wavelet(spec, dtype)
-    west = {(i, j): sim.stream([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
-    east = {i: sim.stream([(i, j) for j in range(C)]) for i in range(R)}
+    west = {(i, j): sim.mesh.multicast_tree([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
+    east = {i: sim.mesh.multicast_tree([(i, j) for j in range(C)]) for i in range(R)}
     phase_of: dict = defaultdict(int)
     got: dict = defaultdict(int)
     early: dict = defaultdict(list)
@@ -345,15 +339,6 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         for j in range(C):
             sim.at(0, start, (i, j))
     return sim.run()
-
-
-def simulate(kind: str, spec: FabricSpec, **kw) -> int:
-    """Dispatch by kernel name: gemv, gemm, spmv (needs nnz_cols), allreduce, broadcast, elementwise."""
-    fns = {"gemv": sim_gemv, "gemm": sim_gemm, "spmv": sim_gemm, "allreduce": sim_allreduce,
-           "broadcast": sim_broadcast, "elementwise": sim_elementwise}
-    if kind not in fns:
-        raise ConfigError(f"no event simulation for {kind!r}; have {', '.join(fns)}")
-    return fns[kind](spec, **kw)
 
 
 def nnz_columns(W: np.ndarray, rows: int, cols: int) -> np.ndarray:

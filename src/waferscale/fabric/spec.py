@@ -51,10 +51,6 @@ class FabricSpec:
         per = self.fp16_flops_per_cycle_per_pe if dtype in ("fp16", "bf16") else self.fp32_flops_per_cycle_per_pe
         return self.pes * per * self.clock_hz
 
-    @property
-    def diameter_hops(self) -> int:
-        return self.rows + self.cols - 2
-
     def with_clock(self, clock_hz: float) -> "FabricSpec":
         return dataclasses.replace(self, clock_hz=clock_hz)
 
@@ -103,11 +99,3 @@ class SystemSpec:
         12 x 100 GbE ports are 12 parallel trees of 100 Gb/s links, so it is the system I/O for any N."""
         ports = max(1, round(self.fabric.io_bytes_per_s / self.swarmx_port_bytes_per_s))
         return ports * self.swarmx_port_bytes_per_s
-
-    @property
-    def inter_system_bytes_per_s(self) -> float:
-        return self.fabric.io_bytes_per_s
-
-    @property
-    def inter_system_latency_s(self) -> float:
-        return self.fabric.io_latency_s
