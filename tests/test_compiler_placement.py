@@ -5,7 +5,7 @@ import pytest
 
 from waferscale.compiler import compile_model
 from waferscale.compiler._fabric import wafer_map
-from waferscale.compiler.placement import Rect, _partition, snake
+from waferscale.compiler.placement import Rect, snake, split_contiguous as _partition
 from waferscale.compiler.strategy import data_bytes_per_pe
 from waferscale.fabric.presets import fabric_from_name
 

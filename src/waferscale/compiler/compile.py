@@ -14,7 +14,6 @@ and assembles the `Plan`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from waferscale.compiler import project as pj
 from waferscale.compiler._fabric import wafer_map
@@ -26,7 +25,6 @@ from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, data_byte
 from waferscale.compiler.training import plan_training
 from waferscale.errors import ConfigError
 from waferscale.fabric.presets import fabric_from_name
-from waferscale.fabric.spec import FabricSpec
 
 MODES = {"inference": "inference", "infer": "inference", "train": "train", "training": "train"}
 
@@ -70,8 +68,11 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         raise ConfigError(f"the {wafers[0].rows}x{wafers[0].cols} mesh has {usable} usable PEs, fewer than the "
                           f"{len(g.units)} units of {g.name} (one PE per unit at least); use a larger --pes")
     if defects:
-        ctx.say(f"defects: rate {defects:g}, seed {seed}: wafer 0 has {wafers[0].spare_note}; no tile is mapped "
-                f"onto a dead core, {usable:,} usable PEs per wafer (min over systems)")
+        m = wafers[0].mesh
+        ctx.say(f"defects: rate {defects:g}, seed {seed}: wafer 0 has {m.n_dead_cores} dead cores and "
+                f"{m.n_dead_links} dead links; spare rows/columns remapped by fabric.mesh, so the compiler sees a "
+                f"perfect {m.logical_rows}x{m.logical_cols} logical mesh; no tile is mapped onto a dead core, "
+                f"{usable:,} usable PEs per wafer (min over systems)")
     out = plan_inference(ctx, prompt_len, context_len, users) if mode_key == "inference" else \
         plan_training(ctx, batch_size, seq_len)
     regions: list[Region] = out.pop("regions")
@@ -85,14 +86,10 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                        data_bytes_per_pe=data_bytes_per_pe(spec), **out.pop("assumptions", {}))
     return Plan(model=g.name, source=g.source, target=spec.name, systems=systems, mode=mode_key,
                 strategy=out["strategy"], replicas=out["replicas"], wafers_per_pipeline=out["wafers_per_pipeline"],
-                fits_in_sram=out["fits_in_sram"], fabric=_spec_dict(spec),
+                fits_in_sram=out["fits_in_sram"], fabric=dataclasses.asdict(spec),
                 wafers=[{"system": i, "logical_rows": w.rows, "logical_cols": w.cols, "usable_pes": w.usable_pes,
-                         "dead_pes": int(len(w.dead_physical)), "defect_rate": defects, "seed": seed + i}
+                         "dead_pes": w.mesh.n_dead_cores, "defect_rate": defects, "seed": seed + i}
                         for i, w in enumerate(wafers)],
                 workload=out["workload"], graph=g.to_dict(), regions=regions, decisions=ctx.decisions,
                 projection=proj, assumptions=assumptions, bottleneck=proj["bottleneck"],
                 pes_used=sum(r.live_pes for r in regions))
-
-
-def _spec_dict(spec: FabricSpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)

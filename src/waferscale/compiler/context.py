@@ -27,14 +27,14 @@ class CompileContext:
 
     @property
     def defective(self) -> bool:
-        return any(w.mesh is not None and w.mesh.has_defects for w in self.wafers)
+        return any(w.mesh.has_defects for w in self.wafers)
 
     def region_mesh(self, system: int, row: int, col: int, rows: int, cols: int) -> Mesh | None:
         """The placed rectangle's own defect map (`Mesh.subregion`), or None on a perfect wafer."""
-        w = self.wafers[system]
-        if w.mesh is None or not w.mesh.has_defects:
+        mesh = self.wafers[system].mesh
+        if not mesh.has_defects:
             return None
         key = (system, row, col, rows, cols)
         if key not in self._meshes:
-            self._meshes[key] = w.mesh.subregion(row, col, rows, cols)
+            self._meshes[key] = mesh.subregion(row, col, rows, cols)
         return self._meshes[key]

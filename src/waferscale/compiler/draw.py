@@ -143,11 +143,10 @@ def _dead_cores(plan: Plan) -> list[np.ndarray]:
     spec = FabricSpec(**plan.fabric)
     out = []
     for w in plan.wafers:
-        wm = wafer_map(spec, w["defect_rate"], w["seed"])
-        m = wm.mesh
+        m = wafer_map(spec, w["defect_rate"], w["seed"]).mesh
         row_of = {int(pr): i for i, pr in enumerate(np.asarray(m.phys_rows))}
         pts = []
-        for pr, pc in wm.dead_physical.tolist():
+        for pr, pc in np.argwhere(m.dead_cores).tolist():
             i = row_of.get(pr)
             if i is not None:
                 pts.append((i, int(np.searchsorted(np.asarray(m.phys_cols[i]), pc))))

@@ -27,9 +27,8 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Graph, Unit
 from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, crossing_time, decode_latency,
                                           handoff, place_pipelines, with_detours)
-from waferscale.compiler.placement import Rect, grid_boxes, live_count
-from waferscale.compiler.strategy import (PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb,
-                                          split_contiguous)
+from waferscale.compiler.placement import Rect, grid_boxes, split_contiguous
+from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
 REPLICA_CANDIDATES = (1, 2, 3, 4, 6, 8, 9, 12, 16, 20, 24, 25, 32, 36, 48, 49, 64)  # copies per wafer tried
@@ -170,21 +169,20 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     if wpp == 1:
         kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem1))))
     candidates = sorted({k for k in REPLICA_CANDIDATES if k <= kmax})
-    prefixes = [w.dead_prefix() if len(w.dead) else None for w in ctx.wafers]
     best: _Choice | None = None
     for k in candidates:
         boxes = grid_boxes(full, k)
         if len(boxes) != k:
             continue
         R_total = sys_reps * k
-        box_cap = min(live_count(p, boxes[0]) for p in prefixes[:1]) * cap_pe
+        box_cap = boxes[0].area * cap_pe
         pipes = None
         for users_r in _users_to_try(fp, users, R_total, box_cap, wpp, len(units)):
             mem = fp.mem(users_r)  # the most users (up to one per stage) whose KV cache still places
             runs_k = split_contiguous(mem, wpp, cap_w) if k == 1 else [(0, len(units))]
             if runs_k is None:
                 continue
-            pipes = place_pipelines(ctx, units, mem, runs_k, boxes, sys_reps, wpp, prefixes, stage_time)
+            pipes = place_pipelines(ctx, units, mem, runs_k, boxes, sys_reps, wpp, stage_time)
             if pipes is not None:
                 break
         if pipes is None:

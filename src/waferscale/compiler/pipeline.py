@@ -9,9 +9,8 @@ hand-offs on the fabric or through the systems' I/O (`handoff`), one token's tri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
-
-import numpy as np
 
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
@@ -26,37 +25,27 @@ StageTime = Callable[..., pj.Time]  # (unit, rows, cols, mesh=None) -> one stage
 
 
 def place_pipelines(ctx: CompileContext, units: Sequence[Unit], mem: list[int], runs: list[tuple[int, int]],
-                    boxes: list[Rect], sys_reps: int, wpp: int, prefixes: list[np.ndarray | None],
-                    stage_time: StageTime) -> list[Layout] | None:
+                    boxes: list[Rect], sys_reps: int, wpp: int, stage_time: StageTime) -> list[Layout] | None:
     """Every pipeline copy: `sys_reps` groups of `wpp` wafers (wafer j of a group holds the units
-    runs[j] = [lo, hi)), and `len(boxes)` copies inside each wafer. `mem` is bytes per unit, `prefixes` each
-    wafer's dead-PE prefix sum (None: no defects). None when a copy does not place."""
+    runs[j] = [lo, hi)), and `len(boxes)` copies inside each wafer. `mem` is bytes per unit. None when a copy
+    does not place. The logical mesh is perfect, so a run placed once is the same layout in every box, moved."""
     pipes: list[Layout] = []
-    cache: dict = {}
+    placed: dict = {}
     for s_rep in range(sys_reps):
         for bi, box in enumerate(boxes):
+            rep = s_rep * len(boxes) + bi
             regions, times = [], []
             for j, (lo, hi) in enumerate(runs):
-                system = s_rep * wpp + j
-                pre = prefixes[system]
                 key = (lo, hi, box.rows, box.cols)
-                if pre is None and key in cache:  # no defects: the same layout, moved
-                    base = cache[key]
-                    lay = Layout([Region(r.unit, r.name, system, 0, r.stage, r.row - base[1].row + box.row,
-                                         r.col - base[1].col + box.col, r.rows, r.cols, r.live_pes, r.bytes)
-                                  for r in base[0].regions], base[0].stage_times)
-                else:
-                    lay = place_replica(ctx.spec, units[lo:hi], list(range(lo, hi)), mem[lo:hi], box, pre, stage_time,
-                                        system=system, replica=0, stage0=lo)
-                    if lay is None:
-                        return None
-                    if pre is None:
-                        cache[key] = (lay, box)
-                regions += lay.regions
+                if key not in placed:
+                    placed[key] = place_replica(ctx.spec, units[lo:hi], mem[lo:hi], box, stage_time, lo), box
+                lay, at = placed[key]
+                if lay is None:
+                    return None
+                regions += [dataclasses.replace(r, system=s_rep * wpp + j, replica=rep, row=r.row - at.row + box.row,
+                                                col=r.col - at.col + box.col) for r in lay.regions]
                 times += lay.stage_times
-            rep = s_rep * len(boxes) + bi
-            pipes.append(Layout([Region(r.unit, r.name, r.system, rep, r.stage, r.row, r.col, r.rows, r.cols,
-                                        r.live_pes, r.bytes) for r in regions], times))
+            pipes.append(Layout(regions, times))
     return pipes
 
 

@@ -3,8 +3,8 @@
 A replica's units are split into B horizontal bands (contiguous runs of units); within a band, regions sit
 side by side (left to right in even bands, right to left in odd bands), so consecutive regions share an edge,
 and at each band turn the last region of band b sits directly above the first region of band b+1. Widths are
-scaled up to fill each band, so no PE is left idle inside a band. Cost: O(units x bands) per candidate;
-regions are rectangles, dead cores are counted per rectangle from a 2D prefix sum.
+scaled up to fill each band, so no PE is left idle inside a band. Cost: O(units x bands) per candidate.
+The logical mesh has no dead PE (spare remapping, `fabric.mesh`), so a region's PEs are its area.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -47,15 +45,6 @@ class Rect:
         return 0
 
 
-def live_count(prefix: np.ndarray | None, r: Rect) -> int:
-    """PEs in `r` that are not dead (prefix: WaferMap.dead_prefix())."""
-    if prefix is None:
-        return r.area
-    a, b, c, d = r.row, r.col, r.row + r.rows, r.col + r.cols
-    dead = int(prefix[c, d] - prefix[a, d] - prefix[c, b] + prefix[a, b])
-    return r.area - dead
-
-
 def grid_boxes(box: Rect, k: int) -> list[Rect]:
     """Split `box` into k equal sub-rectangles (gr x gc = k, the most square cells), row-major snake order."""
     best = None
@@ -79,27 +68,23 @@ def grid_boxes(box: Rect, k: int) -> list[Rect]:
     return out
 
 
-def snake(need: Sequence[int], box: Rect, *, prefix: np.ndarray | None = None,
-          stage_cost: Callable[[int, int, int, int], float] | None = None,
-          max_bands: int | None = None) -> list[Rect] | None:
-    """Place len(need) regions in `box`, region i with at least need[i] live PEs, as a snake of bands.
+def snake(need: Sequence[int], box: Rect, *,
+          stage_cost: Callable[[int, int, int], float] | None = None) -> list[Rect] | None:
+    """Place len(need) regions in `box`, region i with at least need[i] PEs, as a snake of bands.
 
     Tries every band count B (1..min(units, rows)); keeps the layout whose slowest stage is fastest
-    (`stage_cost(i, rows, cols, live_pes)` -> seconds; default: need/live). None when nothing fits.
+    (`stage_cost(i, rows, cols)` -> seconds; default: need/area). None when nothing fits.
     """
     n = len(need)
     if n == 0:
         return []
-    cost = stage_cost or (lambda i, r, c, live: need[i] / max(live, 1))
+    cost = stage_cost or (lambda i, r, c: need[i] / (r * c))
     best: tuple[tuple[float, float], list[Rect]] | None = None
-    for B in range(1, min(n, box.rows, max_bands or n) + 1):
-        rects = _bands(need, box, B, prefix)
+    for B in range(1, min(n, box.rows) + 1):
+        rects = _bands(need, box, B)
         if rects is None:
             continue
-        lives = [live_count(prefix, r) for r in rects]
-        if any(lv < nd for lv, nd in zip(lives, need)):
-            continue
-        times = [cost(i, r.rows, r.cols, lv) for i, (r, lv) in enumerate(zip(rects, lives))]
+        times = [cost(i, r.rows, r.cols) for i, r in enumerate(rects)]
         key = (max(times), sum(times))
         if not math.isfinite(key[0]):
             continue
@@ -108,14 +93,14 @@ def snake(need: Sequence[int], box: Rect, *, prefix: np.ndarray | None = None,
     return best[1] if best else None
 
 
-def _bands(need: Sequence[int], box: Rect, B: int, prefix: np.ndarray | None) -> list[Rect] | None:
+def _bands(need: Sequence[int], box: Rect, B: int) -> list[Rect] | None:
     heights = [box.rows // B] * B
     heights[-1] += box.rows - sum(heights)  # the last band takes the remainder rows
     h = heights[0]
     widths = [max(1, math.ceil(x / h)) for x in need]
     if max(widths) > box.cols:
         return None
-    groups = _partition(widths, B, box.cols)
+    groups = split_contiguous(widths, B, box.cols)
     if groups is None:
         return None
     rects: list[Rect] = []
@@ -137,26 +122,27 @@ def _bands(need: Sequence[int], box: Rect, B: int, prefix: np.ndarray | None) ->
     return rects
 
 
-def _partition(widths: Sequence[int], B: int, cap_max: int) -> list[tuple[int, int]] | None:
-    """Contiguous split of widths into exactly B non-empty bands (or fewer if there are fewer units), each
-    summing to <= cap_max, minimizing the widest band (binary search on the cap, greedy fill)."""
-    n = len(widths)
-    if B > n:
+def split_contiguous(sizes: Sequence[int], parts: int, cap: int) -> list[tuple[int, int]] | None:
+    """Split `sizes` into exactly `parts` non-empty contiguous runs [lo, hi), each summing to <= cap, the
+    largest run as small as possible (binary search on the cap, greedy fill; then the biggest multi-item run
+    is halved until there are `parts`). None when impossible."""
+    n = len(sizes)
+    if parts > n:
         return None
 
-    def greedy(cap: int) -> list[tuple[int, int]] | None:
-        groups, lo, s = [], 0, 0
-        for i, w in enumerate(widths):
-            if w > cap:
+    def greedy(limit: int) -> list[tuple[int, int]] | None:
+        runs, lo, s = [], 0, 0
+        for i, w in enumerate(sizes):
+            if w > limit:
                 return None
-            if s + w > cap:
-                groups.append((lo, i))
+            if s + w > limit:
+                runs.append((lo, i))
                 lo, s = i, 0
             s += w
-        groups.append((lo, n))
-        return groups if len(groups) <= B else None
+        runs.append((lo, n))
+        return runs if len(runs) <= parts else None
 
-    lo_cap, hi_cap = max(widths), cap_max
+    lo_cap, hi_cap = max(sizes), cap
     if greedy(hi_cap) is None:
         return None
     while lo_cap < hi_cap:
@@ -165,22 +151,21 @@ def _partition(widths: Sequence[int], B: int, cap_max: int) -> list[tuple[int, i
             lo_cap = mid + 1
         else:
             hi_cap = mid
-    groups = greedy(lo_cap)
-    # use exactly B bands: split the widest multi-unit band until there are B (keeps every band non-empty)
-    while groups is not None and len(groups) < B:
-        splittable = [g for g in groups if g[1] - g[0] > 1]
-        if not splittable:
+    runs = greedy(lo_cap)
+    while len(runs) < parts:
+        multi = [r for r in runs if r[1] - r[0] > 1]
+        if not multi:
             return None
-        g = max(splittable, key=lambda g: sum(widths[g[0]:g[1]]))
-        k = groups.index(g)
-        tot, acc, cut = sum(widths[g[0]:g[1]]), 0, g[0] + 1
-        for i in range(g[0], g[1] - 1):
-            acc += widths[i]
+        a, b = max(multi, key=lambda r: sum(sizes[r[0]:r[1]]))
+        k = runs.index((a, b))
+        tot, acc, cut = sum(sizes[a:b]), 0, a + 1
+        for i in range(a, b - 1):
+            acc += sizes[i]
             cut = i + 1
             if acc * 2 >= tot:
                 break
-        groups[k:k + 1] = [(g[0], cut), (cut, g[1])]
-    return groups
+        runs[k:k + 1] = [(a, cut), (cut, b)]
+    return runs
 
 
 def _fill(ws: Sequence[int], total: int) -> list[int]:

@@ -82,7 +82,6 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     several systems the gradients are all-reduced through SwarmX after every step."""
     g, spec = ctx.g, ctx.spec
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
-    prefixes = [w.dead_prefix() if len(w.dead) else None for w in ctx.wafers]
 
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
         return pj.unit_time(spec, u, r, c, n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False,
@@ -94,7 +93,7 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
         boxes = grid_boxes(full, k)
         if len(boxes) != k:
             continue
-        pipes = place_pipelines(ctx, units, mem, [(0, len(units))], boxes, ctx.systems, 1, prefixes, stage_time)
+        pipes = place_pipelines(ctx, units, mem, [(0, len(units))], boxes, ctx.systems, 1, stage_time)
         if pipes is None:
             continue
         p0 = pipes[0]
