@@ -55,10 +55,6 @@ class Unit:
         object.__setattr__(self, "matmuls", tuple(m if isinstance(m, MatMul) else MatMul(**m) for m in self.matmuls))
 
     @property
-    def matmul_params(self) -> int:
-        return sum(m.m * m.k for m in self.matmuls)
-
-    @property
     def matmul_flops_per_token(self) -> int:
         return sum(m.flops_per_token for m in self.matmuls)
 
@@ -109,19 +105,12 @@ class Graph:
         return sum(u.params for u in self.units)
 
     @property
-    def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
-
-    @property
     def kv_elems_per_token(self) -> int:
         return sum(u.kv_elems_per_token() for u in self.units)
 
     @property
     def n_blocks(self) -> int:
         return sum(u.kind == "block" for u in self.units)
-
-    def fwd_flops_per_token(self, context: int = 0) -> int:
-        return sum(u.fwd_flops_per_token(context) for u in self.units)
 
     def model_flops_per_token(self, seq_len: int, training: bool) -> int:
         """Model FLOPs per token as PaLM counts them (matmuls + attention over the full window; element-wise

@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from waferscale.compiler.ir import Graph
 from waferscale.errors import ConfigError
 
 PLAN_VERSION = 1
@@ -100,10 +99,6 @@ class Plan:
         d = dataclasses.asdict(self)
         d.pop("fingerprint_sha256", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-    # ---- views ---------------------------------------------------------------------------------------------
-    def ir(self) -> Graph:
-        return Graph.from_dict(self.graph)
 
     def explain(self) -> str:
         """Why each choice was made, one line per decision."""

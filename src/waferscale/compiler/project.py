@@ -19,12 +19,10 @@ from waferscale.errors import ConfigError
 from waferscale.fabric import cost
 from waferscale.fabric.spec import FabricSpec
 
-LABELS = ("compute", "SRAM", "fabric latency", "routing", "I/O")
-
 
 @dataclass
 class Time:
-    """Seconds, with the share of each bottleneck label."""
+    """Seconds, by bottleneck label (`fabric.cost.BOTTLENECKS`)."""
 
     parts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
@@ -36,8 +34,8 @@ class Time:
         self.parts[label] += seconds
         return self
 
-    def add_cycles(self, cyc, clock_hz: float, scale: float = 1.0) -> "Time":
-        self.parts[_label(cyc.bottleneck)] += scale * cyc.total / clock_hz
+    def add_cycles(self, cyc: cost.Cycles, clock_hz: float) -> "Time":
+        self.parts[cyc.bottleneck] += cyc.total / clock_hz
         return self
 
     def __iadd__(self, o: "Time") -> "Time":
@@ -46,10 +44,7 @@ class Time:
         return self
 
     def scaled(self, f: float) -> "Time":
-        t = Time()
-        for k, v in self.parts.items():
-            t.parts[k] = v * f
-        return t
+        return Time(defaultdict(float, {k: v * f for k, v in self.parts.items()}))
 
     def bottleneck(self) -> str:
         return max(self.parts, key=self.parts.get) if self.parts else "compute"
@@ -57,23 +52,6 @@ class Time:
     def shares(self) -> dict[str, float]:
         tot = self.s or 1.0
         return {k: round(v / tot, 4) for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1]) if v > 0}
-
-
-def _label(b: str) -> str:
-    b = str(b)
-    for lab in LABELS:
-        if b.lower() == lab.lower():
-            return lab
-    low = b.lower()
-    if "sram" in low or "memory" in low:
-        return "SRAM"
-    if "rout" in low:
-        return "routing"
-    if "io" in low or "i/o" in low:
-        return "I/O"
-    if "fabric" in low or "latency" in low or "hop" in low or "fill" in low:
-        return "fabric latency"
-    return "compute"
 
 
 # ---- one unit on one region ------------------------------------------------------------------------------
@@ -121,7 +99,7 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
             out.append(cost.allreduce_cycles(spec, n_tokens, rows, cols, **m))
     except ConfigError:
         return None
-    return tuple((_label(c.bottleneck), float(c.total)) for c in out)
+    return tuple((c.bottleneck, float(c.total)) for c in out)
 
 
 def unit_time(spec: FabricSpec, u: Unit, rows: int, cols: int, *, n_tokens: int, attn_ctx: int,
@@ -158,20 +136,11 @@ def io_time(spec: FabricSpec, nbytes: float, hops: int = 1) -> Time:
     return Time().add("I/O", hops * spec.io_latency_s + nbytes / spec.io_bytes_per_s)
 
 
+_SPEC_FACTS = ("clock_hz", "fp16_flops_per_cycle_per_pe", "fp32_flops_per_cycle_per_pe", "sram_bytes_per_pe",
+               "sram_read_bytes_per_cycle", "link_bytes_per_cycle", "hop_latency_cycles", "ramp_latency_cycles",
+               "io_bytes_per_s", "io_latency_s")
+
+
 def assumptions(spec: FabricSpec, systems: int, dtype: str) -> dict:
-    return {
-        "clock_hz": spec.clock_hz,
-        "fp16_flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe,
-        "fp32_flops_per_cycle_per_pe": spec.fp32_flops_per_cycle_per_pe,
-        "sram_bytes_per_pe": spec.sram_bytes_per_pe,
-        "sram_read_bytes_per_cycle": spec.sram_read_bytes_per_cycle,
-        "link_bytes_per_cycle": spec.link_bytes_per_cycle,
-        "hop_latency_cycles": spec.hop_latency_cycles,
-        "ramp_latency_cycles": spec.ramp_latency_cycles,
-        "io_bytes_per_s": spec.io_bytes_per_s,
-        "io_latency_s": spec.io_latency_s,
-        "peak_fp16_flops_per_wafer": spec.peak_flops("fp16"),
-        "systems": systems,
-        "dtype": dtype,
-        "cost_model": getattr(cost, "__name__", "cost"),
-    }
+    return {**{name: getattr(spec, name) for name in _SPEC_FACTS}, "peak_fp16_flops_per_wafer": spec.peak_flops("fp16"),
+            "systems": systems, "dtype": dtype, "cost_model": cost.__name__}
