@@ -123,18 +123,13 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"cannot store {type(o).__name__} in a checkpoint manifest")
 
 
-def list_checkpoints(model_dir: Path) -> list[tuple[int, Path]]:
-    """Complete-looking checkpoints (manifest present), oldest first."""
+def latest_checkpoint(model_dir: Path) -> Path | None:
+    """The manifest of the newest checkpoint in `model_dir` (one with a manifest), or None."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        return []
+        return None
     found = [(int(m.group(1)), p) for p in model_dir.iterdir() if (m := _NAME.match(p.name))]
-    return sorted(found)
-
-
-def latest_checkpoint(model_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(model_dir)
-    return ckpts[-1][1] if ckpts else None
+    return max(found)[1] if found else None
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:

@@ -157,12 +157,12 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
 
-    def close(self, *, wait_started: bool = True) -> None:
+    def close(self) -> None:
         """Wait for the processes this one started to exit, then leave the process group. The groups and the
         store are released here, not in interpreter teardown, where destroying their threads can abort."""
         if self.failure is not None:
             self.stop_started()
-        elif wait_started:
+        else:
             for p in self.procs.values():
                 try:
                     p.wait(self.timeout_s)

@@ -16,15 +16,10 @@ Schedule of one training step with n units, fetch order 0, 1, ..., n-1, n-2, ...
               gradients in fp32 on the device, hand them to the link (asynchronous) as soon as the unit is done,
               and drop the weights
 
-The link (`runtime/links.py`) decides where weights come from and gradients go: MemoryX in this process, or
-SwarmX's broadcast and reduce. The device holds at most two units' weights, their gradient buffers, the boundary
-activations and one unit's autograd state. With `recompute=False` saved weights are swapped for a key by
-saved-tensor hooks and re-fetched for the backward, so the weights still leave the device after each unit.
-
-Peak device working set: on CUDA, `torch.cuda.max_memory_allocated`. On a CPU "device" there is no separate
-allocator, so the engine counts what it holds in device copies (the `DeviceLedger`): streamed weight buffers,
-gradient buffers, boundary activations and their gradients, and every tensor autograd saves for backward (counted
-once per storage through saved-tensor hooks). Temporaries that live inside a single op are not counted.
+The link (`runtime/links.py`: MemoryX in this process, or SwarmX) supplies weights and takes gradients. The
+device holds at most two units' weights, their gradient buffers, the boundary activations and one unit's autograd
+state. With `recompute=False` saved weights are swapped for a key by saved-tensor hooks and re-fetched for the
+backward, so the weights still leave the device after each unit.
 """
 
 from __future__ import annotations
@@ -44,15 +39,23 @@ from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.trace import Tracer
 
-__all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "nbytes"]
+__all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "nbytes", "fetch_order"]
 
 
 def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def fetch_order(n: int) -> list[int]:
+    """The units a training step fetches, in order: forward 0..n-1, then backward n-2..0 (the last unit's
+    forward and backward run together)."""
+    return list(range(n)) + list(range(n - 2, -1, -1))
+
+
 class DeviceLedger:
-    """Bytes the engine holds on the device, by kind, with the peak of their sum. Thread-safe."""
+    """Bytes the engine holds on the device, by kind, with the peak of their sum (thread-safe): the working set
+    on a CPU "device", which has no allocator of its own. Weight and gradient buffers, boundary activations and
+    their gradients, and what autograd saves (once per storage); not the temporaries inside one op."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,7 +136,7 @@ class StreamingEngine:
 
     units        the model's units in execution order (`runtime.units.model_units`)
     takes_input  unit u is called `unit(h, x)` with the model's input x (units split from a traced forward)
-    loss_fn      `loss_fn(last unit's output, target)` for the fused `step` / `forward_loss`
+    loss_fn      `loss_fn(last unit's output, target)` for the fused `step` and `forward(x, target=...)`
     float_boundaries  under mixed precision, hand fp32 activations from unit to unit (the zoo's LM step)
     track_rng    per unit, whether its recompute replays the RNG its forward saw (default: every unit; dropout
                  may hide anywhere, in a module, a functional call or an attention kernel)
@@ -240,15 +243,23 @@ class StreamingEngine:
     def _hooks(self) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    @contextlib.contextmanager
-    def _counting(self, dev: DeviceUnit, inp: Tensor):
+    def _run_keeping_graph(self, u: int, dev: DeviceUnit, inp: Tensor, target: Tensor | None = None,
+                           rng: tuple[Tensor, Tensor | None] | None = None, recomputing: bool = False
+                           ) -> tuple[Tensor, Tensor, dict[int, int]]:
+        """Unit u with autograd on and its graph kept (for a recompute: replaying `rng`, leaving batch-norm
+        statistics as they were). Returns (input leaf, output, bytes autograd saved per storage)."""
+        leaf = _leaf(inp, u)
         count: dict[int, int] = {}
         self._pack_unit, self._pack_count = dev, count
         self._pack_exclude = inp.untyped_storage().data_ptr() if inp.numel() else 0
         try:
-            yield count
+            with self._hooks(), torch.enable_grad(), rng_restored(rng, self.device), \
+                    self._norm_stats_kept(u, recomputing):
+                out = self._run(u, dev, leaf, target)
         finally:
             self._pack_unit, self._pack_count = None, None
+        self.ledger.alloc("saved", sum(count.values()))
+        return leaf, out, count
 
     # ---- one unit ----
     def _run(self, u: int, dev: DeviceUnit, inp: Tensor, target: Tensor | None) -> Tensor:
@@ -313,7 +324,6 @@ class StreamingEngine:
 
     # ---- the forward over units 0..upto-1, every micro-batch ----
     def _forward_units(self, upto: int, acts: list[list[Tensor]], graphs: dict, rng: dict) -> None:
-        led = self.ledger
         for u in range(upto):
             dev = self._next_unit()
             t0 = time.perf_counter()
@@ -325,14 +335,10 @@ class StreamingEngine:
                     with torch.no_grad():
                         out = self._run(u, dev, inp, None)
                 else:
-                    leaf = _leaf(inp, u)
-                    with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
-                        out = self._run(u, dev, leaf, None)
-                    led.alloc("saved", sum(count.values()))
-                    graphs[u, m] = (leaf, out, count)
-                    out = out.detach()
+                    graphs[u, m] = self._run_keeping_graph(u, dev, inp)
+                    out = graphs[u, m][1].detach()
                 outs.append(out)
-                led.alloc("activations", nbytes(out))
+                self.ledger.alloc("activations", nbytes(out))
             acts.append(outs)
             self._span("main", f"forward unit {u}", t0)
             self._release(dev)
@@ -344,7 +350,6 @@ class StreamingEngine:
                         ) -> Tensor:
         """`fused` = (targets, loss divisor, loss scale): the last unit computes the loss (its forward runs here
         for the first time) and backpropagates it. Returns the sum of the micro-batch losses (0 if not fused)."""
-        led = self.ledger
         loss_sum = torch.zeros((), device=self.device)
         for u in us:
             dev = self._next_unit()
@@ -356,11 +361,8 @@ class StreamingEngine:
             for m in range(len(grad_out)):
                 inp = acts[u][m]
                 if head or self.recompute:
-                    leaf = _leaf(inp, u)
-                    with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad(), \
-                            rng_restored(rng.get((u, m)), self.device), self._norm_stats_kept(u, not head):
-                        out = self._run(u, dev, leaf, fused[0][m] if head else None)
-                    led.alloc("saved", sum(count.values()))
+                    leaf, out, count = self._run_keeping_graph(u, dev, inp, fused[0][m] if head else None,
+                                                               rng.get((u, m)), recomputing=not head)
                 else:
                     leaf, out, count = graphs.pop((u, m))
                 with self._hooks():
@@ -371,7 +373,7 @@ class StreamingEngine:
                         del loss
                     else:
                         torch.autograd.backward(out, grad_out[m])
-                led.free("saved", sum(count.values()))
+                self.ledger.free("saved", sum(count.values()))
                 del out
                 new_grad[m] = self._take_input_grad(u, leaf)
                 del leaf
@@ -410,10 +412,6 @@ class StreamingEngine:
         self.ledger.free("activations", nbytes(acts[u][m]))
         acts[u][m] = None  # type: ignore[call-overload]
 
-    def _schedule(self) -> list[int]:
-        n = self.n
-        return list(range(n)) + list(range(n - 2, -1, -1))
-
     # ---- the zoo's fused step: loss inside the last unit, micro-batches ----
     def step(self, x: Tensor, y: Tensor, *, micro_batch: int, loss_divisor: float, loss_scale: float = 1.0
              ) -> float:
@@ -426,7 +424,7 @@ class StreamingEngine:
         self.ledger.alloc("activations", nbytes(x))
         graphs: dict[tuple[int, int], Any] = {}
         rng: dict[tuple[int, int], Any] = {}
-        self._start_fetches(self._schedule())
+        self._start_fetches(fetch_order(self.n))
         self._forward_units(self.n - 1, acts, graphs, rng)
         loss_sum = self._backward_units(range(self.n - 1, -1, -1), acts, graphs, rng, [None] * len(xs),
                                         (y.split(micro_batch), loss_divisor, loss_scale))
@@ -441,16 +439,12 @@ class StreamingEngine:
         acts: list[list[Tensor]] = [[x]]
         self.ledger.alloc("activations", nbytes(x))
         rng: dict[tuple[int, int], Any] = {}
-        self._start_fetches(self._schedule())
+        self._start_fetches(fetch_order(self.n))
         self._forward_units(self.n - 1, acts, {}, rng)
         u = self.n - 1
         dev = self._next_unit()
-        inp = acts[u][0]
-        leaf = _leaf(inp, u)
         self._bwd_unit = dev
-        with self._counting(dev, inp) as count, self._hooks(), torch.enable_grad():
-            out = self._run(u, dev, leaf, None)
-        self.ledger.alloc("saved", sum(count.values()))
+        leaf, out, count = self._run_keeping_graph(u, dev, acts[u][0])
         self._pending = {"acts": acts, "rng": rng, "leaf": leaf, "dev": dev, "count": count, "inputs": inputs}
         return out, self._pending
 
@@ -495,31 +489,18 @@ class StreamingEngine:
 
     # ---- no gradients ----
     @torch.no_grad()
-    def forward(self, x: Tensor, inputs: tuple[Tensor, ...] = ()) -> Tensor:
-        """The model's output with streamed weights, no gradients."""
+    def forward(self, x: Tensor, inputs: tuple[Tensor, ...] = (), target: Tensor | None = None) -> Tensor:
+        """The model's output with streamed weights, no gradients; with `target`, the last unit's loss_fn."""
         self._inputs = inputs
         try:
             self._start_fetches(list(range(self.n)))
-            h = x
             for u in range(self.n):
                 dev = self._next_unit()
-                h = self._run(u, dev, h, None)
+                x = self._run(u, dev, x, target if u == self.n - 1 else None)
                 self._release(dev)
-            return h
+            return x
         finally:
             self._inputs = ()
-
-    @torch.no_grad()
-    def forward_loss(self, x: Tensor, y: Tensor) -> float:
-        """Mean loss over (x, y) with streamed weights, no gradients."""
-        x, y = x.to(self.device), y.to(self.device)
-        self._start_fetches(list(range(self.n)))
-        h = x
-        for u in range(self.n):
-            dev = self._next_unit()
-            h = self._run(u, dev, h, y if u == self.n - 1 else None)
-            self._release(dev)
-        return float(h)
 
     def reset_stats(self) -> None:
         self.stats = {"wait_weights_s": 0.0, "fetch_busy_s": 0.0, "bytes_in": 0, "bytes_out": 0, "push_s": 0.0}

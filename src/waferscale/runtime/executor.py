@@ -1,9 +1,6 @@
-"""The runtime interface: an Executor runs one training step of a model on the hardware at hand.
-
-The zoo runner (zoo/runner.py) owns the loop (schedule -> execute -> update) and never looks inside an
-executor. `ResidentExecutor` keeps the whole model, its gradients and optimizer state on the device; the
-weight-streaming executor implements the same interface with weights held in MemoryX.
-"""
+"""The runtime interface: an Executor runs one training step of a model on the hardware at hand (the zoo
+runner owns the loop and never looks inside one). `ResidentExecutor` keeps the whole model, its gradients and
+optimizer state on the device; the streaming executors hold the weights in MemoryX."""
 
 from __future__ import annotations
 
@@ -17,7 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.runtime.loss_scale import LossScaler
+from waferscale.runtime.optim import set_lr
 from waferscale.util.dtypes import half_dtype as torch_half_dtype
 
 
@@ -36,14 +36,22 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        from waferscale.errors import ConfigError
-
         raise ConfigError(f"device {name!r} asked for, but no CUDA device is available; use --device cpu")
     return torch.device(name)
 
 
-def peak_host_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def device_budget(device: torch.device, device_memory_bytes: int | None) -> int | None:
+    """The device memory budget: --device_memory_mb, else on CUDA the GPU's memory, else none (a CPU host)."""
+    if device_memory_bytes is None and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return device_memory_bytes
+
+
+def check_loss(loss: float, skipped: bool) -> None:
+    """A step's loss must be finite, unless fp16 overflow skipped the update (the loss scale is lowered)."""
+    if not math.isfinite(loss) and not skipped:
+        raise FloatingPointError(f"training loss became {loss}; lower the learning rate or enable "
+                                 f"gradient clipping (optimizer.max_gradient_norm)")
 
 
 class Executor(ABC):
@@ -99,10 +107,8 @@ class ResidentExecutor(Executor):
         self.max_gradient_norm = max_gradient_norm
         self.scaler: torch.amp.GradScaler | None = None
         if self.half == torch.float16:  # bf16 has fp32's range and needs no loss scaling
-            dynamic = loss_scaling_factor == "dynamic"
-            init = 2.0 ** 16 if dynamic else float(loss_scaling_factor)
-            self.scaler = torch.amp.GradScaler(device.type, init_scale=init,
-                                               growth_interval=2000 if dynamic else 2 ** 31 - 1)
+            rule = LossScaler.from_config(loss_scaling_factor)
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=rule.scale, growth_interval=rule.growth_interval)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -112,8 +118,7 @@ class ResidentExecutor(Executor):
         return torch.autocast(self.device.type, dtype=self.half)
 
     def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepResult:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.model.train()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         mb = self.micro_batch_size or x.shape[0]
@@ -140,9 +145,7 @@ class ResidentExecutor(Executor):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(total)
-        if not math.isfinite(loss_value) and not skipped:
-            raise FloatingPointError(f"training loss became {loss_value}; lower the learning rate or enable "
-                                     f"gradient clipping (optimizer.max_gradient_norm)")
+        check_loss(loss_value, skipped)
         return StepResult(loss=loss_value, tokens=y.numel(), grad_norm=grad_norm, skipped=skipped)
 
     @torch.no_grad()
@@ -171,29 +174,19 @@ class ResidentExecutor(Executor):
     def peak_device_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return peak_host_rss_bytes()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the host's peak RSS (Linux: KiB)
 
 
 # ---- choosing and building an executor -----------------------------------------------------------------
-
-def resident_bytes(num_params: int, optimizer_type: str, momentum: float = 0.0) -> int:
-    """Device bytes a resident run needs for fp32 weights + gradients + optimizer state (activations aside).
-
-    The compiler package has no host-target memory helper, so the `auto` decision is computed here."""
-    from waferscale.runtime.memoryx import STATE_SLOTS
-
-    slots = STATE_SLOTS.get(optimizer_type, 2) if (optimizer_type != "SGD" or momentum) else 0
-    return num_params * 4 * (2 + slots)
-
 
 def choose_execution(execution: str, *, num_params: int, optimizer_type: str, momentum: float,
                      device: torch.device, device_memory_bytes: int | None, num_csx: int = 1) -> tuple[str, str]:
     """("resident" | "streaming", why). auto: resident when weights + gradients + optimizer state fit the device
     budget (--device_memory_mb; on CUDA the GPU's memory; on a CPU without a budget, always), else streaming.
     Several systems (--num_csx > 1) always stream: MemoryX holds the weights and SwarmX feeds every system."""
-    from waferscale.errors import ConfigError
+    from waferscale.runtime.memoryx import state_bytes_per_param
 
-    need = resident_bytes(num_params, optimizer_type, momentum)
+    need = num_params * state_bytes_per_param(optimizer_type, momentum)  # fp32 weights, gradients, optimizer state
     if num_csx > 1:
         if execution == "resident":
             raise ConfigError(f"--num_csx {num_csx} runs data-parallel through SwarmX with weight streaming; "
@@ -201,9 +194,7 @@ def choose_execution(execution: str, *, num_params: int, optimizer_type: str, mo
         return "streaming", f"--num_csx {num_csx}: weights stream from MemoryX through SwarmX"
     if execution != "auto":
         return execution, f"--execution {execution}"
-    budget = device_memory_bytes
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory
+    budget = device_budget(device, device_memory_bytes)
     if budget is None:
         return "resident", "auto: no device memory budget on a CPU host"
     fits = need <= budget

@@ -4,11 +4,7 @@
                                         in the schedule's fetch order)
     push(u, matrices, vectors) -> Future   unit u's fp32 gradients, taken asynchronously
 
-    LocalLink   MemoryX in this process. On a CPU device the payload is MemoryX's fp32 masters themselves where
-                they are the payload (no copy); on CUDA, pinned staging buffers and one copy stream per direction
-    SwarmLink   SwarmX: weights broadcast from rank 0's MemoryX to every rank, gradients summed back to it by
-                reduce. The same class on every rank: a rank holding MemoryX reads and updates through it (and,
-                when it computes no gradients itself, pushes zeros); the others only receive and send
+`LocalLink` serves MemoryX in this process, `SwarmLink` SwarmX's broadcast and reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +25,8 @@ __all__ = ["LocalLink", "SwarmLink"]
 
 
 class LocalLink:
-    """MemoryX in this process. On CUDA: pinned staging, a copy stream per direction, events."""
+    """MemoryX in this process. On a CPU device the payload is MemoryX's fp32 masters themselves where they are
+    the payload (no copy); on CUDA, pinned staging buffers and one copy stream per direction."""
 
     def __init__(self, memoryx: MemoryX, device: torch.device) -> None:
         self.mx, self.device = memoryx, device
@@ -81,9 +78,10 @@ class LocalLink:
 
 class SwarmLink:
     """Weights by broadcast from rank 0's MemoryX, gradients by reduce (sum) to it, per unit, over the cluster's
-    link groups. `mean`: rank 0 divides the sum by the number of ranks (each rank's loss was its own batch's
-    mean) before MemoryX takes it. A failed collective raises LinkError (from `fetch`, or through the push's
-    future); the caller's `cluster.guard` names the rank that caused it."""
+    link groups; the same class on every rank (only rank 0 holds MemoryX). `mean`: rank 0 divides the sum by the
+    number of ranks (each rank's loss was its own batch's mean) before MemoryX takes it. A failed collective raises
+    LinkError (from `fetch`, or through the push's future); the caller's `cluster.guard` names the rank that caused
+    it."""
 
     def __init__(self, cluster: Cluster, layouts: list[UnitLayout], stream_dtype: torch.dtype, device: torch.device,
                  memoryx: MemoryX | None = None, *, mean: bool = False) -> None:

@@ -20,7 +20,7 @@ class LossScaler:
 
     @classmethod
     def from_config(cls, loss_scaling_factor: float | str) -> "LossScaler":
-        dynamic = loss_scaling_factor == "dynamic"  # as ResidentExecutor's GradScaler
+        dynamic = loss_scaling_factor == "dynamic"  # also the rule of ResidentExecutor's GradScaler
         return cls(2.0 ** 16 if dynamic else float(loss_scaling_factor), 2000 if dynamic else 2 ** 31 - 1)
 
     def update(self, found_inf: bool) -> None:

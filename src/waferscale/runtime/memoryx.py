@@ -1,7 +1,6 @@
-"""MemoryX: the weight store outside the device. fp32 master weights, gradients and optimizer state per unit.
+"""MemoryX: the weight store outside the device. fp32 master weights, gradients and optimizer state per unit
+(a unit stores the parameters it is the first to use: `runtime/layout.py`).
 
-    units       the model's streamable pieces, `model.units()` = [embed, *blocks, head]; unit u owns the
-                parameters it is the first to use (a tied embedding belongs to `embed`, the head borrows it)
     tiers       RAM (pinned when the device is CUDA) for the first units that fit `ram_budget_bytes`, flash
                 (files under `flash_dir`, memory-mapped only while a unit is being read or updated) for the rest
     layout      per unit one flat fp32 buffer per slot ("param", "grad", and one per optimizer state tensor such
@@ -41,12 +40,19 @@ from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
 from waferscale.runtime.layout import ParamEntry, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
+from waferscale.runtime.optim import build_optimizer, set_lr
 
-__all__ = ["MemoryX", "STATE_SLOTS"]
+__all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
-STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1, "Lion": 1,
-               "Lamb": 2}
+STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1,
+               "Lion": 1, "Lamb": 2}
+
+
+def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) -> int:
+    """fp32 master weight + gradient + optimizer state per parameter (SGD without momentum keeps no state)."""
+    slots = 0 if optimizer_type == "SGD" and not momentum else STATE_SLOTS.get(optimizer_type, 2)
+    return 4 * (2 + slots)
 
 
 # ---- storage: RAM tensors or memory-mapped files ----------------------------------------------------------
@@ -131,7 +137,7 @@ class _CheckpointView(nn.Module):
         super().__init__()
         self._tensors = tensors
 
-    def state_dict(self, *args: Any, keep_vars: bool = False, **kwargs: Any) -> "OrderedDict[str, Tensor]":  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> "OrderedDict[str, Tensor]":  # type: ignore[override]
         return OrderedDict(self._tensors)
 
 
@@ -150,14 +156,11 @@ class MemoryX:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
         here as `reset_parameters` would, unit by unit); any other nn.Module with CPU weights and its `units`.
         optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters)."""
-        from waferscale.runtime.optim import build_optimizer
-
         if optimizer.optimizer_type == "Lamb":
             raise ConfigError("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit "
                               "fused update does not compute yet: use AdamW, Adam, SGD or Lion with weight "
                               "streaming, or --execution resident")
-        self.cfg = getattr(model, "config", None)
-        self.opt_params = optimizer
+        cfg = getattr(model, "config", None)
         self.stream_dtype = stream_dtype or torch.float32  # dtype of streamed matrices
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
@@ -166,10 +169,7 @@ class MemoryX:
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
         self.flash_dir = Path(flash_dir) if flash_dir is not None else None
         self.ram_budget_bytes = ram_budget_bytes
-        state_slots = STATE_SLOTS.get(optimizer.optimizer_type, 2)
-        if optimizer.optimizer_type == "SGD" and not optimizer.momentum:
-            state_slots = 0
-        self.bytes_per_param = 4 * (2 + state_slots)  # master + grad + state
+        self.bytes_per_param = state_bytes_per_param(optimizer.optimizer_type, optimizer.momentum)
         # tiers: the first units that fit the RAM budget stay in RAM, the rest go to flash
         if ram_budget_bytes is not None:
             return_freed_memory_to_os()
@@ -199,7 +199,7 @@ class MemoryX:
                 for e in lay.owned:
                     v = flat[e.offset:e.offset + e.numel].view(e.shape)
                     if meta:
-                        _init_like_reset(e.name, v, self.cfg.n_layer, self.cfg.init_std)
+                        _init_like_reset(e.name, v, cfg.n_layer, cfg.init_std)
                     else:
                         v.copy_(skeleton[e.name].detach())
             nb = sum(e.numel for e in lay.owned if e.matrix)
@@ -315,15 +315,11 @@ class MemoryX:
             if owned_vectors:
                 vectors[:owned_vectors].copy_(masters[u][owned_matrices:owned_matrices + owned_vectors])
             for e in lay.entries:
+                dst = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                 if e.owner != u:
-                    dst = matrices if e.matrix else vectors
-                    dst[e.payload_offset:e.payload_offset + e.numel].copy_(masters[e.owner][e.offset:e.offset + e.numel])
-            for e in lay.entries:
+                    dst.copy_(masters[e.owner][e.offset:e.offset + e.numel])
                 if e.name in self._masks:
-                    dst = matrices if e.matrix else vectors
-                    dst[e.payload_offset:e.payload_offset + e.numel].mul_(self._masks[e.name].reshape(-1))
-        with self._stats_lock:
-            self._stats["bytes_in"] += matrices.numel() * matrices.element_size() + vectors.numel() * 4
+                    dst.mul_(self._masks[e.name].reshape(-1))
         return matrices, vectors
 
     def fetch_view(self, u: int) -> tuple[Tensor, Tensor] | None:
@@ -379,7 +375,6 @@ class MemoryX:
         del grads, own
         with self._stats_lock:
             self._stats["grad_writeback_s"] += time.perf_counter() - t0
-            self._stats["bytes_out"] += matrices.numel() * matrices.element_size() + vectors.numel() * vectors.element_size()
         if self.policy == "eager":
             self._update(u, lr, 1.0, 1.0)
 
@@ -424,8 +419,7 @@ class MemoryX:
                 torch._foreach_mul_(grads, inv_scale)
             if self.max_gradient_norm:
                 torch._foreach_mul_(grads, coef)
-            for g in opt.param_groups:
-                g["lr"] = lr
+            set_lr(opt, lr)
             opt.step()
             for e in self.layouts[u].owned:
                 if e.name in self._masks:
@@ -436,7 +430,6 @@ class MemoryX:
         self._unbind(u)
         with self._stats_lock:
             self._stats["optimizer_s"] += time.perf_counter() - t0
-            self._stats["params_updated"] += self.layouts[u].numel
 
     def synchronize(self) -> None:
         """Wait for every pending update (before a checkpoint or an evaluation from the masters)."""
@@ -451,8 +444,7 @@ class MemoryX:
     # ---- observability ----
     @staticmethod
     def _zero_stats() -> dict[str, float]:
-        return {"bytes_in": 0, "bytes_in_place": 0, "bytes_out": 0, "grad_writeback_s": 0.0, "optimizer_s": 0.0,
-                "params_updated": 0}
+        return {"bytes_in_place": 0, "grad_writeback_s": 0.0, "optimizer_s": 0.0}
 
     def take_stats(self) -> dict[str, float]:
         with self._stats_lock:
@@ -485,7 +477,7 @@ class MemoryX:
         raise KeyError(f"no parameter named {name!r}")
 
     # ---- checkpoints (keyed like the resident model and optimizer: they interchange) ----
-    def checkpoint_module(self) -> nn.Module:
+    def checkpoint_module(self, masks: bool = True) -> nn.Module:
         """Master weights under the model's state-dict names (tied weights once); masks as `<name>_mask`."""
         self.synchronize()
         out: "OrderedDict[str, Tensor]" = OrderedDict()
@@ -493,8 +485,8 @@ class MemoryX:
             flat = store.open("param")
             for e in lay.owned:
                 out[e.name] = flat[e.offset:e.offset + e.numel].view(e.shape)
-        for name, m in self._masks.items():
-            out[f"{name}_mask"] = m
+        if masks:
+            out.update((f"{name}_mask", m) for name, m in self._masks.items())
         return _CheckpointView(out)
 
     def load_weights(self, weights: dict[str, Tensor], where: str) -> None:
@@ -502,9 +494,7 @@ class MemoryX:
 
         masks = {k[:-5]: v for k, v in weights.items() if k.endswith("_mask")}
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
-        view = self.checkpoint_module()
-        view._tensors = OrderedDict((k, v) for k, v in view._tensors.items() if not k.endswith("_mask"))
-        load_model_weights(view, plain, where)
+        load_model_weights(self.checkpoint_module(masks=False), plain, where)
         for name, m in masks.items():
             self.set_mask(name, m)
 

@@ -1,30 +1,14 @@
-"""Optimizer math and learning-rate schedules: the one home of both (the cstorch API and the zoo wrap them).
-
-The runtime takes plain arguments: `OptimizerSpec` (which optimizer, its hyper-parameters, the first update's
-learning rate) and a learning rate that is a number or canonical scheduler dicts. Reading them from a params
-file is the zoo's business (`waferscale.zoo.optim`).
+"""Optimizer math and learning-rate schedules: the one home of both. The cstorch API and the zoo wrap them; the
+runtime takes plain arguments (`OptimizerSpec`, canonical scheduler dicts), reading a params file is the zoo's.
 
 A schedule is a pure function of the step, `lr = schedule(step)`, with no state to save: resuming at step k
 gives exactly the learning rate an uninterrupted run would have had. `step` counts optimizer updates already
 made, so `schedule(0)` is the rate of the first update (as Cerebras' schedulers, whose `last_epoch` starts at 0).
 
-The formulas are those of Cerebras' `cstorch.optim.lr_scheduler` (legacy names without the `LR` suffix):
-
-    Constant                   lr
-    Linear                     initial + (end - initial) * min(s, T) / T
-    Polynomial                 end + (initial - end) * (1 - min(s, T) / T) ** power
-    CosineDecay                end + (initial - end) * (1 + cos(pi * min(s, T) / T)) / 2
-    CosineAnnealing            eta_min + (initial - eta_min) * (1 + cos(pi * s / T_max)) / 2   (periodic)
-    Exponential                initial * decay_rate ** (s / T)          (floor(s / T) if staircase)
-    InverseExponentialTimeDecay initial / (1 + decay_rate * s ** step_exponent / T)   (floored if staircase)
-    InverseSquareRootDecay     initial * scale / sqrt(max(s, warmup_steps))
-    Step                       initial * gamma ** floor(s / step_size)
-    MultiStep                  initial * gamma ** (number of milestones <= s)
-    PiecewiseConstant          learning_rates[number of milestones <= s]
-
-with T = total_iters. A list of schedulers runs them one after another (Cerebras' SequentialLR): each phase
-runs its `total_iters` steps counting from its own step 0, and the last phase continues past its own
-total_iters (Linear / Polynomial / CosineDecay then hold their end value).
+The formulas are Cerebras' `cstorch.optim.lr_scheduler` ones (the classes below, named without the `LR`
+suffix; `Linear` is `Polynomial` with power 1). A list of schedulers runs them one after another (Cerebras'
+SequentialLR): each phase runs its `total_iters` steps counting from its own step 0, and the last phase
+continues past its own total_iters (Linear / Polynomial / CosineDecay then hold their end value).
 """
 
 from __future__ import annotations
@@ -343,6 +327,9 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "Adamax": torch.optim.Adamax, "NAdam": torch.optim.NAdam, "RAdam": torch.optim.RAdam,
     "RMSprop": torch.optim.RMSprop, "Lamb": Lamb, "Lion": Lion,
 }
+# the OptimizerSpec fields each optimizer takes besides lr and weight_decay (the others: betas and eps)
+_SPEC_FIELDS = {"SGD": ("momentum", "nesterov"), "Lion": ("betas",), "RMSprop": ("eps", "momentum"),
+                "Adagrad": ("eps",)}
 
 
 @dataclass(frozen=True)
@@ -367,11 +354,8 @@ class OptimizerSpec:
 
 
 def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """A torch optimizer for `params` per `spec`, at the spec's (first-update) learning rate.
-
-    Weight decay goes to parameters with ndim >= 2 only (two param groups, see `param_groups`). SGD uses
-    `momentum` / `nesterov`; Adam is L2-coupled weight decay, AdamW decoupled, as in torch and cstorch. Any
-    object with OptimizerSpec's attributes and a numeric learning_rate is read the same way."""
+    """A torch optimizer for `params` per `spec`, at the spec's (first-update) learning rate, weight decay on the
+    "decay" group only (`param_groups`). Any object with OptimizerSpec's attributes is read the same way."""
     kind = spec.optimizer_type
     cls = OPTIMIZERS.get(kind)
     if cls is None:
@@ -380,19 +364,12 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise ConfigError(f"the optimizer's learning_rate must be a number (the first update's rate), got {lr!r}; "
                           f"for a schedule pass build_schedule(learning_rate)(0)")
+    if kind == "SGD" and spec.nesterov and spec.momentum <= 0:
+        raise ConfigError("optimizer.nesterov: needs optimizer.momentum > 0")
     groups = param_groups(params, spec.weight_decay)
-    if kind == "SGD":
-        kwargs: dict[str, Any] = {"momentum": spec.momentum, "nesterov": spec.nesterov}
-        if spec.nesterov and spec.momentum <= 0:
-            raise ConfigError("optimizer.nesterov: needs optimizer.momentum > 0")
-    elif kind == "Lion":
-        kwargs = {"betas": tuple(spec.betas)}
-    elif kind in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Lamb"):
-        kwargs = {"betas": tuple(spec.betas), "eps": spec.eps}
-    elif kind == "RMSprop":
-        kwargs = {"eps": spec.eps, "momentum": spec.momentum}
-    else:  # Adagrad
-        kwargs = {"eps": spec.eps}
+    kwargs: dict[str, Any] = {k: getattr(spec, k) for k in _SPEC_FIELDS.get(kind, ("betas", "eps"))}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
     if kind not in ("Lamb", "Lion"):  # (ours are multi-tensor already)
         kwargs.update(fused_or_foreach(cls, groups))
     return cls(groups, lr=float(lr), **kwargs)

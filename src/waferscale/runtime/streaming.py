@@ -1,13 +1,8 @@
 """Weight streaming of a zoo language model on one system: the executor `wsc run --execution streaming` drives.
 
-The schedule itself is the streaming engine's (`runtime/engine.py`); this module adds what a zoo LM run needs
-around it: a skeleton model with meta parameters, the device-memory plan that decides between recomputing and
-keeping each unit's graph, the per-step figures (no-stall condition) and the Executor interface (train_step,
-eval_loss, checkpoints through MemoryX).
-
-The device holds at most two units' weights, their gradient buffers, the boundary activations and one unit's
-autograd state. When the device budget holds every unit's autograd state, `plan_device_memory` (under
-recompute="auto") lets the engine keep each unit's graph instead of recomputing it.
+Around the streaming engine's schedule (`runtime/engine.py`): a skeleton model with meta parameters, the
+device-memory plan (under recompute="auto", keep every unit's graph when the budget holds them all), the per-step
+figures (no-stall condition) and the Executor interface, checkpoints through MemoryX.
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM, lm_loss
-from waferscale.runtime.engine import StreamingEngine, nbytes
-from waferscale.runtime.executor import Executor, StepResult
+from waferscale.runtime.engine import StreamingEngine, fetch_order, nbytes
+from waferscale.runtime.executor import Executor, StepResult, check_loss, device_budget
 from waferscale.runtime.links import LocalLink
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.memoryx import MemoryX
@@ -131,7 +126,7 @@ def plan_device_memory(skeleton: CausalLM, layouts: list[UnitLayout], *, batch: 
     n = len(units)
     hb = torch.empty((), dtype=half).element_size() if half else 4
     pay = [lay.payload_bytes(hb) for lay in layouts]
-    order = list(range(n)) + list(range(n - 2, -1, -1))
+    order = fetch_order(n)
     weights = max(pay[a] + pay[b] for a, b in zip(order, order[1:])) if n > 1 else pay[0]
     gbytes = [4 * (lay.n_matrices + lay.n_vectors) for lay in layouts]
     grads = max(gbytes[a] + gbytes[b] for a, b in zip(order[::-1], order[::-1][1:])) if n > 1 else gbytes[0]
@@ -205,7 +200,6 @@ class StreamingExecutor(MemoryXExecutor):
         self._planned_for: tuple[int, int] | None = None
         self.plan: MemoryPlan | None = None
         self._trace_path: Path | None = None
-        self.last_stats: dict[str, Any] = {}
         self._weight_params = sum(lay.numel for lay in memoryx.layouts)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -217,9 +211,7 @@ class StreamingExecutor(MemoryXExecutor):
         mb = self.micro_batch_size or batch
         plan = plan_device_memory(self.skeleton, self.mx.layouts, batch=batch, micro_batch=min(mb, batch),
                                   seq_len=seq_len, half=self.half, device_type=self.device.type)
-        budget = self.device_memory_bytes
-        if self.device.type == "cuda" and budget is None:
-            budget = torch.cuda.get_device_properties(self.device).total_memory
+        budget = device_budget(self.device, self.device_memory_bytes)
         if budget is not None and plan.with_recompute > budget:
             raise ConfigError(f"--device_memory_mb {budget / 2**20:,.0f} is a budget smaller than one unit: "
                               f"streaming needs at least {plan.describe(plan.with_recompute)}; raise the budget "
@@ -260,20 +252,16 @@ class StreamingExecutor(MemoryXExecutor):
             tracer.span("main", "wait gradients / clip", t_bwd, t1)
             tracer.write(self._trace_path)
             self._trace_path, eng.tracer = None, None
-        if not math.isfinite(loss) and not skipped:
-            raise FloatingPointError(f"training loss became {loss}; lower the learning rate or enable "
-                                     f"gradient clipping (optimizer.max_gradient_norm)")
-        self.last_stats = self._observe(eng.stats, self.mx.take_stats(), t1 - t0, x.numel(), T)
-        return StepResult(loss=loss, tokens=y.numel(), grad_norm=grad_norm, skipped=skipped,
-                          stats=self.last_stats)
+        check_loss(loss, skipped)
+        stats = self._observe(eng.stats, self.mx.take_stats(), t1 - t0, x.numel(), T)
+        return StepResult(loss=loss, tokens=y.numel(), grad_norm=grad_norm, skipped=skipped, stats=stats)
 
     def _observe(self, es: dict[str, float], ms: dict[str, float], step_s: float, tokens: int, T: int
                  ) -> dict[str, Any]:
         s = dict(es)
         s["compute_s"] = max(0.0, step_s - s["wait_weights_s"] - s["push_s"])
-        s["grad_writeback_s"] = ms["grad_writeback_s"]
-        s["optimizer_s"] = ms["optimizer_s"]
-        s["bytes_in_place"] = ms["bytes_in_place"]  # of bytes_in: read where MemoryX keeps them (CPU device)
+        # bytes_in_place: of bytes_in, read where MemoryX keeps them (CPU device)
+        s.update({k: ms[k] for k in ("grad_writeback_s", "optimizer_s", "bytes_in_place")})
         s["peak_device_bytes"] = self.peak_device_bytes()
         s["recompute"] = bool(self.engine and self.engine.recompute)
         flops = self.skeleton.config.flops_per_token(T, training=True) * tokens * (4 / 3 if s["recompute"] else 1)
@@ -281,7 +269,7 @@ class StreamingExecutor(MemoryXExecutor):
 
     def eval_loss(self, x: Tensor, y: Tensor) -> float:
         eng = self._ensure_engine(*x.shape) if self.engine is None else self.engine
-        return eng.forward_loss(x, y)
+        return float(eng.forward(x.to(self.device), target=y.to(self.device)))
 
     def peak_device_bytes(self) -> int:
         if self.device.type == "cuda":

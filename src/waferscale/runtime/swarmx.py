@@ -5,23 +5,17 @@
                   gradients leave by reduce; they hold no weights, no optimizer state and no data
 
 Per step: rank 0 publishes the command on the store, scatters each worker its rows of the global batch (the
-rows `BatchLoader(rank=r, world_size=N)` would give), then per unit broadcasts the weights (forward order, then
-backward order, as the single-system executor fetches them) and receives the gradient sum by reduce. Each
-worker's loss is divided by N, so the reduced gradient is the global batch's: MemoryX then clips and updates
-exactly as with one system, and checkpoints are the same files whatever N is.
+rows `BatchLoader(rank=r, world_size=N)` would give), then per unit broadcasts the weights (in the engine's fetch
+order) and receives the gradient sum by reduce. Each worker's loss is divided by N, so the reduced gradient is the
+global batch's: MemoryX then clips and updates exactly as with one system, and checkpoints are the same files
+whatever N is.
 
-Three process groups keep collectives ordered without locks: the default group (scatter, step figures) on the
-main threads, one for weight broadcasts (the prefetch thread on workers, a broadcast thread on rank 0) and one for
-gradient reduces (a write-back thread on each side). Transport: gloo. MemoryX is a host role, so its links carry
-host tensors; CUDA workers copy to and from their GPU (NCCL would only help worker-to-worker collectives, which
-this topology does not have).
-
-The processes, groups, heartbeats and diagnosis are the cluster's (`runtime/cluster.py`); weights and gradients
-travel over its `SwarmLink` (`runtime/links.py`), the same link the cstorch API's systems use. Launch: locally
-`wsc run ... --num_csx N` starts N worker processes; across machines run the same command under torchrun with
-N + 1 processes (rank 0 is MemoryX). Faults: collectives time out after `timeout_s`; rank 0 then names the worker
-(a dead process, or the one whose heartbeat fell behind), stops the others and raises SwarmXFailure; checkpoints
-are written atomically, so the last one loads and a rerun resumes from it.
+Transport: gloo. MemoryX is a host role, so its links carry host tensors; CUDA workers copy to and from their GPU
+(NCCL would only help worker-to-worker collectives, which this topology does not have). The processes, groups,
+heartbeats and fault diagnosis are the cluster's (`runtime/cluster.py`); weights and gradients travel over its
+`SwarmLink` (`runtime/links.py`). Locally `wsc run ... --num_csx N` starts N worker processes; across machines run
+the same command under torchrun with N + 1 processes (rank 0 is MemoryX). A fault stops the run with a
+SwarmXFailure naming the worker; rerunning resumes from the last (atomically written) checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +34,8 @@ from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
 from waferscale.runtime.cluster import Cluster, connect, fault_hook, launch, under_torchrun
-from waferscale.runtime.executor import StepResult
+from waferscale.runtime.engine import fetch_order
+from waferscale.runtime.executor import StepResult, check_loss
 from waferscale.runtime.links import SwarmLink
 from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import build_layouts
@@ -73,7 +68,6 @@ class SwarmXExecutor(MemoryXExecutor):
                  device_memory_bytes: int | None = None, recompute: bool | str = "auto",
                  timeout_s: float = 300.0, worker_threads: int | None = None) -> None:
         self.mx, self.n_workers, self.timeout_s = memoryx, num_csx, timeout_s
-        self.half = torch_half_dtype(half_dtype)
         self.micro_batch_size = micro_batch_size
         self._threads_before: int | None = None
         self._seq = 0
@@ -134,7 +128,7 @@ class SwarmXExecutor(MemoryXExecutor):
         peak = torch.zeros(1, dtype=torch.float64)
         self._guard("scatter the batch", lambda: dist.scatter(recv, [recv, *rows.unbind(0)], src=0))
         n = self.mx.n_units
-        fb = self._bcast.submit(lambda: [self.link.fetch(u) for u in list(range(n)) + list(range(n - 2, -1, -1))])
+        fb = self._bcast.submit(lambda: [self.link.fetch(u) for u in fetch_order(n)])
         pushes = [self.link.push_zeros(u) for u in range(n - 1, -1, -1)]  # rank 0's share of each reduce: zeros
         self._guard("collect step figures", lambda: dist.reduce(figures, 0, op=dist.ReduceOp.SUM))
         self._guard("collect step figures", lambda: dist.reduce(peak, 0, op=dist.ReduceOp.MAX))
@@ -149,12 +143,9 @@ class SwarmXExecutor(MemoryXExecutor):
         stats = {k: v / N for k, v in f.items()}  # per worker
         stats.update({"grad_writeback_s": ms["grad_writeback_s"], "optimizer_s": ms["optimizer_s"],
                       "peak_device_bytes": self._peak, "num_csx": N})
-        stats["compute_s"] = f["compute_s"] / N
         flops = self.cfg.flops_per_token(T, training=True) * b  # per worker
         out = step_observability(stats, step_s=step_s, tokens=b * T, flops=flops, weight_params=self._weight_params)
-        if loss != loss and not skipped:  # NaN
-            raise FloatingPointError(f"training loss became {loss}; lower the learning rate or enable "
-                                     f"gradient clipping (optimizer.max_gradient_norm)")
+        check_loss(loss, skipped)
         return StepResult(loss=loss, tokens=y.numel(), grad_norm=grad_norm, skipped=skipped, stats=out)
 
     # ---- the rest of the Executor interface: MemoryX on this rank ----
