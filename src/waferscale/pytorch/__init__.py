@@ -1,23 +1,7 @@
-"""The cstorch-style API: `import waferscale.pytorch as cstorch`.
+"""The cstorch-style API: `import waferscale.pytorch as cstorch`, Cerebras' names and signatures.
 
-    backend = cstorch.backend("CSX", artifact_dir="./artifacts")   # weight streaming from MemoryX
-    compiled_model = cstorch.compile(model, backend)
-    optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @cstorch.trace
-    def training_step(inputs, targets):
-        loss = loss_fn(compiled_model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    executor = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(input_fn), num_steps=100,
-                                               checkpoint_steps=50)
-    for inputs, targets in executor:
-        loss = training_step(inputs, targets)
-
-`wsc run` drives its runs through this same API (see `waferscale.zoo`).
+A whole training loop is `examples/cstorch_train.py` (the README's cstorch section walks through it); `wsc run`
+drives its runs through this same API (see `waferscale.zoo`).
 """
 
 from waferscale.pytorch import amp, distributed, optim, utils

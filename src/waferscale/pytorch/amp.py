@@ -51,10 +51,6 @@ class GradScaler:
         self.min_loss_scale, self.max_loss_scale = min_loss_scale, max_loss_scale
         self._found_inf: bool | None = None
 
-    @property
-    def scale_value(self) -> float:
-        return self.loss_scaler.scale
-
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scaler.scale
 

@@ -1,21 +1,13 @@
 """`cstorch.compile(model, backend)`: the callable that stands in for the model.
 
-On "CPU"/"GPU" the model runs as it is, resident on that device. On "CSX" it runs by weight streaming, on the
-runtime's streaming engine (`runtime/engine.py`, the same engine `wsc run` uses):
-
-    units      the model's streamable pieces (`runtime/units.py`): `model.units()` where the model has it (every
-               zoo model), the children of an nn.Sequential, else the model split automatically by tracing its
-               forward: each top-level child and each element of a top-level nn.ModuleList holding weights is a
-               unit (a model whose forward cannot be split into a chain streams as one unit, and says why)
-    MemoryX    takes the fp32 weights (the model's parameters then alias its masters, so `model.state_dict()`
-               is always the trained weights) and the optimizer state, and runs the update
-    forward    unit u+1's weights are fetched while unit u computes; only unit-boundary activations are kept
-    backward   in reverse, each unit's weights fetched again and its forward recomputed; its gradients go to
-               MemoryX as soon as they are complete, where (without clipping or loss scaling) the update of
-               that unit runs while the backward pass goes on
-
-The optimizer is bound on the first call: the cstorch optimizer built over these parameters supplies the
-hyperparameters, and its `step()` then completes MemoryX's update.
+On "CPU"/"GPU" the model runs as it is, resident on that device. On "CSX" it runs by weight streaming on the
+runtime's engine (`runtime/engine.py`, the one `wsc run` uses), over the model's units (`runtime/units.py`; the
+README's "What streams"): unit u+1's weights are fetched while unit u computes and only unit-boundary
+activations are kept; backward fetches each unit again, in reverse, recomputes its forward and sends its
+gradients to MemoryX as soon as they are complete (where, without clipping or loss scaling, that unit's update
+runs while the backward pass goes on). The model's parameters alias MemoryX's fp32 masters, so
+`model.state_dict()` is always the trained weights; the cstorch optimizer built over them is bound on the first
+call, and its `step()` completes MemoryX's update.
 """
 
 from __future__ import annotations
@@ -206,10 +198,6 @@ class StreamRunner:
     @property
     def n(self) -> int:
         return self.engine.n
-
-    @property
-    def peak_device_bytes(self) -> int:
-        return self.engine.ledger.peak
 
     def _inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         return (x,) if self.split.takes_input else ()

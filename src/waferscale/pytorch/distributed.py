@@ -1,19 +1,11 @@
 """`cstorch.distributed`: N data-parallel systems (SwarmX) fed by one MemoryX, for a user's own script.
 
-The script runs on every system (SPMD), as under torchrun:
-
-    rank 0       MemoryX (fp32 masters, optimizer state, the update) and system 0; runs the step closures
-                 and checkpoint closures (once per step, with the losses averaged over the systems)
-    ranks 1..N-1 systems 1..N-1: they hold no weights and no optimizer state
-
-Per unit, the weights are broadcast from rank 0 and the gradients reduced (sum) back to it; each system
-trains on its 1/N of every batch the DataExecutor yields, and rank 0 divides the gradient sum by N, so the
-update is the whole batch's: the same as one system. Transport: gloo (MemoryX is a host role).
-
-`ClusterConfig(num_csx=N)` in a plain `python script.py` starts N - 1 more copies of the script on this
-machine (their output goes to `artifact_dir/swarmx_rank{r}.log`); under torchrun (WORLD_SIZE set) the
-processes already exist, across machines too. A system that dies or hangs stops the run after `timeout_s`
-with a message naming it.
+The script runs on every system (SPMD), as under torchrun. Rank 0 holds MemoryX (fp32 masters, optimizer state,
+the update), is system 0, and alone runs the step and checkpoint closures (with the losses averaged over the
+systems); ranks 1..N-1 hold no weights and no optimizer state. Per unit, weights are broadcast from rank 0 and
+gradients reduced (sum) back to it; each system trains on its 1/N of every batch and rank 0 divides the sum by
+N, so the update is the whole batch's, as on one system. Transport: gloo (MemoryX is a host role). How the
+copies of the script start, and what stops a run when one dies or hangs, is the README's "Several systems".
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ def trace(fn: Callable[..., Any]) -> Callable[..., Any]:
             ex._step_done()
         return out
 
-    traced.__wrapped_step__ = True  # type: ignore[attr-defined]
     return traced
 
 

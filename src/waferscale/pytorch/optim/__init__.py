@@ -32,7 +32,8 @@ class _Streamable:
 
     _stream: Any = None
 
-    def _register(self) -> None:
+    def __init__(self, params: Any, *args: Any, **kw: Any) -> None:
+        super().__init__(params, *args, **kw)  # type: ignore[call-arg]
         _registry.add(self)  # type: ignore[arg-type]
 
     def _bind_stream(self, runner: Any) -> None:
@@ -81,7 +82,6 @@ class SGD(_Streamable, torch.optim.SGD):
         params, fast = _fast(torch.optim.SGD, params)
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, **{**fast, **kw})
-        self._register()
 
 
 class Adam(_Streamable, torch.optim.Adam):
@@ -92,7 +92,6 @@ class Adam(_Streamable, torch.optim.Adam):
         params, fast = _fast(torch.optim.Adam, params)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          **{**fast, **kw})
-        self._register()
 
 
 class AdamW(_Streamable, torch.optim.AdamW):
@@ -103,14 +102,12 @@ class AdamW(_Streamable, torch.optim.AdamW):
         params, fast = _fast(torch.optim.AdamW, params)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          **{**fast, **kw})
-        self._register()
 
 
 class Lion(_Streamable, _Lion):
     def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0) -> None:
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
-        self._register()
 
 
 class Lamb(_Streamable, _Lamb):
@@ -121,24 +118,11 @@ class Lamb(_Streamable, _Lamb):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._register()
 
 
-def _plain(torch_cls: type) -> type:
-    class Wrapped(_Streamable, torch_cls):  # type: ignore[valid-type, misc]
-        def __init__(self, params: Any, *args: Any, **kw: Any) -> None:
-            super().__init__(params, *args, **kw)
-            self._register()
-
-    Wrapped.__name__ = Wrapped.__qualname__ = torch_cls.__name__
-    return Wrapped
-
-
-Adagrad = _plain(torch.optim.Adagrad)
-Adamax = _plain(torch.optim.Adamax)
-RMSprop = _plain(torch.optim.RMSprop)
-NAdam = _plain(torch.optim.NAdam)
-RAdam = _plain(torch.optim.RAdam)
+# torch's own signatures and defaults, made streamable
+Adagrad, Adamax, RMSprop, NAdam, RAdam = (type(c.__name__, (_Streamable, c), {}) for c in (
+    torch.optim.Adagrad, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam))
 
 _BY_NAME = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Lamb, Lion, Adagrad, Adamax, RMSprop, NAdam, RAdam)}
 
