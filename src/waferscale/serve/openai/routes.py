@@ -40,28 +40,29 @@ class RateLimiter:
     requests: int = 0
     tokens: int = 0
 
-    def _roll(self, t: float) -> None:
+    def _roll(self) -> float:
+        """Start new windows if the day or the minute changed; returns the time now."""
+        t = time.time()
         day, minute = int(t // 86400), int(t // 60)
         if day != self._day:
             self._day, self.requests = day, 0
         if minute != self._minute:
             self._minute, self.tokens = minute, 0
+        return t
 
     def admit(self) -> bool:
-        t = time.time()
-        self._roll(t)
+        self._roll()
         if self.requests >= self.requests_per_day or self.tokens >= self.tokens_per_minute:
             return False
         self.requests += 1
         return True
 
     def add_tokens(self, n: int) -> None:
-        self._roll(time.time())
+        self._roll()
         self.tokens += n
 
     def headers(self) -> dict[str, str]:
-        t = time.time()
-        self._roll(t)
+        t = self._roll()
         return {"x-ratelimit-limit-requests-day": str(self.requests_per_day),
                 "x-ratelimit-remaining-requests-day": str(max(0, self.requests_per_day - self.requests)),
                 "x-ratelimit-reset-requests-day": f"{86400 - t % 86400:.2f}s",
@@ -223,8 +224,9 @@ class _FanOut:
     sequence; the engine's generate() aborts on cancellation, which frees the KV blocks.
     """
 
-    def __init__(self, s: ServerState, base_id: str, jobs: list[tuple[list[int], SamplingParams]], t0: float):
-        self.s, self.base_id, self.jobs, self.t0 = s, base_id, jobs, t0
+    def __init__(self, s: ServerState, base_id: str, jobs: list[tuple[list[int], SamplingParams]], t0: float,
+                 n_per_prompt: int):
+        self.s, self.base_id, self.jobs, self.t0, self.n_per_prompt = s, base_id, jobs, t0, n_per_prompt
         self.q: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.choices = [_Choice(i) for i in range(len(jobs))]
@@ -290,13 +292,11 @@ class _FanOut:
     def totals(self, created: float) -> tuple[dict[str, int], dict[str, float]]:
         """usage (a prompt counted once however many choices share it) and Cerebras time_info."""
         cs = self.choices
-        prompt = sum(len(p) for p, _ in self.jobs[:: max(1, self.n_per_prompt)])
+        prompt = sum(len(p) for p, _ in self.jobs[::self.n_per_prompt])
         comp = sum(c.completion_tokens for c in cs)
         ti = time_info(max((c.queue for c in cs), default=0.0), max((c.prompt for c in cs), default=0.0),
                        max((c.completion for c in cs), default=0.0), created)
         return usage(prompt, comp), ti
-
-    n_per_prompt: int = 1
 
 
 def _engine_error(e: Exception) -> APIError:
@@ -309,21 +309,29 @@ def _engine_error(e: Exception) -> APIError:
     return APIError(500, f"internal error while generating: {type(e).__name__}: {e}", type="server_error")
 
 
-async def _first_event(fan: _FanOut) -> tuple[AsyncIterator, list]:
-    """Start the sequences and wait for the first output, so that an engine refusal is still an HTTP error."""
+async def _start(fan: _FanOut) -> AsyncIterator[tuple[int, Any]]:
+    """Start the sequences and wait for the first output, so that an engine refusal is still an HTTP error;
+    returns the iterator of every event, that first one included."""
     fan.start()
     it = fan.events().__aiter__()
     try:
-        first = await it.__anext__()
+        first = [await it.__anext__()]
     except StopAsyncIteration:
-        return it, []
+        first = []
     except Exception as e:
         await fan.close()
         raise _engine_error(e) from e
-    return it, [first]
+    return _replay(first, it)
 
 
-async def _drain(request: Request, fan: "_FanOut", it: Any) -> None:
+async def _replay(first: list, it: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    for ev in first:
+        yield ev
+    async for ev in it:
+        yield ev
+
+
+async def _drain(request: Request, fan: _FanOut, it: AsyncIterator) -> None:
     """Run a non-streaming request to completion, aborting it if the client goes away meanwhile."""
     done = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(request, fan, done))
@@ -351,6 +359,26 @@ async def _watch_disconnect(request: Request, fan: _FanOut, done: asyncio.Event)
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _event_stream(fan: _FanOut, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """`chunks` as server-sent events, then [DONE]. An error once the headers are gone is reported in-band, as
+    OpenAI does; the sequences end with the stream."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield _sse(chunk)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            yield _sse(_engine_error(e).body())
+        finally:
+            await fan.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 def _projection_for(s: ServerState, prompt_tokens: int, completion_tokens: int) -> dict[str, Any] | None:
@@ -430,14 +458,9 @@ def _chat_plan(s: ServerState, req: ChatCompletionRequest) -> _ChatPlan:
 
 def _chat_jobs(req: ChatCompletionRequest, plan: _ChatPlan) -> list[tuple[list[int], SamplingParams]]:
     """One engine sequence per choice (`n`), each with its own grammar state and seed + i."""
-    top = req.top_logprobs or 0
-    jobs = []
-    for i in range(req.n):
-        g = st.Grammar(plan.grammar, max_tokens=plan.max_new, free_text=plan.free_text) \
-            if plan.grammar is not None else None
-        jobs.append((plan.prompt, _sampling(req, plan.max_new, logprobs=req.logprobs, top_logprobs=top,
-                                            seed_offset=i, grammar=g)))
-    return jobs
+    g = None if plan.grammar is None else st.Grammar(plan.grammar, max_tokens=plan.max_new, free_text=plan.free_text)
+    return [(plan.prompt, _sampling(req, plan.max_new, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                                    seed_offset=i, grammar=g)) for i in range(req.n)]
 
 
 def _chat_message(req: ChatCompletionRequest, plan: _ChatPlan, c: _Choice) -> tuple[dict[str, Any], str]:
@@ -458,6 +481,12 @@ def _chat_logprobs(req: ChatCompletionRequest, entries: list[dict]) -> dict[str,
     return {"content": [_chat_logprob(e, top) for e in entries]} if req.logprobs else None
 
 
+def _chat_logprob(e: dict, top: int) -> dict[str, Any]:
+    return {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
+                             for t in (e.get("top_logprobs") or [])[:top]]}
+
+
 def _with_totals(s: ServerState, fan: _FanOut, created: float, body: dict[str, Any]) -> dict[str, Any]:
     """body + usage, time_info and (with --target) the wafer projection of this answer."""
     u, ti = fan.totals(created)
@@ -468,18 +497,10 @@ def _with_totals(s: ServerState, fan: _FanOut, created: float, body: dict[str, A
     return body
 
 
-async def _replay(first: list, it: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
-    """The events `_first_event` already took, then the rest."""
-    for ev in first:
-        yield ev
-    async for ev in it:
-        yield ev
-
-
 async def _chat_response(request: Request, s: ServerState, req: ChatCompletionRequest, plan: _ChatPlan,
-                         fan: _FanOut, it: AsyncIterator, base: dict[str, Any], created: float) -> JSONResponse:
+                         fan: _FanOut, events: AsyncIterator, base: dict[str, Any], created: float) -> JSONResponse:
     """The non-streaming answer: every choice run to completion, one chat.completion object."""
-    await _drain(request, fan, it)
+    await _drain(request, fan, events)
     choices = []
     for c in fan.choices:
         msg, reason = _chat_message(req, plan, c)
@@ -488,10 +509,10 @@ async def _chat_response(request: Request, s: ServerState, req: ChatCompletionRe
     return JSONResponse(_with_totals(s, fan, created, {**base, "object": "chat.completion", "choices": choices}))
 
 
-async def _chat_stream(s: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, fan: _FanOut, first: list,
-                       it: AsyncIterator, base: dict[str, Any], created: float) -> AsyncIterator[str]:
-    """The streaming answer as SSE chunks: a role chunk per choice, then text deltas as they come. A reply that
-    is (or, with tools on "auto", starts like) a tool call is held and sent parsed when its choice finishes.
+async def _chat_chunks(s: ServerState, req: ChatCompletionRequest, plan: _ChatPlan, fan: _FanOut,
+                       events: AsyncIterator, base: dict[str, Any], created: float) -> AsyncIterator[dict[str, Any]]:
+    """The streaming answer's chunks: a role chunk per choice, then text deltas as they come. A reply that is
+    (or, with tools on "auto", starts like) a tool call is held and sent parsed when its choice finishes.
     Usage goes on the last choice's final chunk, or with stream_options.include_usage on a chunk of its own."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk = {**base, "object": "chat.completion.chunk"}
@@ -499,55 +520,43 @@ async def _chat_stream(s: ServerState, req: ChatCompletionRequest, plan: _ChatPl
     sent = [0] * len(fan.choices)  # characters of c.text already sent
     lp_sent = [0] * len(fan.choices)
     for c in fan.choices:
-        yield _sse({**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]})
-    try:
-        async for i, out in _replay(first, it):
-            c = fan.choices[i]
-            if mode[i] == "probe":  # tools offered, auto: a reply starting with '<' is a tool call
-                head = c.text.lstrip()
-                if head:
-                    mode[i] = "hold" if head.startswith("<") else "text"
-            delta: dict[str, Any] = {}
-            if mode[i] == "text" and len(c.text) > sent[i]:
-                delta["content"] = c.text[sent[i]:]
+        yield {**chunk, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+    async for i, out in events:
+        c = fan.choices[i]
+        if mode[i] == "probe":  # tools offered, auto: a reply starting with '<' is a tool call
+            head = c.text.lstrip()
+            if head:
+                mode[i] = "hold" if head.startswith("<") else "text"
+        delta: dict[str, Any] = {}
+        if mode[i] == "text" and len(c.text) > sent[i]:
+            delta["content"] = c.text[sent[i]:]
+            sent[i] = len(c.text)
+        logprobs = None
+        if req.logprobs and len(c.logprobs) > lp_sent[i] and mode[i] == "text":
+            logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
+            lp_sent[i] = len(c.logprobs)
+        reason = None
+        if out.finished:
+            msg, reason = _chat_message(req, plan, c)
+            if mode[i] != "text":
+                if msg.get("tool_calls"):
+                    if msg.get("content"):
+                        yield {**chunk, "choices": [{"index": i, "delta": {"content": msg["content"]},
+                                                     "logprobs": None, "finish_reason": None}]}
+                    delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+                elif c.text[sent[i]:]:
+                    delta["content"] = c.text[sent[i]:]
                 sent[i] = len(c.text)
-            logprobs = None
-            if req.logprobs and len(c.logprobs) > lp_sent[i] and mode[i] == "text":
-                logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
-                lp_sent[i] = len(c.logprobs)
-            reason = None
-            if out.finished:
-                msg, reason = _chat_message(req, plan, c)
-                if mode[i] != "text":
-                    if msg.get("tool_calls"):
-                        calls = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
-                        if msg.get("content"):
-                            yield _sse({**chunk, "choices": [{"index": i, "delta": {"content": msg["content"]},
-                                                              "logprobs": None, "finish_reason": None}]})
-                        delta["tool_calls"] = calls
-                    elif c.text[sent[i]:]:
-                        delta["content"] = c.text[sent[i]:]
-                    sent[i] = len(c.text)
-                    if req.logprobs and len(c.logprobs) > lp_sent[i]:
-                        logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
-            if delta or reason or logprobs:
-                last = {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": reason}]}
-                if reason and all(x.finish_reason for x in fan.choices) and not include_usage:
-                    _with_totals(s, fan, created, last)
-                yield _sse(last)
-        if include_usage:
-            yield _sse(_with_totals(s, fan, created, {**chunk, "choices": []}))
-        yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # headers are gone: report in-band, as OpenAI does
-        err = _engine_error(e)
-        yield _sse(err.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        await fan.close()
+                if req.logprobs and len(c.logprobs) > lp_sent[i]:
+                    logprobs = _chat_logprobs(req, c.logprobs[lp_sent[i]:])
+        if delta or reason or logprobs:
+            last = {**chunk, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            if reason and all(x.finish_reason for x in fan.choices) and not include_usage:
+                _with_totals(s, fan, created, last)
+            yield last
+    if include_usage:
+        yield _with_totals(s, fan, created, {**chunk, "choices": []})
 
 
 async def _begin(request: Request, cls: type) -> tuple[ServerState, float, float, Any]:
@@ -566,21 +575,12 @@ async def chat_completions(request: Request) -> Response:
     s, t0, created, req = await _begin(request, ChatCompletionRequest)
     plan = _chat_plan(s, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    fan = _FanOut(s, rid, _chat_jobs(req, plan), t0)
-    fan.n_per_prompt = req.n
+    fan = _FanOut(s, rid, _chat_jobs(req, plan), t0, req.n)
     base = {"id": rid, "created": int(created), "model": s.model_id, "system_fingerprint": s.fingerprint}
-    it, first = await _first_event(fan)
+    events = await _start(fan)
     if not req.stream:
-        return await _chat_response(request, s, req, plan, fan, it, base, created)
-    return StreamingResponse(_chat_stream(s, req, plan, fan, first, it, base, created),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-
-def _chat_logprob(e: dict, top: int) -> dict[str, Any]:
-    return {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                             for t in (e.get("top_logprobs") or [])[:top]]}
+        return await _chat_response(request, s, req, plan, fan, events, base, created)
+    return _event_stream(fan, _chat_chunks(s, req, plan, fan, events, base, created))
 
 
 # ---- completions --------------------------------------------------------------------------------------------
@@ -633,56 +633,45 @@ async def completions(request: Request) -> Response:
     jobs = [(p, _sampling(req, b, logprobs=k is not None, top_logprobs=k or 0, seed_offset=i))
             for p, b in zip(prompts, budgets) for i in range(req.n)]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    fan = _FanOut(s, rid, jobs, t0)
-    fan.n_per_prompt = req.n
+    fan = _FanOut(s, rid, jobs, t0, req.n)
     base = {"id": rid, "object": "text_completion", "created": int(created), "model": s.model_id,
             "system_fingerprint": s.fingerprint}
-    echo = [s.tokenizer.decode(p) if req.echo else "" for p in prompts]
-    it, pending = await _first_event(fan)
+    echo = [s.tokenizer.decode(p) if req.echo else "" for p in prompts for _ in range(req.n)]  # per choice
+    events = await _start(fan)
 
     if not req.stream:
-        await _drain(request, fan, it)
-        choices = [{"index": c.index, "text": echo[c.index // req.n] + c.text, "finish_reason": c.finish_reason,
-                    "logprobs": _legacy_logprobs(c.logprobs, k, len(echo[c.index // req.n])) if k is not None
-                    else None} for c in fan.choices]
+        await _drain(request, fan, events)
+        choices = [{"index": c.index, "text": echo[c.index] + c.text, "finish_reason": c.finish_reason,
+                    "logprobs": _legacy_logprobs(c.logprobs, k, len(echo[c.index])) if k is not None else None}
+                   for c in fan.choices]
         return JSONResponse(_with_totals(s, fan, created, {**base, "choices": choices}))
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    async def stream() -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
         sent = [0] * len(fan.choices)
         lp_sent = [0] * len(fan.choices)
         if req.echo:
             for c in fan.choices:
-                yield _sse({**base, "choices": [{"index": c.index, "text": echo[c.index // req.n],
-                                                 "logprobs": None, "finish_reason": None}]})
-        try:
-            async for i, out in _replay(pending, it):
-                c = fan.choices[i]
-                piece = c.text[sent[i]:]
-                sent[i] = len(c.text)
-                lps = None
-                if k is not None and len(c.logprobs) > lp_sent[i]:
-                    lps = _legacy_logprobs(c.logprobs[lp_sent[i]:], k, 0)
-                    lp_sent[i] = len(c.logprobs)
-                if piece or out.finished or lps:
-                    chunk = {**base, "choices": [{"index": i, "text": piece, "logprobs": lps,
-                                                  "finish_reason": c.finish_reason if out.finished else None}]}
-                    if out.finished and all(x.finish_reason for x in fan.choices) and not include_usage:
-                        u, ti = fan.totals(created)
-                        chunk.update(usage=u, time_info=ti)
-                    yield _sse(chunk)
-            if include_usage:
-                u, ti = fan.totals(created)
-                yield _sse({**base, "choices": [], "usage": u, "time_info": ti})
-            yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            yield _sse(_engine_error(e).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            await fan.close()
+                yield {**base, "choices": [{"index": c.index, "text": echo[c.index], "logprobs": None,
+                                            "finish_reason": None}]}
+        async for i, out in events:
+            c = fan.choices[i]
+            piece = c.text[sent[i]:]
+            sent[i] = len(c.text)
+            lps = None
+            if k is not None and len(c.logprobs) > lp_sent[i]:
+                lps = _legacy_logprobs(c.logprobs[lp_sent[i]:], k, 0)
+                lp_sent[i] = len(c.logprobs)
+            if piece or out.finished or lps:
+                chunk = {**base, "choices": [{"index": i, "text": piece, "logprobs": lps,
+                                              "finish_reason": c.finish_reason if out.finished else None}]}
+                if out.finished and all(x.finish_reason for x in fan.choices) and not include_usage:
+                    u, ti = fan.totals(created)
+                    chunk.update(usage=u, time_info=ti)
+                yield chunk
+        if include_usage:
+            u, ti = fan.totals(created)
+            yield {**base, "choices": [], "usage": u, "time_info": ti}
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return _event_stream(fan, chunks())
