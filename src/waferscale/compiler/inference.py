@@ -53,25 +53,31 @@ class _Footprint:
         return [w + k_ * self.context * users + a for w, k_, a in zip(self.weights, self.kv_per_token, self.acts)]
 
     @property
-    def one_user(self) -> list[int]:
-        return [w + k * self.context + a for w, k, a in zip(self.weights, self.kv_per_token, self.acts)]
-
-    @property
     def kv_per_token_total(self) -> int:
         return sum(self.kv_per_token)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Choice:
-    """The chosen placement: k copies per wafer, users_r users per copy, and the first copy's projection."""
+    """A placement: k copies per wafer (`copies` over all systems), users_r users per copy, and the first
+    copy's decode projection."""
 
-    agg: float  # aggregate decode tokens/s over all copies
     k: int
     pipes: list[Layout]
     users_r: int
+    copies: int
     lat: float  # decode latency, s per token
     breakdown: pj.Time
     stage_max: float  # slowest stage (or wafer crossing), s
+    agg: float  # aggregate decode tokens/s over all copies
+
+    @classmethod
+    def project(cls, ctx: CompileContext, units: list[Unit], pipes: list[Layout], k: int, users_r: int,
+                copies: int, users: int | None, b: int) -> "_Choice":
+        lat, breakdown = decode_latency(ctx, units, pipes[0], b)
+        stage_max = max(max(t.s for t in pipes[0].stage_times), crossing_time(ctx, units, pipes[0], b))
+        agg = min((users or users_r * copies) / lat, copies / stage_max)  # users spread over the copies
+        return cls(k, pipes, users_r, copies, lat, breakdown, stage_max, agg)
 
 
 def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int | None,
@@ -92,10 +98,15 @@ def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int
         return pj.unit_time(ctx.spec, u, r, c, n_tokens=1, attn_ctx=C, dtype=g.dtype, mesh=mesh)
 
     choice, candidates, kmax = _choose_replicas(ctx, units, fp, wpp, sys_reps, users, cap_w, cap_pe, stage_time)
-    if ctx.defective:
-        _charge_detours(ctx, units, choice, sys_reps, users, stage_time, b)
+    if ctx.defective:  # the first copy re-projected on its regions' own routes around dead cores and links
+        lat0 = choice.lat
+        pipes = [with_detours(ctx, units, choice.pipes[0], stage_time), *choice.pipes[1:]]
+        choice = _Choice.project(ctx, units, pipes, choice.k, choice.users_r, choice.copies, users, b)
+        ctx.say(f"detours: each placed region's kernels re-projected on its own routes around dead cores and links "
+                f"(exact routes for regions up to 4,096 PEs, per-link hop estimates above): decode latency "
+                f"{lat0 * 1e6:.2f} -> {choice.lat * 1e6:.2f} us per token (+{(choice.lat / lat0 - 1):.2%})")
     _explain_choice(ctx, units, fp, choice, candidates, kmax, cap_w, users, b)
-    return _result(ctx, units, fp, choice, wpp, sys_reps, users, P, b)
+    return _result(ctx, units, fp, choice, wpp, users, P, b)
 
 
 def _context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | None) -> tuple[int, int]:
@@ -113,21 +124,18 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
     """The fewest wafers one pipeline copy (weights + one user's KV cache) splits over; ConfigError when that
     is more than the systems given (inference never streams weights: decode would be I/O-bound)."""
     g, spec = ctx.g, ctx.spec
-    units, mem1, wb, kv_tok, C = ctx.g.units, fp.one_user, fp.weights, fp.kv_per_token_total, fp.context
-    wpp = None
-    for n in range(max(1, math.ceil(sum(mem1) / cap_w)), min(len(units), max(ctx.systems, 1) + 64) + 1):
-        if split_contiguous(mem1, n, cap_w):
-            wpp = n
-            break
+    units, mem1, wb, kv_tok, C = ctx.g.units, fp.mem(1), fp.weights, fp.kv_per_token_total, fp.context
+    wpp = next((n for n in range(max(1, math.ceil(sum(mem1) / cap_w)), min(len(units), ctx.systems + 64) + 1)
+                if split_contiguous(mem1, n, cap_w)), None)
     if wpp is None or wpp > ctx.systems:
         need = wpp or math.ceil(sum(mem1) / cap_w)
         raise ConfigError(
             f"{g.name} inference needs {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} of KV cache (one user, "
             f"context {C}) on-wafer, but {ctx.systems} x {spec.name} hold {gb(ctx.systems * cap_w)} for data "
-            f"({min(w.usable_pes for w in ctx.wafers):,} PEs x {cap_pe:,} B after a {PROGRAM_RESERVE_BYTES_PER_PE // 1024} "
-            f"KiB/PE program reserve); it needs at least {need} systems (--systems {need})"
-            + ("" if sum(wb) <= need * cap_w else "") +
-            "; streaming weights from MemoryX for decode would be I/O-bound (WSE.md), so inference keeps them on-wafer")
+            f"({min(w.usable_pes for w in ctx.wafers):,} PEs x {cap_pe:,} B after a "
+            f"{PROGRAM_RESERVE_BYTES_PER_PE // 1024} KiB/PE program reserve); it needs at least {need} systems "
+            f"(--systems {need}); streaming weights from MemoryX for decode would be I/O-bound (WSE.md), so "
+            f"inference keeps them on-wafer")
     sys_reps = ctx.systems // wpp
     b = g.dtype_bytes
     if wpp > 1:
@@ -135,8 +143,9 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
                 f"({gb(cap_w)} for data), so the layers are split over {wpp} wafers, balanced by bytes; only "
                 f"activations ({units[0].d_out * b:,} B per token) cross between systems")
     else:
-        ctx.say(f"fits one wafer: {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} KV per user at context {C} "
-                f"<= {gb(cap_w)} of SRAM for data ({cap_pe // 1024} KiB of each PE's {spec.sram_bytes_per_pe // 1024} KiB)")
+        ctx.say(f"fits one wafer: {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} KV per user at context "
+                f"{C} <= {gb(cap_w)} of SRAM for data ({cap_pe // 1024} KiB of each PE's "
+                f"{spec.sram_bytes_per_pe // 1024} KiB)")
     if ctx.systems > wpp:
         ctx.say(f"{sys_reps} independent pipeline copies over {ctx.systems} systems (data-parallel serving)"
                 + (f"; {ctx.systems - sys_reps * wpp} system(s) left idle" if ctx.systems % wpp else ""))
@@ -161,10 +170,8 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     whose KV caches still place; keep the highest aggregate decode rate. Returns (choice, the k tried, kmax);
     ConfigError when no k places the users."""
     b = ctx.g.dtype_bytes
-    mem1 = fp.one_user
+    mem1 = fp.mem(1)
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
-    runs = split_contiguous(mem1, wpp, cap_w)
-    assert runs is not None
     kmax = 1
     if wpp == 1:
         kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem1))))
@@ -187,12 +194,9 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
                 break
         if pipes is None:
             continue
-        p0 = pipes[0]
-        lat, breakdown = decode_latency(ctx, units, p0, b)
-        stage_max = max(max(t.s for t in p0.stage_times), crossing_time(ctx, units, p0, b))
-        agg = min((users or users_r * R_total) / lat, R_total / stage_max)  # users spread over the copies
-        if best is None or agg > best.agg * 1.000001:
-            best = _Choice(agg, k, pipes, users_r, lat, breakdown, stage_max)
+        choice = _Choice.project(ctx, units, pipes, k, users_r, R_total, users, b)
+        if best is None or choice.agg > best.agg * 1.000001:
+            best = choice
     if best is None:
         kv_tok, C = fp.kv_per_token_total, fp.context
         max_users = int((wpp * cap_w - sum(fp.weights) - sum(fp.acts)) // max(1, kv_tok * C))
@@ -202,25 +206,12 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     return best, candidates, kmax
 
 
-def _charge_detours(ctx: CompileContext, units: list[Unit], c: _Choice, sys_reps: int, users: int | None,
-                    stage_time: StageTime, b: int) -> None:
-    """Re-project the first copy on its regions' own routes around dead cores and links (updates `c`)."""
-    lat0 = c.lat
-    c.pipes[0] = with_detours(ctx, units, c.pipes[0], stage_time)
-    c.lat, c.breakdown = decode_latency(ctx, units, c.pipes[0], b)
-    c.stage_max = max(max(t.s for t in c.pipes[0].stage_times), crossing_time(ctx, units, c.pipes[0], b))
-    c.agg = min((users or c.users_r * sys_reps * c.k) / c.lat, sys_reps * c.k / c.stage_max)
-    ctx.say(f"detours: each placed region's kernels re-projected on its own routes around dead cores and links "
-            f"(exact routes for regions up to 4,096 PEs, per-link hop estimates above): decode latency "
-            f"{lat0 * 1e6:.2f} -> {c.lat * 1e6:.2f} us per token (+{(c.lat / lat0 - 1):.2%})")
-
-
 def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, candidates: list[int],
                     kmax: int, cap_w: int, users: int | None, b: int) -> None:
     """The decisions behind the chosen placement: copies, stages, a tied embedding, users, routing colors."""
     g, spec = ctx.g, ctx.spec
     if c.k > 1:
-        ctx.say(f"data-parallel replicas: the model needs {sum(fp.one_user) / cap_w:.1%} of the wafer, so {c.k} "
+        ctx.say(f"data-parallel replicas: the model needs {sum(fp.mem(1)) / cap_w:.1%} of the wafer, so {c.k} "
                 f"copies (each in a 1/{c.k} sub-rectangle) give the highest aggregate decode rate of the candidates "
                 f"{candidates} by the cost model ({c.agg:,.0f} tokens/s vs one copy)")
     elif kmax > 1:
@@ -229,24 +220,24 @@ def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _
     S = len(units)
     ctx.say(f"pipelined: {S} stages (embedding, {g.n_blocks} blocks, head) as rectangles in a snake of bands, "
             f"each sized by its bytes then by its FLOPs (balanced: slowest stage {c.stage_max * 1e6:.2f} us, "
-            f"fastest {min(t.s for t in p0.stage_times) * 1e6:.2f} us); consecutive stages share an edge, one hop apart")
+            f"fastest {min(t.s for t in p0.stage_times) * 1e6:.2f} us); consecutive stages share an edge, one hop "
+            f"apart")
     if units[0].tied_to:
         ctx.say(f"tied embedding: the embedding region keeps its own copy of the {units[0].tied_params:,}-parameter "
                 f"matrix so the lookup is local ({gb(units[0].tied_params * b)})")
     if not users:
         ctx.say(f"users in flight: {c.users_r} per pipeline copy = min(stages {S}, KV cache capacity at context "
                 f"{fp.context})")
-    routing = [check_routing(spec, u) for u in units]
-    worst = max(routing)
+    worst = max(check_routing(spec, u) for u in units)
     ctx.say(f"routing: at most {worst[0]} colors per region (fabric has {spec.colors}, {spec.routes_per_pe} routes/PE)"
             + ("" if worst[1] == 1 else f"; regions needing more run in {worst[1]} phases"))
 
 
-def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, wpp: int, sys_reps: int,
-            users: int | None, P: int, b: int) -> dict:
+def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, wpp: int, users: int | None,
+            P: int, b: int) -> dict:
     """The plan's strategy, workload, regions and projection for the chosen placement."""
     C, kv_tok = fp.context, fp.kv_per_token_total
-    R_total = sys_reps * c.k
+    R_total = c.copies
     total_users = users or c.users_r * R_total
     p0, lat, stage_max = c.pipes[0], c.lat, c.stage_max
     # prefill: prompt tokens stream through the stages in chunks (the pipeline fills with prompt tokens)
@@ -255,7 +246,7 @@ def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, 
         "decode_latency_s_per_token": lat,
         "decode_tokens_per_s_per_user": 1 / lat,
         "users_in_flight": total_users,
-        "aggregate_decode_tokens_per_s": min(total_users / lat, R_total / stage_max),
+        "aggregate_decode_tokens_per_s": c.agg,
         "pipeline_limit_tokens_per_s": R_total / stage_max,
         "prefill_tokens_per_s": pre_tps * R_total,
         "prefill_chunk_tokens": chunk,

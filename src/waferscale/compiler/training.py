@@ -16,7 +16,7 @@ from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, place_pipelines, with_detours
 from waferscale.compiler.placement import Rect, grid_boxes
-from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, data_bytes_per_pe, gb
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, Layout, data_bytes_per_pe, gb
 from waferscale.compiler.weight_streaming import plan_weight_streaming
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost
@@ -34,8 +34,7 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     mixed = g.dtype != "fp32"
     units = list(g.units)
     usable = min(w.usable_pes for w in ctx.wafers)
-    F = usable * spec.fp16_flops_per_cycle_per_pe * spec.clock_hz if mixed else \
-        usable * spec.fp32_flops_per_cycle_per_pe * spec.clock_hz
+    F = usable * (spec.fp16_flops_per_cycle_per_pe if mixed else spec.fp32_flops_per_cycle_per_pe) * spec.clock_hz
     BW = spec.io_bytes_per_s
     t_min = math.ceil((b / 3) * F / BW)  # WSE.md: T >= (b/3) F / BW
     if batch_size is None and g.defaults.get("batch_size"):
@@ -96,24 +95,19 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
         pipes = place_pipelines(ctx, units, mem, [(0, len(units))], boxes, ctx.systems, 1, stage_time)
         if pipes is None:
             continue
-        p0 = pipes[0]
-        seqs_r = math.ceil(per_sys / k)
-        slow = max(t.s for t in p0.stage_times)
-        fill = sum(t.s for t in p0.stage_times)
         opt = max(pj.Time().add_cycles(cost.elementwise_cycles(spec, max(1, r.bytes // 16), r.rows, r.cols, 12),
-                                       spec.clock_hz).s for r in p0.regions)
-        step = (seqs_r - 1) * slow + fill + opt
+                                       spec.clock_hz).s for r in pipes[0].regions)
+        step = _step_1f1b(pipes[0], math.ceil(per_sys / k), opt)
         tps = workload["tokens_per_step"] / step
         if best is None or tps > best[0] * 1.000001:
-            best = (tps, k, pipes, step, slow, p0, opt)
+            best = (tps, k, pipes, step, opt)
     if best is None:
         raise ConfigError(f"{g.name}: could not place {len(units)} resident training regions on the "
                           f"{full.rows}x{full.cols} mesh; use a larger --pes or fewer sequences per step")
-    tps, k, pipes, step, slow, p0, opt = best
+    _, k, pipes, step, opt = best
     if ctx.defective:  # charge the detours inside the placed regions (real routes of each region)
-        p0 = pipes[0] = with_detours(ctx, units, p0, stage_time)
-        slow = max(t.s for t in p0.stage_times)
-        step0, step = step, (math.ceil(per_sys / k) - 1) * slow + sum(t.s for t in p0.stage_times) + opt
+        pipes[0] = with_detours(ctx, units, pipes[0], stage_time)
+        step0, step = step, _step_1f1b(pipes[0], math.ceil(per_sys / k), opt)
         ctx.say(f"detours: the placed regions re-projected on their own routes around dead cores and links: "
                 f"step {step0 * 1e3:.3f} -> {step * 1e3:.3f} ms (+{step / step0 - 1:.2%})")
     if k > 1:
@@ -127,13 +121,20 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
         ctx.say(f"data parallel across {ctx.systems} systems, {per_sys} sequences each: after each step the "
                 f"gradients ({gb(grads)}) go out through SwarmX, are summed in its 1:4 tree and come back "
                 f"({sync.s * 1e3:.2f} ms, not overlapped with compute; weights stay resident)")
-    slow_t = max(p0.stage_times, key=lambda t: t.s)
+    slow_t = max(pipes[0].stage_times, key=lambda t: t.s)
     flops = ctx.g.model_flops_per_token(seq, training=True)
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (common["peak_flops_per_wafer"] * ctx.systems),
             "weights_streamed": False, "bottleneck": slow_t.bottleneck(), "time_shares": slow_t.shares(),
-            "slowest_stage_s_per_sequence": slow, "model_flops_per_token": flops, **common,
+            "slowest_stage_s_per_sequence": slow_t.s, "model_flops_per_token": flops, **common,
             "scaling": weak_scaling(ctx, per_sys, seq, lambda n: step - sync.s + swarmx_allreduce(ctx, grads, n).s,
                                      lambda n: swarmx_allreduce(ctx, grads, n).s)}
     return {"strategy": "replicated" if k > 1 else "pipelined", "replicas": k * ctx.systems, "wafers_per_pipeline": 1,
             "fits_in_sram": True, "workload": workload, "projection": proj,
             "regions": [r for p in pipes for r in p.regions]}
+
+
+def _step_1f1b(pipe: Layout, seqs: int, opt: float) -> float:
+    """Seconds for `seqs` sequences through a 1F1B pipeline: fill it, then one per slowest stage, then the
+    optimizer update (`opt`)."""
+    times = [t.s for t in pipe.stage_times]
+    return (seqs - 1) * max(times) + sum(times) + opt

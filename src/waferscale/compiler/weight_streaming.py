@@ -30,6 +30,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
     are reduced before streaming out. g is chosen per layer by the cost model."""
     spec, g = ctx.spec, ctx.g
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
+    full = Rect(0, 0, R, Cc)
     sx = swarmx(ctx, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
     BW = sx.swarmx_bytes_per_s
     total, comp, io = pj.Time(), pj.Time(), pj.Time()
@@ -39,7 +40,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
         for gg in (1, 4, 16, 64, 256):
             if gg > 1 and (3 * u.params * b * gg > free_bytes or not u.matmuls or t_mb < gg):
                 continue
-            box = grid_boxes(Rect(0, 0, R, Cc), gg)[0] if gg > 1 else Rect(0, 0, R, Cc)
+            box = grid_boxes(full, gg)[0]
             f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
                              dtype=g.dtype, decode=False)
             red = pj.Time()
@@ -50,10 +51,9 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
                 red.add("fabric latency", (R + Cc) * spec.hop_latency_cycles / spec.clock_hz)
             t = f.s * (3 + recompute) + red.s
             if best is None or t < best[0]:
-                best = (t, gg, f, red)
-        _, gg, f, red = best
+                best = (t, gg, box, f, red)
+        _, gg, box, f, red = best
         if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
-            box = grid_boxes(Rect(0, 0, R, Cc), gg)[0] if gg > 1 else Rect(0, 0, R, Cc)
             f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
                              dtype=g.dtype, decode=False, mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
         groups.append(gg)
@@ -76,9 +76,8 @@ def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: in
     step's first layer comes back through the broadcast tree. Within a step the next layer is always
     prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
     sx = swarmx(ctx, n_systems)
-    first = next((u for u in units if u.params), units[0])
-    last = first  # backward ends at the first layer
-    return pj.Time().add("I/O", (first.params + last.params) * b / sx.swarmx_bytes_per_s
+    first = next((u for u in units if u.params), units[0])  # backward ends where the next forward begins
+    return pj.Time().add("I/O", 2 * first.params * b / sx.swarmx_bytes_per_s
                          + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
 
 
@@ -119,7 +118,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     workload["micro_batch_size"] = micro
     n_micro = per_sys // micro
     act = (act_tok_ckpt if recompute else act_tok_all)
-    total, comp, io, groups = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, cap_w - act * t_mb)
+    free = cap_w - act * t_mb
+    total, comp, io, groups = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free)
     if ctx.defective:
         ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
                 "cores and links (per-link hop estimates of fabric.mesh for regions over 4,096 PEs)")
@@ -127,23 +127,18 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
         ctx.say(f"layer copies: a streamed layer is too small to keep every PE busy as one GEMM, so the cost model "
                 f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "
                 f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
-    boundary = _step_boundary(ctx, units, b, ctx.systems)
-    total_1 = total.s  # one step on this many systems, and the same step's parts on n systems (weak scaling)
-    step = n_micro * total.s + boundary.s
+
+    def step_at(n: int) -> float:  # one step on n systems, each doing the same work (weak scaling)
+        tot = total if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free)[0]
+        return n_micro * tot.s + _step_boundary(ctx, units, b, n).s
+
+    step = step_at(ctx.systems)
     tps = workload["tokens_per_step"] / step
     flops = g.model_flops_per_token(seq, training=True)
-    bott = total.bottleneck()
     ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW = ({b}/3) x {F / 1e15:.2f} PF / "
             f"{spec.io_bytes_per_s / 1e9:.0f} GB/s = {t_min:,}; this plan streams per {t_mb:,} tokens: "
             + ("compute-bound" if t_mb >= t_min else "I/O-bound (the wafer waits for weights)"))
-    free = cap_w - act * t_mb
-
-    def step_at(n: int) -> float:
-        tot = total_1 if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free)[0].s
-        return n_micro * tot + _step_boundary(ctx, units, b, n).s
-
-    base = n_micro * _stream_micro(ctx, units, t_mb, seq, b, recompute, 1, free)[0].s + \
-        _step_boundary(ctx, units, b, 1).s
+    base = step_at(1)
     scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
     for r in scaling:
         r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
@@ -156,10 +151,10 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
             f"what compute does not hide is the only loss"
             + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
-            "weights_streamed": True, "recompute": recompute, "bottleneck": bott, "time_shares": total.shares(),
-            "compute_time_per_micro_batch_s": comp.s, "io_time_per_micro_batch_s": io.s,
-            "micro_batches_per_step": n_micro, "layer_copies": groups, "tokens_per_micro_batch": t_mb, "model_flops_per_token": flops,
-            "no_stall_met": t_mb >= t_min, **common, "scaling": scaling}
+            "weights_streamed": True, "recompute": recompute, "bottleneck": total.bottleneck(),
+            "time_shares": total.shares(), "compute_time_per_micro_batch_s": comp.s, "io_time_per_micro_batch_s": io.s,
+            "micro_batches_per_step": n_micro, "layer_copies": groups, "tokens_per_micro_batch": t_mb,
+            "model_flops_per_token": flops, "no_stall_met": t_mb >= t_min, **common, "scaling": scaling}
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
     regions = [Region(-1, f"all {len(units)} layers, streamed one at a time", s, s, 0, 0, 0, R, Cc,
                       ctx.wafers[s].usable_pes, int(layer_buf + act * t_mb))
