@@ -2,17 +2,13 @@
 
     launch     the processes of one run: under torchrun (RANK and WORLD_SIZE set) this process joins the ones
                that already exist, on any number of machines; otherwise it is rank 0 and starts ranks
-               1..world-1 on this machine (`sys.executable` + the given argv, with RANK / WORLD_SIZE /
-               MASTER_ADDR / MASTER_PORT set as torchrun sets them), rendezvousing on a free port of 127.0.0.1
+               1..world-1 on this machine with the environment torchrun would give them
     groups     the default group (commands, scatter, step figures, on the main threads) and one group per link
                direction (`g_weights` for broadcasts, `g_grads` for reduces), so collectives on different threads
                stay ordered without locks
     health     each rank's heartbeat (step and phase) on the store; `diagnose` turns a failed collective into one
                `SwarmXFailure` naming the rank that caused it: a process that died (its exit code, when this
                process started it), or the one whose heartbeat fell behind (hung)
-
-The one fault-injection hook for tests is `fault_hook(rank, step)`, driven by the environment variable
-WSC_SWARMX_FAULT="RANK:STEP:die|hang": that rank exits with code 17, or hangs, as that step starts.
 """
 
 from __future__ import annotations
@@ -56,7 +52,8 @@ def under_torchrun() -> bool:
 
 
 def fault_hook(rank: int, step: int) -> None:
-    """Test hook: WSC_SWARMX_FAULT="RANK:STEP:die|hang" makes that rank fail as that step starts."""
+    """The one fault-injection hook for tests: WSC_SWARMX_FAULT="RANK:STEP:die|hang" makes that rank exit with
+    code 17, or hang, as that step starts."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return

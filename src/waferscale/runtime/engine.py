@@ -130,9 +130,7 @@ def _leaf(x: Tensor, u: int) -> Tensor:
 
 
 class StreamingEngine:
-    """The per-unit schedule on one device. Weights come from `link.fetch(u) -> (matrices, vectors)` (called on
-    the prefetch lane, in fetch order); gradients go to `link.push(u, matrices, vectors) -> Future` (fp32, payload
-    layout).
+    """The per-unit schedule on one device, fed by a link (`fetch` / `push`, see `runtime/links.py`).
 
     units        the model's units in execution order (`runtime.units.model_units`)
     takes_input  unit u is called `unit(h, x)` with the model's input x (units split from a traced forward)
@@ -186,7 +184,18 @@ class StreamingEngine:
         return dev
 
     def _start_fetches(self, order: list[int]) -> None:
-        self.drain()
+        """Start a schedule's fetches, after finishing those still queued from one that ended early (an evaluation
+        cut short, a forward whose backward never came): every system must run the same fetches, in the same
+        order. A fetch that failed ends the schedule (its error is raised once)."""
+        self._drop_pending()
+        while self._inflight is not None:
+            try:
+                dev = self._inflight.result()
+            except BaseException:
+                self._inflight, self._order = None, deque()
+                raise
+            self._release(dev)
+            self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft()) if self._order else None
         self._order = deque(order)
         self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft())
 
@@ -206,20 +215,6 @@ class StreamingEngine:
 
     def _release(self, dev: DeviceUnit) -> None:
         self.ledger.free("weights", dev.nbytes)
-
-    def drain(self) -> None:
-        """Finish the fetches still queued from a schedule that ended early (an evaluation cut short, a forward
-        whose backward never came): every system must run the same fetches, in the same order. A fetch that
-        failed ends the schedule (its error is raised once)."""
-        self._drop_pending()
-        while self._inflight is not None:
-            try:
-                dev = self._inflight.result()
-            except BaseException:
-                self._inflight, self._order = None, deque()
-                raise
-            self._release(dev)
-            self._inflight = self._prefetch.submit(self._fetch_task, self._order.popleft()) if self._order else None
 
     # ---- saved-tensor hooks: weights become keys; activations are counted ----
     def _pack(self, t: Tensor) -> Any:

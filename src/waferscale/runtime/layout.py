@@ -66,10 +66,8 @@ def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> lis
     all_params = list(model.parameters())  # unique, in order
     pname = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, p in enumerate(all_params)}
-    decay = [p for p in all_params if p.ndim >= 2]
-    no_decay = [p for p in all_params if p.ndim < 2]
-    gidx = {id(p): i for i, p in enumerate(decay)}
-    gidx.update({id(p): len(decay) + i for i, p in enumerate(no_decay)})
+    by_group = [p for p in all_params if p.ndim >= 2] + [p for p in all_params if p.ndim < 2]  # as param_groups
+    gidx = {id(p): i for i, p in enumerate(by_group)}
     owner: dict[int, tuple[int, str, int]] = {}  # id(param) -> (unit, name, offset)
     layouts = []
     for u, mod in enumerate(units):
@@ -84,16 +82,14 @@ def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> lis
                 raise ValueError(f"unit {u}'s parameter {n} is not a parameter of the model")
             owner[id(p)] = (u, pname[id(p)], offset)
             offset += p.numel()
-        pay = {True: 0, False: 0}
         for matrix in (True, False):
             group = [(n, p) for n, p in named if (p.ndim >= 2) == matrix]
             group = [x for x in group if id(x[1]) in owned_ids] + [x for x in group if id(x[1]) not in owned_ids]
+            pay = 0
             for n, p in group:
-                ou, oname, ooff = owner[id(p)]
-                if ou > u:
-                    raise ValueError(f"{oname} is owned by a later unit; units must own what they first use")
-                lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), matrix, ou, ooff, pay[matrix],
+                ou, oname, ooff = owner[id(p)]  # ou <= u: every parameter of unit u is owned by now
+                lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), matrix, ou, ooff, pay,
                                               gidx[id(p)], order[id(p)]))
-                pay[matrix] += p.numel()
+                pay += p.numel()
         layouts.append(lay)
     return layouts

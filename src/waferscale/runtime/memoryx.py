@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
-from waferscale.runtime.layout import ParamEntry, build_layouts
+from waferscale.runtime.layout import build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.optim import build_optimizer, set_lr
 
@@ -101,6 +101,18 @@ class _UnitStore:
 
     def flash_bytes(self) -> int:
         return sum(p.stat().st_size for p, _ in self._files.values())
+
+
+def _writable(d: Path) -> Path:
+    """The flash directory, created; a ConfigError if this process cannot write there."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".probe-{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"flash directory {d} is not writable ({e.strerror}); pass a writable --flash_dir") from None
+    return d
 
 
 # ---- init that reproduces CausalLM.reset_parameters without materializing the model ------------------------
@@ -167,8 +179,7 @@ class MemoryX:
         self.layouts = build_layouts(model, units)
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
-        self.flash_dir = Path(flash_dir) if flash_dir is not None else None
-        self.ram_budget_bytes = ram_budget_bytes
+        flash_dir = Path(flash_dir) if flash_dir is not None else None
         self.bytes_per_param = state_bytes_per_param(optimizer.optimizer_type, optimizer.momentum)
         # tiers: the first units that fit the RAM budget stay in RAM, the rest go to flash
         if ram_budget_bytes is not None:
@@ -177,13 +188,13 @@ class MemoryX:
         for lay in self.layouts:
             need = lay.numel * self.bytes_per_param
             flash = ram_budget_bytes is not None and used + need > ram_budget_bytes
-            if flash and self.flash_dir is None:
+            if flash and flash_dir is None:
                 raise ConfigError(f"MemoryX needs {self.total_state_bytes / 2**20:,.0f} MiB for weights, gradients "
                                   f"and optimizer state, more than its RAM budget of {ram_budget_bytes / 2**20:,.0f} "
                                   f"MiB; give a flash directory (--flash_dir) or raise --memoryx_ram_mb")
             if not flash:
                 used += need
-            self.stores.append(_UnitStore(lay.index, lay.numel, self._unit_flash_dir() if flash else None,
+            self.stores.append(_UnitStore(lay.index, lay.numel, _writable(flash_dir) if flash else None,
                                           pin_memory and not flash))
         self._masks: dict[str, Tensor] = {}
         # the optimizer sees two flat tensors per unit, [matrices] and [vectors] (the owned layout puts them
@@ -228,19 +239,6 @@ class MemoryX:
         self._adopted = [False] * self.n_units
 
     # ---- sizes ----
-    def _unit_flash_dir(self) -> Path:
-        assert self.flash_dir is not None
-        d = self.flash_dir
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            probe = d / f".probe-{os.getpid()}"
-            probe.write_bytes(b"0")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"flash directory {d} is not writable ({e.strerror}); pass a writable --flash_dir") \
-                from None
-        return d
-
     @property
     def total_state_bytes(self) -> int:
         return sum(lay.numel for lay in self.layouts) * self.bytes_per_param
@@ -454,7 +452,9 @@ class MemoryX:
     # ---- masks (per-parameter, for sparsity) ----
     def set_mask(self, name: str, mask: Tensor | None) -> None:
         """Keep `name`'s weights where mask is True: applied to streamed weights and after every update."""
-        e = self._entry(name)
+        e = next((e for lay in self.layouts for e in lay.owned if e.name == name), None)
+        if e is None:
+            raise KeyError(f"no parameter named {name!r}")
         if mask is None:
             self._masks.pop(name, None)
             return
@@ -468,13 +468,6 @@ class MemoryX:
 
     def mask(self, name: str) -> Tensor | None:
         return self._masks.get(name)
-
-    def _entry(self, name: str) -> ParamEntry:
-        for lay in self.layouts:
-            for e in lay.owned:
-                if e.name == name:
-                    return e
-        raise KeyError(f"no parameter named {name!r}")
 
     # ---- checkpoints (keyed like the resident model and optimizer: they interchange) ----
     def checkpoint_module(self, masks: bool = True) -> nn.Module:

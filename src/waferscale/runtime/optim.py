@@ -223,15 +223,10 @@ def param_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, A
     {"name": "no_decay"} (ndim < 2: biases and norm gains), the usual GPT recipe. Empty groups are left out.
 
     `params` may yield tensors or (name, tensor) pairs (as `model.named_parameters()`)."""
-    decay: list[torch.Tensor] = []
-    no_decay: list[torch.Tensor] = []
-    for p in params:
-        if isinstance(p, tuple):
-            p = p[1]
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    tensors = (p[1] if isinstance(p, tuple) else p for p in params)
+    trainable = [p for p in tensors if p.requires_grad]
+    groups = [{"name": "decay", "params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+              {"name": "no_decay", "params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ConfigError("the model has no trainable parameters to optimize")

@@ -67,8 +67,7 @@ class SwarmXExecutor(MemoryXExecutor):
                  half_dtype: str | None = None, micro_batch_size: int | None = None,
                  device_memory_bytes: int | None = None, recompute: bool | str = "auto",
                  timeout_s: float = 300.0, worker_threads: int | None = None) -> None:
-        self.mx, self.n_workers, self.timeout_s = memoryx, num_csx, timeout_s
-        self.micro_batch_size = micro_batch_size
+        self.mx, self.n_workers, self.micro_batch_size = memoryx, num_csx, micro_batch_size
         self._threads_before: int | None = None
         self._seq = 0
         self._peak = 0
@@ -95,9 +94,8 @@ class SwarmXExecutor(MemoryXExecutor):
                                        needed_by=f"--num_csx {num_csx}",
                                        what=f"processes (MemoryX + {num_csx} workers)")
         self.link = SwarmLink(self.cluster, memoryx.layouts, memoryx.stream_dtype, torch.device("cpu"), memoryx)
-        self.cluster.store.set("init", json.dumps({
-            "model_config": self.cfg.to_dict(), "half_dtype": half_dtype, "micro_batch_size": micro_batch_size,
-            "recompute": self._local.recompute_option, "device_type": device.type}))
+        self.cluster.store.set("init", json.dumps({"model_config": self.cfg.to_dict(), "half_dtype": half_dtype,
+                                                   "micro_batch_size": micro_batch_size, "device_type": device.type}))
         self._guard("start up", lambda: self.cluster.store.wait([f"ready/{r}" for r in range(1, world)]))
         self._bcast = Lane("swarmx-broadcast")
 
