@@ -40,7 +40,6 @@ ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mi
                     "starcoder", "santacoder", "btlm", "jais", "mpt", "qwen2")
 _NONLINEARITY = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu",
                  "swiglu": "swiglu"}
-_HALF_DTYPE = {"bfloat16": "bfloat16", "cbfloat16": "bfloat16", "float16": "float16"}
 
 
 @dataclass
@@ -98,16 +97,13 @@ class ModelParams:
         "attention_module": "attention is always multi-head / grouped-query as num_kv_groups says",
         "attention_softmax_fp32": "softmax always runs in fp32",
         "attention_kernel": "kernel choice is the compiler's",
-        "precision_opt_level": "a Cerebras compiler setting",
-        "boundary_casting": "a Cerebras compiler setting",
         "tf_summary": "TensorFlow-only",
         "dropout_seed": "dropout follows runconfig.seed",
-        "initializer": "weights use normal(0, initializer_range)",
-        "embedding_initializer": "weights use normal(0, initializer_range)",
-        "output_layer_initializer": "weights use normal(0, initializer_range)",
-        "use_pre_normalization": "blocks are always pre-norm",
-        "norm_first": "blocks are always pre-norm",
         "fixed_sparse_attention": "dense attention only",
+        **dict.fromkeys(("precision_opt_level", "boundary_casting"), "a Cerebras compiler setting"),
+        **dict.fromkeys(("initializer", "embedding_initializer", "output_layer_initializer"),
+                        "weights use normal(0, initializer_range)"),
+        **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
     }
 
     def __post_init__(self) -> None:
@@ -121,7 +117,8 @@ class ModelParams:
         """'bfloat16' | 'float16' for mixed precision, None for fp32. cbfloat16 is bfloat16 on a host."""
         if not self.mixed_precision:
             return None
-        return _HALF_DTYPE[self.fp16_type or ("bfloat16" if self.use_bfloat16 else "float16")]
+        name = self.fp16_type or ("bfloat16" if self.use_bfloat16 else "float16")
+        return "bfloat16" if name == "cbfloat16" else name
 
     @property
     def preset(self) -> str | None:
@@ -211,7 +208,6 @@ class ModelParams:
                              f"{self.pos_scaling_factor} is not supported; only 'llama3' scaling is")
         extra = self.pos_scaling_extra_args or PosScalingExtraArgs()
         return RopeScaling(factor=self.pos_scaling_factor or 1.0, **dataclasses.asdict(extra))
-
 
 
 def _explicit(cfg: ModelConfig) -> ModelConfig:

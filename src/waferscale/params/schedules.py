@@ -135,11 +135,9 @@ def canonical_scheduler(name: str) -> str | None:
     return by_lower.get(key) or _SCHEDULER_ALIASES.get(key)
 
 
-def normalize_learning_rate(value: Any, path: str = "optimizer.learning_rate", source: str | None = None
-                            ) -> float | list[dict[str, Any]]:
+def normalize_learning_rate(value: Any) -> float | list[dict[str, Any]]:
     """Validate a `learning_rate` (a number, one scheduler dict, or a list of them) -> float | list[dict]."""
-    return convert_learning_rate(value, path, Ctx(source or "<params>"), None)
-
+    return convert_learning_rate(value, "optimizer.learning_rate", Ctx("<params>"), None)
 
 
 def convert_learning_rate(value: Any, path: str, ctx: Ctx, line: int | None) -> float | list[dict[str, Any]]:

@@ -1,7 +1,5 @@
-"""The params file's sections as typed dataclasses, and reading / writing the whole file.
-
-Legacy layout (the seed's era): top-level sections `train_input`, `eval_input`, `model`, `optimizer`,
-`sparsity`, `runconfig`; the trainer layout is mapped onto it first (`trainer_layout`). Our extension keys:
+"""The params file's sections as typed dataclasses (the legacy layout; `trainer_layout` maps the newer one onto
+it), and reading / writing the whole file. Our extension keys:
     *_input.tokenizer     'char' | 'smollm2' | a tokenizer.json / HF dir / .gguf path (default 'char')
     *_input.val_fraction  share of the documents held out for validation (default 0.05)
     runconfig.execution   'auto' | 'resident' | 'streaming'
@@ -23,8 +21,8 @@ from waferscale.errors import ConfigError
 from waferscale.params.model import ModelParams
 from waferscale.params.schedules import convert_learning_rate, normalize_learning_rate
 from waferscale.params.trainer_layout import legacy_from_trainer
-from waferscale.params.typed import (Ctx, FieldError, build_dataclass, check_fields, convert_value, positive, show,
-                                     to_plain)
+from waferscale.params.typed import (Ctx, FieldError, build_dataclass, check_fields, convert_value, non_negative,
+                                     positive, show, to_plain)
 from waferscale.params.yaml_lines import read_yaml
 from waferscale.util.files import atomic_write_text
 
@@ -54,13 +52,10 @@ class InputParams:
     val_fraction: float = 0.05
 
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
-        "prefetch_factor": "host data-loader tuning",
-        "persistent_workers": "host data-loader tuning",
-        "use_worker_cache": "host data-loader tuning",
         "repeat": "the loader always repeats",
-        "drop_last": "partial batches are always dropped",
         "vocab_size": "the model's vocab_size is the one used",
-        "pad_last": "partial batches are always dropped",
+        **dict.fromkeys(("prefetch_factor", "persistent_workers", "use_worker_cache"), "host data-loader tuning"),
+        **dict.fromkeys(("drop_last", "pad_last"), "partial batches are always dropped"),
     }
 
     def __post_init__(self) -> None:
@@ -71,14 +66,11 @@ class InputParams:
             self.data_dir = [str(self.data_dir)]
         if not self.data_dir:
             raise FieldError("data_dir", "is empty; give a file, a directory or the builtin corpus 'shakespeare'")
-        positive(self, "batch_size", "max_sequence_length")
-        if self.micro_batch_size is not None:
-            positive(self, "micro_batch_size")
-            if self.batch_size % self.micro_batch_size:
-                raise FieldError("micro_batch_size", f"{self.micro_batch_size} does not divide batch_size "
-                                 f"{self.batch_size}; pick a divisor, or 'auto' for no accumulation")
-        if self.num_workers < 0:
-            raise FieldError("num_workers", f"must be >= 0, got {self.num_workers}")
+        positive(self, "batch_size", "max_sequence_length", "micro_batch_size")
+        non_negative(self, "num_workers")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise FieldError("micro_batch_size", f"{self.micro_batch_size} does not divide batch_size "
+                             f"{self.batch_size}; pick a divisor, or 'auto' for no accumulation")
         if not 0.0 <= self.val_fraction < 1.0:
             raise FieldError("val_fraction", f"must be in [0, 1), got {self.val_fraction}")
 
@@ -121,9 +113,7 @@ class OptimizerParams:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
-        for key in ("eps", "weight_decay", "momentum"):
-            if getattr(self, key) < 0:
-                raise FieldError(key, f"must be >= 0, got {getattr(self, key)}")
+        non_negative(self, "eps", "weight_decay", "momentum")
         if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
             raise FieldError("max_gradient_norm", f"must be > 0 (or left out for no clipping), "
                              f"got {self.max_gradient_norm}")
@@ -173,27 +163,17 @@ class RunConfig:
         "use_cs_grad_accum": "accumulation follows micro_batch_size",
         "precision_opt_level": "a Cerebras compiler setting",
         "keep_checkpoint_max": "all checkpoints are kept",
-        "python_paths": "appliance-mode setting",
-        "mount_dirs": "appliance-mode setting",
-        "credentials_path": "appliance-mode setting",
-        "mgmt_address": "appliance-mode setting",
-        "job_labels": "appliance-mode setting",
-        "num_workers_per_csx": "appliance-mode setting",
         "log_summaries": "metrics.jsonl always has loss, lr and grad norm",
         "enable_distributed": "distributed runs follow num_csx",
+        **dict.fromkeys(("python_paths", "mount_dirs", "credentials_path", "mgmt_address", "job_labels",
+                         "num_workers_per_csx"), "appliance-mode setting"),
     }
 
     def __post_init__(self) -> None:
         check_fields(self)
         positive(self, "max_steps", "eval_steps", "log_steps", "num_csx", "eval_frequency")
-        for key in ("device_memory_mb", "memoryx_ram_mb"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise FieldError(key, f"must be a positive number of MiB, got {value}")
-        for key in ("checkpoint_steps", "num_wgt_servers"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise FieldError(key, f"must be >= 0, got {value}")
+        positive(self, "device_memory_mb", "memoryx_ram_mb", what="a positive number of MiB")
+        non_negative(self, "checkpoint_steps", "num_wgt_servers")
 
 
 # ---- the whole file --------------------------------------------------------------------------------------
@@ -216,18 +196,11 @@ class Params:
     ignored: list[str] = field(default_factory=list, compare=False)  # Model Zoo keys present but ignored
 
     def __post_init__(self) -> None:
-        num_csx = self.runconfig.num_csx
         for section in ("train_input", "eval_input"):
             inp: InputParams | None = getattr(self, section)
             if inp is None:
                 continue
-            if inp.batch_size % num_csx:
-                raise FieldError(f"{section}.batch_size", f"{inp.batch_size} is not divisible by "
-                                 f"runconfig.num_csx {num_csx}; the global batch is split evenly across systems")
-            per_csx = inp.batch_size // num_csx
-            if inp.micro_batch_size is not None and per_csx % inp.micro_batch_size:
-                raise FieldError(f"{section}.micro_batch_size", f"{inp.micro_batch_size} does not divide the "
-                                 f"per-system batch {per_csx} (batch_size {inp.batch_size} / num_csx {num_csx})")
+            check_batch_split(inp, self.runconfig.num_csx, section=section)
             max_len = self.model.to_model_config().max_seq_len
             if inp.max_sequence_length is not None and inp.max_sequence_length > max_len:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
@@ -244,6 +217,19 @@ class Params:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False, width=110)
+
+
+def check_batch_split(inp: InputParams, num_csx: int, *, section: str = "train_input",
+                      num_csx_name: str = "runconfig.num_csx") -> None:
+    """The global batch splits evenly over `num_csx` systems, and each system's share over micro-batches."""
+    if inp.batch_size % num_csx:
+        raise FieldError(f"{section}.batch_size", f"{inp.batch_size} is not divisible by {num_csx_name} {num_csx}, "
+                         f"so the global batch does not split evenly over the systems; use a multiple of {num_csx}")
+    per_csx = inp.batch_size // num_csx
+    if inp.micro_batch_size is not None and per_csx % inp.micro_batch_size:
+        raise FieldError(f"{section}.micro_batch_size", f"{inp.micro_batch_size} does not divide the per-system "
+                         f"batch {per_csx} (batch_size {inp.batch_size} / num_csx {num_csx}); pick a divisor of "
+                         f"{per_csx}")
 
 
 def load_params(path: str | Path) -> Params:
@@ -275,5 +261,5 @@ def params_from_dict(d: Any, source: str = "<dict>") -> Params:
     return params
 
 
-__all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "load_params",
-           "save_params", "params_from_dict"]
+__all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "check_batch_split",
+           "load_params", "save_params", "params_from_dict"]

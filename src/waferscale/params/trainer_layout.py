@@ -48,13 +48,10 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
                                                        "max_gradient_norm", "initial_loss_scale",
                                                        "steps_per_increase", "min_loss_scale", "max_loss_scale",
                                                        "log_loss_scale", "precision_opt_level"), ctx)
-    if "enabled" in precision:
-        model["mixed_precision"] = precision.pop("enabled")
-    if "fp16_type" in precision:
-        model["fp16_type"] = precision.pop("fp16_type")
-    precision.pop("log_loss_scale", None)
-    precision.pop("precision_opt_level", None)
-    optimizer.update(precision)
+    for key, model_key in (("enabled", "mixed_precision"), ("fp16_type", "fp16_type")):
+        if key in precision:
+            model[model_key] = precision.pop(key)
+    optimizer.update({k: v for k, v in precision.items() if k not in ("log_loss_scale", "precision_opt_level")})
 
     backend = init.get("backend") or {}
     expect_keys(backend, "trainer.init.backend", ("backend_type", "cluster_config", "compile_dir",

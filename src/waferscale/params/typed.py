@@ -2,9 +2,7 @@
 
 `build_dataclass(cls, mapping, path, ctx)` walks a mapping against a dataclass's annotations (bool, int, float,
 str, Literal choices, lists, tuples, nested dataclasses, unions, Any) and turns every user mistake into a
-`ConfigError` of the form
-
-    configs/x.yaml:12: optimizer.learning_rate[1].schedular: unknown key 'schedular' (did you mean 'scheduler'?)
+`ConfigError` with the file, line and key path (the package docstring shows one).
 
 A dataclass may declare `ALIASES` (legacy spelling -> field) and `IGNORED_KEYS` (accepted, unused: key -> reason);
 a field may name its own converter with `field(metadata={"convert": fn})`, `fn(value, path, ctx, line)`. Value
@@ -34,7 +32,6 @@ class FieldError(ConfigError):
         self.message = message
 
 
-
 @dataclass
 class Ctx:
     source: str
@@ -52,10 +49,11 @@ def join_path(path: str, key: Any) -> str:
 
 def build_dataclass(cls: type, data: Any, path: str, ctx: Ctx, line: int | None = None) -> Any:
     """Build dataclass `cls` from mapping `data` found at key path `path`, checking keys and types."""
-    if not isinstance(data, Mapping):
-        raise ctx.error(path, f"expected a mapping of {_known_keys(cls)}, got {show(data)}", line)
-    hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in ("source", "ignored")}
+    if not isinstance(data, Mapping):
+        names = ", ".join(list(fields)[:8]) + (", ..." if len(fields) > 8 else "")
+        raise ctx.error(path, f"expected a mapping of {cls.__name__} keys ({names}), got {show(data)}", line)
+    hints = get_type_hints(cls)
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     ignored: dict[str, str] = getattr(cls, "IGNORED_KEYS", {})
     lines: dict[Any, int] = getattr(data, "key_lines", {})
@@ -70,10 +68,7 @@ def build_dataclass(cls: type, data: Any, path: str, ctx: Ctx, line: int | None 
         elif key in ignored:
             ctx.ignored.append(key_path)
         else:
-            known = sorted(set(fields) | set(aliases) | set(ignored))
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ctx.error(key_path, f"unknown key {key!r}{hint}; known keys here: {', '.join(known)}", key_line)
+            raise unknown_key(ctx, path, key, sorted(set(fields) | set(aliases) | set(ignored)), key_line)
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -94,7 +89,7 @@ def convert_value(value: Any, tp: Any, path: str, ctx: Ctx, line: int | None, f:
         return f.metadata["convert"](value, path, ctx, line)
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
-        return plain(value)
+        return to_plain(value)
     if origin in (Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
         if value is None and len(options) < len(args):
@@ -130,7 +125,7 @@ def convert_value(value: Any, tp: Any, path: str, ctx: Ctx, line: int | None, f:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ctx.error(path, f"expected a mapping, got {show(value)}", line)
-        return plain(value)
+        return to_plain(value)
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, path, ctx, line)
     ok = {bool: isinstance(value, bool),
@@ -144,46 +139,40 @@ def convert_value(value: Any, tp: Any, path: str, ctx: Ctx, line: int | None, f:
     return float(value) if tp is float else value
 
 
-
-
 def check_fields(obj: Any) -> None:
     """For objects built in code (`build_dataclass` already did this for YAML): build nested dataclass fields given as
-    mappings, and check every Literal-typed field's value."""
+    mappings, and check every choice (Literal-typed) field's value, case-insensitively as in YAML: 'adamw' -> 'AdamW'.
+    Fields mixing choices and other types (float | 'dynamic') are checked by hand."""
     hints = get_type_hints(type(obj))
+    ctx = Ctx(f"<{type(obj).__name__}>")
     for f in dataclasses.fields(obj):
         tp, value = hints[f.name], getattr(obj, f.name)
-        options = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+        options = [a for a in (get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,))
+                   if a is not type(None)]
         nested = [a for a in options if dataclasses.is_dataclass(a)]
         if nested and isinstance(value, Mapping):
-            setattr(obj, f.name, build_dataclass(nested[0], value, f.name, Ctx(f"<{type(obj).__name__}>")))
-        literals = [a for a in options if get_origin(a) is Literal]
-        if value is None or not literals or len(literals) + (type(None) in options) != len(options):
-            continue  # not a pure choice field (e.g. float | 'dynamic' is checked by hand)
-        choices = get_args(literals[0])
-        canonical = [c for c in choices if isinstance(value, str) and c.lower() == value.strip().lower()]
-        if not canonical:
-            raise FieldError(f.name, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
-        setattr(obj, f.name, canonical[0])  # case-insensitive, as in YAML: 'adamw' -> 'AdamW'
+            setattr(obj, f.name, build_dataclass(nested[0], value, f.name, ctx))
+        elif value is not None and all(get_origin(a) is Literal for a in options):
+            setattr(obj, f.name, convert_value(value, tp, f.name, ctx, None))
 
 
-def positive(obj: Any, *keys: str) -> None:
+def positive(obj: Any, *keys: str, what: str = "a positive integer") -> None:
     for key in keys:
         value = getattr(obj, key)
         if value is not None and value <= 0:
-            raise FieldError(key, f"must be a positive integer, got {value}")
+            raise FieldError(key, f"must be {what}, got {value}")
 
 
-def plain(value: Any) -> Any:
-    """YAML containers -> plain dicts/lists (drops line bookkeeping)."""
-    if isinstance(value, Mapping):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
+def non_negative(obj: Any, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if value is not None and value < 0:
+            raise FieldError(key, f"must be >= 0, got {value}")
 
 
 def to_plain(value: Any) -> Any:
-    """Dataclasses -> dicts without None-valued fields (every optional field defaults to None)."""
+    """Dataclasses -> dicts without None-valued fields (every optional field defaults to None); YAML containers
+    -> plain dicts/lists (drops line bookkeeping)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
         for f in dataclasses.fields(value):
@@ -196,11 +185,6 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: to_plain(v) for k, v in value.items()}
     return value
-
-
-def _known_keys(cls: type) -> str:
-    names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("source", "ignored")]
-    return f"{cls.__name__} keys ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
 
 
 def _type_name(tp: Any) -> str:
@@ -222,9 +206,14 @@ def _type_name(tp: Any) -> str:
 def show(value: Any) -> str:
     kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             type(None): "null"}.get(type(value), "a mapping" if isinstance(value, Mapping) else type(value).__name__)
-    text = repr(plain(value))
+    text = repr(to_plain(value))
     return f"{text[:60] + '...' if len(text) > 60 else text} ({kind})"
 
+
+def unknown_key(ctx: Ctx, path: str, key: Any, known: list[str] | tuple[str, ...], line: int | None) -> ConfigError:
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ctx.error(join_path(path, key), f"unknown key {key!r}{hint}; known keys here: {', '.join(known)}", line)
 
 
 def expect_keys(mapping: Any, path: str, known: tuple[str, ...], ctx: Ctx) -> None:
@@ -232,11 +221,8 @@ def expect_keys(mapping: Any, path: str, known: tuple[str, ...], ctx: Ctx) -> No
         raise ctx.error(path, f"expected a mapping, got {show(mapping)}")
     for key in mapping:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ctx.error(join_path(path, key), f"unknown key {key!r}{hint}; known keys here: {', '.join(known)}",
-                            getattr(mapping, "key_lines", {}).get(key))
+            raise unknown_key(ctx, path, key, known, getattr(mapping, "key_lines", {}).get(key))
 
 
-__all__ = ["FieldError", "Ctx", "build_dataclass", "convert_value", "check_fields", "positive", "plain", "to_plain",
-           "show", "join_path", "expect_keys"]
+__all__ = ["FieldError", "Ctx", "build_dataclass", "convert_value", "check_fields", "positive", "non_negative",
+           "to_plain", "show", "join_path", "expect_keys", "unknown_key"]
