@@ -1,24 +1,11 @@
-"""`wsc`: one table of commands. Each command is a typed function usable as a library call.
-
-    wsc run      --params P.yaml --mode train|eval|train_and_eval [--num_csx N] [--model_dir D] ...
-    wsc fit      P.yaml [-o D]            (= run --mode train_and_eval, the cszoo form)
-    wsc validate P.yaml                   (check a params file and print the model it describes)
-    wsc generate (--model NAME | --checkpoint PATH) (--prompt TEXT | --chat TEXT) ...
-    wsc export   (--model NAME | --checkpoint PATH) --format hf --out DIR
-    wsc plot     MODEL_DIR [--out loss.png]
-    wsc models   (list the zoo)
-    wsc compile  (--model NAME | --params P.yaml) --target wse3 [--systems N] [--mode inference|train] ...
-    wsc estimate (--model NAME | --params P.yaml) [--target wse3]
-    wsc serve    [--model NAME|PATH] [--host H] [--port P] [--api-key K] [--stages K] [--target wse3 [--systems N]]
-                 [--max-num-seqs N]     (also `python -m waferscale.serve.server ...`)
-    wsc kernel   {gemv,gemm,spmv,allreduce} --m M --k K [--n N] --target wse2 [--pes RxC] [--verify]
-
-Bad input prints one `error:` line and exits 2.
+"""`wsc`: one table of commands (`build_parser`; the README's "The command line" shows their flags). Each
+command is a function of the parsed arguments. Bad input prints one `error:` line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,24 +23,20 @@ EXIT_USAGE = 2
 # ---- commands ------------------------------------------------------------------------------------------
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from waferscale.params import load_params
+    from waferscale.params import check_batch_split, load_params
     from waferscale.runtime import swarmx
     from waferscale.runtime.cluster import SwarmXFailure
-    from waferscale.zoo.runner import RunOptions, check_batch_split, run
+    from waferscale.zoo.runner import RunOptions, run
 
     if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
         return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)
     params = load_params(a.params)
     num_csx = a.num_csx if a.num_csx is not None else params.runconfig.num_csx
     model_dir = a.model_dir or params.runconfig.model_dir or "model_dir"
-    opts = RunOptions(mode=getattr(a, "mode", "train"), model_dir=Path(model_dir), num_steps=a.num_steps,
-                      max_steps=a.max_steps,
-                      eval_steps=a.eval_steps, checkpoint_path=a.checkpoint_path,
-                      load_checkpoint_states=a.load_checkpoint_states, device=a.device, execution=a.execution,
-                      progress=not a.no_progress, num_csx=num_csx, device_memory_mb=a.device_memory_mb,
-                      memoryx_ram_mb=a.memoryx_ram_mb, flash_dir=a.flash_dir, trace=a.trace,
-                      recompute=a.recompute, swarmx_timeout_s=a.swarmx_timeout_s)  # checks the flags
-    check_batch_split(params.train_input.batch_size, params.train_input.micro_batch_size, num_csx)
+    flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(RunOptions) if hasattr(a, f.name)}
+    opts = RunOptions(**flags | {"model_dir": Path(model_dir), "progress": not a.no_progress,
+                                 "num_csx": num_csx})  # checks the flags
+    check_batch_split(params.train_input, num_csx, num_csx_name="--num_csx")
     if a.validate_only:  # the params file and the flags, as the run would read them
         print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
         return 0

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import waferscale.pytorch as cstorch
-from waferscale.params import Params
+from waferscale.params import Params, check_batch_split
 from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
@@ -68,18 +68,15 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for flag in ("num_steps", "max_steps", "eval_steps"):
+        for flag in ("num_steps", "max_steps", "eval_steps", "device_memory_mb", "memoryx_ram_mb",
+                     "swarmx_timeout_s"):
             v = getattr(self, flag)
             if v is not None and v <= 0:
-                raise ConfigError(f"--{flag} must be a positive integer, got {v}")
+                raise ConfigError(f"--{flag} must be positive, got {v}")
         if self.execution not in ("auto", "resident", "streaming"):
             raise ConfigError(f"--execution {self.execution!r} is not available; use auto, resident or streaming")
         if self.num_csx < 1:
             raise ConfigError(f"--num_csx must be at least 1 (the number of systems), got {self.num_csx}")
-        for flag in ("device_memory_mb", "memoryx_ram_mb", "swarmx_timeout_s"):
-            v = getattr(self, flag)
-            if v is not None and v <= 0:
-                raise ConfigError(f"--{flag} must be positive, got {v}")
         if self.recompute not in ("auto", "always", "never"):
             raise ConfigError(f"--recompute must be auto, always or never, got {self.recompute!r}")
 
@@ -115,11 +112,10 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
 
 
 def build_model(params: Params) -> CausalLM:
-    pretrained = getattr(params.model, "pretrained", None)
-    if pretrained:
+    if params.model.pretrained:
         from waferscale.models.pretrained import load_pretrained
 
-        return load_pretrained(pretrained)
+        return load_pretrained(params.model.pretrained)
     return build(params.model.to_model_config(), device="cpu")
 
 
@@ -154,57 +150,31 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
 
 def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Train and/or evaluate per `opts.mode`; returns the summary dict also written to model_dir/summary.json."""
-    rc = params.runconfig
-    max_steps = opts.max_steps or rc.max_steps
-    torch.manual_seed(rc.seed)
-    device = resolve_device(opts.device if opts.device != "auto" else getattr(rc, "device", "auto"))
-    model_dir = Path(opts.model_dir)
-
-    inp = params.train_input
-    check_batch_split(inp.batch_size, inp.micro_batch_size, opts.num_csx)
-    model, executor, why = build_executor(params, opts, device, model_dir)
-    cfg = model.config
+    torch.manual_seed(params.runconfig.seed)
+    device = resolve_device(opts.device if opts.device != "auto" else params.runconfig.device)
+    check_batch_split(params.train_input, opts.num_csx, num_csx_name="--num_csx")
+    model, executor, why = build_executor(params, opts, device)
     try:
-        data = prepare_data(params, cfg, opts.progress)
-        if inp.batch_size * data.seq_len + 1 > len(data.train):
-            raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
-                            f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
-        return _run(params, opts, out, device, model_dir, model, executor, why, data, max_steps)
+        return _run(params, opts, out, device, model, executor, why)
     finally:
         executor.close()
 
 
-def check_batch_split(batch_size: int, micro_batch_size: int | None, num_csx: int) -> None:
-    if batch_size % num_csx:
-        raise ConfigError(f"train_input.batch_size {batch_size} does not split evenly over --num_csx {num_csx}; "
-                          f"use a multiple of {num_csx}")
-    local = batch_size // num_csx
-    if micro_batch_size and local % micro_batch_size:
-        raise ConfigError(f"train_input.micro_batch_size {micro_batch_size} does not divide the per-system batch "
-                          f"{local} (batch_size {batch_size} / num_csx {num_csx}); pick a divisor of {local}")
-
-
-def build_executor(params: Params, opts: RunOptions, device: torch.device, model_dir: Path
-                   ) -> tuple[CausalLM, Executor, str]:
+def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tuple[CausalLM, Executor, str]:
     """The model (real for resident runs, parameters on meta for streaming ones) and its executor: the run's
-    cstorch backend, and its training step compiled for it."""
+    cstorch backend, and its training step compiled for it. Each flag, if given, wins over its runconfig key."""
     inp, opt, rc = params.train_input, params.optimizer, params.runconfig
-    pretrained = getattr(params.model, "pretrained", None)
-    model = build_model(params) if pretrained else None
+    model = build_model(params) if params.model.pretrained else None
     cfg = model.config if model is not None else params.model.to_model_config()
-    mib = lambda v: int(v * 2**20) if v is not None else None  # noqa: E731
-    budget = mib(opts.device_memory_mb if opts.device_memory_mb is not None else getattr(rc, "device_memory_mb", None))
+    device_mb = opts.device_memory_mb if opts.device_memory_mb is not None else rc.device_memory_mb
+    ram_mb = opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else rc.memoryx_ram_mb
+    budget = int(device_mb * 2**20) if device_mb is not None else None
     kind, why = choose_execution(opts.execution if opts.execution != "auto" else rc.execution,
                                  num_params=cfg.num_params, optimizer_type=opt.optimizer_type, momentum=opt.momentum,
                                  device=device, device_memory_bytes=budget, num_csx=opts.num_csx)
-    ram = mib(opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else getattr(rc, "memoryx_ram_mb", None))
-    flash = opts.flash_dir or getattr(rc, "flash_dir", None)
-    if ram is not None and flash is None:
-        flash = str(model_dir / "memoryx_flash")
     backend = cstorch.backend(
-        "CSX" if kind == "streaming" else ("GPU" if device.type == "cuda" else "CPU"), artifact_dir=model_dir,
-        device=str(device), device_memory_mb=budget / 2**20 if budget is not None else None,
-        memoryx_ram_mb=ram / 2**20 if ram is not None else None, flash_dir=flash,
+        "CSX" if kind == "streaming" else ("GPU" if device.type == "cuda" else "CPU"), artifact_dir=opts.model_dir,
+        device=str(device), device_memory_mb=device_mb, memoryx_ram_mb=ram_mb, flash_dir=opts.flash_dir or rc.flash_dir,
         cluster_config=cstorch.distributed.ClusterConfig(num_csx=opts.num_csx, timeout_s=opts.swarmx_timeout_s),
         spawn_script_copies=False)  # the workers run the compiled step, not copies of `wsc run`
     recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
@@ -214,9 +184,14 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device, model
     return model, executor, why
 
 
-def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, model_dir: Path, model: CausalLM,
-         executor: Executor, why: str, data: Data, max_steps: int) -> dict[str, Any]:
+def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, model: CausalLM, executor: Executor,
+         why: str) -> dict[str, Any]:
     rc, inp, cfg = params.runconfig, params.train_input, model.config
+    model_dir, max_steps = Path(opts.model_dir), opts.max_steps or rc.max_steps
+    data = prepare_data(params, cfg, opts.progress)
+    if inp.batch_size * data.seq_len + 1 > len(data.train):
+        raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
+                        f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
     loader = BatchLoader(data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
 
@@ -263,14 +238,13 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     stream_totals: dict[str, float] = {}
     trace_step = start_step + (2 if end_step - start_step >= 2 else 1)
     last_ckpt: Path | None = None
-    tokens_done, train_time, loss = 0, 0.0, float("nan")
     if opts.mode in ("train", "train_and_eval") and end_step > start_step:
         if rc.save_initial_checkpoint and start_step == 0:
-            last_ckpt = save(0)
+            save(0)
         bar = tqdm(total=end_step - start_step, desc="train", unit="step", disable=not opts.progress,
                    dynamic_ncols=True, file=sys.stderr)
         t_run = time.perf_counter()
-        acc: dict[str, Any] = {"tokens": 0, "time": 0.0, "loss": float("nan"), "ckpt": last_ckpt}
+        acc: dict[str, Any] = {"tokens": 0, "time": 0.0, "loss": float("nan")}
         steps = cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: loader),
                                                 num_steps=end_step - start_step, start_step=start_step,
                                                 checkpoint_steps=rc.checkpoint_steps or end_step)
@@ -301,31 +275,31 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         @cstorch.checkpoint_closure
         def checkpoint(step: int) -> None:
             if step != end_step:  # (the last step's checkpoint is written after the loop)
-                acc["ckpt"] = save(step)
+                save(step)
 
         with open(metrics_path, "a") as metrics:
             for x, y in steps:
                 step = steps.user_iteration
                 lr = schedule(step - 1)  # schedule
-                if opts.trace and step == trace_step:
-                    start_trace(executor, opts.trace)
+                traced = opts.trace and step == trace_step
+                if traced and hasattr(executor, "set_trace"):
+                    executor.set_trace(opts.trace)
                 t0 = time.perf_counter()
                 r = train_step(x, y, lr)  # execute
                 dt = time.perf_counter() - t0
-                if opts.trace and step == trace_step:
-                    finish_trace(executor, opts.trace, t0, t0 + dt)
+                if traced and not hasattr(executor, "set_trace"):
+                    trace_whole_step(executor, opts.trace, t0, t0 + dt)
                 record(step, r, lr, dt)  # update
                 checkpoint(step)
-        tokens_done, train_time, loss, last_ckpt = acc["tokens"], acc["time"], acc["loss"], acc["ckpt"]
         bar.close()
         last_ckpt = save(end_step)
-        tps = tokens_done / train_time
+        tps = acc["tokens"] / acc["time"]
         dtype = torch.float32 if executor.half is None else executor.half
         systems, threads = getattr(executor, "systems_threads", (1, None))
         peak = systems * measured_peak_flops(device.type, dtype, threads=threads)  # N systems: N times theirs
         flops_tok = cfg.flops_per_token(data.seq_len, training=True)
-        summary.update({"steps": end_step - start_step, "final_step": end_step, "final_loss": loss,
-                        "tokens": tokens_done, "train_time_s": train_time, "tokens_per_s": tps,
+        summary.update({"steps": end_step - start_step, "final_step": end_step, "final_loss": acc["loss"],
+                        "tokens": acc["tokens"], "train_time_s": acc["time"], "tokens_per_s": tps,
                         "model_flops_per_token": flops_tok, "achieved_flops": tps * flops_tok,
                         "peak_flops_measured": peak, "peak_systems": systems, "mfu": tps * flops_tok / peak})
         if stream_totals:
@@ -354,32 +328,19 @@ _SUMMED = ("wait_weights_s", "compute_s", "grad_writeback_s", "optimizer_s", "fe
 
 def accumulate_stream_stats(totals: dict[str, float], stats: dict[str, Any]) -> None:
     for k in _SUMMED:
-        if k in stats:
-            totals[k] = totals.get(k, 0) + stats[k]
+        totals[k] = totals.get(k, 0) + stats.get(k, 0)
     totals["no_stall_steps"] = totals.get("no_stall_steps", 0) + bool(stats.get("no_stall"))
     totals["no_stall_tokens_needed"] = max(totals.get("no_stall_tokens_needed", 0),
                                            stats.get("no_stall_tokens_needed", 0))
 
 
 def summarize_stream_stats(totals: dict[str, float], steps: int) -> dict[str, Any]:
-    s: dict[str, Any] = {k: totals.get(k, 0) for k in _SUMMED}
-    busy = totals.get("fetch_busy_s", 0)
-    s["stream_bandwidth_Bps"] = totals["bytes_in"] / busy if busy else None
-    s["no_stall_steps"] = int(totals.get("no_stall_steps", 0))
-    s["steps"] = steps
-    s["no_stall_tokens_needed"] = totals.get("no_stall_tokens_needed", 0)
-    return s
+    busy = totals["fetch_busy_s"]
+    return {**totals, "stream_bandwidth_Bps": totals["bytes_in"] / busy if busy else None, "steps": steps}
 
 
-def start_trace(executor: Executor, path: str) -> None:
-    if hasattr(executor, "set_trace"):
-        executor.set_trace(path)
-
-
-def finish_trace(executor: Executor, path: str, t0: float, t1: float) -> None:
-    """Executors without their own trace get one span for the whole step."""
-    if hasattr(executor, "set_trace"):
-        return
+def trace_whole_step(executor: Executor, path: str, t0: float, t1: float) -> None:
+    """For executors without their own trace (no `set_trace`): one span for the whole step."""
     from waferscale.runtime.trace import Tracer
 
     tr = Tracer()
