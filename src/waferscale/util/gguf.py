@@ -1,12 +1,9 @@
 """GGUF files, read with the `gguf` library: the one place that opens them and decodes their metadata.
 
-`read_gguf(path)` opens a file (a `gguf.GGUFReader`: metadata and tensors memory-mapped, nothing copied);
-`gguf_metadata(path)` gives its key/value metadata as Python values (strings, numbers, lists), without the
-reader's own `GGUF.*` header fields. Opening indexes every metadata value, and a 49k-token vocabulary with
-its merges makes that the slow part (seconds), so the decoded metadata is kept, keyed by path, size and
-modification time: in memory for the last few files (a model loaded from a GGUF file and its tokenizer built
-right after parse the file once between them) and on disk as JSON under the cache directory (a later process
-reads it back in a fraction of the time).
+Opening indexes every metadata value, and a 49k-token vocabulary with its merges makes that the slow part
+(seconds), so the decoded metadata is kept, keyed by path, size and modification time: in memory for the last
+few files (a model and its tokenizer loaded from one GGUF file parse it once) and on disk as JSON under the
+cache directory (a later process reads it back in a fraction of the time).
 """
 
 from __future__ import annotations
@@ -31,7 +28,8 @@ _lock = threading.Lock()
 
 
 def read_gguf(path: str | os.PathLike, error: type[UserError] = CheckpointError) -> Any:
-    """Open `path` as a `gguf.GGUFReader`; `error` (naming the file) if it is missing or not readable GGUF."""
+    """Open `path` as a `gguf.GGUFReader` (metadata and tensors memory-mapped, nothing copied); `error` (naming
+    the file) if it is missing or not readable GGUF."""
     import gguf
 
     p = Path(path)
@@ -45,7 +43,8 @@ def read_gguf(path: str | os.PathLike, error: type[UserError] = CheckpointError)
 
 def gguf_metadata(path: str | os.PathLike, *, reader: Any = None,
                   error: type[UserError] = CheckpointError) -> dict[str, Any]:
-    """The key/value metadata of the GGUF file at `path` as Python values; arrays come back as lists.
+    """The key/value metadata of the GGUF file at `path` as Python values (arrays as lists), without the
+    reader's own `GGUF.*` header fields.
 
     Pass the `reader` already open on `path` to decode from it instead of opening the file again. A field
     the library cannot decode (e.g. invalid UTF-8) is left out. The dict is shared with later calls for the
