@@ -41,15 +41,6 @@ _TOP_NAMES = {"token_embd.weight": "embed.tok.weight", "output_norm.weight": "he
 _MAX_META_ARRAY = 64
 
 
-def _field(reader: Any, key: str, default: Any = None, required: bool = False) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        if required:
-            raise CheckpointError(f"GGUF metadata lacks {key!r}")
-        return default
-    return f.contents()
-
-
 def _f32(x: Any) -> float:
     """GGUF stores floats as float32: 1e-5 reads back as 9.99999974e-06. Take the shortest decimal that
     rounds to the same float32, so configs compare equal to the presets they came from."""
@@ -62,22 +53,21 @@ def _name_from_path(path: str | os.PathLike) -> str:
     return re.sub(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", "", stem) or stem
 
 
-def _rope_scaling(reader: Any, head_dim: int, theta: float) -> RopeScaling | None:
-    """Llama-3.1 GGUFs store the per-frequency divisors as a `rope_freqs.weight` tensor instead of parameters;
-    accept it when it equals the llama3 scaling described by the metadata (or Llama 3.1's defaults)."""
-    kind = _field(reader, "llama.rope.scaling.type", "none")
+def _rope_scaling(meta: dict[str, Any], freqs: Any, head_dim: int, theta: float) -> RopeScaling | None:
+    """Llama-3.1 GGUFs store the per-frequency divisors as a `rope_freqs.weight` tensor (`freqs`) instead of
+    parameters; accept it when it equals the llama3 scaling described by the metadata (or Llama 3.1's defaults)."""
+    kind = meta.get("llama.rope.scaling.type", "none")
     if kind not in ("none", "llama3"):
         raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
         return None
     default = RopeScaling()
     scaling = RopeScaling(
-        factor=_f32(_field(reader, "llama.rope.scaling.factor", default.factor)),
-        low_freq_factor=_f32(_field(reader, "llama.rope.scaling.low_freq_factor", default.low_freq_factor)),
-        high_freq_factor=_f32(_field(reader, "llama.rope.scaling.high_freq_factor", default.high_freq_factor)),
-        original_max_position_embeddings=int(_field(reader, "llama.rope.scaling.original_context_length",
-                                                    default.original_max_position_embeddings)))
+        factor=_f32(meta.get("llama.rope.scaling.factor", default.factor)),
+        low_freq_factor=_f32(meta.get("llama.rope.scaling.low_freq_factor", default.low_freq_factor)),
+        high_freq_factor=_f32(meta.get("llama.rope.scaling.high_freq_factor", default.high_freq_factor)),
+        original_max_position_embeddings=int(meta.get("llama.rope.scaling.original_context_length",
+                                                      default.original_max_position_embeddings)))
     stored = torch.from_numpy(np.asarray(freqs.data, dtype=np.float32).reshape(-1).copy())
     expected = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)
     if stored.shape != expected.shape or not torch.allclose(stored, expected, rtol=1e-3):
@@ -86,43 +76,42 @@ def _rope_scaling(reader: Any, head_dim: int, theta: float) -> RopeScaling | Non
     return scaling
 
 
-def config_from_gguf(reader: Any, name: str | None = None) -> ModelConfig:
-    """ModelConfig from the `llama.*` metadata of an open `gguf.GGUFReader`.
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | None = None) -> ModelConfig:
+    """ModelConfig from a GGUF file's `llama.*` metadata (as `gguf_metadata` decodes it) and its tensors by name.
 
     Vocabulary size is the length of `tokenizer.ggml.tokens` (else `llama.vocab_size`, else the embedding's
     rows); embeddings are tied when the file has no `output.weight` tensor.
     """
-    arch = _field(reader, "general.architecture", required=True)
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        vocab = len(tokens.data)
-    elif _field(reader, "llama.vocab_size") is not None:
-        vocab = int(_field(reader, "llama.vocab_size"))
+    try:
+        d, n_head = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
+        n_layer, d_ff = int(meta["llama.block_count"]), int(meta["llama.feed_forward_length"])
+    except KeyError as e:
+        raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r}") from None
+    if "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    elif "llama.vocab_size" in meta:
+        vocab = int(meta["llama.vocab_size"])
     else:
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        vocab = int(emb.shape[-1])
-    d = int(_field(reader, "llama.embedding_length", required=True))
-    n_head = int(_field(reader, "llama.attention.head_count", required=True))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-    rope_dim = _field(reader, "llama.rope.dimension_count")
+        vocab = int(tensors["token_embd.weight"].shape[-1])
+    rope_dim = meta.get("llama.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != d // n_head:
         raise CheckpointError(f"GGUF rope.dimension_count {rope_dim} != head_dim {d // n_head}; partial rotary "
                               "embeddings are not supported")
-    theta = _f32(_field(reader, "llama.rope.freq_base", 10000.0))
+    theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
     try:
         return ModelConfig(
-            name=name or str(_field(reader, "general.name", "gguf-llama")).lower().replace(" ", "-"),
-            family="llama", vocab_size=vocab, n_layer=int(_field(reader, "llama.block_count", required=True)),
-            n_head=n_head, n_kv_head=n_kv, d_model=d,
-            d_ff=int(_field(reader, "llama.feed_forward_length", required=True)),
-            max_seq_len=int(_field(reader, "llama.context_length", 2048)), norm="rmsnorm",
-            norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)), activation="swiglu",
-            position="rotary", rope_theta=theta, rope_scaling=_rope_scaling(reader, d // n_head, theta),
-            tie_embeddings="output.weight" not in names, attn_bias="blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_up.bias" in names)
+            name=name or str(meta.get("general.name", "gguf-llama")).lower().replace(" ", "-"),
+            family="llama", vocab_size=vocab, n_layer=n_layer, n_head=n_head,
+            n_kv_head=int(meta.get("llama.attention.head_count_kv", n_head)), d_model=d, d_ff=d_ff,
+            max_seq_len=int(meta.get("llama.context_length", 2048)), norm="rmsnorm",
+            norm_eps=_f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)), activation="swiglu",
+            position="rotary", rope_theta=theta,
+            rope_scaling=_rope_scaling(meta, tensors.get("rope_freqs.weight"), d // n_head, theta),
+            tie_embeddings="output.weight" not in tensors, attn_bias="blk.0.attn_q.bias" in tensors,
+            mlp_bias="blk.0.ffn_up.bias" in tensors)
     except ValueError as e:
         raise CheckpointError(f"GGUF metadata describes an invalid model: {e}") from None
 
@@ -149,7 +138,8 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     from gguf.quants import dequantize
 
     reader = read_gguf(path)
-    cfg = config_from_gguf(reader, name=_name_from_path(path))
+    meta = gguf_metadata(path, reader=reader)  # decoded once per file: the tokenizer reuses it
+    cfg = config_from_gguf(meta, {t.name: t for t in reader.tensors}, name=_name_from_path(path))
     sd: dict[str, Tensor] = {}
     unknown: list[str] = []
     for t in reader.tensors:
@@ -179,7 +169,6 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     if cfg.tie_embeddings and "embed.tok.weight" in sd:
         sd["head.lm_head.weight"] = sd["embed.tok.weight"]
     model = model_from_state_dict(cfg, sd, device=device, dtype=dtype, where=f"GGUF file {str(path)!r}")
-    meta = gguf_metadata(path, reader=reader)  # decoded once per file: the tokenizer reuses it
     return model, {"path": str(path), **{k: v for k, v in meta.items()
                                          if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
