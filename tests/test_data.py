@@ -16,7 +16,6 @@ from waferscale.data import (
     CharTokenizer,
     HFTokenizer,
     Tokenizer,
-    asset_path,
     build_token_splits,
     check_vocab_fits,
     eval_batches,
@@ -28,6 +27,7 @@ from waferscale.data import (
     shakespeare_dir,
 )
 from waferscale.errors import DataError
+from waferscale.util.assets import asset_path
 
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 CHATML = (

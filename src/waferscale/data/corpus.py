@@ -48,12 +48,10 @@ def read_documents(spec: str | Path | list[str | Path]) -> list[str]:
     entries = [spec] if isinstance(spec, (str, Path)) else list(spec)
     if not entries:
         raise DataError("no corpus given; pass 'shakespeare', a .txt/.jsonl file, or a directory")
-    docs: list[str] = []
-    for entry in entries:
-        docs.extend(_read_entry(entry))
-    docs = [d for d in docs if d]
+    docs = [d for entry in entries for d in _read_entry(entry) if d]
     if not docs:
-        raise DataError(f"corpus {_describe(entries)} holds no text (all files/documents are empty)")
+        raise DataError(f"corpus {', '.join(repr(str(e)) for e in entries)} holds no text (all files/documents are "
+                        "empty)")
     return docs
 
 
@@ -108,10 +106,6 @@ def _read_jsonl(path: Path) -> list[str]:
             raise DataError(f'{path}:{lineno}: expected an object with a string "text" field, like {{"text": "..."}}')
         docs.append(record["text"])
     return docs
-
-
-def _describe(entries: list) -> str:
-    return ", ".join(repr(str(e)) for e in entries)
 
 
 def held_out_shakespeare_passage(n_chars: int = 2000) -> str:

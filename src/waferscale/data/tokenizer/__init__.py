@@ -5,9 +5,6 @@
     hf.py         HFTokenizer: Hugging Face `tokenizers` from tokenizer.json (+ tokenizer_config.json)
     from_gguf.py  tokenizer_from_gguf: the BPE vocabulary embedded in a GGUF file, as an HFTokenizer
     load.py       load_tokenizer(spec): "char", an asset name, a .gguf, a tokenizer.json or a directory
-
-Asset names ("smollm2", ...) are resolved by `waferscale.util.assets`; `ASSETS` and `asset_path` are
-re-exported here for `waferscale.data` users.
 """
 
 from waferscale.data.tokenizer.base import Tokenizer, check_vocab_fits
@@ -15,16 +12,6 @@ from waferscale.data.tokenizer.char import CharTokenizer
 from waferscale.data.tokenizer.from_gguf import read_gguf_metadata, tokenizer_from_gguf
 from waferscale.data.tokenizer.hf import HFTokenizer
 from waferscale.data.tokenizer.load import load_tokenizer
-from waferscale.util.assets import ASSETS, asset_path
 
-__all__ = [
-    "ASSETS",
-    "CharTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "asset_path",
-    "check_vocab_fits",
-    "load_tokenizer",
-    "read_gguf_metadata",
-    "tokenizer_from_gguf",
-]
+__all__ = ["CharTokenizer", "HFTokenizer", "Tokenizer", "check_vocab_fits", "load_tokenizer", "read_gguf_metadata",
+           "tokenizer_from_gguf"]

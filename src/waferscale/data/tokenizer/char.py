@@ -30,7 +30,6 @@ class CharTokenizer(Tokenizer):
         cps = np.array([ord(c) for c in chars], dtype=np.int64)
         self._lut = np.full(int(cps.max()) + 1, -1, dtype=np.int64)
         self._lut[cps] = np.arange(len(chars))
-        self._itos = np.array(chars, dtype=object)
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:

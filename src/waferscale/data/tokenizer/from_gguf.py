@@ -46,22 +46,14 @@ def _pre_tokenizer(pre: str) -> Any:
         raise DataError(
             f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_FAMILIES))}"
         )
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex, then bytes
     if family == "gpt2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        return gpt2
     if family == "starcoder":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     regex = _LLAMA3_REGEX if family == "llama3" else _QWEN2_REGEX
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def tokenizer_from_gguf(path: Path | str) -> HFTokenizer:
