@@ -36,9 +36,8 @@ def plot_loss(model_dir: Path, out: Path | None = None) -> Path:
     ax2 = ax.twinx()
     ax2.plot(steps, [r["lr"] for r in rows], color="C2", lw=0.8, alpha=0.6, label="learning rate")
     ax2.set_ylabel("learning rate")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
+    (handles, labels), (handles2, labels2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(handles + handles2, labels + labels2, loc="upper right")
     ax.set_title(f"{model_dir.name}: {len(rows)} steps")
     fig.tight_layout()
     out = out or model_dir / "loss.png"

@@ -55,16 +55,6 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_fit(a: argparse.Namespace) -> int:
-    a.mode = "train_and_eval"
-    return cmd_run(a)
-
-
-def cmd_validate(a: argparse.Namespace) -> int:
-    a.validate_only = True
-    return cmd_run(a)
-
-
 def cmd_generate(a: argparse.Namespace) -> int:
     from waferscale.runtime.generation import load_for_generation
     from waferscale.serve.llm import LLM, SamplingParams
@@ -265,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
         "run": (cmd_run, "train / evaluate from a params YAML (Model Zoo run.py flags)"),
-        "fit": (cmd_fit, "train_and_eval (cszoo fit form)"),
-        "validate": (cmd_validate, "check a params YAML"),
+        "fit": (cmd_run, "train_and_eval (cszoo fit form)"),
+        "validate": (cmd_run, "check a params YAML"),
         "generate": (cmd_generate, "sample text from a zoo model or a checkpoint"),
         "export": (cmd_export, "write a checkpoint in another format (Hugging Face)"),
         "plot": (cmd_plot, "draw a run's loss curve to a PNG"),
@@ -281,8 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         if name == "run":
             _run_flags(p)
-        elif name in ("fit", "validate"):
+        elif name == "fit":
             _run_flags(p, params_positional=True)
+            p.set_defaults(mode="train_and_eval")
+        elif name == "validate":
+            _run_flags(p, params_positional=True)
+            p.set_defaults(validate_only=True)
         elif name == "generate":
             _model_source_flags(p)
             p.add_argument("--prompt", default=None, help="raw text to continue")

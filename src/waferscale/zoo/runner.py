@@ -119,14 +119,6 @@ def build_model(params: Params) -> CausalLM:
     return build(params.model.to_model_config(), device="cpu")
 
 
-def save_tokenizer_once(tokenizer: Any, model_dir: Path) -> None:
-    target = model_dir / "tokenizer"
-    if target.exists():
-        return
-    with atomic_dir(target) as tmp:
-        tokenizer.save(tmp)
-
-
 # ---- metrics file ------------------------------------------------------------------------------------
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -221,7 +213,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
               f"(raise --max_steps to continue)", file=out)
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    save_tokenizer_once(data.tokenizer, model_dir)
+    if not (model_dir / "tokenizer").exists():  # saved once, by the run that starts the model_dir
+        with atomic_dir(model_dir / "tokenizer") as tmp:
+            data.tokenizer.save(tmp)
     metrics_path = model_dir / "metrics.jsonl"
     truncate_metrics(metrics_path, start_step)
 
