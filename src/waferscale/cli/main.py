@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -128,8 +129,6 @@ def _params_graph(path: str) -> "Graph":
 
 def _report_plan(plan: "Plan", out: Path | None, as_json: bool) -> None:
     """Write plan.json, wafer.png, wafer.svg and trace.json into `out` (if given), then print the plan."""
-    import json
-
     from waferscale.compiler import plan_json, plan_summary, write_outputs
 
     written = write_outputs(plan, out) if out is not None else []
@@ -159,8 +158,6 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_estimate(a: argparse.Namespace) -> int:
-    import json
-
     from waferscale.compiler import estimate_memory, estimate_table
 
     if (a.model is None) == (a.params is None):
@@ -172,8 +169,6 @@ def cmd_estimate(a: argparse.Namespace) -> int:
 
 
 def cmd_kernel(a: argparse.Namespace) -> int:
-    import json
-
     from waferscale.fabric.kernel_run import format_kernel_report, run_kernel
     from waferscale.fabric.presets import parse_pes
 
