@@ -100,11 +100,6 @@ def _region(spec: FabricSpec, rows: int, cols: int, mesh: Mesh | None) -> tuple[
     return rows, cols
 
 
-def _chunks(n: int, per: int) -> list[int]:
-    full, last = divmod(n, per)
-    return [per] * full + ([last] if last else [])
-
-
 def _hops(mesh: Mesh | None, rows: int, cols: int, axis: int) -> int:
     """Physical hops of the longest chain along rows (axis=1) or down columns (axis=0), detours included."""
     if mesh is None:
@@ -147,7 +142,7 @@ def _multicast(spec: FabricSpec, hops: int, n_waves: int) -> int:
 
 # ---- GEMV / GEMM / SpMV ---------------------------------------------------------------------------------
 def _chunk_sum(n: int, per: int, fn) -> float:
-    """sum(fn(e) for e in _chunks(n, per)) in O(1): n // per full chunks, then the remainder."""
+    """fn summed over the chunks of n values `per` at a time, in O(1): n // per full chunks, then the rest."""
     full, rem = divmod(n, per)
     return full * fn(per) + (fn(rem) if rem else 0)
 
@@ -589,27 +584,32 @@ def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: i
     return make_cycles(compute=comp, sram=comp, fabric=fabric, total=total * passes, passes=passes)
 
 
-def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, rms: bool = False,
-                dtype: str = "fp32", *, mesh: Mesh | None = None) -> Cycles:
-    """LayerNorm (or RMSNorm) of n_elems/width vectors of `width`: tokens over rows, width over columns; local
-    statistics, a row all-reduce of them, then the normalisation (see `schedules.norm_phases`)."""
+def _rows_region(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int,
+                 mesh: Mesh | None) -> tuple[int, int, int, int]:
+    """Rows of `width` values: tokens over the region's rows, the width over its columns. Returns the PEs
+    used (R, C), tokens per row and values per PE of a token."""
     check_positive(n_elems=n_elems, width=width)
     tokens = -(-n_elems // width)
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(tokens, R), used(width, C)
-    return row_program_cycles(spec, norm_phases(spec, -(-tokens // R), -(-width // C), rms, dtype), R, C, dtype, mesh)
+    return R, C, -(-tokens // R), -(-width // C)
+
+
+def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, rms: bool = False,
+                dtype: str = "fp32", *, mesh: Mesh | None = None) -> Cycles:
+    """LayerNorm (or RMSNorm) of n_elems/width vectors of `width`: tokens over rows, width over columns; local
+    statistics, a row all-reduce of them, then the normalisation (see `schedules.norm_phases`)."""
+    R, C, tokens_per_row, width_per_pe = _rows_region(spec, n_elems, width, rows, cols, mesh)
+    return row_program_cycles(spec, norm_phases(spec, tokens_per_row, width_per_pe, rms, dtype), R, C, dtype, mesh)
 
 
 def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, dtype: str = "fp32", *,
                    mesh: Mesh | None = None) -> Cycles:
     """Softmax over rows of `width`: a max all-reduce and a sum all-reduce along each mesh row; exp() is
     assumed to cost `schedules.EXP_OPS` SIMD ops (not in WSE.md: an assumption)."""
-    check_positive(n_elems=n_elems, width=width)
-    tokens = -(-n_elems // width)
-    R, C = _region(spec, rows, cols, mesh)
-    R, C = used(tokens, R), used(width, C)
-    return row_program_cycles(spec, softmax_phases(spec, -(-tokens // R), -(-width // C), dtype), R, C, dtype,
-                              mesh, colors=5)
+    R, C, tokens_per_row, width_per_pe = _rows_region(spec, n_elems, width, rows, cols, mesh)
+    return row_program_cycles(spec, softmax_phases(spec, tokens_per_row, width_per_pe, dtype), R, C, dtype, mesh,
+                              colors=5)
 
 
 def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, context_len: int, rows: int, cols: int,

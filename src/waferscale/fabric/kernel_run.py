@@ -43,20 +43,17 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     dtype = "fp32" if kind == "allreduce" else "fp16"
     rng = np.random.default_rng(seed)
     W = None
+    used_pes = R * C if kind == "allreduce" else used(m, R) * used(k, C)
     if kind == "gemv":
-        cyc, flops, used_pes = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k, used(m, R) * used(k, C)
+        cyc, flops = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k
     elif kind == "gemm":
         cyc, flops = gemm_cycles(spec, m, k, n, R, C, dtype, mesh=mesh), 2 * m * k * n
-        used_pes = used(m, R) * used(k, C)
     elif kind == "spmv":
-        if verify:
-            W = KN.random_sparse(m, k, sparsity, rng)
-            nnz = int((W != 0).sum())
-        else:
-            nnz = max(1, round(m * k * (1 - sparsity)))
-        cyc, flops, used_pes = spmv_cycles(spec, m, k, nnz, R, C, dtype, mesh=mesh), 2 * nnz, used(m, R) * used(k, C)
+        W = KN.random_sparse(m, k, sparsity, rng) if verify else None
+        nnz = int((W != 0).sum()) if verify else max(1, round(m * k * (1 - sparsity)))
+        cyc, flops = spmv_cycles(spec, m, k, nnz, R, C, dtype, mesh=mesh), 2 * nnz
     else:
-        cyc, flops, used_pes = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1), R * C
+        cyc, flops = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1)
     ws_bytes = -(-m // used(m, R)) * -(-k // used(k, C)) * PE.dtype_bytes(dtype) if kind != "allreduce" else 0
     if kind in ("gemv", "gemm") and ws_bytes > spec.sram_bytes_per_pe:
         need = -(-m * k * PE.dtype_bytes(dtype) // spec.sram_bytes_per_pe)

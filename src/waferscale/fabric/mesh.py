@@ -75,14 +75,11 @@ class Mesh:
     @classmethod
     def build(cls, spec: FabricSpec, defect_rate: float = 0.0, seed: int = 0, clustered: bool = False,
               defect_file: str | os.PathLike | None = None, spare_rows: int | None = None,
-              spare_cols: int | None = None, link_defect_rate: float | None = None, n_clusters: int = 3) -> "Mesh":
-        """Make the core map: random defects at `defect_rate` (per core; links fail at `link_defect_rate`,
-        default the same rate), `clustered` blobs of the same total size, or the defects in `defect_file`."""
+              spare_cols: int | None = None, n_clusters: int = 3) -> "Mesh":
+        """Make the core map: random defects at `defect_rate` (per core and per link), `clustered` blobs of
+        the same total size (links still fail at random), or the defects in `defect_file`."""
         if not 0.0 <= defect_rate < 1.0:
             raise ConfigError(f"--defects must be in [0, 1), got {defect_rate}")
-        link_rate = defect_rate if link_defect_rate is None else link_defect_rate
-        if not 0.0 <= link_rate < 1.0:
-            raise ConfigError(f"link defect rate must be in [0, 1), got {link_rate}")
         R, C = spec.rows, spec.cols
         if defect_file is not None:
             dead, de, ds = _load_defects(Path(defect_file), R, C)
@@ -92,8 +89,8 @@ class Mesh:
                 dead = _clustered(rng, R, C, round(defect_rate * R * C), n_clusters)
             else:
                 dead = rng.random((R, C)) < defect_rate
-            de = rng.random((R, max(C - 1, 0))) < link_rate
-            ds = rng.random((max(R - 1, 0), C)) < link_rate
+            de = rng.random((R, max(C - 1, 0))) < defect_rate
+            ds = rng.random((max(R - 1, 0), C)) < defect_rate
         return cls._carve(spec, dead, de, ds, spare_rows, spare_cols)
 
     @classmethod

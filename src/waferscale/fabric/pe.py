@@ -48,9 +48,7 @@ def wavelets(n_elems: int, spec: FabricSpec, dtype: str) -> int:
 
 def task_cycles(spec: FabricSpec, dtype: str, *, ops: float, read_elems: float, write_elems: float) -> int:
     """Cycles of one task doing `ops` FMACs/ops and touching SRAM for `read_elems`/`write_elems` values."""
-    b = dtype_bytes(dtype)
-    return max(1, math.ceil(ops / lanes(spec, dtype)), math.ceil(read_elems * b / spec.sram_read_bytes_per_cycle),
-               math.ceil(write_elems * b / spec.sram_write_bytes_per_cycle))
+    return max(1, *task_parts(spec, dtype, ops=ops, read_elems=read_elems, write_elems=write_elems))
 
 
 def task_parts(spec: FabricSpec, dtype: str, *, ops: float, read_elems: float, write_elems: float) -> tuple[int, int]:

@@ -162,15 +162,14 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
             for w, e in enumerate(_chunks(mts[i], epw)):
                 sim.send(t, pe, west[pe], on_partial, (v, w, e))
         for payload in stash.pop((pe, v), []):
-            sim.task(t, pe, PE.add_task(spec, dtype, payload[2]), add_done, pe, payload,
-                     key=(payload[0], 1, payload[1]))
+            on_partial(t, pe, payload)
 
-    def on_partial(t, pe, payload):
-        if payload[0] in ready[pe]:
-            sim.task(t, pe, PE.add_task(spec, dtype, payload[2]), add_done, pe, payload,
-                     key=(payload[0], 1, payload[1]))
+    def on_partial(t, pe, payload):  # an East partial is added once this PE's own partial is ready
+        v, w, e = payload
+        if v in ready[pe]:
+            sim.task(t, pe, PE.add_task(spec, dtype, e), add_done, pe, payload, key=(v, 1, w))
         else:
-            stash[pe, payload[0]].append(payload)
+            stash[pe, v].append(payload)
 
     def add_done(t, pe, payload):
         if pe[1] > 0:
