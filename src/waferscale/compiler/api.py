@@ -103,7 +103,6 @@ def plan_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-
 def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
     """plan.json (versioned, fingerprinted), wafer.png, wafer.svg, trace.json — each written to a temp file
     in `out_dir` and renamed into place, so a failure leaves no half-written file."""
@@ -119,19 +118,16 @@ def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig = figure(plan)
-    blobs: dict[str, bytes] = {}
+    blobs = {"plan.json": (plan.to_json(indent=1) + "\n").encode()}
     for ext in ("png", "svg"):
         buf = io.BytesIO()
         fig.savefig(buf, format=ext, dpi=160)
         blobs[f"wafer.{ext}"] = buf.getvalue()
     plt.close(fig)
-    blobs["plan.json"] = (plan.to_json(indent=1) + "\n").encode()
     blobs["trace.json"] = json.dumps(trace_events(plan)).encode()
-    paths = []
-    for name in ("plan.json", "wafer.png", "wafer.svg", "trace.json"):
-        atomic_write_bytes(out / name, blobs[name])
-        paths.append(out / name)
-    return paths
+    for name, blob in blobs.items():
+        atomic_write_bytes(out / name, blob)
+    return [out / name for name in blobs]
 
 
 # ---- memory estimate (`wsc estimate`) ------------------------------------------------------------------------
@@ -156,15 +152,11 @@ def estimate_memory(*, model: str | None = None, graph: Graph | None = None, tar
     n = g.params
     w, gr, master, m1, m2 = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed_precision else "fp32"]
     half = "fp16/bf16" if mixed_precision else "fp32"
-    rows = [
-        {"item": "weights", "dtype": half, "bytes_per_param": w, "bytes": n * w, "where": "wafer (streamed)"},
-        {"item": "gradients", "dtype": half, "bytes_per_param": gr, "bytes": n * gr, "where": "wafer -> MemoryX"},
-    ]
-    if master:
-        rows.append({"item": "master weights", "dtype": "fp32", "bytes_per_param": master, "bytes": n * master,
-                     "where": "MemoryX"})
-    rows += [{"item": "Adam 1st moment", "dtype": "fp32", "bytes_per_param": m1, "bytes": n * m1, "where": "MemoryX"},
-             {"item": "Adam 2nd moment", "dtype": "fp32", "bytes_per_param": m2, "bytes": n * m2, "where": "MemoryX"}]
+    items = [("weights", half, w, "wafer (streamed)"), ("gradients", half, gr, "wafer -> MemoryX"),
+             ("master weights", "fp32", master, "MemoryX"), ("Adam 1st moment", "fp32", m1, "MemoryX"),
+             ("Adam 2nd moment", "fp32", m2, "MemoryX")]  # fp32 training has no master copy (0 bytes)
+    rows = [{"item": item, "dtype": dt, "bytes_per_param": bp, "bytes": n * bp, "where": where}
+            for item, dt, bp, where in items if bp]
     total = sum(r["bytes"] for r in rows)
     sram = spec.sram_bytes
     usable = spec.pes * data_bytes_per_pe(spec)

@@ -8,6 +8,8 @@ the meta device and walked unit by unit; arbitrary modules run once on meta tens
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -70,10 +72,7 @@ def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
     """A model config (a zoo model's shape), walked unit by unit on the meta device. `defaults` are the
     workload's own sizes, used where the request gives none (batch_size, seq_len, num_csx, micro_batch_size)."""
     g = _capture_causal_lm(_build_meta(cfg), source=source, dtype=dtype)
-    if not defaults:
-        return g
-    return Graph(name=g.name, source=g.source, units=g.units, dtype=g.dtype, max_seq_len=g.max_seq_len,
-                 defaults=dict(defaults))
+    return dataclasses.replace(g, defaults=dict(defaults)) if defaults else g
 
 
 def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
@@ -219,17 +218,13 @@ def _group_records(module: nn.Module, records: list, tokens: int, name: str, dty
         if g["d_in"] is None:
             g["d_in"] = ishape[-1] if ishape else 0
         g["d_out"] = last
-        out_numel = 1
-        for s in oshape:
-            out_numel *= s
+        out_numel = math.prod(oshape)
         if isinstance(mod, nn.Linear):
             g["mm"].append(MatMul(qual or "linear", mod.out_features, mod.in_features))
         elif isinstance(mod, nn.modules.conv._ConvNd):
-            kernel = 1
-            for k in mod.kernel_size:
-                kernel *= k
             per_tok = out_numel // max(1, tokens)  # outputs per token, each a k-long dot product
-            g["mm"].append(MatMul(qual or "conv", max(1, per_tok), (mod.in_channels // mod.groups) * kernel))
+            k = (mod.in_channels // mod.groups) * math.prod(mod.kernel_size)
+            g["mm"].append(MatMul(qual or "conv", max(1, per_tok), k))
         elif isinstance(mod, nn.MultiheadAttention):
             e = mod.embed_dim
             g["mm"] += [MatMul(f"{qual}.in_proj", 3 * e, e), MatMul(f"{qual}.out_proj", e, e)]
@@ -242,9 +237,9 @@ def _group_records(module: nn.Module, records: list, tokens: int, name: str, dty
     for key, g in groups.items():
         if not g["params"] and units:  # a parameter-free layer (activation, dropout) joins the previous unit
             prev = units[-1]
-            units[-1] = Unit(prev.name, prev.kind, prev.params, prev.matmuls, prev.d_in, g["d_out"], prev.n_heads,
-                             prev.head_dim, prev.kv_heads, prev.norm_width, prev.n_norms,
-                             prev.elementwise_flops_per_token + g["ew"], prev.train_act_elems_per_token + g["d_out"])
+            units[-1] = dataclasses.replace(prev, d_out=g["d_out"],
+                                            elementwise_flops_per_token=prev.elementwise_flops_per_token + g["ew"],
+                                            train_act_elems_per_token=prev.train_act_elems_per_token + g["d_out"])
             continue
         mms = tuple(g["mm"])
         units.append(Unit(key, "module", g["params"], mms, d_in=g["d_in"] or 0, d_out=g["d_out"],

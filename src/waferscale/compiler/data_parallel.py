@@ -14,18 +14,13 @@ from waferscale.compiler.context import CompileContext
 from waferscale.fabric.spec import SystemSpec
 
 
-def swarmx(ctx: CompileContext, n: int) -> SystemSpec:
-    """n systems of the context's target behind one SwarmX tree."""
-    return SystemSpec(ctx.spec, n)
-
-
 def swarmx_allreduce(ctx: CompileContext, nbytes: float, n: int) -> pj.Time:
     """Resident training's gradient all-reduce over n systems through SwarmX: every system streams its
     gradients out, the tree sums them at line rate, the sum is broadcast back; each way costs the bytes at the
     per-system bandwidth plus one I/O latency per hop (tree levels + 1). Nothing to do for one system."""
     if n <= 1:
         return pj.Time()
-    sx = swarmx(ctx, n)
+    sx = SystemSpec(ctx.spec, n)
     return pj.Time().add("I/O", 2 * (nbytes / sx.swarmx_bytes_per_s + sx.swarmx_hops * ctx.spec.io_latency_s))
 
 
@@ -39,7 +34,7 @@ def weak_scaling(ctx: CompileContext, per_sys: int, seq: int, step_at: Callable[
     for n in _scaling_points(ctx.systems):
         st = step_at(n)
         rows.append({"systems": n, "global_batch": n * per_sys, "per_system_batch": per_sys, "step_time_s": st,
-                     "tokens_per_s": n * per_sys * seq / st, "swarmx_levels": swarmx(ctx, n).swarmx_levels,
+                     "tokens_per_s": n * per_sys * seq / st, "swarmx_levels": SystemSpec(ctx.spec, n).swarmx_levels,
                      "swarmx_exposed_s": exposed_at(n)})
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
@@ -49,6 +44,4 @@ def weak_scaling(ctx: CompileContext, per_sys: int, seq: int, step_at: Callable[
 
 def _scaling_points(systems: int) -> list[int]:
     """Powers of two up to max(systems, 16), and `systems` itself."""
-    top = max(systems, 16)
-    pts = sorted({2 ** i for i in range(0, int(math.log2(top)) + 1)} | {systems})
-    return pts
+    return sorted({2 ** i for i in range(int(math.log2(max(systems, 16))) + 1)} | {systems})

@@ -73,11 +73,6 @@ class Unit:
         d["matmuls"] = [dataclasses.asdict(m) for m in self.matmuls]
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Unit":
-        return cls(**{**d, "matmuls": tuple(MatMul(**m) for m in d.get("matmuls", ()))})
-
-
 @dataclass(frozen=True)
 class Graph:
     """A captured model. `dtype` is the on-wafer weight/activation type (fp16/bf16 for mixed precision)."""
@@ -94,7 +89,7 @@ class Graph:
             raise ValueError(f"graph {self.name!r} has no units")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"graph dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit.from_dict(u) for u in self.units))
+        object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit(**u) for u in self.units))
 
     @property
     def dtype_bytes(self) -> int:
@@ -121,8 +116,3 @@ class Graph:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
                 "defaults": dict(self.defaults), "units": [u.to_dict() for u in self.units]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Graph":
-        return cls(name=d["name"], source=d["source"], dtype=d["dtype"], max_seq_len=d["max_seq_len"],
-                   defaults=dict(d.get("defaults", {})), units=tuple(Unit.from_dict(u) for u in d["units"]))

@@ -13,13 +13,14 @@ import math
 
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
-from waferscale.compiler.data_parallel import swarmx, weak_scaling
+from waferscale.compiler.data_parallel import weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Region
 from waferscale.compiler.strategy import gb
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost
+from waferscale.fabric.spec import SystemSpec
 
 
 def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b: int, recompute: bool, n_systems: int,
@@ -31,7 +32,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
     spec, g = ctx.spec, ctx.g
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
     full = Rect(0, 0, R, Cc)
-    sx = swarmx(ctx, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
+    sx = SystemSpec(ctx.spec, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
     BW = sx.swarmx_bytes_per_s
     total, comp, io = pj.Time(), pj.Time(), pj.Time()
     groups = []
@@ -75,7 +76,7 @@ def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: in
     tree, the optimizer updates it there (time not modelled: MemoryX's CPU is not in WSE.md), and the next
     step's first layer comes back through the broadcast tree. Within a step the next layer is always
     prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
-    sx = swarmx(ctx, n_systems)
+    sx = SystemSpec(ctx.spec, n_systems)
     first = next((u for u in units if u.params), units[0])  # backward ends where the next forward begins
     return pj.Time().add("I/O", 2 * first.params * b / sx.swarmx_bytes_per_s
                          + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
@@ -142,7 +143,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
     for r in scaling:
         r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
-    levels = swarmx(ctx, ctx.systems).swarmx_levels
+    levels = SystemSpec(ctx.spec, ctx.systems).swarmx_levels
     ctx.say(f"data parallel (weak scaling): each system keeps {per_sys} sequences per step ({n_micro} micro-batches "
             f"of {micro}), so the global batch is {per_sys} x N; every system runs the same layer-by-layer "
             f"execution. Weights are broadcast and gradients reduced through SwarmX, a tree of 1:4 nodes at line "
