@@ -6,6 +6,7 @@ the global batch is the same whatever the world size (rank r takes its contiguou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+@dataclass(eq=False, repr=False)
 class BatchLoader:
     """Infinite iterator of (x, y) LongTensors of shape (batch_size // world_size, seq_len); y is x shifted by one.
 
@@ -43,36 +45,30 @@ class BatchLoader:
     windows k*batch_size ... (k+1)*batch_size - 1, wrapping around the stream.
     """
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        batch_size: int,
-        seq_len: int,
-        seed: int = 0,
-        shuffle: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
-        if tokens.ndim != 1:
-            raise DataError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
-        _check_shape(len(tokens), batch_size, seq_len)
-        if world_size <= 0 or not 0 <= rank < world_size:
-            raise DataError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    tokens: np.ndarray
+    batch_size: int
+    seq_len: int
+    seed: int = 0
+    shuffle: bool = True
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1:
+            raise DataError(f"tokens must be a 1-D stream, got shape {tuple(self.tokens.shape)}")
+        batch_size, world_size = self.batch_size, self.world_size
+        _check_shape(len(self.tokens), batch_size, self.seq_len)
+        if world_size <= 0 or not 0 <= self.rank < world_size:
+            raise DataError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={world_size}")
         if batch_size % world_size:
             raise DataError(
                 f"batch_size={batch_size} is not divisible by world_size={world_size}; "
                 f"use a multiple of {world_size} (e.g. {batch_size - batch_size % world_size or world_size})"
             )
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.rank = rank
-        self.world_size = world_size
+        self.seed = int(self.seed)
         self.local_batch_size = batch_size // world_size
         self.step = 0  # index k of the next global batch
-        self.n_windows = (len(tokens) - 1) // seq_len  # non-overlapping windows (shuffle=False)
+        self.n_windows = (len(self.tokens) - 1) // self.seq_len  # non-overlapping windows (shuffle=False)
 
     def global_starts(self, k: int) -> np.ndarray:
         """Window start offsets of global batch k, shape (batch_size,)."""
@@ -144,12 +140,7 @@ def eval_batches(
     _check_shape(len(tokens), batch_size, seq_len)
     if max_batches is not None and max_batches <= 0:
         raise DataError(f"max_batches must be positive, got {max_batches}")
-    n_windows = (len(tokens) - 1) // seq_len
-    n_batches = -(-n_windows // batch_size)
+    starts = np.arange((len(tokens) - 1) // seq_len) * seq_len  # every non-overlapping window, in order
     if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    out = []
-    for b in range(n_batches):
-        j = np.arange(b * batch_size, min((b + 1) * batch_size, n_windows))
-        out.append(_windows(tokens, j * seq_len, seq_len))
-    return out
+        starts = starts[:max_batches * batch_size]
+    return [_windows(tokens, starts[i:i + batch_size], seq_len) for i in range(0, len(starts), batch_size)]

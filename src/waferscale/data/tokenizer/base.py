@@ -23,7 +23,7 @@ CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer:
-    """Base class. Subclasses set the four attributes and implement `encode`/`decode`/`_save_vocab`.
+    """Base class. Subclasses set the four attributes and implement `encode`/`decode`/`_tokenizer_json`.
 
     Ids are ints in [0, vocab_size). `eos_id`/`bos_id` are None when the vocabulary has no such token.
     """

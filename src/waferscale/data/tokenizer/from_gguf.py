@@ -100,12 +100,10 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise DataError(f"{path}: GGUF vocabulary has duplicate tokens")
-    merges = []
-    for m in merges_raw:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise DataError(f"{path}: malformed BPE merge {m!r} in GGUF metadata")
-        merges.append((a, b))
+    bad = next((m for m in merges_raw if " " not in m), None)
+    if bad is not None:
+        raise DataError(f"{path}: malformed BPE merge {bad!r} in GGUF metadata")
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
 
     tk = _TK(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
