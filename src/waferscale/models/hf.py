@@ -14,6 +14,7 @@ moved into place only when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -146,14 +147,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "bos_token_id": 50256 if cfg.vocab_size == 50257 else None,
             "eos_token_id": 50256 if cfg.vocab_size == 50257 else None,
         }
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = None
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position_embeddings}
-        rope = {**scaling, "rope_theta": cfg.rope_theta}
+    scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    rope = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,

@@ -33,9 +33,7 @@ def load_pretrained(name_or_path: str | os.PathLike, device: torch.device | str 
     from waferscale.models.hf import load_hf_dir
 
     s = str(name_or_path)
-    if find_asset(s, "model") is not None:
-        return load_gguf(asset_path(s, "model"), device=device, dtype=dtype or torch.float32)[0]
-    p = Path(s).expanduser()
+    p = asset_path(s, "model") if find_asset(s, "model") is not None else Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return load_gguf(p, device=device, dtype=dtype or torch.float32)[0]
     if p.is_dir():
