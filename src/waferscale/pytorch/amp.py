@@ -98,15 +98,14 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, grad_sc
     if max_gradient_norm is not None and max_gradient_norm <= 0:
         raise ConfigError(f"max_gradient_norm must be positive, got {max_gradient_norm}")
     stream = getattr(optimizer, "_stream", None)
-    if stream is not None:  # MemoryX clips and unscales: tell it before the gradients arrive
-        if not stream.grads_pending:
-            stream.max_gradient_norm, stream.scaler = max_gradient_norm, grad_scaler
-        (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+    if stream is not None and not stream.grads_pending:  # MemoryX clips and unscales: tell it before backward
+        stream.max_gradient_norm, stream.scaler = max_gradient_norm, grad_scaler
+    (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+    if stream is not None:
         optimizer.step()
         if grad_scaler is not None:
             grad_scaler.update()
         return
-    (grad_scaler.scale(loss) if grad_scaler else loss).backward()
     if grad_scaler is not None:
         grad_scaler.unscale_(optimizer)
     if max_gradient_norm:

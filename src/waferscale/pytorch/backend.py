@@ -73,12 +73,7 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
     for name, v in (("device_memory_mb", device_memory_mb), ("memoryx_ram_mb", memoryx_ram_mb)):
         if v is not None and v <= 0:
             raise ConfigError(f"{name} must be positive, got {v}")
-    if device is not None:
-        dev = torch.device(device)
-    elif kind == "CPU":
-        dev = torch.device("cpu")
-    else:
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device or ("cuda" if kind != "CPU" and torch.cuda.is_available() else "cpu"))
     art = Path(artifact_dir)
     flash = Path(flash_dir) if flash_dir is not None else (art / "memoryx_flash" if memoryx_ram_mb else None)
     b = Backend(kind, dev, art, Path(compile_dir) if compile_dir else art / "compile", compile_only or validate_only,

@@ -136,7 +136,8 @@ def configure_optimizer(optimizer_type: str, params: Any, **kwargs: Any) -> torc
     """An optimizer by name, as Cerebras' `configure_optimizer` (Model Zoo YAML keys are accepted)."""
     cls = _BY_NAME.get(str(optimizer_type).lower())
     if cls is None:
-        raise ConfigError(f"optimizer_type {optimizer_type!r} is not one of {', '.join(c.__name__ for c in _BY_NAME.values())}")
+        raise ConfigError(f"optimizer_type {optimizer_type!r} is not one of "
+                          f"{', '.join(c.__name__ for c in _BY_NAME.values())}")
     kwargs = dict(kwargs)
     if "learning_rate" in kwargs:
         lr = kwargs.pop("learning_rate")
