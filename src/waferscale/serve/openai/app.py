@@ -56,11 +56,11 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
         api = path.startswith("/v1/") and path != "/v1/tcp_warming"
         if api and state.api_key is not None and not _authorized(request, state.api_key):
             return _error(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
-                                   type="invalid_request_error", code="invalid_api_key"), state)
+                                   type="invalid_request_error", code="invalid_api_key"))
         generation = request.method == "POST" and path in _GENERATION
         if generation and not state.limits.admit():
             resp = _error(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
-                                   type="rate_limit_error", code="rate_limit_exceeded"), state)
+                                   type="rate_limit_error", code="rate_limit_exceeded"))
             state.metrics.request_done(path, 429)
             return resp
         if generation:
@@ -78,24 +78,23 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc, state)
+        return _error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
-        return _error(APIError(400, f"invalid request: {err.get('msg')}", param=loc), state)
+        return _error(APIError(400, f"invalid request: {err.get('msg')}", param=loc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error(APIError(exc.status_code, msg, code=code), state)
+        return _error(APIError(exc.status_code, msg, code=code))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return _error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
-                      state)
+        return _error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error"))
 
     @app.get("/", include_in_schema=False)
     async def playground() -> Response:
@@ -116,7 +115,6 @@ def _authorized(request: Request, key: str) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-def _error(exc: APIError, state: ServerState) -> JSONResponse:
+def _error(exc: APIError) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-

@@ -37,15 +37,6 @@ class Histogram:
         out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
         return out
 
-    def quantile(self, q: float) -> float:
-        """Upper bucket bound holding quantile q (coarse; for the benchmark use exact client timings)."""
-        target, acc = q * self.count, 0
-        for b, c in zip(self.buckets, self.counts):
-            acc += c
-            if acc >= target:
-                return b
-        return float("inf")
-
 
 class Metrics:
     """Thread-safe counters/histograms; gauges are read at scrape time from `gauges()`."""

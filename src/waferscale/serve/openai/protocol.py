@@ -6,13 +6,12 @@ Every validation failure becomes `APIError(400, ..., param="a.b")`; nothing here
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "parse_request", "error_body", "MAX_N",
-           "MAX_STOP", "MAX_TOP_LOGPROBS"]
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "parse_request", "MAX_N", "MAX_STOP",
+           "MAX_TOP_LOGPROBS"]
 
 MAX_N = 16             # choices per request (each one is a sequence in the engine)
 MAX_STOP = 4           # stop sequences, as OpenAI and Cerebras
@@ -28,12 +27,7 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):
@@ -209,9 +203,8 @@ def _param_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[dict[str,any]]", "function-after[_stop(), union[str,list[str]]]") or \
-                str(part).startswith(("function-", "list[", "dict[", "literal[", "union[", "tagged-union[")) or \
-                str(part) in ("int", "float", "bool", "NamedToolChoice", "none", "list"):
+        elif str(part).startswith(("function-", "list[", "dict[", "literal[", "union[", "tagged-union[")) or \
+                str(part) in ("str", "int", "float", "bool", "NamedToolChoice", "none", "list"):
             continue  # union-member tags add nothing for the user
         else:
             out += ("." if out else "") + str(part)
@@ -248,10 +241,6 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
 def _short(x: Any) -> str:
     r = repr(x)
     return r if len(r) <= 60 else r[:57] + "..."
-
-
-def now() -> int:
-    return int(time.time())
 
 
 def time_info(queue: float, prompt: float, completion: float, created: float) -> dict[str, float]:

@@ -22,7 +22,7 @@ from waferscale.serve import structured as st
 from waferscale.serve.engine import EngineDead, RequestTooLong, SamplingParams
 from waferscale.serve.openai.metrics import Metrics
 from waferscale.serve.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                              NamedToolChoice, now, parse_request, time_info, usage)
+                                              NamedToolChoice, parse_request, time_info, usage)
 
 __all__ = ["ServerState", "router"]
 
@@ -81,7 +81,7 @@ class ServerState:
     api_key: str | None = None
     projection: dict[str, Any] | None = None  # compiler plan_json for --target, or None
     limits: RateLimiter = field(default_factory=RateLimiter)
-    created: int = field(default_factory=now)
+    created: int = field(default_factory=lambda: int(time.time()))
     metrics: Metrics | None = None
 
     @property
