@@ -1,20 +1,16 @@
 """The inference engine: continuous batching over a paged KV cache, per-request sampling, pipelined stages.
 
-Every `Engine.step()` is schedule -> execute -> update (vLLM's `EngineCore.step`):
-
-- schedule: the pure-Python `Scheduler` picks this step's tokens (a decode token for every running sequence,
-  prompt chunks for admitted ones, up to `max_num_batched_tokens`), allocating KV blocks as it goes;
-- execute: the `ModelRunner` (serve/model_runner.py) runs those tokens as one flat batch, or, with `stages=K`,
-  the pipeline (serve/stages.py) runs K micro-batches in flight at once, one per stage;
-- update: sample each sequence's next token with its own generator, detokenize, apply stop rules, free the
-  blocks of finished sequences, and report `EngineOutput` deltas.
+`Engine.step()` is schedule -> execute -> update (vLLM's `EngineCore.step`): the pure-Python `Scheduler` picks
+this step's tokens (a decode token per running sequence, prompt chunks for admitted ones, up to
+`max_num_batched_tokens`) and allocates their KV blocks; the `ModelRunner` runs them as one flat batch; each
+sequence samples its next token with its own generator, is detokenized and checked against its stop rules,
+and the step reports `EngineOutput` deltas (finished sequences free their blocks).
 
 With `stages=K` the running sequences are split into K groups ("virtual engines", as in vLLM's pipeline
-parallelism), each with its own scheduler and its own share of the KV blocks. A step submits the next group's
-batch while the others are still in the pipe and completes the oldest, so every stage is busy with some
-group's micro-batch, and only activations cross between stages.
-
-`AsyncEngine` runs `step()` in one background thread and streams outputs to asyncio consumers.
+parallelism), each with its own scheduler and share of the KV blocks. A step submits the next group's batch
+while the others are still in the pipe (serve/stages.py) and completes the oldest, so every stage is busy and
+only activations cross between stages. `AsyncEngine` runs `step()` in one background thread and streams
+outputs to asyncio consumers.
 """
 
 from __future__ import annotations
@@ -450,16 +446,12 @@ class StreamHub:
         submit()
         done = False
         try:
-            while True:
+            while not done:
                 item = await q.get()
+                done = isinstance(item, BaseException) or item.finished
                 if isinstance(item, BaseException):
-                    done = True
                     raise item
-                if item.finished:
-                    done = True
                 yield item
-                if done:
-                    return
         finally:
             if not done:
                 self._streams.pop(request_id, None)

@@ -69,8 +69,6 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.kv = torch.zeros((n_layers, 2 * n_kv_head, num_blocks * block_size, head_dim), dtype=dtype,
                               device=device)
-        self.k, self.v = self.kv[:, :n_kv_head], self.kv[:, n_kv_head:]  # views
-        self.block_size = block_size
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -2,21 +2,17 @@
 of sequence chunks against a block-paged KV cache.
 
 A step's batch is N tokens from B sequences laid end to end (prefill chunks and single decode tokens mixed).
-Projections run once over all N rows; attention runs per prefill chunk (queries against the sequence's KV
-slots, causal with an offset) and for all decode rows together. Only the rows that sample go through the head.
-On the torch path decode rows are gathered into a padded (B, nkv, S_max, hd) tensor with a key mask; with the
-C kernels they (and the tokens of short prefill chunks) attend over the paged cache in place.
+Projections run once over all N rows (fused: q|k|v in one matrix, gate|up in one; each block's own norm and
+activation modules); attention runs per prefill chunk (SDPA, causal with an offset) and for all decode rows
+together; only the rows that sample go through the head. A runner covers a contiguous range of layers, so a
+pipeline stage is a runner over its slice (`has_embed` on the first, `has_head` on the last).
 
-The runner reuses each block's own norm and activation modules; its projections are fused (q|k|v in one
-matrix, gate|up in one). On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels
-of serve/kernels.py over weights packed in panels, in one huge-page arena in the order they are read, shared
-by `decode_threads` threads (how fast: README's Serving section, bench/serve_decode.py, bench/serve_http.py).
-Decode rows' rope, KV write and attention run in one C call over the paged cache
-(`kernels.decode_attention_batch`), with no gather; prefill chunks use SDPA. Single-stream decode
-(one token of one sequence whose KV sits in consecutive slots, the common case) runs every layer in one C
-call (`kernels.DecodeStack`); the per-op path stays the reference. Without a C compiler, the projections use
-MKL (its packed single-row GEMM for one row). A runner covers a contiguous range of layers, so a pipeline
-stage is a runner over its slice: `has_embed` on the first stage, `has_head` on the last.
+On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels of serve/kernels.py over
+weights packed in one huge-page arena in the order they are read; decode rows' rope, KV write and attention run
+in one C call over the paged cache, and with Llama-style blocks decode and short prefill chunks run every layer
+in one C call (`kernels.DecodeStack`). The per-op torch path (decode rows gathered into a padded
+(B, nkv, S_max, hd) tensor with a key mask) stays the reference; without a C compiler the projections use MKL
+(its packed single-row GEMM for one row). How fast: README's Serving section, bench/serve_decode.py.
 """
 
 from __future__ import annotations
@@ -41,10 +37,6 @@ class BatchSpec:
 
     token_ids: list[int]
     chunks: list[tuple[int, int, list[int], bool]]
-
-    @property
-    def num_samples(self) -> int:
-        return sum(1 for c in self.chunks if c[3])
 
 
 class Prepared:
@@ -102,7 +94,6 @@ class Prepared:
             row += n
             if sample:
                 samples.append(row - 1)
-        self.num_rows = row
         self.input_ids = torch.tensor(spec.token_ids, dtype=torch.long, device=device)
         self.positions = torch.tensor(pos, dtype=torch.long, device=device)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
@@ -175,15 +166,13 @@ class Prepared:
         return self._dec_c
 
 
-# Threads (the torch path; the C kernels have their own pool, see kernels.set_threads). A decode step is
-# hundreds of tiny ops (norms, rope, KV gathers, attention over a few hundred keys) and a few dozen
-# matrix-vector products that one core already runs at memory speed. An OpenMP parallel
-# region costs microseconds on a quiet machine and can cost milliseconds when another process holds the other
-# cores, so the runner runs single-threaded and
-# lends its thread budget (`threads`, default 1) only to work big enough to pay for it: GEMMs of PAR_MACS+
-# multiply-adds (about a millisecond on one core) and long prefill attention. The default is 1 because on a
-# shared machine even big multi-thread GEMMs collapse under load (bench/serve_http.py --threads shows it); the
-# way to use more cores is stages=K, one process per stage.
+# Threads (the torch path; the C kernels have their own pool, see kernels.set_threads). A decode step is hundreds
+# of tiny ops (norms, rope, KV gathers, attention over a few hundred keys) and a few dozen matrix-vector products
+# that one core already runs at memory speed, and an OpenMP parallel region costs microseconds on a quiet machine
+# but milliseconds when another process holds the other cores. So the runner runs single-threaded and lends its
+# thread budget (`threads`, default 1: on a shared machine even big multi-thread GEMMs collapse under load, see
+# bench/serve_http.py --threads) only to GEMMs of PAR_MACS+ multiply-adds (about a millisecond on one core) and
+# long prefill attention. The way to use more cores is stages=K, one process per stage.
 PAR_MACS = 1 << 23
 
 # Prefill chunks up to this many tokens go through the C stack with the decode rows, each token attending at
@@ -228,10 +217,10 @@ class FastLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _hugepage_weights(lins: list[FastLinear]) -> Tensor:
+def _hugepage_weights(lins: list[FastLinear]) -> None:
     """Pack the weights of `lins` (kernels.pack) into one huge-page-backed arena, back to back in this order
-    (the order a step reads them), and drop the row-major ones; returns the arena. One packed copy of each
-    weight, made once at load (the model keeps its own tensors)."""
+    (the order a step reads them), and drop the row-major ones. One packed copy of each weight, made once at
+    load (the model keeps its own tensors)."""
     size = [kernels.packed_numel((lin.out, lin.inp)) for lin in lins]
     arena = kernels.hugepage_tensor(sum(size))
     off = 0
@@ -239,7 +228,6 @@ def _hugepage_weights(lins: list[FastLinear]) -> Tensor:
         lin.cw = kernels.pack(lin.weight, arena[off:off + n])
         lin.weight = None  # (a fused weight was a copy: freed)
         off += n
-    return arena
 
 
 def mkl_packing_available() -> bool:
@@ -357,10 +345,9 @@ class ModelRunner:
             if has_head else None
         if self.lm_head is not None:
             self.lm_head.threads = self.threads
-        self._arena = None
         if ckern:  # the weights this runner streams, in the order it streams them, on huge pages
             lins = [lin for L in self.layers for lin in (L.qkv, L.o, L.up, L.down)]
-            self._arena = _hugepage_weights(lins + ([self.lm_head] if self.lm_head is not None else []))
+            _hugepage_weights(lins + ([self.lm_head] if self.lm_head is not None else []))
         self.cos_table = self.sin_table = None
         if cfg.position == "rotary":
             cos, sin = rope_cos_sin(model.blocks[0].attn.inv_freq.to(self.device), 0, cfg.max_seq_len)  # (T, hd)
@@ -406,25 +393,17 @@ class ModelRunner:
             if y is not None:
                 return y
         P = spec if isinstance(spec, Prepared) else self.prepare(spec)
-        if self.stack is not None and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
-            if self.has_embed:
-                x = self.embed.tok(P.input_ids)
-                if self.embed.pos is not None:
-                    x = x + self.embed.pos(P.positions)
-            x = x.contiguous().clone() if not self.has_embed else x.contiguous()
-            pos, tables = P.rows_c()
-            x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)
-            if not self.has_head:
-                return x
-            if not P.all_sample:
-                x = x[P.sample_rows]
-            return self.lm_head(self.head_norm(x)).float()
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
                 x = x + self.embed.pos(P.positions)
-        for li, layer in enumerate(self.layers):
-            x = self._layer(li, layer, x, P)
+        if self.stack is not None and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
+            x = x.contiguous().clone() if not self.has_embed else x.contiguous()
+            pos, tables = P.rows_c()
+            x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)
+        else:
+            for li, layer in enumerate(self.layers):
+                x = self._layer(li, layer, x, P)
         if not self.has_head:
             return x
         if not P.all_sample:
@@ -450,9 +429,7 @@ class ModelRunner:
         if self.cos_table is not None:
             cos, sin = self.cos_table[start], self.sin_table[start]  # (hd,) views
         x = self.stack(x, cos, sin, b0 * bs, start + 1)
-        if not self.has_head:
-            return x
-        return self.lm_head(self.head_norm(x)).float()
+        return self.lm_head(self.head_norm(x)).float() if self.has_head else x
 
     def _prefill_attention(self, q: Tensor, cache: Tensor, idx: Tensor | slice, mask: Tensor | None, causal: bool,
                            nkv: int) -> Tensor:

@@ -73,10 +73,7 @@ def _stage_main(rank: int, model: CausalLM, lo: int, hi: int, num_stages: int, k
     while True:
         msg = conn_in.recv()
         kind = msg[0]
-        if kind == "ready":  # from the previous stage: pass it on after our own
-            conn_out.send(msg)
-            continue
-        if kind in ("stop", "error"):
+        if kind in ("ready", "stop", "error"):  # from the previous stage: passed on ("ready" after our own)
             conn_out.send(msg)
             if kind == "stop":
                 return

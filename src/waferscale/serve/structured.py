@@ -197,8 +197,7 @@ class Constraint:
 
     REPEAT = 8
 
-    def __init__(self, grammar: str, tokenizer: Any, *, max_tokens: int | None = None, reserve: int | None = None,
-                 free_text: bool = False):
+    def __init__(self, grammar: str, tokenizer: Any, *, max_tokens: int | None = None, free_text: bool = False):
         import llguidance
 
         self.tokenizer = tokenizer
@@ -209,7 +208,7 @@ class Constraint:
         self.vocab = tokenizer.vocab_size
         self.eos_id = tokenizer.eos_id
         self.max_tokens = max_tokens
-        self.reserve = reserve if reserve is not None else (min(32, max(4, max_tokens // 4)) if max_tokens else 0)
+        self.reserve = min(32, max(4, max_tokens // 4)) if max_tokens else 0  # tokens kept for closing
         self.closing = False
         self._closers: np.ndarray | None = None
         self.free_text = free_text  # tool_choice auto: a plain-text answer is never steered
@@ -283,10 +282,6 @@ class Constraint:
         mask = torch.full((logits.shape[-1],), True)
         mask[: self.vocab] = torch.from_numpy(~allowed)
         return logits.masked_fill(mask.to(logits.device), float("-inf"))
-
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
 
 
 # ---- chat messages with tools -------------------------------------------------------------------------------
