@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { messages: [], busy: false, modelInfo: null };
+const state = { messages: [], busy: false };
 
 function apiKey() { return $("api-key").value.trim(); }
 function headers() {
@@ -12,32 +12,17 @@ function headers() {
 }
 
 // ---- settings -> request ------------------------------------------------------------------------------------
-function settings() {
-  const seed = $("seed").value.trim();
-  const stop = $("stop").value;
-  return {
-    model: $("model").value,
-    system: $("system").value,
-    temperature: parseFloat($("temperature").value),
-    max_completion_tokens: parseInt($("max-tokens").value, 10) || 256,
-    top_p: parseFloat($("top-p").value),
-    seed: seed === "" ? null : parseInt(seed, 10),
-    stop: stop === "" ? null : stop,
-    stream: $("stream").checked,
-    json: $("json-mode").checked,
-  };
-}
-
-function requestBody(s, messages) {
-  const msgs = [];
-  if (s.system.trim()) msgs.push({ role: "system", content: s.system });
-  msgs.push(...messages);
-  const body = { model: s.model, messages: msgs, temperature: s.temperature,
-                 max_completion_tokens: s.max_completion_tokens, top_p: s.top_p };
-  if (s.seed !== null) body.seed = s.seed;
-  if (s.stop !== null) body.stop = s.stop;
-  if (s.json) body.response_format = { type: "json_object" };
-  if (s.stream) { body.stream = true; body.stream_options = { include_usage: true }; }
+function requestBody(messages) {
+  const system = $("system").value, seed = $("seed").value.trim(), stop = $("stop").value;
+  const body = { model: $("model").value,
+                 messages: system.trim() ? [{ role: "system", content: system }, ...messages] : [...messages],
+                 temperature: parseFloat($("temperature").value),
+                 max_completion_tokens: parseInt($("max-tokens").value, 10) || 256,
+                 top_p: parseFloat($("top-p").value) };
+  if (seed !== "") body.seed = parseInt(seed, 10);
+  if (stop !== "") body.stop = stop;
+  if ($("json-mode").checked) body.response_format = { type: "json_object" };
+  if ($("stream").checked) { body.stream = true; body.stream_options = { include_usage: true }; }
   return body;
 }
 
@@ -83,7 +68,7 @@ function curlCode(body) {
 
 function showCode(tab) {
   const draft = $("prompt").value.trim() || "Hello!";
-  const body = requestBody(settings(), [...state.messages, { role: "user", content: draft }]);
+  const body = requestBody([...state.messages, { role: "user", content: draft }]);
   document.querySelectorAll(".tab").forEach((t) => t.classList.toggle("active", t.dataset.tab === tab));
   $("code").textContent = tab === "curl" ? curlCode(body) : pythonCode(body);
   $("code-dialog").dataset.tab = tab;
@@ -106,14 +91,9 @@ function addMessage(role, text) {
   return el;
 }
 
-function badges(el) {
+function setBadge(el, cls, text, title) {
   let b = el.querySelector(".badges");
   if (!b) { b = document.createElement("div"); b.className = "badges"; el.append(b); }
-  return b;
-}
-
-function setBadge(el, cls, text, title) {
-  const b = badges(el);
   let x = b.querySelector("." + cls);
   if (!x) {
     x = document.createElement("span");
@@ -136,46 +116,47 @@ function showProjection(el, p) {
            p.note || "projection from the compiler's cost model, not a measurement");
 }
 
+function setStats(el, rate, ttftS, tokens) {
+  setBadge(el, "speed", `${fmtRate(rate)} tokens/s`);
+  setBadge(el, "ttft", `TTFT ${fmtTime(ttftS)}`);
+  setBadge(el, "count", `${tokens} token${tokens === 1 ? "" : "s"}`);
+}
+
 function finishStats(el, usage, timeInfo, t0, tFirst, tLast, nChunks) {
   const tokens = usage ? usage.completion_tokens : nChunks;
   const decodeS = tFirst && tLast > tFirst ? (tLast - tFirst) / 1000 : 0;
   // tokens after the first, over the time after the first: the decode speed the badge shows live
   const rate = decodeS > 0 && tokens > 1 ? (tokens - 1) / decodeS
              : timeInfo && timeInfo.completion_time > 0 ? tokens / timeInfo.completion_time : 0;
-  setBadge(el, "speed", `${fmtRate(rate)} tokens/s`);
-  setBadge(el, "ttft", `TTFT ${fmtTime(((tFirst || performance.now()) - t0) / 1000)}`);
-  setBadge(el, "count", `${tokens} token${tokens === 1 ? "" : "s"}`);
+  setStats(el, rate, ((tFirst || performance.now()) - t0) / 1000, tokens);
 }
 
 async function send(text) {
   if (state.busy || !text.trim()) return;
   state.busy = true;
   $("send").disabled = true;
-  const s = settings();
   state.messages.push({ role: "user", content: text });
+  const body = requestBody(state.messages);
   addMessage("user", text);
   const el = addMessage("assistant", "");
   const bodyEl = el.querySelector(".body");
   const t0 = performance.now();
   let tFirst = null, tLast = null, n = 0, answer = "";
   try {
-    const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(),
-                                                       body: JSON.stringify(requestBody(s, state.messages)) });
+    const resp = await fetch("/v1/chat/completions",
+                             { method: "POST", headers: headers(), body: JSON.stringify(body) });
     if (!resp.ok) {
       const err = await resp.json().catch(() => ({ error: { message: resp.statusText } }));
       if (resp.status === 401) $("key-wrap").classList.remove("hidden");
       throw new Error(`${resp.status}: ${err.error ? err.error.message : resp.statusText}`);
     }
-    if (!s.stream) {
+    if (!body.stream) {
       const data = await resp.json();
-      tFirst = tLast = performance.now();
       answer = data.choices[0].message.content || JSON.stringify(data.choices[0].message.tool_calls || "");
       bodyEl.textContent = answer;
-      const ti = data.time_info || {};
-      const rate = ti.completion_time > 0 ? data.usage.completion_tokens / ti.completion_time : 0;
-      setBadge(el, "speed", `${fmtRate(rate)} tokens/s`);
-      setBadge(el, "ttft", `TTFT ${fmtTime((ti.queue_time || 0) + (ti.prompt_time || 0))}`);
-      setBadge(el, "count", `${data.usage.completion_tokens} token${data.usage.completion_tokens === 1 ? "" : "s"}`);
+      const ti = data.time_info || {}, tokens = data.usage.completion_tokens;
+      setStats(el, ti.completion_time > 0 ? tokens / ti.completion_time : 0,
+               (ti.queue_time || 0) + (ti.prompt_time || 0), tokens);
       showProjection(el, data.wafer_projection);
     } else {
       const reader = resp.body.getReader();
@@ -244,9 +225,7 @@ async function loadModelInfo() {
   if (!id) return;
   const resp = await fetch("/v1/models/" + encodeURIComponent(id), { headers: headers() });
   if (!resp.ok) return;
-  const info = await resp.json();
-  state.modelInfo = info;
-  const p = info.wafer_projection;
+  const p = (await resp.json()).wafer_projection;
   if (!p) { $("projection-card").classList.add("hidden"); return; }
   const a = p.assumptions || {};
   const kv = (k, v) => `<div class="kv"><span>${k}</span><b>${v}</b></div>`;
