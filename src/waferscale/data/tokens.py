@@ -149,15 +149,10 @@ def _tokenize_to(
                 if eos is not None:
                     pieces.append(np.array([eos], dtype=np.int64))
             chunk = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-            if chunk.size:
-                lo, hi = int(chunk.min()), int(chunk.max())
-                if lo < 0 or hi >= 1 << 32:
-                    raise DataError(f"tokenizer emitted id {hi if hi >= 0 else lo}, outside [0, 2**32)")
-                if hi >= tokenizer.vocab_size:
-                    raise DataError(
-                        f"tokenizer emitted id {hi} >= its vocab_size {tokenizer.vocab_size}; "
-                        "the tokenizer is inconsistent"
-                    )
+            lo, hi = (int(chunk.min()), int(chunk.max())) if chunk.size else (0, 0)
+            if lo < 0 or hi >= tokenizer.vocab_size:
+                raise DataError(f"tokenizer emitted id {lo if lo < 0 else hi}, outside [0, vocab_size="
+                                f"{tokenizer.vocab_size}); the tokenizer is inconsistent")
             f.write(chunk.astype(dtype).tobytes())
             n_tokens += chunk.size
             bar.update(chars)

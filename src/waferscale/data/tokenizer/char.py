@@ -37,8 +37,7 @@ class CharTokenizer(Tokenizer):
             raise DataError("cannot build a character tokenizer from empty text")
         return cls(sorted(set(text)))
 
-    def encode_array(self, text: str) -> np.ndarray:
-        """Ids as an int64 array of shape (len(text),)."""
+    def encode(self, text: str) -> list[int]:
         cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
         ids = np.full(cps.shape, -1, dtype=np.int64)
         known = cps < len(self._lut)
@@ -50,10 +49,7 @@ class CharTokenizer(Tokenizer):
                 f"character {ch!r} (U+{ord(ch):04X}) at position {pos} is not in the character tokenizer's "
                 f"vocabulary of {self.vocab_size} characters; build the tokenizer from text that includes it"
             )
-        return ids
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_array(text).tolist()
+        return ids.tolist()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         out = []
