@@ -8,8 +8,7 @@ Two HF architectures map onto the zoo:
   llama3 ``rope_scaling``. Parameter names differ from ours only by renaming.
 
 Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
-``pytorch_model.bin`` files are refused, never unpickled. Writing goes to a temporary directory first and is
-moved into place only when complete.
+``pytorch_model.bin`` files are refused, never unpickled.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
@@ -82,8 +82,6 @@ def load(path: str | os.PathLike, map_location: Any = None) -> Any:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         tensors = load_file(str(path), device=str(map_location) if map_location else "cpu")

@@ -44,10 +44,8 @@ step = trace
 def _run_closures(pending: list[tuple[Callable[..., Any], tuple, dict]]) -> None:
     if not pending:
         return
-    scalars: list[torch.Tensor] = []
-    for _, a, k in pending:
-        scalars += [t for t in (*a, *k.values()) if isinstance(t, torch.Tensor) and t.numel() == 1
-                    and t.is_floating_point()]
+    scalars = [t for _, a, k in pending for t in (*a, *k.values())
+               if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()]
     means = _dist.all_mean([float(t.detach()) for t in scalars])  # every system joins, then only rank 0 runs
     if not _dist.is_master():
         return
