@@ -73,13 +73,12 @@ def figure(plan: Plan):
             xs = [r.col + r.cols / 2 for r in pipe]
             ys = [r.row + r.rows / 2 for r in pipe]
             ax.plot(xs, ys, color="black", lw=0.7, alpha=0.55)
-        if len(dead):
-            ds = dead[s] if s < len(dead) else np.zeros((0, 2))
-            if len(ds):
-                ax.scatter(ds[:, 1], ds[:, 0] + 0.5, s=10 if rows * cols <= 4096 else 0.6, c="red",
-                           marker="x" if rows * cols <= 4096 else ".", linewidths=0.8, zorder=5,
-                           label=f"dead cores ({len(ds)}): skipped, no tile, routed around")
-                ax.legend(loc="lower right", fontsize=6, framealpha=0.8)
+        if len(dead) and len(dead[s]):  # one array per wafer
+            ds = dead[s]
+            ax.scatter(ds[:, 1], ds[:, 0] + 0.5, s=10 if rows * cols <= 4096 else 0.6, c="red",
+                       marker="x" if rows * cols <= 4096 else ".", linewidths=0.8, zorder=5,
+                       label=f"dead cores ({len(ds)}): skipped, no tile, routed around")
+            ax.legend(loc="lower right", fontsize=6, framealpha=0.8)
         _io_edges(ax, plan, s, regs, rows, cols)
         ax.set_xlim(-0.04 * cols, 1.04 * cols)
         ax.set_ylim(rows * 1.04, -0.04 * rows)
@@ -115,20 +114,20 @@ def _io_edges(ax, plan: Plan, s: int, regs, rows: int, cols: int) -> None:
         ax.plot([0, 0], [0, rows], color="crimson", lw=3)
         ax.plot([cols, cols], [0, rows], color="crimson", lw=3)
         return
-    regs = [r for r in regs if r.replica == (regs[0].replica if regs else 0)]
-    firsts = [r for r in regs if r.stage == min(x.stage for x in regs)] if regs else []
-    lasts = [r for r in regs if r.stage == max(x.stage for x in regs)] if regs else []
-    for r in firsts[:1]:
-        src = "tokens in" if r.unit == 0 else f"from\nsystem {s - 1}"
-        ax.plot([0, 0], [r.row, r.row + r.rows], color="crimson", lw=3)
-        ax.annotate(src, xy=(r.col, r.row + r.rows / 2), xytext=(-0.03 * cols, r.row + r.rows / 2), ha="right", **kw)
-    for r in lasts[:1]:
-        dst = "tokens out" if s == plan.systems - 1 or plan.wafers_per_pipeline == 1 else f"to\nsystem {s + 1}"
-        x_edge = 0 if r.col == 0 else cols
-        ax.plot([x_edge, x_edge], [r.row, r.row + r.rows], color="crimson", lw=3)
-        ax.annotate(dst, xy=(r.col + (0 if x_edge == 0 else r.cols), r.row + r.rows / 2),
-                    xytext=(x_edge + (-0.03 if x_edge == 0 else 0.03) * cols, r.row + r.rows * 0.9),
-                    ha="right" if x_edge == 0 else "left", **kw)
+    if not regs:
+        return
+    regs = [r for r in regs if r.replica == regs[0].replica]
+    r = min(regs, key=lambda x: x.stage)
+    src = "tokens in" if r.unit == 0 else f"from\nsystem {s - 1}"
+    ax.plot([0, 0], [r.row, r.row + r.rows], color="crimson", lw=3)
+    ax.annotate(src, xy=(r.col, r.row + r.rows / 2), xytext=(-0.03 * cols, r.row + r.rows / 2), ha="right", **kw)
+    r = max(regs, key=lambda x: x.stage)
+    dst = "tokens out" if s == plan.systems - 1 or plan.wafers_per_pipeline == 1 else f"to\nsystem {s + 1}"
+    x_edge = 0 if r.col == 0 else cols
+    ax.plot([x_edge, x_edge], [r.row, r.row + r.rows], color="crimson", lw=3)
+    ax.annotate(dst, xy=(r.col + (0 if x_edge == 0 else r.cols), r.row + r.rows / 2),
+                xytext=(x_edge + (-0.03 if x_edge == 0 else 0.03) * cols, r.row + r.rows * 0.9),
+                ha="right" if x_edge == 0 else "left", **kw)
 
 
 def _dead_cores(plan: Plan) -> list[np.ndarray]:

@@ -16,6 +16,8 @@ per non-zero weight for each arriving x value — the "one AXPY per non-zero" of
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from waferscale.errors import ConfigError
@@ -42,30 +44,16 @@ def _check(W: np.ndarray, x: np.ndarray, x_axis: int = 0) -> tuple[np.ndarray, n
     return W, x
 
 
-def _stream_x(t: Tiles, xseg: np.ndarray, kt: int) -> np.ndarray:
-    """Place x segments on row 0 and multicast them down the columns: returns (R, C, kt)."""
-    xb = t.buffers.get("x")
-    if xb is None:
-        xb = t.alloc("x", kt)
-    xb[0] = to_tiles(xseg, t.cols, kt)
+def _stream_x(t: Tiles, xb: np.ndarray, xseg: np.ndarray) -> None:
+    """Place x segments on row 0 of `xb` (R, C, kt) and multicast them down the columns."""
+    xb[0] = to_tiles(xseg, t.cols, xb.shape[2])
     col_broadcast(t, xb)
-    return xb
 
 
 def gemv(mesh: Mesh, W: np.ndarray, x: np.ndarray, rows: int | None = None, cols: int | None = None) -> TileRun:
-    """y = W @ x with W (m, k) stationary in per-PE tiles; returns y (m,)."""
-    W, x = _check(W, x)
-    m, k = W.shape
-    R, C = region_for(mesh, rows, cols, m, k)
-    t = Tiles(mesh, R, C)
-    tiles, mt, kt = _tile_w(W, R, C)
-    Wt = t.alloc("W", mt, kt)
-    Wt[:] = tiles
-    xb = _stream_x(t, x, kt)
-    yp = t.alloc("y", mt)
-    yp[:] = np.einsum("ijab,ijb->ija", Wt, xb)  # every PE: its own tile times its own x segment
-    row_reduce_chain(t, yp)
-    return t.result(yp[:, 0].reshape(-1)[:m].copy())
+    """y = W @ x with W (m, k) stationary in per-PE tiles; returns y (m,): `gemm` of one streamed vector."""
+    run = gemm(mesh, W, np.asarray(x, dtype=np.float32)[:, None], rows, cols)
+    return dataclasses.replace(run, out=run.out[:, 0].copy())
 
 
 def gemm(mesh: Mesh, W: np.ndarray, X: np.ndarray, rows: int | None = None, cols: int | None = None) -> TileRun:
@@ -79,11 +67,12 @@ def gemm(mesh: Mesh, W: np.ndarray, X: np.ndarray, rows: int | None = None, cols
     tiles, mt, kt = _tile_w(W, R, C)
     Wt = t.alloc("W", mt, kt)
     Wt[:] = tiles
+    xb = t.alloc("x", kt)
     yp = t.alloc("y", mt)
     Y = np.empty((m, X.shape[1]), dtype=np.float32)
     for v in range(X.shape[1]):  # one streamed vector at a time: the buffers are reused
-        xb = _stream_x(t, X[:, v], kt)
-        yp[:] = np.einsum("ijab,ijb->ija", Wt, xb)
+        _stream_x(t, xb, X[:, v])
+        yp[:] = np.einsum("ijab,ijb->ija", Wt, xb)  # every PE: its own tile times its own x segment
         row_reduce_chain(t, yp)
         Y[:, v] = yp[:, 0].reshape(-1)[:m]
     return t.result(Y)
@@ -107,7 +96,8 @@ def spmv(mesh: Mesh, W: np.ndarray, x: np.ndarray, rows: int | None = None, cols
     keep = np.take_along_axis(flat, order, axis=2)
     val[:] = np.where(keep, np.take_along_axis(dense.reshape(R, C, -1), order, axis=2), 0)
     row[:], col[:] = np.where(keep, order // kt, 0), np.where(keep, order % kt, 0)
-    xb = _stream_x(t, x, kt)
+    xb = t.alloc("x", kt)
+    _stream_x(t, xb, x)
     yp = t.alloc("y", mt)
     contrib = val * np.take_along_axis(xb, col, axis=2)  # one multiply per stored non-zero, every PE at once
     ii, jj = np.indices((R, C))
