@@ -130,7 +130,6 @@ class CoreClient:
                 raise ConfigError(msg[1])
             raise CoreError(f"the engine could not start: {msg[1]}")
         self.info: dict[str, Any] = msg[1]
-        self.model_name: str = self.info["model_name"]
         self.max_model_len: int = self.info["max_model_len"]
         self._stats: dict[str, Any] = dict(self.info["stats"])
         self._hub = StreamHub()

@@ -150,7 +150,6 @@ class Engine:
         if model.head.lm_head.weight.device != device:
             model.to(device)
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.model_name: str = cfg.name
         self.max_model_len: int = cfg.max_seq_len
         dtype = model.head.lm_head.weight.dtype
         bpb = KVPool.bytes_per_block(cfg.n_layer, block_size, cfg.kv_heads, cfg.head_dim, dtype)
@@ -201,10 +200,7 @@ class Engine:
         from waferscale.data import load_tokenizer
         from waferscale.models.pretrained import load_pretrained
 
-        device = kw.get("device", "cpu")
-        engine = cls(load_pretrained(name, device=device), load_tokenizer(name), **kw)
-        engine.model_name = str(name)
-        return engine
+        return cls(load_pretrained(name, device=kw.get("device", "cpu")), load_tokenizer(name), **kw)
 
     # ---- requests --------------------------------------------------------------------------------------
     def limits(self) -> dict[str, int]:
@@ -218,9 +214,9 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         """Picklable facts for a client in another process (serve/core.py)."""
-        return {"model_name": self.model_name, "max_model_len": self.max_model_len, "limits": self.limits(),
-                "stats": self.stats(), "c_kernels": self.c_kernels, "decode_threads": self.decode_threads,
-                "fast_linear": self.fast_linear, "stages": self.stages}
+        return {"max_model_len": self.max_model_len, "limits": self.limits(), "stats": self.stats(),
+                "c_kernels": self.c_kernels, "decode_threads": self.decode_threads, "fast_linear": self.fast_linear,
+                "stages": self.stages}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

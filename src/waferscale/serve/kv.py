@@ -41,8 +41,8 @@ class BlockAllocator:
         """Blocks `seq_id` still needs so that it can hold `num_tokens` positions."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(self.tables.get(seq_id, ())))
 
-    def can_allocate(self, seq_id: str, num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks(seq_id, num_tokens) <= self.num_free - reserve
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
+        return self.extra_blocks(seq_id, num_tokens) <= self.num_free
 
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
         """Grow `seq_id`'s table to hold `num_tokens` positions; returns the table. RuntimeError if full."""

@@ -89,14 +89,12 @@ class Scheduler:
     """Decides, each step, which tokens of which sequences run. Owns the waiting queue, the running list and
     (through `allocator`) their KV blocks."""
 
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 watermark_blocks: int = 0) -> None:
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.watermark_blocks = watermark_blocks  # kept free at admission, so running sequences can grow
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -158,7 +156,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
-            if not alloc.can_allocate(seq.request_id, seq.num_computed + n, reserve=self.watermark_blocks):
+            if not alloc.can_allocate(seq.request_id, seq.num_computed + n):
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
             table = alloc.allocate(seq.request_id, seq.num_computed + n)

@@ -1,5 +1,5 @@
 /* Decode attention: rope, KV write and GQA attention of each sequence's new token, one sequence or a
-   batch over a block-paged cache. Part of serve_kernels.c (one translation unit). */
+   batch over a block-paged cache. */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif

@@ -1,12 +1,8 @@
-/* A Llama-style block stack for decode tokens, every layer in one call. Part of serve_kernels.c (one
-   translation unit). */
+/* Every layer of a Llama-style block stack for decode tokens in one call: the kernels of the other parts, in the
+   order the runner's per-op path calls them, without a Python round trip between them. */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif
-
-/* ---- every layer of a Llama-style block stack for one decode token of one sequence --------------------
-   The kernels of the other parts, in the order the runner's per-op path calls them, without a Python round trip
-   between them. */
 
 typedef struct {
     const float *attn_norm, *wqkv, *bqkv, *wo, *bo, *mlp_norm, *wgu, *bgu, *wd, *bd;

@@ -1,5 +1,4 @@
-/* Products over weights packed in panels: the microkernel, a job's panels into a buffer, packing x.
-   Part of serve_kernels.c (one translation unit). */
+/* Products over weights packed in panels: the microkernel, a job's panels into a buffer, packing x. */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif

@@ -1,5 +1,4 @@
-/* The work-stealing thread pool, its share-or-not measurement, and wsc_linear (the products' entry point).
-   Part of serve_kernels.c (one translation unit). */
+/* The work-stealing thread pool, its share-or-not measurement, and wsc_linear (the products' entry point). */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif

@@ -1,5 +1,4 @@
-/* Row-wise kernels: SwiGLU, argmax (greedy sampling), RMSNorm. Part of serve_kernels.c (one
-   translation unit). */
+/* Row-wise kernels: SwiGLU, argmax (greedy sampling), RMSNorm. */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif

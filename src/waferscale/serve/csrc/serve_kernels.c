@@ -1,9 +1,7 @@
 /* The C kernels for CPU serving, float32: waferscale/serve/kernels.py compiles this file, and only this one,
-   into a shared object (see _FLAGS there) and calls its wsc_* functions through ctypes.
-
-   One translation unit: the parts below are included, not linked, so that they share their static state
-   (the pool's job, the per-thread scratch buffers) and the compiler sees every call across them, as it did
-   when they were one file. Each part compiles only from here. */
+   into a shared object (see _FLAGS there) and calls its wsc_* functions through ctypes. One translation unit:
+   the parts below are included, not linked, so that they share their static state (the pool's job, the
+   per-thread scratch buffers) and the compiler sees every call across them. */
 
 #define WSC_SERVE_KERNELS_TU
 #include "kernels.h"
