@@ -110,7 +110,7 @@ class StreamRunner:
     def __init__(self, model: nn.Module, backend: Backend, half: torch.dtype | None) -> None:
         from waferscale.pytorch.optim import find_optimizer, memoryx_optimizer_params
 
-        self.model, self.backend, self.device, self.half = model, backend, backend.device, half
+        self.model, self.backend, self.device = model, backend, backend.device
         self.split: StreamUnits = model_units(model)
         if self.split.report.how == "whole" and _dist.is_master():
             print(f"cstorch: the model streams as one unit: {self.split.report.reason}. Define units() on it to "
@@ -238,18 +238,15 @@ class StreamRunner:
                            lambda: self.engine.backward(saved, out, grad))
 
     # ---- the optimizer step (called by the bound optimizer) ----
-    def finish_step(self) -> tuple[float | None, bool]:
+    def finish_step(self) -> None:
         """Wait for the gradients, then (rank 0) let MemoryX clip, unscale and update."""
         if not self.grads_pending:
-            return None, False
+            return
         _dist.guard("reducing the gradients", self.engine.wait_pushes)
         self.grads_pending = False
         self.steps += 1
-        if self.mx is None:
-            return None, False
-        norm, skipped = self.mx.end_backward()
-        self.last_grad_norm = norm
-        return norm, skipped
+        if self.mx is not None:
+            self.last_grad_norm, _skipped = self.mx.end_backward()
 
     def close(self) -> None:
         self.synchronize()

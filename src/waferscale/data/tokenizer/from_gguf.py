@@ -78,22 +78,20 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
 
     metadata = gguf_metadata(path, error=DataError)
 
-    def field(name: str, default: Any = None, required: bool = False) -> Any:
+    def required(name: str) -> Any:
         if name not in metadata:
-            if required:
-                raise DataError(f"{path}: GGUF metadata lacks {name!r}; it carries no usable tokenizer")
-            return default
+            raise DataError(f"{path}: GGUF metadata lacks {name!r}; it carries no usable tokenizer")
         return metadata[name]
 
-    model = field("tokenizer.ggml.model", required=True)
+    model = required("tokenizer.ggml.model")
     if model != "gpt2":
         raise DataError(
             f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
             "export a tokenizer.json with Hugging Face tokenizers and pass its path instead"
         )
-    tokens: list[str] = field("tokenizer.ggml.tokens", required=True)
-    merges_raw: list[str] = field("tokenizer.ggml.merges", required=True)
-    types: list[int] = field("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
+    tokens: list[str] = required("tokenizer.ggml.tokens")
+    merges_raw: list[str] = required("tokenizer.ggml.merges")
+    types: list[int] = metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise DataError(f"{path}: {len(tokens)} tokens but {len(types)} token types in GGUF metadata")
 
@@ -106,28 +104,21 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
 
     tk = _TK(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+    tk.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=False)
-    added = [
-        AddedToken(tokens[i], special=(t == _CONTROL), normalized=False)
-        for i, t in enumerate(types)
-        if t in (_CONTROL, _USER_DEFINED)
-    ]
+    added = [AddedToken(tokens[i], special=(t == _CONTROL), normalized=False)
+             for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
     tk.add_special_tokens([a for a in added if a.special])
     tk.add_tokens([a for a in added if not a.special])
-    if tk.get_vocab_size(with_added_tokens=True) != len(tokens):
-        n = tk.get_vocab_size(with_added_tokens=True)
+    n = tk.get_vocab_size(with_added_tokens=True)
+    if n != len(tokens):
         raise DataError(f"{path}: rebuilt tokenizer has {n} tokens, GGUF lists {len(tokens)}")
 
-    eos_id = field("tokenizer.ggml.eos_token_id")
-    bos_id = field("tokenizer.ggml.bos_token_id")
-    return HFTokenizer(
-        tk,
-        eos_id=None if eos_id is None else int(eos_id),
-        bos_id=None if bos_id is None else int(bos_id),
-        chat_template=field("tokenizer.chat_template"),
-    )
+    eos_id, bos_id = (metadata.get(f"tokenizer.ggml.{which}_token_id") for which in ("eos", "bos"))
+    return HFTokenizer(tk, eos_id=None if eos_id is None else int(eos_id),
+                       bos_id=None if bos_id is None else int(bos_id),
+                       chat_template=metadata.get("tokenizer.chat_template"))
 
 
 def read_gguf_metadata(path: Path | str) -> dict[str, Any]:
