@@ -6,13 +6,6 @@ mistake is a ConfigError with the file, line and key path:
 
     configs/x.yaml:12: optimizer.learning_rate[1].schedular: unknown key 'schedular' (did you mean 'scheduler'?)
 
-    schema.py          the sections (InputParams, OptimizerParams, RunConfig), Params, load / save
-    model.py           the model section and its one mapping onto models.ModelConfig
-    schedules.py       the learning-rate scheduler schema (normalized for runtime.optim's schedule math)
-    trainer_layout.py  the trainer layout -> the legacy sections
-    typed.py           the generic builder: typed dataclass from a mapping, with key paths
-    yaml_lines.py      the YAML reader that remembers each key's line
-
 Model Zoo keys accepted for compatibility but ignored are listed, with the reason, in each class's
 `IGNORED_KEYS`; `Params.ignored` names the ones a file used. Legacy spellings are mapped by `ALIASES`
 (`weight_decay_rate` -> `weight_decay`, `save_checkpoint_steps` -> `checkpoint_steps`, scheduler `steps` /
