@@ -15,31 +15,29 @@ class GPT(CausalLM):
     """A GPT-family causal LM; all structure lives in `layers.py`, driven by the config."""
 
 
-def _gpt2(name: str, n_layer: int, d_model: int, n_head: int) -> ModelConfig:
+def _gpt(name: str, n_layer: int, d_model: int, n_head: int, *, ctx: int, activation: str) -> ModelConfig:
     return ModelConfig(name=name, family="gpt", vocab_size=50257, n_layer=n_layer, n_head=n_head,
-                       d_model=d_model, max_seq_len=1024, norm="layernorm", activation="gelu_tanh",
+                       d_model=d_model, max_seq_len=ctx, norm="layernorm", activation=activation,
                        position="learned", tie_embeddings=True)
 
 
-def _gpt3(name: str, n_layer: int, d_model: int, n_head: int) -> ModelConfig:
-    return ModelConfig(name=name, family="gpt", vocab_size=50257, n_layer=n_layer, n_head=n_head,
-                       d_model=d_model, max_seq_len=2048, norm="layernorm", activation="gelu",
-                       position="learned", tie_embeddings=True)
-
+# What each release shares across its sizes.
+_GPT2 = dict(ctx=1024, activation="gelu_tanh")
+_GPT3 = dict(ctx=2048, activation="gelu")
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
-    _gpt2("gpt2-small", 12, 768, 12),
-    _gpt2("gpt2-medium", 24, 1024, 16),
-    _gpt2("gpt2-large", 36, 1280, 20),
-    _gpt2("gpt2-xl", 48, 1600, 25),
-    _gpt3("gpt3-125m", 12, 768, 12),
-    _gpt3("gpt3-350m", 24, 1024, 16),
-    _gpt3("gpt3-760m", 24, 1536, 16),
-    _gpt3("gpt3-1.3b", 24, 2048, 16),  # the seed's GPT-3 XL
-    _gpt3("gpt3-2.7b", 32, 2560, 32),
-    _gpt3("gpt3-6.7b", 32, 4096, 32),
-    _gpt3("gpt3-13b", 40, 5120, 40),
-    _gpt3("gpt3-175b", 96, 12288, 96),
+    _gpt("gpt2-small", 12, 768, 12, **_GPT2),
+    _gpt("gpt2-medium", 24, 1024, 16, **_GPT2),
+    _gpt("gpt2-large", 36, 1280, 20, **_GPT2),
+    _gpt("gpt2-xl", 48, 1600, 25, **_GPT2),
+    _gpt("gpt3-125m", 12, 768, 12, **_GPT3),
+    _gpt("gpt3-350m", 24, 1024, 16, **_GPT3),
+    _gpt("gpt3-760m", 24, 1536, 16, **_GPT3),
+    _gpt("gpt3-1.3b", 24, 2048, 16, **_GPT3),  # the seed's GPT-3 XL
+    _gpt("gpt3-2.7b", 32, 2560, 32, **_GPT3),
+    _gpt("gpt3-6.7b", 32, 4096, 32, **_GPT3),
+    _gpt("gpt3-13b", 40, 5120, 40, **_GPT3),
+    _gpt("gpt3-175b", 96, 12288, 96, **_GPT3),
     # tiny shapes for tests and the demo
     ModelConfig(name="gpt-tiny", family="gpt", vocab_size=256, n_layer=2, n_head=4, d_model=32,
                 max_seq_len=64, activation="gelu_tanh"),
