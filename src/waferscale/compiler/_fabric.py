@@ -1,7 +1,4 @@
-"""The compiler's view of a wafer's defect map (`fabric.mesh`): the logical mesh placement works on.
-
-The cycle model the compiler composes is `waferscale.fabric.cost`, imported where it is used (`project.py`,
-`training.py`, `weight_streaming.py`)."""
+"""The compiler's view of a wafer's defect map (`fabric.mesh`): the logical mesh placement works on."""
 
 from __future__ import annotations
 

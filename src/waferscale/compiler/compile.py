@@ -8,7 +8,7 @@ and assembles the `Plan`:
     weight_streaming.py  weights streamed from MemoryX one layer at a time
     pipeline.py          placing pipeline copies on wafers, hand-offs and decode latency (shared)
     data_parallel.py     SwarmX gradient all-reduce and weak scaling over systems
-    strategy.py          region sizing, placement of one copy, memory accounting
+    strategy.py          region sizing, placement of one copy, routing colors
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Inference plans: weights and KV cache stay on-wafer, the layers form a pipeline of regions, users fill it.
 
-The steps, each appending its sentence to the decisions:
-
 1. `_wafers_per_pipeline`: the fewest wafers (`wpp`) whose SRAM holds the weights + one user's KV cache,
    split into contiguous runs of units balanced by bytes (a multi-wafer pipeline when wpp > 1); the systems
    then hold `systems // wpp` independent pipeline copies (data-parallel serving).
 2. `_choose_replicas`: on one wafer, how many copies k of the pipeline to place in a k-way grid (each copy
    in a 1/k sub-rectangle) and how many users each serves (up to one per stage, as many as the KV cache
    holds), picked by the cost model's aggregate decode rate.
-3. `_charge_detours`: on a defective wafer, the chosen copy re-projected on its regions' own routes.
-4. `_explain_choice` and `_projection`: the remaining decisions, then decode latency and rate, prefill
+3. On a defective wafer, the chosen copy re-projected on its regions' own routes (detours).
+4. `_explain_choice` and `_result`: the remaining decisions, then decode latency and rate, prefill
    (`_prefill`: the prompt streamed through the stages in chunks) and what limits the aggregate rate.
 
 Bytes per unit: weights (+ a copy of a tied matrix), KV cache per token per user, double-buffered

@@ -9,6 +9,7 @@ The logical mesh has no dead PE (spare remapping, `fabric.mesh`), so a region's 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -96,10 +97,7 @@ def snake(need: Sequence[int], box: Rect, *,
 def _bands(need: Sequence[int], box: Rect, B: int) -> list[Rect] | None:
     heights = [box.rows // B] * B
     heights[-1] += box.rows - sum(heights)  # the last band takes the remainder rows
-    h = heights[0]
-    widths = [max(1, math.ceil(x / h)) for x in need]
-    if max(widths) > box.cols:
-        return None
+    widths = [max(1, math.ceil(x / heights[0])) for x in need]
     groups = split_contiguous(widths, B, box.cols)
     if groups is None:
         return None
@@ -107,18 +105,9 @@ def _bands(need: Sequence[int], box: Rect, B: int) -> list[Rect] | None:
     row = box.row
     for b, (lo, hi) in enumerate(groups):
         ws = _fill(widths[lo:hi], box.cols)
-        order = range(lo, hi)
-        col = box.col
-        band = []
-        for i, w in zip(order, ws):
-            band.append(Rect(row, col, heights[b], w))
-            col += w
-        if b % 2 == 1:  # right to left: mirror inside the box
-            band = [Rect(r.row, box.col + box.cols - (r.col - box.col) - r.cols, r.rows, r.cols) for r in band]
-        rects += band
+        for off, w in zip(itertools.accumulate([0, *ws]), ws):  # odd bands run right to left
+            rects.append(Rect(row, box.col + (off if b % 2 == 0 else box.cols - off - w), heights[b], w))
         row += heights[b]
-    if len(rects) != len(need):
-        return None
     return rects
 
 
@@ -169,15 +158,10 @@ def split_contiguous(sizes: Sequence[int], parts: int, cap: int) -> list[tuple[i
 
 
 def _fill(ws: Sequence[int], total: int) -> list[int]:
-    """Scale widths up to sum exactly to `total`, never below the requested width."""
+    """Scale widths up to sum exactly to `total`, never below the requested width (the widest get the rest)."""
     s = sum(ws)
-    out = [w * total // s for w in ws]
-    out = [max(o, w) for o, w in zip(out, ws)]
-    left = total - sum(out)
-    i = 0
+    out = [max(w, w * total // s) for w in ws]
     order = sorted(range(len(ws)), key=lambda j: -ws[j])
-    while left > 0:
+    for i in range(total - sum(out)):
         out[order[i % len(ws)]] += 1
-        left -= 1
-        i += 1
     return out

@@ -284,7 +284,6 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
                 x = sum(cnt * PE.axpy_task(spec, dtype, e, mt) for e, cnt in chunks)
                 parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt,
                                                                 write_elems=e * mt)) for e, cnt in chunks]
-                work[np.ix_(ri, ci)] = x
             else:
                 w0, pmf = _work_pmf([_task_pmf(spec, dtype, e * mt, density) for e, cnt in chunks
                                      for _ in range(cnt)])
@@ -295,17 +294,14 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
                 uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)
                 groups.append((uo, cnt.astype(np.float64), w0, pmf))
                 cells.append((ri, ci))
+            work[np.ix_(ri, ci)] = x  # sparse: the mean work
             comp = max(comp, sum(c for c, _ in parts) + adds)
             sram = max(sram, sum(s_ for _, s_ in parts))
             period = max(period, x + adds)
     # detours can make several rows' chains share a physical link; their partials then take turns on it
     share = np.ones(R)
     if C > 1 and _exact(mesh, R, C):
-        mean_work = work if density is None else np.zeros((R, C))
-        if density is not None:
-            for (uo, cnt, w0, pmf), (ri, ci) in zip(groups, cells):
-                mean_work[np.ix_(ri, ci)] = w0 + float((pmf * np.arange(len(pmf))).sum())
-        extra, share = _chain_contention(mesh, R, C, off - add_tail[:, None], mean_work, add_first, ny)
+        extra, share = _chain_contention(mesh, R, C, off - add_tail[:, None], work, add_first, ny)
         off = off + extra[:, None]
         for g, (ri, ci) in enumerate(cells):
             uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)

@@ -82,14 +82,11 @@ class Tiles:
     def shift(self, buf: np.ndarray, axis: int, step: int, index: int) -> np.ndarray:
         """Move the slice at `index` along `axis` (0: down columns, 1: along rows) to `index + step`, for all
         PEs of the other axis at once. Returns the arriving slice (shape of buf's slice)."""
-        other = buf.shape[1] if axis == 0 else buf.shape[0]  # PEs of the other axis present in buf
-        if axis == 0:
-            src = [(index, j) for j in range(other)]
-            dst = [(index + step, j) for j in range(other)]
-            return self.move(buf[index], src, dst)
-        src = [(i, index) for i in range(other)]
-        dst = [(i, index + step) for i in range(other)]
-        return self.move(buf[:, index], src, dst)
+        if axis == 0:  # every column present in buf
+            js = range(buf.shape[1])
+            return self.move(buf[index], [(index, j) for j in js], [(index + step, j) for j in js])
+        is_ = range(buf.shape[0])
+        return self.move(buf[:, index], [(i, index) for i in is_], [(i, index + step) for i in is_])
 
     def result(self, out: np.ndarray) -> TileRun:
         return TileRun(out=out, rows=self.rows, cols=self.cols, sram_bytes_per_pe=self.bytes_per_pe,
