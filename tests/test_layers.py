@@ -22,17 +22,18 @@ PKG = SRC / "waferscale"
 # Layers, bottom to top: what each part of the package may import from the rest of it (besides itself).
 # `waferscale` is the package's own __init__ (the version); `plots` is waferscale/plots.py.
 _BOTTOM = {"errors", "util"}
-_L1 = _BOTTOM | {"fabric", "models", "data"}
+_L1 = _BOTTOM | {"fabric", "models", "data", "sparse"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "util": {"errors"},
     "fabric": _BOTTOM,  # numpy only (THIRD_PARTY below); cost.py never loads sim.py (MODULE_RULES)
     "models": _BOTTOM,  # models and data never import each other
     "data": _BOTTOM,
+    "sparse": _BOTTOM,  # masks and algorithms, pure torch: below everything that applies them
     "compiler": _BOTTOM | {"fabric", "models"},
     "runtime": _L1 | {"compiler"},  # never pytorch, params, zoo, serve, cli
     "pytorch": _L1 | {"compiler", "runtime"},  # the cstorch API
-    "params": _BOTTOM | {"models"},  # the params YAML; read only by zoo and cli
+    "params": _BOTTOM | {"models", "sparse"},  # the params YAML; read only by zoo and cli
     "zoo": _L1 | {"compiler", "runtime", "pytorch", "params", "plots"},  # the Model Zoo runner (`wsc run`)
     "serve": _L1 | {"compiler", "runtime"},  # not pytorch, not zoo
     "plots": _BOTTOM,  # pictures; imported only by cli and zoo
