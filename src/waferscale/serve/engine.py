@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -102,7 +102,6 @@ class _Request:
     ve: int
     stop_ids: frozenset[int]
     first_token_s: float | None = None
-    logprobs: list[dict] = field(default_factory=list)
 
 
 class _InProcessExecutor:

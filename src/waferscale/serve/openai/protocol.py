@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from waferscale.serve.sampling import MAX_STOP_SEQUENCES as MAX_STOP, MAX_TOP_LOGPROBS  # as OpenAI and Cerebras
+
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "parse_request", "MAX_N", "MAX_STOP",
            "MAX_TOP_LOGPROBS"]
 
-MAX_N = 16             # choices per request (each one is a sequence in the engine)
-MAX_STOP = 4           # stop sequences, as OpenAI and Cerebras
-MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_N = 16  # choices per request (each one is a sequence in the engine)
 
 
 class APIError(Exception):
