@@ -50,10 +50,8 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     micro = int(g.defaults.get("micro_batch_size") or per_sys)
     if per_sys % micro:
         micro = per_sys
-    state = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"]
-    spp = sum(state)
-    cap_pe = data_bytes_per_pe(spec)
-    cap_w = usable * cap_pe
+    spp = sum(ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"])  # bytes of training state per parameter
+    cap_w = usable * data_bytes_per_pe(spec)
     S = len(units)
     resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * seq * min(S - i, per_sys)
                 for i, u in enumerate(units)]

@@ -15,9 +15,6 @@ Every model follows the schedule of its kernel in `kernels/` and charges:
 * routing — the colors a schedule needs against the colors a program may use (Fabric row: 24 colors, 6 reserved):
   a schedule needing more runs in several passes, each paying its fill again.
 
-* SpMV — a PE's work is random (binomial non-zeros per task), so its model is the expectation of the
-  critical path over independent PEs, computed exactly from the work distribution (not a worst-case bound).
-
 Omitted (and said so): finite router buffers/back-pressure, task-switch overhead, bank conflicts, load
 imbalance other than SpMV's, routes-per-PE limits on detours, clock/power throttling.
 
@@ -108,9 +105,8 @@ def _hops(mesh: Mesh | None, rows: int, cols: int, axis: int) -> int:
 
 
 def _exact(mesh: Mesh | None, rows: int, cols: int) -> bool:
-    """Use the real (detoured) routes of a defective mesh, route by route? When the mesh (a wafer or one
-    region of it, `Mesh.subregion`) has up to 64x64 PEs; bigger ones use the vectorized per-link hop
-    estimates of `Mesh.chain_hops` (Manhattan + 2 per blocked segment)."""
+    """Charge a defective mesh's real (detoured) routes one by one? Up to 64x64 PEs (a wafer or a region of it);
+    bigger meshes use the per-link hop estimates of `Mesh.chain_hops` (Manhattan + 2 per blocked segment)."""
     return mesh is not None and mesh.has_defects and mesh.usable_pes <= 4096
 
 
@@ -365,7 +361,7 @@ def gemm_cycles(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, 
 def spmv_cycles(spec: FabricSpec, m: int, k: int, nnz: int, rows: int, cols: int, dtype: str = "fp16", *,
                 mesh: Mesh | None = None) -> Cycles:
     """Sparse y = W x with `nnz` non-zeros spread uniformly at random: one multiply-add per non-zero weight per
-    arriving x value. The busiest PE carries the mean plus the expected maximum deviation over PEs."""
+    arriving x value; the expected critical path over PEs of random work (`_weight_stationary`)."""
     check_positive(m=m, k=k, nnz=nnz)
     if nnz > m * k:
         raise ConfigError(f"nnz={nnz} exceeds m*k={m * k}")

@@ -257,15 +257,8 @@ class Mesh:
         rows, cols = self.check_region(rows, cols)
         key = ("chain_cum", axis)
         if key not in self._routes:
-            h = self._whole_chain_hops(axis)
-            cum = np.zeros((self.logical_rows, self.logical_cols), np.int64)
-            if h.size:
-                if axis == 1:
-                    cum[:, 1:] = np.cumsum(h, axis=1)
-                else:
-                    cum[1:] = np.cumsum(h, axis=0)
-            cum.setflags(write=False)
-            self._routes[key] = cum
+            self._routes[key] = _cumsum0(self._whole_chain_hops(axis), axis)
+            self._routes[key].setflags(write=False)
         return self._routes[key][:rows, :cols]
 
     def _chain_hops(self, rows: int, cols: int, axis: int, shape: tuple[int, int]) -> np.ndarray:
@@ -297,18 +290,8 @@ class Mesh:
     def _prefix_sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Exclusive prefix sums of dead cores along rows / columns and of dead East / South links."""
         if "sums" not in self._prefix:
-            R, C = self.dead_cores.shape
-            core_r = np.zeros((R, C + 1), np.int64)
-            core_r[:, 1:] = np.cumsum(self.dead_cores, axis=1)
-            link_e = np.zeros((R, C), np.int64)
-            if C > 1:
-                link_e[:, 1:] = np.cumsum(self.dead_east, axis=1)
-            core_c = np.zeros((R + 1, C), np.int64)
-            core_c[1:] = np.cumsum(self.dead_cores, axis=0)
-            link_s = np.zeros((R, C), np.int64)
-            if R > 1:
-                link_s[1:] = np.cumsum(self.dead_south, axis=0)
-            self._prefix["sums"] = (core_r, link_e, core_c, link_s)
+            self._prefix["sums"] = (_cumsum0(self.dead_cores, 1), _cumsum0(self.dead_east, 1),
+                                    _cumsum0(self.dead_cores, 0), _cumsum0(self.dead_south, 0))
         return self._prefix["sums"]
 
     def max_chain_hops(self, rows: int, cols: int, axis: int) -> int:
@@ -385,6 +368,13 @@ class Mesh:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
+def _cumsum0(a: np.ndarray, axis: int) -> np.ndarray:
+    """Exclusive prefix sum along `axis` (int64, one longer than `a` there): entry k sums the first k."""
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (1, 0)
+    return np.cumsum(np.pad(a, pad), axis=axis, dtype=np.int64)
+
+
 def _xy(a: Coord, b: Coord, y_first: bool = False) -> list[Coord]:
     (r, c), (r1, c1) = a, b
     path = [(r, c)]
