@@ -166,3 +166,53 @@ def test_hooks_equal_a_hand_masked_dense_run(name: str) -> None:
     assert mask.dtype == torch.bool and 1 - mask.float().mean().item() == pytest.approx(group.actual_sparsity(),
                                                                                        abs=0.05)
     assert (model.fc1.weight[~mask] == 0).all()
+
+
+PARAMS = """\
+train_input: {data_dir: shakespeare, batch_size: 4}
+model: {vocab_size: 65, hidden_size: 32, num_hidden_layers: 2, num_heads: 2, max_position_embeddings: 64}
+optimizer: {optimizer_type: AdamW, learning_rate: 1.0e-3}
+runconfig: {max_steps: 10}
+sparsity:
+"""
+
+
+@pytest.mark.parametrize("section, line, message", [
+    ("  algorithm: rigl\n  sparsity: 0.9\n  update:\n    freq: 0\n", 8, "update.freq must be an integer >= 1"),
+    ("  algorithm: gmp\n  sparsity: {type: linear, init: 0.1, slope: 0.1}\n  update: {freq: 2, start: 10}\n", 5,
+     "comes after the run ends"),
+    ("  algorithm: rigll\n  sparsity: 0.9\n", 6, "choose one of static, gmp, set, rigl"),
+    ("  sparsity: 0.9\n  colour: red\n", 7, "unknown key colour"),
+    ("  sparsity: 1.5\n", 6, "in [0, 1)"),
+    ("  algorithm: set\n  sparsity: 0.5\n", 5, "set needs update"),
+])
+def test_a_params_files_sparsity_section_is_checked_with_its_line(tmp_path, section, line, message) -> None:
+    from waferscale.params import load_params
+
+    path = tmp_path / "p.yaml"
+    path.write_text(PARAMS + section)
+    with pytest.raises(ConfigError) as e:
+        load_params(path)
+    assert f"{path}:{line}:" in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_both_layouts_and_the_older_type_key_are_accepted(tmp_path) -> None:
+    from waferscale.params import load_params
+
+    path = tmp_path / "p.yaml"
+    path.write_text(PARAMS + "  type: set\n  sparsity: 0.75\n  update: {freq: 3}\n  drop_fraction: 0.2\n")
+    assert load_params(path).sparsity["type"] == "set"
+    trainer = """\
+trainer:
+  init:
+    model: {name: gpt2, vocab_size: 65, hidden_size: 32, num_hidden_layers: 2, num_heads: 2,
+            max_position_embeddings: 64}
+    optimizer: {AdamW: {weight_decay: 0.1}}
+    schedulers: [{ConstantLR: {learning_rate: 1.0e-3}}]
+    sparsity: {algorithm: gmp, sparsity: {type: exp, init: 0.0, gamma: -0.1, final: 0.9}, update: {freq: 2}}
+    loop: {max_steps: 10}
+  fit:
+    train_dataloader: {data_dir: shakespeare, batch_size: 4}
+"""
+    path.write_text(trainer)
+    assert load_params(path).sparsity["algorithm"] == "gmp"

@@ -10,6 +10,8 @@ it), and reading / writing the whole file. Our extension keys:
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from waferscale.params.trainer_layout import legacy_from_trainer
 from waferscale.params.typed import (Ctx, FieldError, build_dataclass, check_fields, convert_value, non_negative,
                                      positive, show, to_plain)
 from waferscale.params.yaml_lines import read_yaml
+from waferscale.sparse import configure
 from waferscale.util.files import atomic_write_text
 
 
@@ -181,6 +184,25 @@ class RunConfig:
 SECTIONS = ("train_input", "eval_input", "model", "optimizer", "sparsity", "runconfig")
 
 
+def _convert_sparsity(value: Any, path: str, ctx: Ctx, line: int | None) -> Any:
+    """The `sparsity` section, checked by building it (`waferscale.sparse.configure`); an error names the key
+    and its line."""
+    if value is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # `type` for `algorithm` is accepted
+            configure(to_plain(value))
+    except ConfigError as e:
+        msg = str(e)
+        m = re.match(r"(?:sparsity\.)?(\w+)", msg)
+        key = re.search(r"unknown key (\w+)", msg) or m
+        lines = getattr(value, "key_lines", {})
+        raise ctx.error("" if msg.startswith("sparsity") else path, msg,
+                        lines.get(key.group(1) if key else "", line)) from None
+    return value
+
+
 @dataclass
 class Params:
     """One params file. Cross-section checks: the batch splits evenly over num_csx and micro-batches, and
@@ -191,7 +213,7 @@ class Params:
     optimizer: OptimizerParams
     runconfig: RunConfig
     eval_input: InputParams | None = None
-    sparsity: dict[str, Any] | None = None
+    sparsity: Any = field(default=None, metadata={"convert": _convert_sparsity})  # float | mapping | list
     source: str | None = field(default=None, compare=False)  # the file it was loaded from
     ignored: list[str] = field(default_factory=list, compare=False)  # Model Zoo keys present but ignored
 
@@ -206,6 +228,15 @@ class Params:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
                                  f"model's max_position_embeddings {max_len}; lower it or raise "
                                  f"model.max_position_embeddings")
+        groups = self.sparsity if isinstance(self.sparsity, list) else [self.sparsity]
+        for g in groups:
+            update = g.get("update") if isinstance(g, Mapping) else None
+            if isinstance(update, Mapping):
+                first = min(update["steps"]) if "steps" in update else update.get("start", 0)
+                if first >= self.runconfig.max_steps:
+                    raise FieldError("sparsity.update", f"the first mask update (step {first}) comes after the run "
+                                     f"ends (runconfig.max_steps {self.runconfig.max_steps}); lower update.start "
+                                     f"or raise max_steps")
 
     def to_dict(self) -> dict[str, Any]:
         """The legacy-layout dict (None-valued keys left out); `Params.from_dict(p.to_dict()) == p`."""

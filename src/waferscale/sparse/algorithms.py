@@ -441,7 +441,8 @@ def configure(config: Any) -> Group:
     if cls is GMP and "drop_fraction" in cfg:
         raise ConfigError("sparsity: drop_fraction belongs to set and rigl; gmp follows its sparsity schedule")
     if cls.dynamic and "update" not in cfg:
-        raise ConfigError(f"sparsity: {name} needs update: {{freq: N}} (how often the masks are recomputed)")
+        raise ConfigError(f"sparsity.update: {name} needs update: {{freq: N}} (how often the masks are "
+                          f"recomputed)")
     group = Group()
     group.add_group(param_filter, cls(**cfg))
     return group
