@@ -7,6 +7,7 @@ runtimes read them from one place.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,6 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            import difflib
-
             hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else repr(k)
                      for k in unknown]
             raise ConfigError(f"model config {self.name!r}: unknown field(s) {', '.join(hints)}; "

@@ -27,6 +27,7 @@ from torch import Tensor
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig, RopeScaling
 from waferscale.models.layers import Attention, CausalLM, rope_inv_freq
+from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
@@ -249,8 +250,6 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
     Accepts `*ForCausalLM` names and bare-model names (no `transformer.`/`model.` prefix). With tied
     embeddings the result holds the embedding under both `embed.tok.weight` and `head.lm_head.weight`.
     """
-    from waferscale.models.registry import build
-
     mt = _hf_model_type(cfg)
     norm = {nk: v for k, v in sd.items() if (nk := _normalize_hf_key(k, mt, cfg)) is not None}
     _check_against(norm, state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg), cfg, where)
@@ -274,8 +273,6 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
 
     dtype=None keeps the dtype of `embed.tok.weight` in `sd` for every floating-point parameter.
     """
-    from waferscale.models.registry import build
-
     model = build(cfg, device="meta")
     _check_against(sd, model.state_dict(), cfg, where)
     dtype = dtype or sd["embed.tok.weight"].dtype

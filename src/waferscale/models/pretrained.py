@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from waferscale.errors import CheckpointError
+from waferscale.models.gguf import load_gguf
+from waferscale.models.hf import load_hf_dir
 from waferscale.models.layers import CausalLM
 from waferscale.util.assets import asset_path, find_asset, names
 
@@ -29,9 +31,6 @@ def load_pretrained(name_or_path: str | os.PathLike, device: torch.device | str 
     Accepts an asset name ("smollm2-135m-instruct", "smollm2"), a `.gguf` file (dequantized; dtype=None ->
     float32) or a Hugging Face model directory (config.json + safetensors; dtype=None -> as stored).
     """
-    from waferscale.models.gguf import load_gguf
-    from waferscale.models.hf import load_hf_dir
-
     s = str(name_or_path)
     p = asset_path(s, "model") if find_asset(s, "model") is not None else Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":

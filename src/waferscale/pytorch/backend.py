@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from waferscale.errors import ConfigError
-from waferscale.pytorch.distributed import ClusterConfig
+from waferscale.pytorch.distributed import ClusterConfig, launch
 
 BACKEND_TYPES = ("CSX", "CPU", "GPU")
 
@@ -79,9 +79,7 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
     b = Backend(kind, dev, art, Path(compile_dir) if compile_dir else art / "compile", compile_only or validate_only,
                 cluster, device_memory_mb, memoryx_ram_mb, flash)
     if cluster.num_csx > 1 and spawn_script_copies:
-        from waferscale.pytorch import distributed
-
-        distributed.launch(b)
+        launch(b)
     _current = b
     return b
 

@@ -23,6 +23,7 @@ from waferscale.errors import ConfigError
 from waferscale.pytorch import amp as _amp
 from waferscale.pytorch import distributed as _dist
 from waferscale.pytorch.backend import Backend
+from waferscale.pytorch.optim import find_optimizer, memoryx_optimizer_params
 from waferscale.runtime.engine import StreamingEngine
 from waferscale.runtime.links import LocalLink, SwarmLink
 from waferscale.runtime.layout import build_layouts
@@ -108,8 +109,6 @@ class StreamRunner:
     system, the optimizer binding (clipping, loss scaling, the step) in between."""
 
     def __init__(self, model: nn.Module, backend: Backend, half: torch.dtype | None) -> None:
-        from waferscale.pytorch.optim import find_optimizer, memoryx_optimizer_params
-
         self.model, self.backend, self.device = model, backend, backend.device
         self.split: StreamUnits = model_units(model)
         if self.split.report.how == "whole" and _dist.is_master():

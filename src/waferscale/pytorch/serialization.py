@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
+from waferscale.pytorch import distributed as _dist
 from waferscale.util.files import atomic_path
 
 __all__ = ["save", "load"]
@@ -65,8 +66,6 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save(state: Any, path: str | os.PathLike) -> None:
-    from waferscale.pytorch import distributed as _dist
-
     if not _dist.is_master():  # one writer: rank 0 holds the weights
         return
     path = Path(path)

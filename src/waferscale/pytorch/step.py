@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from waferscale.pytorch import distributed as _dist
+from waferscale.pytorch.utils.data import current_executor
 
 __all__ = ["trace", "step", "step_closure", "checkpoint_closure"]
 
@@ -28,8 +29,6 @@ def trace(fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             pending = _deferred.pop()
         _run_closures(pending)
-        from waferscale.pytorch.utils.data import current_executor
-
         ex = current_executor()
         if ex is not None:
             ex._step_done()
@@ -62,8 +61,6 @@ def _closure(fn: Callable[..., Any], checkpoint: bool) -> Callable[..., Any]:
     @functools.wraps(fn)
     def closure(*args: Any, **kwargs: Any) -> None:
         if checkpoint:
-            from waferscale.pytorch.utils.data import current_executor
-
             ex = current_executor()
             if ex is not None and not ex.on_checkpoint_step:
                 return

@@ -14,6 +14,7 @@ import torch
 
 from waferscale.errors import ConfigError
 from waferscale.pytorch import distributed as _dist
+from waferscale.pytorch.backend import current_backend
 
 __all__ = ["DataLoader", "DataExecutor", "RateTracker", "current_executor"]
 
@@ -120,8 +121,6 @@ class DataExecutor:
                 num_steps = len(dataloader)
             except TypeError:
                 raise ConfigError("DataExecutor needs num_steps for a dataloader without a length") from None
-        from waferscale.pytorch.backend import current_backend
-
         b = current_backend()
         self.num_steps = 0 if b is not None and b.compile_only else num_steps
         self.start_step = start_step
