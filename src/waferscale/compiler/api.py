@@ -32,13 +32,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                          "wafers_per_pipeline": plan.wafers_per_pipeline, "fits_in_sram": plan.fits_in_sram,
                          "pes_used": plan.pes_used, "pes_total": sum(w["usable_pes"] for w in plan.wafers),
                          "bottleneck": plan.bottleneck, "workload": plan.workload}
-    for k in (INFERENCE_KEYS if plan.mode == "inference" else TRAIN_KEYS):
-        if k in p:
-            d[k] = p[k]
-    d["why"] = list(plan.decisions)
-    d["assumptions"] = plan.assumptions
-    d["plan_version"] = plan.version
-    d["fingerprint"] = plan.fingerprint()
+    d.update({k: p[k] for k in (INFERENCE_KEYS if plan.mode == "inference" else TRAIN_KEYS) if k in p},
+             why=list(plan.decisions), assumptions=plan.assumptions, plan_version=plan.version,
+             fingerprint=plan.fingerprint())
     return d
 
 

@@ -46,13 +46,6 @@ def _no_init():
             setattr(nn.init, n, f)
 
 
-def _build_meta(cfg):
-    from waferscale.models import build
-
-    with _no_init():
-        return build(cfg, device="meta")
-
-
 def capture_zoo(name: str, dtype: str = "fp16") -> Graph:
     """A zoo preset by name (e.g. "llama3.1-70b"), walked unit by unit on the meta device."""
     from waferscale.models import config_from_name
@@ -71,7 +64,11 @@ def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
                    defaults: Mapping[str, Any] | None = None) -> Graph:
     """A model config (a zoo model's shape), walked unit by unit on the meta device. `defaults` are the
     workload's own sizes, used where the request gives none (batch_size, seq_len, num_csx, micro_batch_size)."""
-    g = _capture_causal_lm(_build_meta(cfg), source=source, dtype=dtype)
+    from waferscale.models import build
+
+    with _no_init():
+        model = build(cfg, device="meta")
+    g = _capture_causal_lm(model, source=source, dtype=dtype)
     return dataclasses.replace(g, defaults=dict(defaults)) if defaults else g
 
 

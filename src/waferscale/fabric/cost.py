@@ -448,25 +448,19 @@ def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: Fabric
     """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then column 0."""
     if algo == "chain":
         return nw - 1 + (R * C - 1) * (2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c)
-    row = {(0, j): p for (i, j), p in reduce_parents(algo, 1, C).items()}
-    col = {(i, 0): p for (i, j), p in reduce_parents(algo, R, 1).items()}
-    kids_row: dict = {}
-    for c, p in row.items():
-        kids_row.setdefault(p, []).append(c)
-    row_times: dict = {}
-    for j in range(C - 1, -1, -1):  # children in a row are always East of their parent
-        if j > 0:
-            row_times[j] = _node_times([_edge(row_times[c[1]], c[1] - j, spec) for c in kids_row.get((0, j), ())],
-                                       nw, add_c)
-    row_in = [_edge(row_times[c[1]], c[1], spec) for c in kids_row.get((0, 0), ())]
-    kids_col: dict = {}
-    for c, p in col.items():
-        kids_col.setdefault(p[0], []).append(c[0])
-    col_times: dict = {}
-    for i in range(R - 1, -1, -1):  # children in column 0 are always South of their parent
-        col_times[i] = _node_times(row_in + [_edge(col_times[c], c - i, spec) for c in kids_col.get(i, ())],
-                                   nw, add_c)
-    return col_times[0][1]
+
+    def into_root(n: int, inputs: list) -> list:
+        """Arrivals at position 0 of a line of n PEs reducing by `algo`, each PE also combining `inputs`."""
+        kids: dict = {}
+        for (_, c), (_, p) in reduce_parents(algo, 1, n).items():
+            kids.setdefault(p, []).append(c)
+        times: dict = {}
+        for v in range(n - 1, 0, -1):  # children are always after their parent
+            times[v] = _node_times(inputs + [_edge(times[c], c - v, spec) for c in kids.get(v, ())], nw, add_c)
+        return [_edge(times[c], c, spec) for c in kids.get(0, ())]
+
+    row_in = into_root(C, [])  # every row's partials into column 0 (all rows alike), then up column 0
+    return _node_times(row_in + into_root(R, row_in), nw, add_c)[1]
 
 
 def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32", *,
