@@ -17,6 +17,7 @@ in one C call (`kernels.DecodeStack`). The per-op torch path (decode rows gather
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,11 @@ class Prepared:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.sample_rows = torch.tensor(samples, dtype=torch.long, device=device)
         self.all_sample = samples == list(range(row))  # every row samples (pure decode)
-        self._rope_tables = (cos_table, sin_table)
-        self._rope: tuple[Tensor, Tensor] | None = None
+        self._cos_t, self._sin_t = cos_table, sin_table
         self.dec_rows = None
         self.dec_all = False
         self.dec_slice: slice | None = None  # one decode sequence with contiguous KV: attend to a view
         self._dec_tables, self._dec_pos = dec_tables, [pos[r] for r in dec_rows]
-        self._dec_c: tuple[Tensor, Tensor] | None = None
         self._dec_gather: list[slice | tuple[list[int], int]] = dec_slots
         self._device = device
         if dec_rows:
@@ -114,56 +113,48 @@ class Prepared:
             self.dec_all = dec_rows == list(range(row))
             self.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
 
-    @property
+    # The cached properties below are built on first use, at most once per step.
+    @functools.cached_property
     def cos(self) -> Tensor | None:
-        """(N, 1, hd) rotary cos of every row's position (None without rotary positions); built on first use,
-        for the torch path (the C kernels index the tables themselves)."""
-        return None if self._rope_tables[0] is None else self._rope_rows()[0]
+        """(N, 1, hd) rotary cos of every row's position (None without rotary positions), for the torch path
+        (the C kernels index the tables themselves)."""
+        return None if self._cos_t is None else self._cos_t.index_select(0, self.positions).unsqueeze(1)
 
-    @property
+    @functools.cached_property
     def sin(self) -> Tensor | None:
         """(N, 1, hd) rotary sin (first half negated) of every row's position, as `cos`."""
-        return None if self._rope_tables[0] is None else self._rope_rows()[1]
+        return None if self._sin_t is None else self._sin_t.index_select(0, self.positions).unsqueeze(1)
 
-    def _rope_rows(self) -> tuple[Tensor, Tensor]:
-        if self._rope is None:
-            cos_t, sin_t = self._rope_tables
-            self._rope = (cos_t.index_select(0, self.positions).unsqueeze(1),
-                          sin_t.index_select(0, self.positions).unsqueeze(1))
-        return self._rope
-
+    @functools.cached_property
     def dec_gather(self) -> tuple[Tensor, Tensor | None]:
         """For the torch attention path: the decode rows' KV slots (B, S_max), padded with a valid slot, and
-        the key mask (B, 1, 1, S_max) (None when every row has S_max keys). Built on first use."""
-        if not hasattr(self, "_gather"):
-            bs, dev = self.block_size, self._device
-            lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else
-                     [s[0][p // bs] * bs + p % bs for p in range(s[1])] for s in self._dec_gather]
-            smax = max(len(s) for s in lists)
-            slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long, device=dev)
-            mask = None
-            if any(len(s) != smax for s in lists):
-                lens = torch.tensor([len(s) for s in lists], device=dev)
-                mask = (torch.arange(smax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            self._gather = (slots, mask)
-        return self._gather
+        the key mask (B, 1, 1, S_max) (None when every row has S_max keys)."""
+        bs, dev = self.block_size, self._device
+        lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else
+                 [s[0][p // bs] * bs + p % bs for p in range(s[1])] for s in self._dec_gather]
+        smax = max(len(s) for s in lists)
+        slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long, device=dev)
+        mask = None
+        if any(len(s) != smax for s in lists):
+            lens = torch.tensor([len(s) for s in lists], device=dev)
+            mask = (torch.arange(smax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        return slots, mask
 
     def rows_c(self) -> tuple[Tensor, Tensor]:
         """(positions (N,), block tables (N, max blocks)) of every row, int64, for the C stack: a prefill
         chunk's rows share its sequence's table and attend like decode tokens at their own positions."""
         if self.dec_all:
-            return self.dec_c()
+            return self.dec_c
         nb = max(len(t) for t, _ in self._row_tables)
         rows = [t + [t[0]] * (nb - len(t)) for t, n in self._row_tables for _ in range(n)]
         return self.positions, torch.tensor(rows, dtype=torch.long)
 
+    @functools.cached_property
     def dec_c(self) -> tuple[Tensor, Tensor]:
         """(positions (B,), block tables (B, max blocks)) of the decode rows, int64, for the C attention."""
-        if self._dec_c is None:
-            nb = max(len(t) for t in self._dec_tables)
-            self._dec_c = (torch.tensor(self._dec_pos, dtype=torch.long),
-                           torch.tensor([t + [t[0]] * (nb - len(t)) for t in self._dec_tables], dtype=torch.long))
-        return self._dec_c
+        nb = max(len(t) for t in self._dec_tables)
+        return (torch.tensor(self._dec_pos, dtype=torch.long),
+                torch.tensor([t + [t[0]] * (nb - len(t)) for t in self._dec_tables], dtype=torch.long))
 
 
 # Threads (the torch path; the C kernels have their own pool, see kernels.set_threads). A decode step is hundreds
@@ -373,11 +364,8 @@ class ModelRunner:
         L0 = self.layers[0]
         return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.ffn)
 
-    def prepare(self, spec: BatchSpec) -> Prepared:
-        return Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device)
-
     @torch.inference_mode()
-    def run(self, spec: BatchSpec | Prepared, x: Tensor | None = None) -> Tensor:
+    def run(self, spec: BatchSpec, x: Tensor | None = None) -> Tensor:
         """First stage: x is None (token ids come from the spec). Returns (N, C) activations, or (num samples,
         V) float32 logits from the last stage."""
         prev = torch.get_num_threads()
@@ -387,12 +375,12 @@ class ModelRunner:
         finally:
             torch.set_num_threads(prev)
 
-    def _run(self, spec: BatchSpec | Prepared, x: Tensor | None) -> Tensor:
-        if self.stack is not None and isinstance(spec, BatchSpec) and len(spec.token_ids) == 1:
+    def _run(self, spec: BatchSpec, x: Tensor | None) -> Tensor:
+        if self.stack is not None and len(spec.token_ids) == 1:
             y = self._run_one(spec, x)
             if y is not None:
                 return y
-        P = spec if isinstance(spec, Prepared) else self.prepare(spec)
+        P = Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device)
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
@@ -460,7 +448,7 @@ class ModelRunner:
                 cache.index_copy_(1, P.slots[r0:r1], qkv[r0:r1, nh * hd:].view(n, 2 * nkv, hd).transpose(0, 1))
                 y[r0:r1] = self._prefill_attention(qkv[r0:r1, :nh * hd].view(n, nh, hd), cache, idx, mask, causal,
                                                    nkv).reshape(n, nh * hd)
-            pos, tables = P.dec_c()
+            pos, tables = P.dec_c
             kernels.decode_attention_batch(qkv, P.dec_rows, pos, self.cos_table, self.sin_table, cache, tables,
                                            self.block_size, nh, nkv, y)
             x = L.o(y, x)  # x + o(y)
@@ -484,7 +472,7 @@ class ModelRunner:
                 kvd = cache[:, P.dec_slice].unsqueeze(0)  # (1, 2 nkv, S, hd)
                 mask = None
             else:
-                dec_slots, mask = P.dec_gather()
+                dec_slots, mask = P.dec_gather
                 B, S = dec_slots.shape
                 qd = qd.contiguous()
                 kvd = cache.index_select(1, dec_slots.view(-1)).view(2 * nkv, B, S, hd)

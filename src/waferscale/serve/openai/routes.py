@@ -195,13 +195,6 @@ def _sampling(req: Any, max_new: int, *, logprobs: bool, top_logprobs: int, seed
         logprobs=logprobs, top_logprobs=top_logprobs, grammar=grammar)
 
 
-def _check_bias(s: ServerState, req: Any) -> None:
-    for k in (req.logit_bias or {}):
-        if not 0 <= int(k) < s.tokenizer.vocab_size:
-            raise APIError(400, f"logit_bias names token id {k}, outside the vocabulary [0, "
-                                f"{s.tokenizer.vocab_size})", param="logit_bias")
-
-
 @dataclass
 class _Choice:
     index: int
@@ -321,20 +314,31 @@ async def _start(fan: _FanOut) -> AsyncIterator[tuple[int, Any]]:
     except Exception as e:
         await fan.close()
         raise _engine_error(e) from e
-    return _replay(first, it)
 
+    async def replay() -> AsyncIterator[tuple[int, Any]]:
+        for ev in first:
+            yield ev
+        async for ev in it:
+            yield ev
 
-async def _replay(first: list, it: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
-    for ev in first:
-        yield ev
-    async for ev in it:
-        yield ev
+    return replay()
 
 
 async def _drain(request: Request, fan: _FanOut, it: AsyncIterator) -> None:
     """Run a non-streaming request to completion, aborting it if the client goes away meanwhile."""
     done = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(request, fan, done))
+
+    async def watch_disconnect() -> None:
+        while not done.is_set():
+            if await request.is_disconnected():
+                await fan.close()
+                return
+            try:
+                await asyncio.wait_for(done.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+
+    watcher = asyncio.create_task(watch_disconnect())
     try:
         async for _ in it:
             pass
@@ -343,18 +347,6 @@ async def _drain(request: Request, fan: _FanOut, it: AsyncIterator) -> None:
     finally:
         done.set()
         await watcher
-
-
-async def _watch_disconnect(request: Request, fan: _FanOut, done: asyncio.Event) -> None:
-    """Non-streaming requests: cancel the sequences if the client goes away before the answer is ready."""
-    while not done.is_set():
-        if await request.is_disconnected():
-            await fan.close()
-            return
-        try:
-            await asyncio.wait_for(done.wait(), 0.25)
-        except asyncio.TimeoutError:
-            pass
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -566,7 +558,10 @@ async def _begin(request: Request, cls: type) -> tuple[ServerState, float, float
     t0, created = time.perf_counter(), time.time()
     req = parse_request(cls, await _json_body(request))
     _check_model(s, req.model)
-    _check_bias(s, req)
+    for k in (req.logit_bias or {}):
+        if not 0 <= int(k) < s.tokenizer.vocab_size:
+            raise APIError(400, f"logit_bias names token id {k}, outside the vocabulary [0, "
+                                f"{s.tokenizer.vocab_size})", param="logit_bias")
     return s, t0, created, req
 
 
