@@ -379,7 +379,7 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
     hf_config["torch_dtype"] = str(model.embed.tok.weight.dtype).removeprefix("torch.")
     gen: dict[str, Any] = {"_from_model_config": True}
     for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):  # waferscale.data Tokenizer
-        val = getattr(tokenizer, attr, None) if tokenizer is not None else None
+        val = getattr(tokenizer, attr, None)
         if isinstance(val, int):
             hf_config[key] = gen[key] = val
 
@@ -404,9 +404,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         dest = out / p.name
         if dest.is_dir() and not p.is_dir():
             raise CheckpointError(f"{dest}: is a directory; cannot replace it with a file")
-        if p.is_dir():
-            if dest.exists():
-                shutil.rmtree(dest)
+        if p.is_dir() and dest.exists():
+            shutil.rmtree(dest)
         os.replace(p, dest)
     # Shards or an index from an earlier save would shadow (or mix with) the new weights.
     for stale in [*out.glob("*.safetensors"), out / INDEX_NAME]:

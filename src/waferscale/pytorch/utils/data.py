@@ -164,12 +164,10 @@ class DataExecutor:
                     got_any = True
                     self._batch = _batch_size(batch)
                     local = _shard(batch, rank, world) if world > 1 else batch
-                    stepped = self.iteration
-                    self._step = stepped + 1
+                    self._step = self.iteration + 1
                     _dist.step_started(self._step)
                     yield local
-                    if self.iteration == stepped:  # the step was not traced: count it here
-                        self._step_done()
+                    self._step_done()  # counts a step that was not traced (a traced one has counted itself)
                     if self.iteration >= self.num_steps:
                         break
                 if not got_any:
