@@ -166,15 +166,22 @@ def _ws_offsets(spec: FabricSpec, R: int, C: int, mesh: Mesh | None, add_first: 
             tree = mesh.multicast_tree([(i, j) for i in range(R)])
             depth = mesh.tree_depths(tree, mesh.physical(0, j))
             down[:, j] = [depth[mesh.physical(i, j)] for i in range(R)]
-        west = mesh.chain_hops(R, C, axis=1)
-    else:  # big regions: per-link hop estimates of `Mesh.chain_hops` (Manhattan + blocked-segment detours)
-        down = mesh.chain_hops_cumulative(R, C, axis=0)
-        return r2 + down * hop + np.arange(C)[None, :] * (r2 + add_first[:, None]) \
-            + hop * mesh.chain_hops_cumulative(R, C, axis=1)
-    stage = np.zeros((R, C), np.float64)
+        return r2 + down * hop + _chain_stages(spec, mesh, R, C, add_first)
+    # big regions: per-link hop estimates of `Mesh.chain_hops` (Manhattan + blocked-segment detours)
+    down = mesh.chain_hops_cumulative(R, C, axis=0)
+    return r2 + down * hop + np.arange(C)[None, :] * (r2 + add_first[:, None]) \
+        + hop * mesh.chain_hops_cumulative(R, C, axis=1)
+
+
+def _chain_stages(spec: FabricSpec, mesh: Mesh, R: int, C: int, add_first: np.ndarray) -> np.ndarray:
+    """(R, C): cycles from PE (i, j) West along its row chain to column 0 on the real routes, per stage ramp out +
+    hops + ramp in + the add task of the row's first partial."""
+    stage = np.zeros((R, C))
     if C > 1:
-        stage[:, 1:] = np.cumsum(r2 + west * hop + add_first[:, None], axis=1)
-    return r2 + down * hop + stage
+        hops = mesh.chain_hops(R, C, axis=1)
+        stage[:, 1:] = np.cumsum(2 * spec.ramp_latency_cycles + hops * spec.hop_latency_cycles + add_first[:, None],
+                                 axis=1)
+    return stage
 
 
 def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float) -> np.ndarray:
@@ -316,10 +323,7 @@ def _chain_contention(mesh: Mesh, R: int, C: int, off: np.ndarray, work: np.ndar
     partial has arrived: send_ij = max_{j' >= j}(ready_ij' + stage_ij') - stage_ij, with `off` = the first x
     wavelet's arrival + the stage latency to column 0. Each shared link is a FCFS fluid queue over those windows
     (`_fluid_finish`); the delay of a row's worst edge is carried to its root."""
-    r2, hop = 2 * mesh.spec.ramp_latency_cycles, mesh.spec.hop_latency_cycles
-    west = mesh.chain_hops(R, C, axis=1)
-    stage = np.zeros((R, C))
-    stage[:, 1:] = np.cumsum(r2 + west * hop + add_first[:, None], axis=1)
+    stage = _chain_stages(mesh.spec, mesh, R, C, add_first)
     ready_plus = off + work  # off = a + stage, so this is ready + stage
     send = np.maximum.accumulate(ready_plus[:, ::-1], axis=1)[:, ::-1] - stage
     links: dict = {}
@@ -506,13 +510,12 @@ def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype
     nw = PE.wavelets(n_elems, spec, dtype)
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
-    hops = (C - 1) + (R - 1)
-    if mesh is not None and mesh.has_defects and not _exact(mesh, R, C):
-        row_max, _, col = _detour_extra(mesh, R, C)
-        hops += row_max + col
     if _exact(mesh, R, C):  # the real multicast tree: row 0, then every column
         tree = mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
         hops = mesh.tree_depth(tree, mesh.physical(0, 0))
+    else:  # row 0 then a column; a big defective region adds the extra hops of its worst row chain and column 0
+        row_max, _, col = _detour_extra(mesh, R, C) if mesh is not None and mesh.has_defects else (0, 0, 0)
+        hops = (C - 1) + (R - 1) + row_max + col
     return make_cycles(compute=0, sram=0, fabric=nw, total=_multicast(spec, hops, nw))
 
 

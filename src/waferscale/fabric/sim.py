@@ -283,30 +283,19 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         p = phase_of[pe]
         if p == len(phases):
             return
-        kind = phases[p][0]
-        i, j = pe
+        kind, (i, j) = phases[p][0], pe
         if kind == "local" or (kind == "local0" and j == 0):
             sim.task(t, pe, int(phases[p][1]), finish, pe, key=(p, -1))
         elif kind == "local0":
             finish(t, pe)
-        elif kind == "reduce":
-            waves = _chunks(phases[p][1], epw)
-            if j == C - 1:
-                for w, e in enumerate(waves):
-                    if j > 0:
-                        sim.send(t, pe, west[pe], arrive, (p, w, e))
-                finish(t, pe)
+        elif j == (C - 1 if kind == "reduce" else 0):  # a reduce starts at the East end, a bcast at column 0
+            if C > 1:
+                for w, e in enumerate(_chunks(phases[p][1], epw)):
+                    sim.send(t, pe, west[pe] if kind == "reduce" else east[i], arrive, (p, w, e))
+            finish(t, pe)
+        else:
             for payload in early.pop((pe, p), []):
                 arrive(t, pe, payload)
-        elif kind == "bcast":
-            if j == 0:
-                for w in range(len(_chunks(phases[p][1], epw))):
-                    if C > 1:
-                        sim.send(t, pe, east[i], arrive, (p, w, epw))
-                finish(t, pe)
-            else:
-                for payload in early.pop((pe, p), []):
-                    arrive(t, pe, payload)
 
     def finish(t, pe):
         phase_of[pe] += 1
