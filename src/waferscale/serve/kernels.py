@@ -2,8 +2,7 @@
 
 Why: a decode step reads every weight once, so a step of a few sequences is bound by memory bandwidth and one
 of many by the FMA units; both bounds are within reach only if the weights stream while the FMA units stay busy
-(figures: README, "Serving"; bench/serve_decode.py). `torch.compile` would generate similar loops, but each
-compiled call pays its guards (x 121 projections per token for SmolLM2-135M) and a long first compile.
+(figures, and why not `torch.compile`: README, "Serving"; bench/serve_decode.py).
 
 - Weights are packed in panels of 16 outputs (`pack`; the microkernel is in csrc/panels.c): one sequential
   stream that serves one row (decode) and prefill-sized batches alike, so on CPU float32 every projection runs

@@ -62,17 +62,10 @@ class Metrics:
             self.prompt_tokens += prompt
             self.generation_tokens += generated
 
-    def observe_ttft(self, s: float) -> None:
+    def observe(self, h: Histogram, s: float, times: int = 1) -> None:
+        """Record s (seconds) `times` times in one of this object's histograms (ttft, itl, e2e)."""
         with self._lock:
-            self.ttft.observe(s)
-
-    def observe_itl(self, s: float, times: int = 1) -> None:
-        with self._lock:
-            self.itl.observe(s, times)
-
-    def observe_e2e(self, s: float) -> None:
-        with self._lock:
-            self.e2e.observe(s)
+            h.observe(s, times)
 
     def render(self) -> str:
         g = self._gauges()

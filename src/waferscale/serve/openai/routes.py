@@ -254,11 +254,11 @@ class _FanOut:
                 if k:
                     if c.first_token_t is None:
                         c.first_token_t = t
-                        m.observe_ttft(t - self.t0)
+                        m.observe(m.ttft, t - self.t0)
                         if k > 1:
-                            m.observe_itl(0.0, k - 1)
+                            m.observe(m.itl, 0.0, k - 1)
                     else:
-                        m.observe_itl((t - c.last_token_t) / k, k)
+                        m.observe(m.itl, (t - c.last_token_t) / k, k)
                     c.last_token_t = t
                 c.text += out.new_text
                 c.prompt_tokens, c.completion_tokens = out.prompt_tokens, out.completion_tokens
@@ -269,7 +269,7 @@ class _FanOut:
                     c.finish_reason = out.finish_reason or "stop"
                     m.tokens(out.prompt_tokens, out.completion_tokens)
                     self.s.limits.add_tokens(out.prompt_tokens + out.completion_tokens)
-                    m.observe_e2e(t - self.t0)
+                    m.observe(m.e2e, t - self.t0)
                 yield i, out
         finally:
             await self.close()
