@@ -93,12 +93,11 @@ def build_token_splits(
         try:
             splits = load_token_splits(entry)
         except DataError:
-            shutil.rmtree(entry)  # stale or damaged entry: rebuild it
-        else:
-            if splits.key == key:
-                splits.from_cache = True
-                return splits
-            shutil.rmtree(entry)  # 64-bit prefix collision: vanishingly rare, but never serve wrong tokens
+            splits = None  # stale or damaged entry: rebuild it
+        if splits is not None and splits.key == key:
+            splits.from_cache = True
+            return splits
+        shutil.rmtree(entry)  # damaged, or a 64-bit prefix collision (vanishingly rare): never serve wrong tokens
 
     # Built in a temp directory, renamed into place; if another process finished the same entry first, its
     # copy is kept.

@@ -96,12 +96,9 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        if self.eos_id is not None:
-            config["eos_token"] = self.eos_token
-            config["eos_token_id"] = self.eos_id
-        if self.bos_id is not None:
-            config["bos_token"] = self.bos_token
-            config["bos_token_id"] = self.bos_id
+        for which, token_id in (("eos", self.eos_id), ("bos", self.bos_id)):
+            if token_id is not None:
+                config[f"{which}_token"], config[f"{which}_token_id"] = self.id_to_token(token_id), token_id
         if config:
             atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False))
 

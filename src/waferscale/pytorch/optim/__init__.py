@@ -177,7 +177,7 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
     kind = type(opt).__name__
     if getattr(opt, "_no_stream", None):
         raise ConfigError(opt._no_stream)
-    if kind not in ("SGD", "Adam", "AdamW", "Lion", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam"):
+    if kind.lower() not in _BY_NAME:  # (Lamb, the one that cannot stream, was refused just above)
         raise ConfigError(f"{kind} is not supported with weight streaming")
     groups = opt.param_groups
     if len({g["lr"] for g in groups}) > 1:
