@@ -109,18 +109,19 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
 def _matmuls(mod: nn.Module) -> tuple[MatMul, ...]:
     """nn.Linear layers of a unit; q/k/v and gate/up (same input) fused into one GEMV as a compiler would."""
     groups: "OrderedDict[str, list[nn.Linear]]" = OrderedDict()
+    leaves: dict[str, str] = {}  # the leaf name of a group's first layer (a group of one keeps its own name)
     for qual, m in mod.named_modules():
         if isinstance(m, nn.Linear):
             parent, _, leaf = qual.rpartition(".")
             key = f"{parent}.{_FUSE.get(leaf, leaf)}" if parent else _FUSE.get(leaf, leaf)
             groups.setdefault(key, []).append(m)
+            leaves.setdefault(key, leaf)
     out = []
     for key, ms in groups.items():
         if len({m.in_features for m in ms}) != 1:  # not a shared input: keep them apart
             out += [MatMul(f"{key}.{j}", m.out_features, m.in_features) for j, m in enumerate(ms)]
         else:
-            leaf = key.rpartition(".")[2] if len(ms) > 1 else (dict((v, k) for k, v in mod.named_modules())[ms[0]]
-                                                                 .rpartition(".")[2])
+            leaf = key.rpartition(".")[2] if len(ms) > 1 else leaves[key]
             out.append(MatMul(leaf, sum(m.out_features for m in ms), ms[0].in_features))
     return tuple(out)
 

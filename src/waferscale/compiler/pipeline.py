@@ -1,10 +1,8 @@
 """Layer pipelines placed on wafers, shared by inference and resident training.
 
 A pipeline copy is its units' regions in stage order (a `Layout`), spread over `wpp` consecutive wafers when
-one wafer cannot hold it (multi-wafer pipeline). Here: placing every copy (`place_pipelines`), re-projecting
-a placed copy on its regions' own defect maps (`with_detours`), and the times between stages: activation
-hand-offs on the fabric or through the systems' I/O (`handoff`), one token's trip through every stage
-(`decode_latency`) and the slowest wafer-to-wafer crossing (`crossing_time`). Times in seconds.
+one wafer cannot hold it (multi-wafer pipeline). Here: placing every copy, re-projecting one on its regions'
+own defect maps, and the times between stages (on the fabric, or through the systems' I/O). Times in seconds.
 """
 
 from __future__ import annotations
@@ -60,16 +58,12 @@ def with_detours(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, time_
                                  for r in pipe.regions])
 
 
-def _rect(r: Region) -> Rect:
-    return Rect(r.row, r.col, r.rows, r.cols)
-
-
 def handoff(ctx: CompileContext, a: Region, bnext: Region, elems: int, b: int) -> pj.Time:
     """`elems` values of `b` bytes from region `a` to the next stage's region: across the shared edge (or the
     hops between them) on one wafer, through the systems' I/O between wafers."""
     if a.system != bnext.system:
         return pj.io_time(ctx.spec, elems * b)
-    edge = _rect(a).shared_edge(_rect(bnext))
+    edge = Rect(a.row, a.col, a.rows, a.cols).shared_edge(Rect(bnext.row, bnext.col, bnext.rows, bnext.cols))
     hops = 1 if edge else abs(a.row - bnext.row) + abs(a.col - bnext.col)
     return pj.handoff_time(ctx.spec, elems, b, edge or 1, hops)
 

@@ -1,8 +1,5 @@
-"""`wsc kernel`: one fabric kernel projected on a target by the cost model, optionally verified tile by tile.
-
-`run_kernel` builds the target's mesh (with defects), projects the kernel's cycles with the analytic model
-(`cost.py`) and, with `verify`, runs the functional tile-level execution (`kernels/`) on the same mesh and
-compares it with numpy; `format_kernel_report` prints the result with the assumptions behind it.
+"""`wsc kernel`: one fabric kernel projected on a target by the cost model (`cost.py`) on the target's mesh
+(with defects), optionally verified tile by tile (`kernels/`) against numpy, and reported with its assumptions.
 """
 
 from __future__ import annotations

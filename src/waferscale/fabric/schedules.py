@@ -2,16 +2,9 @@
 
 One home for what the three views of a kernel share — the functional tile-level execution (`kernels/`), the
 analytic cycle model (`cost.py`) and the wavelet-level event simulation that judges it (`sim.py`) — so the
-model never needs the simulation to know what it models:
-
-* `used`: how many PEs a block split really occupies (no PE left with an empty tile);
-* `snake`: the boustrophedon order of the "chain" reduction;
-* `reduce_parents`: the reduction trees ("chain", "2d", "tree") into PE (0, 0), as child -> parent;
-* `norm_phases`, `softmax_phases`, `attention_phases`: the per-row phase lists of the row programs
-  (local tasks, East->West reductions into column 0, West->East multicasts), in the form
-  `sim.sim_row_program` executes and `cost.row_program_cycles` models. Task lengths come from `pe.py`.
-
-Numpy-free and side-effect-free: pure functions of the sizes and the `FabricSpec`.
+model never needs the simulation to know what it models: tile splits, the reduction trees into PE (0, 0), and
+the per-row phase lists of the row programs (`sim.sim_row_program` runs them, `cost.row_program_cycles`
+models them; task lengths come from `pe.py`). Numpy-free pure functions of the sizes and the `FabricSpec`.
 """
 
 from __future__ import annotations

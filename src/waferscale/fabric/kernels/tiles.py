@@ -59,9 +59,6 @@ class Tiles:
         self.buffers[name] = np.full((self.rows, self.cols, *shape), fill, dtype=dtype)
         return self.buffers[name]
 
-    def free(self, name: str) -> None:
-        del self.buffers[name]
-
     # ---- movement --------------------------------------------------------------------------------------
     def move(self, data: np.ndarray, src: list[Coord], dst: list[Coord]) -> np.ndarray:
         """Send data[p] from logical PE src[p] to dst[p] along the mesh route; returns what arrives.
