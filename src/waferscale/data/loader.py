@@ -129,9 +129,8 @@ class BatchLoader:
         )
 
 
-def eval_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 max_batches: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed evaluation batches: non-overlapping windows from the start of `tokens`, in order.
 
     Returns up to `max_batches` (all when None) batches of shape (batch_size, seq_len); the last batch may have

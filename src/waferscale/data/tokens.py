@@ -48,9 +48,8 @@ class TokenSplits:
         return len(self.train) + len(self.val)
 
 
-def token_cache_key(
-    documents: list[str], tokenizer: Tokenizer, val_fraction: float, eos_between_docs: bool = True
-) -> str:
+def token_cache_key(documents: list[str], tokenizer: Tokenizer, val_fraction: float,
+                    eos_between_docs: bool = True) -> str:
     """Hex sha256 over everything that decides the token files' bytes."""
     h = hashlib.sha256()
     header = {
@@ -68,14 +67,8 @@ def token_cache_key(
     return h.hexdigest()
 
 
-def build_token_splits(
-    documents: list[str],
-    tokenizer: Tokenizer,
-    cache_dir: Path | str,
-    val_fraction: float = 0.05,
-    eos_between_docs: bool = True,
-    progress: bool = True,
-) -> TokenSplits:
+def build_token_splits(documents: list[str], tokenizer: Tokenizer, cache_dir: Path | str, val_fraction: float = 0.05,
+                       eos_between_docs: bool = True, progress: bool = True) -> TokenSplits:
     """Tokenize `documents` (in order) into `cache_dir`, or reuse the entry built from the same inputs.
 
     With `eos_between_docs`, `tokenizer.eos_id` follows every document (nothing is inserted when the
@@ -116,14 +109,8 @@ def build_token_splits(
     return load_token_splits(entry)
 
 
-def _tokenize_to(
-    tmp: Path,
-    documents: list[str],
-    tokenizer: Tokenizer,
-    val_fraction: float,
-    eos_between_docs: bool,
-    progress: bool,
-) -> dict[str, Any]:
+def _tokenize_to(tmp: Path, documents: list[str], tokenizer: Tokenizer, val_fraction: float, eos_between_docs: bool,
+                 progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     start = time.perf_counter()

@@ -1,8 +1,4 @@
-"""The tokenizer interface every tokenizer implements (`Tokenizer`), and its chat-template rendering.
-
-`encode`/`decode`, `vocab_size`, `eos_id`, `bos_id`, a Jinja chat template (rendered with Hugging Face's
-conventions), `save(directory)` and a `fingerprint()` used in token-cache keys.
-"""
+"""The tokenizer interface every tokenizer implements (`Tokenizer`), and its chat-template rendering."""
 
 from __future__ import annotations
 
@@ -62,9 +58,7 @@ class Tokenizer:
         return None if self.bos_id is None else self.id_to_token(self.bos_id)
 
     # ---- chat ---------------------------------------------------------------------------------------------
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the tokenizer's Jinja chat template.
 
         Same conventions as Hugging Face: sandboxed Jinja, trim_blocks/lstrip_blocks, `raise_exception`,

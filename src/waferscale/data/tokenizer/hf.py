@@ -16,13 +16,8 @@ __all__ = ["HFTokenizer"]
 class HFTokenizer(Tokenizer):
     """Wraps a `tokenizers.Tokenizer` (BPE, WordPiece, ...). Special tokens in the text encode as one id."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        eos_id: int | None = None,
-        bos_id: int | None = None,
-        chat_template: str | None = None,
-    ):
+    def __init__(self, tokenizer: Any, eos_id: int | None = None, bos_id: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.tk = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
