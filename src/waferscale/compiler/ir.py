@@ -1,8 +1,7 @@
 """The compiler's IR: a model as an ordered list of units (embedding, blocks, head, or captured modules).
 
-numpy/stdlib only. Every quantity is per token unless its name says otherwise; bytes follow the dtype the
-graph was captured at (`dtype_bytes`). A unit is the granule of placement: one pipeline stage, or one
-streamed layer.
+Every quantity is per token unless its name says otherwise; bytes follow the dtype the graph was captured at
+(`dtype_bytes`). A unit is the granule of placement: one pipeline stage, or one streamed layer.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+from waferscale.fabric.pe import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

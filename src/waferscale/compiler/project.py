@@ -131,9 +131,9 @@ def handoff_time(spec: FabricSpec, elems: int, dtype_bytes: int, edge_pes: int, 
     return Time().add("fabric latency", cyc / spec.clock_hz)
 
 
-def io_time(spec: FabricSpec, nbytes: float, hops: int = 1) -> Time:
-    """Across systems (or host <-> wafer): latency per hop plus bytes at the system I/O bandwidth."""
-    return Time().add("I/O", hops * spec.io_latency_s + nbytes / spec.io_bytes_per_s)
+def io_time(spec: FabricSpec, nbytes: float) -> Time:
+    """Across systems (or host <-> wafer): one hop's latency plus the bytes at the system I/O bandwidth."""
+    return Time().add("I/O", spec.io_latency_s + nbytes / spec.io_bytes_per_s)
 
 
 _SPEC_FACTS = ("clock_hz", "fp16_flops_per_cycle_per_pe", "fp32_flops_per_cycle_per_pe", "sram_bytes_per_pe",

@@ -20,7 +20,6 @@ from waferscale.fabric.spec import FabricSpec
 # stack; the rest holds data. Stated in every plan's assumptions.
 PROGRAM_RESERVE_BYTES_PER_PE = 6 * 1024
 ADAM_STATE_BYTES_PER_PARAM = {"mixed": (2, 2, 4, 4, 4), "fp32": (4, 4, 0, 4, 4)}  # weight, grad, master, m, v
-GB = 1e9
 
 
 def data_bytes_per_pe(spec: FabricSpec) -> int:
@@ -28,7 +27,7 @@ def data_bytes_per_pe(spec: FabricSpec) -> int:
 
 
 def gb(x: float) -> str:
-    return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.2f} MB"
+    return f"{x / 1e9:.1f} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
 
 
 @dataclass

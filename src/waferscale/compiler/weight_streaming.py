@@ -59,7 +59,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
                              dtype=g.dtype, decode=False, mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
         groups.append(gg)
         w = u.params * b / BW + sx.swarmx_hops * spec.io_latency_s  # a layer's request pays the tree latency
-        for mult in (1, 2 + (1 if recompute else 0)):  # forward, then backward (+ recomputed forward)
+        for mult in (1, 2 + recompute):  # forward, then backward (+ recomputed forward)
             c = f.scaled(mult)
             if mult > 1:
                 c += red

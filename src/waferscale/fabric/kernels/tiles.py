@@ -101,8 +101,7 @@ def to_tiles(a: np.ndarray, parts: int, tile: int) -> np.ndarray:
 
 
 def region_for(mesh: Mesh, rows: int | None, cols: int | None, m: int, k: int) -> tuple[int, int]:
-    """The region a kernel uses for an (m along rows) x (k along cols) problem: no PE gets an empty tile."""
+    """The region a kernel uses for an (m along rows) x (k along cols) problem (m, k > 0, checked by the
+    kernels): no PE gets an empty tile."""
     rows, cols = mesh.check_region(rows, cols)
-    if m <= 0 or k <= 0:
-        raise ConfigError(f"sizes must be positive, got m={m}, k={k}")
     return used(m, rows), used(k, cols)
