@@ -235,45 +235,42 @@ def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, 
             P: int, b: int) -> dict:
     """The plan's strategy, workload, regions and projection for the chosen placement."""
     C, kv_tok = fp.context, fp.kv_per_token_total
-    R_total = c.copies
-    total_users = users or c.users_r * R_total
-    p0, lat, stage_max = c.pipes[0], c.lat, c.stage_max
+    total_users = users or c.users_r * c.copies
     # prefill: prompt tokens stream through the stages in chunks (the pipeline fills with prompt tokens)
-    ttft, chunk, pre_tps = _prefill(ctx, units, p0, b, P)
+    ttft, chunk, pre_tps = _prefill(ctx, units, c.pipes[0], b, P)
     proj = {
-        "decode_latency_s_per_token": lat,
-        "decode_tokens_per_s_per_user": 1 / lat,
+        "decode_latency_s_per_token": c.lat,
+        "decode_tokens_per_s_per_user": 1 / c.lat,
         "users_in_flight": total_users,
         "aggregate_decode_tokens_per_s": c.agg,
-        "pipeline_limit_tokens_per_s": R_total / stage_max,
-        "prefill_tokens_per_s": pre_tps * R_total,
+        "pipeline_limit_tokens_per_s": c.copies / c.stage_max,
+        "prefill_tokens_per_s": pre_tps * c.copies,
         "prefill_chunk_tokens": chunk,
         "time_to_first_token_s": ttft,
         "prompt_len": P, "context_len": C,
-        "stages": len(units), "slowest_stage_s": stage_max,
+        "stages": len(units), "slowest_stage_s": c.stage_max,
         "kv_cache_bytes_per_token": kv_tok,
         "kv_cache_bytes": kv_tok * C * total_users,
         "weight_bytes": sum(fp.weights),
         "bottleneck": c.breakdown.bottleneck(),
         "decode_time_shares": c.breakdown.shares(),
-        "aggregate_bottleneck": _aggregate_bottleneck(p0, stage_max, lat, c.users_r, ctx, units, b),
-        "stage_times_s": [t.s for t in p0.stage_times],
+        "aggregate_bottleneck": _aggregate_bottleneck(ctx, units, c, b),
+        "stage_times_s": [t.s for t in c.pipes[0].stage_times],
     }
     regions = [r for pipe in c.pipes for r in pipe.regions]
-    strategy = "multi_wafer_pipelined" if wpp > 1 else ("replicated" if R_total > 1 else "pipelined")
-    return {"strategy": strategy, "replicas": R_total, "wafers_per_pipeline": wpp, "fits_in_sram": True,
+    strategy = "multi_wafer_pipelined" if wpp > 1 else ("replicated" if c.copies > 1 else "pipelined")
+    return {"strategy": strategy, "replicas": c.copies, "wafers_per_pipeline": wpp, "fits_in_sram": True,
             "workload": {"prompt_len": P, "context_len": C, "users": total_users, "users_per_replica": c.users_r},
             "regions": regions, "projection": proj}
 
 
-def _aggregate_bottleneck(pipe: Layout, stage_max: float, lat: float, users_r: int, ctx: CompileContext,
-                          units: list[Unit], b: int) -> str:
+def _aggregate_bottleneck(ctx: CompileContext, units: list[Unit], c: _Choice, b: int) -> str:
     """What limits the aggregate decode rate: too few users to fill the pipeline, a wafer crossing, or the
     slowest stage's own bottleneck."""
-    if users_r / lat < 1 / stage_max:
+    if c.users_r / c.lat < 1 / c.stage_max:
         return "too few users to fill the pipeline (latency-bound)"
-    slow = max(pipe.stage_times, key=lambda t: t.s)
-    if crossing_time(ctx, units, pipe, b) >= slow.s:
+    slow = max(c.pipes[0].stage_times, key=lambda t: t.s)
+    if crossing_time(ctx, units, c.pipes[0], b) >= slow.s:
         return "I/O"
     return slow.bottleneck()
 
