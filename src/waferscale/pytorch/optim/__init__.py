@@ -65,6 +65,12 @@ class _Streamable:
             return
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
+    def apply(self, sparsity: Any) -> None:
+        """`optimizer.apply(sparsity)` (cstorch.sparse): prune state and update the masks around each step."""
+        from waferscale.sparse import sparsify_optimizer
+
+        sparsify_optimizer(sparsity, self)  # type: ignore[arg-type]
+
     @property
     def last_grad_norm(self) -> float | None:
         return self._stream.last_grad_norm if self._stream is not None else None
