@@ -370,7 +370,7 @@ class StreamingEngine:
                         torch.autograd.backward(out, grad_out[m])
                 self.ledger.free("saved", sum(count.values()))
                 del out
-                new_grad[m] = self._take_input_grad(u, leaf)
+                new_grad[m] = self._take_input_grad(leaf)
                 del leaf
                 self._drop_boundary(acts, u, m, grad_out)
             grad_out[:] = new_grad
@@ -394,7 +394,7 @@ class StreamingEngine:
                     for k, b in bufs.items():
                         m._buffers[k].copy_(b)
 
-    def _take_input_grad(self, u: int, leaf: Tensor) -> Tensor | None:
+    def _take_input_grad(self, leaf: Tensor) -> Tensor | None:
         if leaf.grad is None:
             return None
         self.ledger.alloc("activations", nbytes(leaf.grad))
@@ -470,7 +470,7 @@ class StreamingEngine:
             torch.autograd.backward(out, grad)
         self._bwd_unit = None
         self.ledger.free("saved", sum(saved["count"].values()))
-        grad_out = [self._take_input_grad(u, saved["leaf"])]
+        grad_out = [self._take_input_grad(saved["leaf"])]
         self._drop_boundary(acts, u, 0, [None])
         self._push_gradients(u, acc_bytes)
         self._release(dev)

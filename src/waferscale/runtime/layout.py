@@ -34,7 +34,7 @@ class ParamEntry:
 class UnitLayout:
     index: int
     name: str  # "embed", "blocks.3", "head"
-    entries: list[ParamEntry] = field(default_factory=list)  # payload order: owned matrices, borrowed matrices, owned vectors, ...
+    entries: list[ParamEntry] = field(default_factory=list)  # payload order: matrices, then vectors, each owned first
 
     @property
     def owned(self) -> list[ParamEntry]:

@@ -68,6 +68,7 @@ class SwarmXExecutor(MemoryXExecutor):
                  device_memory_bytes: int | None = None, recompute: bool | str = "auto",
                  timeout_s: float = 300.0, worker_threads: int | None = None) -> None:
         self.mx, self.n_workers, self.micro_batch_size = memoryx, num_csx, micro_batch_size
+        self.half = torch_half_dtype(half_dtype)  # the zoo runner reads it (MFU dtype)
         self._threads_before: int | None = None
         self._seq = 0
         self._peak = 0
