@@ -33,7 +33,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "compiler": _BOTTOM | {"fabric", "models"},
     "runtime": _L1 | {"compiler"},  # never pytorch, params, zoo, serve, cli
     "pytorch": _L1 | {"compiler", "runtime"},  # the cstorch API
-    "params": _BOTTOM | {"models", "sparse"},  # the params YAML; read only by zoo and cli
+    "params": _BOTTOM | {"models", "sparse", "runtime"},  # the params YAML; read only by zoo and cli
     "zoo": _L1 | {"compiler", "runtime", "pytorch", "params", "plots"},  # the Model Zoo runner (`wsc run`)
     "serve": _L1 | {"compiler", "runtime"},  # not pytorch, not zoo
     "plots": _BOTTOM,  # pictures; imported only by cli and zoo

@@ -14,11 +14,11 @@ Model Zoo keys accepted for compatibility but ignored are listed, with the reaso
 
 from waferscale.errors import ConfigError
 from waferscale.params.model import ModelParams
-from waferscale.params.schedules import SCHEDULERS, canonical_scheduler, normalize_learning_rate
+from waferscale.params.schedules import SCHEDULERS, normalize_learning_rate
 from waferscale.params.schema import (OPTIMIZERS, InputParams, OptimizerParams, Params, RunConfig, check_batch_split,
                                       load_params, params_from_dict, save_params)
 from waferscale.params.typed import FieldError
 
 __all__ = ["ConfigError", "FieldError", "InputParams", "ModelParams", "OptimizerParams", "RunConfig", "Params",
-           "SCHEDULERS", "OPTIMIZERS", "canonical_scheduler", "normalize_learning_rate", "check_batch_split",
-           "load_params", "params_from_dict", "save_params"]
+           "SCHEDULERS", "OPTIMIZERS", "normalize_learning_rate", "check_batch_split", "load_params",
+           "params_from_dict", "save_params"]

@@ -1,10 +1,12 @@
 """The schema of `optimizer.learning_rate`: a number, or scheduler mappings run one after the other.
 
-One dataclass per Cerebras scheduler (the keys, their types and defaults); `normalize_learning_rate` turns what a
-user wrote into the canonical form the runtime's schedule math reads (`waferscale.runtime.optim.build_schedule`):
-a float, or a list of dicts with the canonical `scheduler` name first ('Linear', 'CosineDecay', ...: Model Zoo's
-legacy spelling without the 'LR' suffix), legacy key spellings mapped (`steps`, `decay_steps` -> `total_iters`),
-defaults filled in and unset optional keys left out. Every phase but the last needs its `total_iters`.
+Each scheduler's keys, types and defaults are the fields of its schedule class in `waferscale.runtime.optim`
+(`SCHEDULES`); the params file adds only what is below: Model Zoo's legacy key spellings (`steps`, `decay_steps`
+-> `total_iters`), `total_iters` as the phase length of a schedule that has no length of its own, and
+PiecewiseConstant's checks. `normalize_learning_rate` turns what a user wrote into the canonical form
+`build_schedule` reads: a float, or a list of dicts with the canonical `scheduler` name first ('Linear',
+'CosineDecay', ...), legacy spellings mapped, defaults filled in and unset optional keys left out. Every phase but
+the last needs its `total_iters`.
 """
 
 from __future__ import annotations
@@ -12,127 +14,41 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, get_args, get_origin, get_type_hints
 
 from waferscale.params.typed import Ctx, FieldError, build_dataclass, join_path, show
 from waferscale.params.yaml_lines import LinedDict
+from waferscale.runtime.optim import SCHEDULES, canonical_scheduler
+
+_ALIASES = {"steps": "total_iters", "decay_steps": "total_iters"}  # legacy key -> field
+_CONSTANT_ALIASES = {"steps": "total_iters", "val": "learning_rate"}
 
 
-class _Phase:
-    """Base of the scheduler schemas: legacy Model Zoo spellings of the phase length."""
-
-    ALIASES: ClassVar[dict[str, str]] = {"steps": "total_iters", "decay_steps": "total_iters"}
-
-
-@dataclass
-class ConstantLR(_Phase):
-    learning_rate: float
-    total_iters: int | None = None  # required unless it is the last phase
-
-    ALIASES: ClassVar[dict[str, str]] = {"steps": "total_iters", "val": "learning_rate"}
+def _check_piecewise(self: Any) -> None:
+    if len(self.learning_rates) != len(self.milestones) + 1:
+        raise FieldError("milestones", f"needs one entry fewer than learning_rates "
+                         f"({len(self.learning_rates)}), got {len(self.milestones)}")
+    if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])):
+        raise FieldError("milestones", f"must increase, got {self.milestones}")
 
 
-@dataclass
-class LinearLR(_Phase):
-    initial_learning_rate: float
-    end_learning_rate: float
-    total_iters: int
+def _schema(name: str, schedule: type) -> type:
+    """The params dataclass of one scheduler: the schedule's fields (YAML lists where it keeps tuples), then
+    `total_iters: int | None = None` (the phase length) if it has none."""
+    hints = {name: list[get_args(tp)[0]] if get_origin(tp) is tuple else tp
+             for name, tp in get_type_hints(schedule).items()}
+    fields: list[tuple[str, Any, Any]] = [(f.name, hints[f.name], dataclasses.field(default=f.default))
+                                          for f in dataclasses.fields(schedule)]
+    if "total_iters" not in hints:
+        fields.append(("total_iters", int | None, dataclasses.field(default=None)))
+    namespace = {"ALIASES": _CONSTANT_ALIASES if name == "Constant" else _ALIASES}
+    if name == "PiecewiseConstant":
+        namespace["__post_init__"] = _check_piecewise
+    return dataclasses.make_dataclass(f"{name}LR", fields, namespace=namespace)
 
 
-@dataclass
-class PolynomialLR(_Phase):
-    initial_learning_rate: float
-    end_learning_rate: float
-    total_iters: int
-    power: float = 1.0
-
-
-@dataclass
-class CosineDecayLR(_Phase):
-    initial_learning_rate: float
-    end_learning_rate: float
-    total_iters: int
-
-
-@dataclass
-class CosineAnnealingLR(_Phase):
-    initial_learning_rate: float
-    T_max: int
-    eta_min: float = 0.0
-    total_iters: int | None = None  # phase length inside a sequence
-
-
-@dataclass
-class ExponentialLR(_Phase):
-    initial_learning_rate: float
-    total_iters: int  # the decay period: lr = initial * decay_rate ** (step / total_iters)
-    decay_rate: float
-    staircase: bool = False
-
-
-@dataclass
-class InverseExponentialTimeDecayLR(_Phase):
-    initial_learning_rate: float
-    step_exponent: float
-    total_iters: int
-    decay_rate: float
-    staircase: bool = False
-
-
-@dataclass
-class InverseSquareRootDecayLR(_Phase):
-    initial_learning_rate: float = 1.0
-    scale: float = 1.0
-    warmup_steps: int = 1
-    total_iters: int | None = None
-
-
-@dataclass
-class StepLR(_Phase):
-    initial_learning_rate: float
-    step_size: int
-    gamma: float
-    total_iters: int | None = None
-
-
-@dataclass
-class MultiStepLR(_Phase):
-    initial_learning_rate: float
-    gamma: float
-    milestones: list[int]
-    total_iters: int | None = None
-
-
-@dataclass
-class PiecewiseConstantLR(_Phase):
-    learning_rates: list[float]
-    milestones: list[int]  # one fewer than learning_rates, increasing
-    total_iters: int | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.learning_rates) != len(self.milestones) + 1:
-            raise FieldError("milestones", f"needs one entry fewer than learning_rates "
-                             f"({len(self.learning_rates)}), got {len(self.milestones)}")
-        if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])):
-            raise FieldError("milestones", f"must increase, got {self.milestones}")
-
-
-_SCHEDULER_CLASSES = (ConstantLR, LinearLR, PolynomialLR, CosineDecayLR, CosineAnnealingLR, ExponentialLR,
-                      InverseExponentialTimeDecayLR, InverseSquareRootDecayLR, StepLR, MultiStepLR,
-                      PiecewiseConstantLR)
 # canonical name (Model Zoo's legacy spelling, without the "LR" suffix) -> schema
-SCHEDULERS: dict[str, type] = {cls.__name__.removesuffix("LR"): cls for cls in _SCHEDULER_CLASSES}
-_SCHEDULER_ALIASES = {"polynomialdecay": "Polynomial", "cosine": "CosineDecay", "inversetimedecay":
-                      "InverseExponentialTimeDecay", "exponentialdecay": "Exponential"}
-
-
-def canonical_scheduler(name: str) -> str | None:
-    """'cosinedecaylr', 'CosineDecay', 'CosineDecayLR' -> 'CosineDecay'; None when unknown."""
-    key = name.strip().lower()
-    key = key[:-2] if key.endswith("lr") and key != "lr" else key
-    by_lower = {n.lower(): n for n in SCHEDULERS}
-    return by_lower.get(key) or _SCHEDULER_ALIASES.get(key)
+SCHEDULERS: dict[str, type] = {name: _schema(name, schedule) for name, schedule in SCHEDULES.items()}
 
 
 def normalize_learning_rate(value: Any) -> float | list[dict[str, Any]]:
@@ -182,4 +98,4 @@ def _scheduler_dict(item: Any, path: str, ctx: Ctx, line: int | None) -> dict[st
     return {"scheduler": canonical, **{k: v for k, v in dataclasses.asdict(spec).items() if v is not None}}
 
 
-__all__ = ["SCHEDULERS", "canonical_scheduler", "normalize_learning_rate", "convert_learning_rate"]
+__all__ = ["SCHEDULERS", "normalize_learning_rate", "convert_learning_rate"]

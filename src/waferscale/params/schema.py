@@ -26,6 +26,7 @@ from waferscale.params.trainer_layout import legacy_from_trainer
 from waferscale.params.typed import (Ctx, FieldError, build_dataclass, check_fields, convert_value, non_negative,
                                      positive, show, to_plain)
 from waferscale.params.yaml_lines import read_yaml
+from waferscale.runtime import optim
 from waferscale.sparse import configure
 from waferscale.util.files import atomic_write_text
 
@@ -80,7 +81,7 @@ class InputParams:
 
 # ---- optimizer -------------------------------------------------------------------------------------------
 
-OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Lamb", "Lion")
+OPTIMIZERS = tuple(optim.OPTIMIZERS)  # the optimizers the runtime builds
 
 
 @dataclass

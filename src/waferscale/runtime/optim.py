@@ -43,17 +43,20 @@ class Constant(LRSchedule):
 
 
 @dataclass(frozen=True)
-class Polynomial(LRSchedule):
-    """Also Linear (power 1)."""
-
+class Linear(LRSchedule):
     initial_learning_rate: float
     end_learning_rate: float
     total_iters: int
-    power: float = 1.0
+    power = 1.0  # a class constant here, a field of Polynomial
 
     def __call__(self, step: int) -> float:
         remaining = 1.0 - min(step, self.total_iters) / self.total_iters
         return self.end_learning_rate + (self.initial_learning_rate - self.end_learning_rate) * remaining ** self.power
+
+
+@dataclass(frozen=True)
+class Polynomial(Linear):
+    power: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,27 +160,31 @@ class Sequential(LRSchedule):
         return self.phases[i](step - self.starts[i])
 
 
-_SCHEDULES: dict[str, type[LRSchedule]] = {
-    "Constant": Constant, "Linear": Polynomial, "Polynomial": Polynomial, "CosineDecay": CosineDecay,
+# canonical name (Model Zoo's, without the "LR" suffix) -> schedule; each class's fields are the scheduler's keys
+SCHEDULES: dict[str, type[LRSchedule]] = {
+    "Constant": Constant, "Linear": Linear, "Polynomial": Polynomial, "CosineDecay": CosineDecay,
     "CosineAnnealing": CosineAnnealing, "Exponential": Exponential,
     "InverseExponentialTimeDecay": InverseExponentialTimeDecay, "InverseSquareRootDecay": InverseSquareRootDecay,
     "Step": Step, "MultiStep": MultiStep, "PiecewiseConstant": PiecewiseConstant,
 }
+# Model Zoo's older names (lower case, without the "LR" suffix)
+_OLD_NAMES = {"polynomialdecay": "Polynomial", "cosine": "CosineDecay",
+              "inversetimedecay": "InverseExponentialTimeDecay", "exponentialdecay": "Exponential"}
 
 
-def _schedule_class(name: Any) -> type[LRSchedule]:
-    """'CosineDecayLR', 'cosinedecay', 'CosineDecay' -> CosineDecay (any case, an 'LR' suffix is fine)."""
+def canonical_scheduler(name: Any) -> str | None:
+    """'cosinedecaylr', 'CosineDecay', 'CosineDecayLR', 'cosine' -> 'CosineDecay'; None when unknown."""
     key = str(name).strip().lower()
     key = key[:-2] if key.endswith("lr") and key != "lr" else key
-    for known, cls in _SCHEDULES.items():
-        if known.lower() == key:
-            return cls
-    raise ConfigError(f"optimizer.learning_rate: unknown scheduler {name!r}; known: {', '.join(_SCHEDULES)} "
-                      f"(an 'LR' suffix is fine)")
+    return {n.lower(): n for n in SCHEDULES}.get(key) or _OLD_NAMES.get(key)
 
 
 def _phase(spec: Mapping[str, Any]) -> LRSchedule:
-    cls = _schedule_class(spec.get("scheduler"))
+    name = canonical_scheduler(spec.get("scheduler"))
+    if name is None:
+        raise ConfigError(f"optimizer.learning_rate: unknown scheduler {spec.get('scheduler')!r}; known: "
+                          f"{', '.join(SCHEDULES)} (an 'LR' suffix is fine)")
+    cls = SCHEDULES[name]
     accepted = inspect.signature(cls).parameters
     kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in spec.items() if k in accepted}
     missing = [k for k, p in accepted.items() if p.default is p.empty and k not in kwargs]
@@ -193,7 +200,7 @@ def _phase(spec: Mapping[str, Any]) -> LRSchedule:
 def build_schedule(learning_rate: float | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> LRSchedule:
     """A schedule from a learning rate: a number, one scheduler dict, or a list of them run in sequence.
 
-    Each dict names its schedule under `scheduler` (the names above; any case, an 'LR' suffix is fine) and
+    Each dict names its schedule under `scheduler` (`canonical_scheduler` reads the spellings) and
     gives its arguments by name (keys a schedule does not take are ignored); every phase but the last needs
     `total_iters`. This is the canonical form `waferscale.params` normalizes a params file's
     `optimizer.learning_rate` to (legacy Model Zoo spellings such as `steps:` are mapped there)."""
@@ -376,5 +383,5 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-__all__ = ["LRSchedule", "build_schedule", "OptimizerSpec", "OPTIMIZERS", "build_optimizer", "param_groups",
-           "fused_or_foreach", "set_lr", "Lion", "Lamb"]
+__all__ = ["LRSchedule", "SCHEDULES", "canonical_scheduler", "build_schedule", "OptimizerSpec", "OPTIMIZERS",
+           "build_optimizer", "param_groups", "fused_or_foreach", "set_lr", "Lion", "Lamb"]
