@@ -60,19 +60,16 @@ def _read_entry(entry: str | Path) -> list[str]:
         return [_read_text(p) for p in shakespeare_files()]
     path = Path(entry).expanduser()
     if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.suffix in _SUFFIXES and p.is_file()),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
+        files = sorted((p for p in path.rglob("*") if p.suffix in _SUFFIXES and p.is_file()),
+                       key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise DataError(f"directory {path} contains no .txt or .jsonl files")
         return [doc for f in files for doc in _read_file(f)]
     if path.is_file():
         return _read_file(path)
     if not path.exists():
-        raise DataError(
-            f"corpus entry {str(entry)!r} does not exist; use 'shakespeare', a .txt/.jsonl file, or a directory"
-        )
+        raise DataError(f"corpus entry {str(entry)!r} does not exist; use 'shakespeare', a .txt/.jsonl file, or a "
+                        "directory")
     raise DataError(f"corpus entry {path} is not a regular file or directory")
 
 

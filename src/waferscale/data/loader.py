@@ -23,10 +23,8 @@ def _check_shape(n_tokens: int, batch_size: int, seq_len: int) -> None:
     if batch_size <= 0 or seq_len <= 0:
         raise DataError(f"batch_size and seq_len must be positive, got batch_size={batch_size}, seq_len={seq_len}")
     if n_tokens < seq_len + 1:
-        raise DataError(
-            f"{n_tokens} tokens are too few for one sequence of seq_len={seq_len} (needs seq_len + 1 = "
-            f"{seq_len + 1}); use more text or a shorter seq_len"
-        )
+        raise DataError(f"{n_tokens} tokens are too few for one sequence of seq_len={seq_len} (needs seq_len + 1 = "
+                        f"{seq_len + 1}); use more text or a shorter seq_len")
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +59,8 @@ class BatchLoader:
         if world_size <= 0 or not 0 <= self.rank < world_size:
             raise DataError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={world_size}")
         if batch_size % world_size:
-            raise DataError(
-                f"batch_size={batch_size} is not divisible by world_size={world_size}; "
-                f"use a multiple of {world_size} (e.g. {batch_size - batch_size % world_size or world_size})"
-            )
+            raise DataError(f"batch_size={batch_size} is not divisible by world_size={world_size}; use a multiple "
+                            f"of {world_size} (e.g. {batch_size - batch_size % world_size or world_size})")
         self.seed = int(self.seed)
         self.local_batch_size = batch_size // world_size
         self.step = 0  # index k of the next global batch
@@ -115,18 +111,13 @@ class BatchLoader:
             if name in state and state[name] != mine[name]
         ]
         if diffs:
-            raise DataError(
-                "cannot resume the data loader: it would yield different batches ("
-                + "; ".join(diffs)
-                + "); restore the original settings and data, or start the loader from step 0"
-            )
+            raise DataError(f"cannot resume the data loader: it would yield different batches ({'; '.join(diffs)}); "
+                            "restore the original settings and data, or start the loader from step 0")
         self.step = state["step"]
 
     def __repr__(self) -> str:
-        return (
-            f"BatchLoader(n_tokens={len(self.tokens)}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
-            f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}/{self.world_size}, step={self.step})"
-        )
+        return (f"BatchLoader(n_tokens={len(self.tokens)}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}/{self.world_size}, step={self.step})")
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,

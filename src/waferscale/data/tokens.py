@@ -147,10 +147,8 @@ def _tokenize_to(tmp: Path, documents: list[str], tokenizer: Tokenizer, val_frac
     n_val = int(n_tokens * val_fraction)
     n_train = n_tokens - n_val
     if n_val == 0 or n_train == 0:
-        raise DataError(
-            f"corpus has {n_tokens} tokens: val_fraction={val_fraction} leaves an empty "
-            f"{'validation' if n_val == 0 else 'training'} split; use more text or another val_fraction"
-        )
+        raise DataError(f"corpus has {n_tokens} tokens: val_fraction={val_fraction} leaves an empty "
+                        f"{'validation' if n_val == 0 else 'training'} split; use more text or another val_fraction")
     return {
         "format": FORMAT_VERSION,
         "dtype": dtype.str,

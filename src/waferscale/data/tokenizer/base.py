@@ -66,10 +66,8 @@ class Tokenizer:
         arguments (e.g. `tools`) are passed to the template.
         """
         if not self.chat_template:
-            raise DataError(
-                f"{type(self).__name__} has no chat template; use a tokenizer that ships one "
-                "(e.g. 'smollm2') or put a 'chat_template' entry in tokenizer_config.json"
-            )
+            raise DataError(f"{type(self).__name__} has no chat template; use a tokenizer that ships one "
+                            "(e.g. 'smollm2') or put a 'chat_template' entry in tokenizer_config.json")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise DataError("chat messages must be a list of dicts like {'role': 'user', 'content': 'hi'}")
         import jinja2
@@ -110,10 +108,9 @@ class Tokenizer:
 def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     """DataError unless every id the tokenizer can emit is a valid row of a `model_vocab_size` embedding."""
     if tokenizer.vocab_size > model_vocab_size:
-        raise DataError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_vocab_size}; "
-            f"set model vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer"
-        )
+        raise DataError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                        f"{model_vocab_size}; set model vocab_size >= {tokenizer.vocab_size} or use the model's own "
+                        "tokenizer")
 
 
 @functools.lru_cache(maxsize=8)

@@ -45,10 +45,9 @@ class CharTokenizer(Tokenizer):
         if (ids < 0).any():
             pos = int(np.argmax(ids < 0))
             ch = text[pos]
-            raise DataError(
-                f"character {ch!r} (U+{ord(ch):04X}) at position {pos} is not in the character tokenizer's "
-                f"vocabulary of {self.vocab_size} characters; build the tokenizer from text that includes it"
-            )
+            raise DataError(f"character {ch!r} (U+{ord(ch):04X}) at position {pos} is not in the character "
+                            f"tokenizer's vocabulary of {self.vocab_size} characters; build the tokenizer from text "
+                            "that includes it")
         return ids.tolist()
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

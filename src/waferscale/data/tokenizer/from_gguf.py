@@ -19,14 +19,10 @@ __all__ = ["read_gguf_metadata", "tokenizer_from_gguf"]
 # llama.cpp token types (gguf.TokenType)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # `tokenizer.ggml.pre` values -> pre-tokenizer family, as grouped in llama.cpp's llama-vocab.cpp.
 _PRE_FAMILIES = {
     "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
@@ -43,9 +39,8 @@ def _pre_tokenizer(pre: str) -> Any:
 
     family = _PRE_FAMILIES.get(pre)
     if family is None:
-        raise DataError(
-            f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_FAMILIES))}"
-        )
+        raise DataError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; supported: "
+                        f"{', '.join(sorted(_PRE_FAMILIES))}")
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex, then bytes
     if family == "gpt2":
         return gpt2
@@ -85,10 +80,8 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
 
     model = required("tokenizer.ggml.model")
     if model != "gpt2":
-        raise DataError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "export a tokenizer.json with Hugging Face tokenizers and pass its path instead"
-        )
+        raise DataError(f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+                        "export a tokenizer.json with Hugging Face tokenizers and pass its path instead")
     tokens: list[str] = required("tokenizer.ggml.tokens")
     merges_raw: list[str] = required("tokenizer.ggml.merges")
     types: list[int] = metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))

@@ -23,10 +23,8 @@ def load_tokenizer(spec: str | Path, text_for_char: str | None = None) -> Tokeni
     a `.gguf` file, a `tokenizer.json` (Hugging Face, or the char format written by `Tokenizer.save`),
     or a directory holding a `tokenizer.json` (a HF model dir or one written by `Tokenizer.save`).
     """
-    accepted = (
-        "accepted: 'char', 'smollm2' / 'smollm2-135m-instruct', a .gguf file, a tokenizer.json, "
-        "or a directory containing tokenizer.json"
-    )
+    accepted = ("accepted: 'char', 'smollm2' / 'smollm2-135m-instruct', a .gguf file, a tokenizer.json, "
+                "or a directory containing tokenizer.json")
     s = str(spec)
     if s == "char":
         if not text_for_char:
