@@ -276,10 +276,8 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
     model = build(cfg, device="meta")
     _check_against(sd, model.state_dict(), cfg, where)
     dtype = dtype or sd["embed.tok.weight"].dtype
-    moved: dict[int, Tensor] = {}  # a tensor stored under two names (tied embeddings) is moved once
-    for v in sd.values():
-        if id(v) not in moved:
-            moved[id(v)] = v.to(device=device, dtype=dtype)
+    unique = {id(v): v for v in sd.values()}  # a tensor stored under two names (tied embeddings) is moved once
+    moved = {i: v.to(device=device, dtype=dtype) for i, v in unique.items()}
     sd = {k: moved[id(v)] for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_embeddings:  # assign=True replaced the two references separately

@@ -144,7 +144,6 @@ def configure_optimizer(optimizer_type: str, params: Any, **kwargs: Any) -> torc
     if cls is None:
         raise ConfigError(f"optimizer_type {optimizer_type!r} is not one of "
                           f"{', '.join(c.__name__ for c in _BY_NAME.values())}")
-    kwargs = dict(kwargs)
     if "learning_rate" in kwargs:
         lr = kwargs.pop("learning_rate")
         kwargs["lr"] = lr if isinstance(lr, (int, float)) else 0.0  # a schedule sets it: configure_lr_scheduler
