@@ -112,8 +112,9 @@ def batches(n: int, b: int = 4, t: int = BLOCK) -> list[tuple[torch.Tensor, torc
 
 
 def train(model_name: str, backend_type: str, *, num_csx: int = 1, steps: int = 5, artifact_dir: str = "artifacts",
-          dropout: float = 0.1):
-    """(losses, final weights, the optimizer) of `steps` AdamW steps with the cstorch API."""
+          dropout: float = 0.1, sparsity: dict | None = None):
+    """(losses, final weights, the optimizer) of `steps` AdamW steps with the cstorch API; `sparsity`: a
+    cstorch.sparse.configure config applied as a user would (model.apply, optimizer.apply)."""
     import waferscale.pytorch as cstorch
 
     torch.manual_seed(0)
@@ -122,6 +123,10 @@ def train(model_name: str, backend_type: str, *, num_csx: int = 1, steps: int = 
                               cluster_config=cstorch.distributed.ClusterConfig(num_csx=num_csx))
     compiled = cstorch.compile(model, backend)
     optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if sparsity is not None:
+        sparse = cstorch.sparse.configure(sparsity)
+        model.apply(sparse)
+        optimizer.apply(sparse)
     loss_fn = nn.CrossEntropyLoss()
     losses: list[float] = []
 
@@ -152,10 +157,13 @@ if __name__ == "__main__":
     ap.add_argument("--num_csx", type=int, default=1)
     ap.add_argument("--artifact_dir", default="artifacts")
     ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--sparsity", default=None, help="a cstorch.sparse.configure config, as JSON")
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     losses, weights, _ = train(a.model, a.backend, num_csx=a.num_csx, artifact_dir=a.artifact_dir,
-                               dropout=a.dropout)
+                               dropout=a.dropout, steps=a.steps,
+                               sparsity=json.loads(a.sparsity) if a.sparsity else None)
     import waferscale.pytorch as cstorch
 
     if cstorch.distributed.is_master():

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from waferscale import sparse
 from waferscale.errors import ConfigError
 from waferscale.pytorch import amp as _amp
 from waferscale.pytorch import distributed as _dist
@@ -157,6 +158,8 @@ class StreamRunner:
         self.steps = 0
         if self.optimizer is not None:
             self.optimizer._bind_stream(self)
+        self._n_sparse = 0
+        self._sync_sparsity()
 
     # ---- set-up ----
     def _alias_parameters(self) -> None:
@@ -192,7 +195,7 @@ class StreamRunner:
 
     @property
     def stats(self) -> dict[str, float]:
-        return {**self.engine.stats, "steps": self.steps}
+        return {**self.engine.stats, **self.link.stats, "steps": self.steps}
 
     @property
     def n(self) -> int:
@@ -201,8 +204,29 @@ class StreamRunner:
     def _inputs(self, x: Tensor) -> tuple[Tensor, ...]:
         return (x,) if self.split.takes_input else ()
 
+    def _sync_sparsity(self) -> None:
+        """Sparsity applied to the model (`model.apply(sparsity)`): MemoryX takes over its masks (rank 0) and
+        every system's link learns which units travel packed; masks loaded since the last step are taken."""
+        groups = sparse.applied(self.model)
+        if len(groups) != self._n_sparse:
+            self._n_sparse = len(groups)
+            whole = groups[0] if len(groups) == 1 else sparse.Group()
+            for g in groups:
+                g.streamed = True
+                if whole is not g:
+                    whole.extend(g)
+            if self.mx is not None:
+                self.mx.attach_sparsity(whole)
+            names = set(whole.params)
+            if isinstance(self.link, SwarmLink):
+                self.link.sparse_units = {lay.index for lay in self.layouts
+                                          if any(e.matrix and e.name in names for e in lay.entries)}
+        if self.mx is not None:
+            self.mx.sync_masks()
+
     # ---- forward ----
     def __call__(self, x: Tensor) -> Tensor:
+        self._sync_sparsity()
         x = x.to(self.device)
         if torch.is_grad_enabled():
             return _Streamed.apply(self, self._anchor, x)

@@ -172,8 +172,12 @@ def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> Checkpoint
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
-    """Copy weights into `model`, refusing another architecture with the first mismatch named."""
+    """Copy weights into `model`, refusing another architecture with the first mismatch named. Sparsity masks
+    (`<name>_mask`) are optional both ways: a dense model ignores a sparse run's (dense fine-tuning after
+    sparse pre-training), a sparse model without them in the checkpoint keeps the masks it has."""
     expected = unique_state_dict(model)
+    weights = {k: v for k, v in weights.items() if k in expected or not k.endswith("_mask")}
+    expected = {k: v for k, v in expected.items() if k in weights or not k.endswith("_mask")}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:

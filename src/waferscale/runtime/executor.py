@@ -56,6 +56,7 @@ def check_loss(loss: float, skipped: bool) -> None:
 
 class Executor(ABC):
     name: str = "executor"
+    sparsity: Any = None  # the waferscale.sparse Group whose masks this run applies, if any
 
     @abstractmethod
     def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepResult:

@@ -4,7 +4,10 @@
                                         in the schedule's fetch order)
     push(u, matrices, vectors) -> Future   unit u's fp32 gradients, taken asynchronously
 
-`LocalLink` serves MemoryX in this process, `SwarmLink` SwarmX's broadcast and reduce.
+`LocalLink` serves MemoryX in this process, `SwarmLink` SwarmX's broadcast and reduce. A unit with masked
+matrices travels packed (its kept values and a bitmask, `sparse_stream.py`) and is expanded on the device; its
+gradients travel as the kept values (dense on the steps the sparsity algorithm asks for them). `stats` counts
+the bytes each link moved: `bytes_streamed` (weights and index) and `bytes_reduced` (gradients).
 """
 
 from __future__ import annotations
@@ -20,15 +23,31 @@ from waferscale.runtime.cluster import Cluster, LinkError
 from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.memoryx import MemoryX
+from waferscale.runtime.sparse_stream import PackedUnit, expand
+from waferscale.sparse.masks import unpack_bits
 
 __all__ = ["LocalLink", "SwarmLink"]
 
 
-class LocalLink:
+def _nbytes(*ts: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self.stats = {"bytes_streamed": 0, "bytes_reduced": 0}
+
+    def take_stats(self) -> dict[str, int]:
+        s, self.stats = self.stats, {"bytes_streamed": 0, "bytes_reduced": 0}
+        return s
+
+
+class LocalLink(_Counted):
     """MemoryX in this process. On a CPU device the payload is MemoryX's fp32 masters themselves where they are
     the payload (no copy); on CUDA, pinned staging buffers and one copy stream per direction."""
 
     def __init__(self, memoryx: MemoryX, device: torch.device) -> None:
+        super().__init__()
         self.mx, self.device = memoryx, device
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -37,6 +56,10 @@ class LocalLink:
             self._writer = Lane("grad-writeback")
 
     def fetch(self, u: int) -> tuple[Tensor, Tensor]:
+        if u in self.mx.unit_masks:
+            return self._fetch_packed(u)
+        lay = self.mx.layouts[u]
+        self.stats["bytes_streamed"] += lay.payload_bytes(torch.empty(0, dtype=self.mx.stream_dtype).element_size())
         if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
             return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
         lay = self.mx.layouts[u]
@@ -49,7 +72,23 @@ class LocalLink:
         self.h2d.synchronize()  # this runs on the prefetch thread; the pinned buffers may now go
         return matrices, vectors
 
+    def _fetch_packed(self, u: int) -> tuple[Tensor, Tensor]:
+        p = self.mx.fetch_packed(u)
+        self.stats["bytes_streamed"] += p.nbytes
+        if not self.cuda:
+            return expand(p.values, self.mx.unit_masks.keep[u]), p.vectors
+        staged = [t.pin_memory() for t in (p.values, p.bits, p.vectors)]
+        with torch.cuda.stream(self.h2d):
+            values, bits, vectors = (t.to(self.device, non_blocking=True) for t in staged)
+            matrices = expand(values, unpack_bits(bits, self.mx.layouts[u].n_matrices))
+        self.h2d.synchronize()
+        return matrices, vectors
+
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+        keep = self.mx.unit_masks.keep.get(u) if not self.mx.dense_grads() else None
+        if keep is not None:  # the kept gradients only
+            matrices = matrices[keep.to(matrices.device, non_blocking=True)]
+        self.stats["bytes_reduced"] += _nbytes(matrices, vectors)
         if not self.cuda:
             return self.mx.push_grads(u, matrices, vectors)
         ev = torch.cuda.Event()
@@ -76,44 +115,84 @@ class LocalLink:
             self._writer.close()
 
 
-class SwarmLink:
+class SwarmLink(_Counted):
     """Weights by broadcast from rank 0's MemoryX, gradients by reduce (sum) to it, per unit, over the cluster's
     link groups; the same class on every rank (only rank 0 holds MemoryX). `mean`: rank 0 divides the sum by the
     number of ranks (each rank's loss was its own batch's mean) before MemoryX takes it. A failed collective raises
     LinkError (from `fetch`, or through the push's future); the caller's `cluster.guard` names the rank that caused
-    it."""
+    it. `sparse_units`: the units with masked matrices, the same set on every rank (packed units carry a small
+    header first: the number of kept values and whether gradients come back dense)."""
 
     def __init__(self, cluster: Cluster, layouts: list[UnitLayout], stream_dtype: torch.dtype, device: torch.device,
-                 memoryx: MemoryX | None = None, *, mean: bool = False) -> None:
+                 memoryx: MemoryX | None = None, *, mean: bool = False, sparse_units: set[int] | None = None) -> None:
+        super().__init__()
         self.cluster, self.layouts, self.stream_dtype, self.device = cluster, layouts, stream_dtype, device
         self.mx, self.mean = memoryx, mean
+        self.sparse_units = set(sparse_units or ())
+        self._keep: dict[int, Tensor | None] = {}  # per sparse unit, from its last fetch: the gradients' mask
         self._lane = Lane("swarmx-grads")
 
+    def _bcast(self, u: int, *ts: Tensor) -> None:
+        try:
+            for t in ts:
+                if t.numel():
+                    dist.broadcast(t, 0, group=self.cluster.g_weights)
+        except RuntimeError as e:
+            raise LinkError(f"broadcasting the weights of unit {u}: {e}") from e
+        self.stats["bytes_streamed"] += _nbytes(*ts)
+
+    def _fetch_packed(self, u: int) -> tuple[Tensor, Tensor]:
+        lay = self.layouts[u]
+        if self.mx is not None:
+            p = self.mx.fetch_packed(u)
+            header = torch.tensor([p.values.numel(), int(p.dense_grads)])
+        else:
+            header = torch.empty(2, dtype=torch.int64)
+        self._bcast(u, header)
+        if self.mx is None:
+            p = PackedUnit(torch.empty(int(header[0]), dtype=self.stream_dtype),
+                           torch.empty((lay.n_matrices + 7) // 8, dtype=torch.uint8),
+                           torch.empty(lay.n_vectors, dtype=torch.float32), bool(header[1]))
+        self._bcast(u, p.bits, p.values, p.vectors)
+        keep = unpack_bits(p.bits, lay.n_matrices)
+        self._keep[u] = None if p.dense_grads else keep
+        return expand(p.values.to(self.device), keep), p.vectors.to(self.device)
+
+    def _grad_keep(self, u: int) -> Tensor | None:
+        """The mask of unit u's gradients this step (None: dense). Rank 0 knows it before its fetch of u (its
+        zeros may go into the reduce first); the others from their fetch, which comes before their push."""
+        if u not in self.sparse_units:
+            return None
+        if self.mx is not None:
+            return None if self.mx.dense_grads() else self.mx.unit_masks.keep[u]
+        return self._keep[u]
+
     def fetch(self, u: int) -> tuple[Tensor, Tensor]:
+        if u in self.sparse_units:
+            return self._fetch_packed(u)
         if self.mx is not None:
             matrices, vectors = self.mx.fetch(u)
         else:
             lay = self.layouts[u]
             matrices = torch.empty(lay.n_matrices, dtype=self.stream_dtype)
             vectors = torch.empty(lay.n_vectors, dtype=torch.float32)
-        try:
-            for t in (matrices, vectors):
-                if t.numel():
-                    dist.broadcast(t, 0, group=self.cluster.g_weights)
-        except RuntimeError as e:
-            raise LinkError(f"broadcasting the weights of unit {u}: {e}") from e
+        self._bcast(u, matrices, vectors)
         if self.device.type == "cuda":
             return matrices.to(self.device), vectors.to(self.device)
         return matrices, vectors
 
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+        keep = self._grad_keep(u)
+        if keep is not None:
+            matrices = matrices[keep.to(matrices.device)]
         return self._lane.submit(self._send, u, lambda: (matrices.cpu(), vectors.cpu()))
 
     def push_zeros(self, u: int) -> Future:
         """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank); the
         zeros are made when the reduce runs, one unit at a time."""
-        lay = self.layouts[u]
-        return self._lane.submit(self._send, u, lambda: (torch.zeros(lay.n_matrices), torch.zeros(lay.n_vectors)))
+        lay, keep = self.layouts[u], self._grad_keep(u)
+        n = int(keep.sum()) if keep is not None else lay.n_matrices
+        return self._lane.submit(self._send, u, lambda: (torch.zeros(n), torch.zeros(lay.n_vectors)))
 
     def _send(self, u: int, make: Any) -> None:
         """Unit u's reduce (on this link's lane, in push order); rank 0 hands the sum to MemoryX, whose own lane
@@ -125,6 +204,7 @@ class SwarmLink:
                     dist.reduce(t, 0, op=dist.ReduceOp.SUM, group=self.cluster.g_grads)
         except RuntimeError as e:
             raise LinkError(f"reducing the gradients of unit {u}: {e}") from e
+        self.stats["bytes_reduced"] += _nbytes(m, v)
         if self.mx is not None:
             if self.mean:
                 m.div_(self.cluster.world)

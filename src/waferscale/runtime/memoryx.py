@@ -40,6 +40,8 @@ from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
 from waferscale.runtime.layout import build_layouts
 from waferscale.runtime.loss_scale import LossScaler
+from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand
+from waferscale.sparse import Group
 from waferscale.runtime.optim import build_optimizer, set_lr
 
 __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
@@ -197,6 +199,9 @@ class MemoryX:
             self.stores.append(_UnitStore(lay.index, lay.numel, _writable(flash_dir) if flash else None,
                                           pin_memory and not flash))
         self._masks: dict[str, Tensor] = {}
+        self.sparsity: Group | None = None  # the algorithms choosing the masks (None: masks set by hand)
+        self._mask_version = -1
+        self.unit_masks = UnitMasks(self.layouts)  # the kept payload elements of units with masked matrices
         # the optimizer sees two flat tensors per unit, [matrices] and [vectors] (the owned layout puts them
         # in that order): the decay / no-decay groups of the resident optimizer, as one fused call each
         self._groups: list[list[tuple[Tensor, slice]]] = []  # per unit: (leaf, region of the flat slots)
@@ -334,8 +339,18 @@ class MemoryX:
             self._stats["bytes_in_place"] += lay.numel * 4
         return master[:lay.n_matrices], master[lay.n_matrices:lay.numel]
 
+    def fetch_packed(self, u: int) -> PackedUnit:
+        """A unit with masked matrices as it travels: the kept matrix values (stream dtype), the bitmask, the
+        vectors; and whether this step's gradients must come back dense (for the sparsity algorithm)."""
+        matrices, vectors = self.fetch(u)
+        return PackedUnit(matrices[self.unit_masks.keep[u]], self.unit_masks.bits[u], vectors, self.dense_grads())
+
+    def dense_grads(self) -> bool:
+        return self.sparsity is not None and self.sparsity.wants_dense_grads()
+
     # ---- a step ----
     def begin_step(self, lr: float) -> None:
+        self.sync_masks()
         self._lr = float(lr)
         self._written = set()
         self._sqnorms = {}
@@ -350,8 +365,20 @@ class MemoryX:
         return fut
 
     def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float) -> None:
+        """Unit u's gradients into its (and its weights' owners') gradient slots. A unit with masked matrices
+        sends the kept values only, or, when the algorithm needs them, dense gradients, which are kept for it
+        and then masked."""
         t0 = time.perf_counter()
         lay = self.layouts[u]
+        keep = self.unit_masks.keep.get(u)
+        if keep is not None:
+            if matrices.numel() != lay.n_matrices:
+                matrices = expand(matrices, keep)
+            else:
+                self._keep_dense_grads(lay, matrices, vectors)
+                matrices = matrices * keep
+        elif any(not e.matrix and e.name in self._masks for e in lay.entries):
+            self._keep_dense_grads(lay, matrices, vectors)
         grads = {o: self.stores[o].open("grad") for o in {e.owner for e in lay.entries}}
         with torch.no_grad():
             for e in lay.entries:
@@ -362,6 +389,8 @@ class MemoryX:
                 else:
                     dst.copy_(src)
                     self._written.add(e.global_index)
+                if not e.matrix and e.name in self._masks:
+                    dst.mul_(self._masks[e.name].reshape(-1))
             own = grads.get(u)
             if own is not None and (self.max_gradient_norm or self.scaler is not None):
                 for e in lay.owned:  # unit u is complete: its borrowers came earlier in backward
@@ -384,6 +413,7 @@ class MemoryX:
         if self.policy == "eager":
             for u in range(self.n_units):
                 self._update_done[u] = done_future()
+            self._sparsity_step(finite=True)
             return None, False
         inv_scale = 1.0
         skipped = False
@@ -403,7 +433,29 @@ class MemoryX:
             lr = self._lr
             for u in range(self.n_units):  # forward order: the next step's fetches wait on these one by one
                 self._update_done[u] = self._lane.submit(self._update, u, lr, coef, inv_scale)
+        self._sparsity_step(finite=not skipped)
         return norm, skipped
+
+    def _sparsity_step(self, finite: bool) -> None:
+        """After the step's updates: the algorithms advance (recomputing masks from the updated weights on their
+        update steps; a skipped step changes no mask), and new masks prune the masters and optimizer state."""
+        g = self.sparsity
+        if g is None:
+            return
+        if g.updates_next():
+            self.synchronize()
+        g.update(g.dense_grads, finite)
+        g.dense_grads.clear()
+        self.sync_masks()
+
+    def _keep_dense_grads(self, lay: Any, matrices: Tensor, vectors: Tensor) -> None:
+        if self.sparsity is None or not self.sparsity.wants_dense_grads():
+            return
+        dense = self.sparsity.dense_grads
+        for e in lay.entries:
+            if e.name in self._masks:
+                g = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].view(e.shape)
+                dense[e.name] = dense[e.name] + g if e.name in dense else g.clone()
 
     def _update(self, u: int, lr: float, coef: float, inv_scale: float) -> None:
         opt = self.optimizers[u]
@@ -450,21 +502,57 @@ class MemoryX:
         return s
 
     # ---- masks (per-parameter, for sparsity) ----
+    def attach_sparsity(self, group: Group) -> None:
+        """Let `group` (waferscale.sparse) choose the masks: of the weights it was applied to on a module, or else
+        of the masters it selects here (drawn now). MemoryX applies them to the masters, the optimizer state and
+        the streamed payloads, and runs the group's update after every step."""
+        if not group.params:
+            owned = {e.name: e for lay in self.layouts for e in lay.owned}
+            for name, _, algo in group.select([(n, torch.empty(e.shape, device="meta")) for n, e in owned.items()]):
+                algo.add(name, lambda e=owned[name]: self.stores[e.owner].open("param")[e.offset:e.offset + e.numel]
+                         .view(e.shape))
+            group.initialize()
+        group.streamed = True
+        self.sparsity = group
+        self.sync_masks()
+
+    def sync_masks(self) -> None:
+        """Take the group's masks when they changed (a mask update, a checkpoint's masks, a new group)."""
+        g = self.sparsity
+        if g is None or g.version == self._mask_version:
+            return
+        self.synchronize()
+        for name, sp in g.params.items():
+            self._apply_mask(name, sp.mask)
+        self._mask_version = g.version
+        self.unit_masks.refresh(self._masks)
+
     def set_mask(self, name: str, mask: Tensor | None) -> None:
         """Keep `name`'s weights where mask is True: applied to streamed weights and after every update."""
+        self.synchronize()
+        if self.sparsity is not None and name in self.sparsity.params and mask is not None:
+            self.sparsity.set_mask(name, mask)
+            self.sync_masks()
+            return
+        if mask is None:
+            self._masks.pop(name, None)
+        else:
+            self._apply_mask(name, mask)
+        self.unit_masks.refresh(self._masks)
+
+    def _apply_mask(self, name: str, mask: Tensor) -> None:
+        """Record `name`'s mask and prune its master weights and optimizer state by it."""
         e = next((e for lay in self.layouts for e in lay.owned if e.name == name), None)
         if e is None:
             raise KeyError(f"no parameter named {name!r}")
-        if mask is None:
-            self._masks.pop(name, None)
-            return
         if tuple(mask.shape) != e.shape:
             raise ConfigError(f"mask for {name} has shape {tuple(mask.shape)}, the weight {e.shape}")
-        self.synchronize()
-        self._masks[name] = mask.to(torch.bool).clone()
-        master = self.stores[e.owner].open("param")
+        m = self._masks[name] = mask.detach().to("cpu", torch.bool).clone()
+        store = self.stores[e.owner]
         with torch.no_grad():
-            master[e.offset:e.offset + e.numel].mul_(self._masks[name].reshape(-1))
+            for slot in store.slots():
+                if slot != "grad":
+                    store.open(slot)[e.offset:e.offset + e.numel].mul_(m.reshape(-1))
 
     def mask(self, name: str) -> Tensor | None:
         return self._masks.get(name)
@@ -488,8 +576,10 @@ class MemoryX:
         masks = {k[:-5]: v for k, v in weights.items() if k.endswith("_mask")}
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
         load_model_weights(self.checkpoint_module(masks=False), plain, where)
+        sparse = set(self.sparsity.params) if self.sparsity is not None else set(self._masks)
         for name, m in masks.items():
-            self.set_mask(name, m)
+            if name in sparse:  # (a dense run ignores a sparse run's masks: dense fine-tuning)
+                self.set_mask(name, m)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """torch's optimizer state-dict format with the resident optimizer's parameter indices."""

@@ -239,6 +239,7 @@ class StreamingExecutor(MemoryXExecutor):
         tracer = Tracer() if self._trace_path else None
         eng.tracer = tracer
         eng.reset_stats()
+        eng.link.take_stats()
         self.mx.take_stats()
         t0 = time.perf_counter()
         self.mx.begin_step(lr)
@@ -258,7 +259,7 @@ class StreamingExecutor(MemoryXExecutor):
 
     def _observe(self, es: dict[str, float], ms: dict[str, float], step_s: float, tokens: int, T: int
                  ) -> dict[str, Any]:
-        s = dict(es)
+        s = {**es, **self.engine.link.take_stats()}  # (bytes_in/out: the dense payloads; streamed/reduced: moved)
         s["compute_s"] = max(0.0, step_s - s["wait_weights_s"] - s["push_s"])
         # bytes_in_place: of bytes_in, read where MemoryX keeps them (CPU device)
         s.update({k: ms[k] for k in ("grad_writeback_s", "optimizer_s", "bytes_in_place")})

@@ -94,9 +94,12 @@ class SwarmXExecutor(MemoryXExecutor):
                                               "the same command resumes from the last one", local_rank_base=1,
                                        needed_by=f"--num_csx {num_csx}",
                                        what=f"processes (MemoryX + {num_csx} workers)")
-        self.link = SwarmLink(self.cluster, memoryx.layouts, memoryx.stream_dtype, torch.device("cpu"), memoryx)
+        sparse_units = sorted(memoryx.unit_masks.keep)  # (the masks are chosen before the executor is made)
+        self.link = SwarmLink(self.cluster, memoryx.layouts, memoryx.stream_dtype, torch.device("cpu"), memoryx,
+                              sparse_units=set(sparse_units))
         self.cluster.store.set("init", json.dumps({"model_config": self.cfg.to_dict(), "half_dtype": half_dtype,
-                                                   "micro_batch_size": micro_batch_size, "device_type": device.type}))
+                                                   "micro_batch_size": micro_batch_size, "device_type": device.type,
+                                                   "sparse_units": sparse_units}))
         self._guard("start up", lambda: self.cluster.store.wait([f"ready/{r}" for r in range(1, world)]))
         self._bcast = Lane("swarmx-broadcast")
 
@@ -116,6 +119,7 @@ class SwarmXExecutor(MemoryXExecutor):
         recompute = self._local._ensure_engine(b, T).recompute  # budget check and plan for one system's share
         self._seq += 1
         self.mx.take_stats()
+        self.link.take_stats()
         t0 = time.perf_counter()
         self.mx.begin_step(lr)
         scale = self.mx.scaler.scale if self.mx.scaler else 1.0
@@ -141,7 +145,7 @@ class SwarmXExecutor(MemoryXExecutor):
         ms = self.mx.take_stats()
         stats = {k: v / N for k, v in f.items()}  # per worker
         stats.update({"grad_writeback_s": ms["grad_writeback_s"], "optimizer_s": ms["optimizer_s"],
-                      "peak_device_bytes": self._peak, "num_csx": N})
+                      "peak_device_bytes": self._peak, "num_csx": N, **self.link.take_stats()})
         flops = self.cfg.flops_per_token(T, training=True) * b  # per worker
         out = step_observability(stats, step_s=step_s, tokens=b * T, flops=flops, weight_params=self._weight_params)
         check_loss(loss, skipped)
@@ -194,7 +198,7 @@ def worker_main(timeout_s: float = 300.0, threads: int | None = None) -> int:
     half = torch_half_dtype(init["half_dtype"])
     skeleton = build_skeleton(cfg, device)
     layouts = build_layouts(skeleton)
-    link = SwarmLink(cluster, layouts, half or torch.float32, device)
+    link = SwarmLink(cluster, layouts, half or torch.float32, device, sparse_units=set(init["sparse_units"]))
     engine = lm_engine(skeleton, link, layouts, device=device, half=half, recompute=True)
     cluster.beat(0, "idle")
     store.set(f"ready/{rank}", "1")

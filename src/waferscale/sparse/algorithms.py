@@ -353,6 +353,12 @@ class Group(SparsityAlgorithm):
         for a in self.algorithms:
             a.initialize()
 
+    def redraw(self) -> None:
+        """Draw every mask again from the weights as they are now (after loading weights that had none)."""
+        for sp in self.params.values():
+            sp.initialized = False
+        self.initialize()
+
     def set_mask(self, name: str, mask: Tensor) -> None:
         for a in self.algorithms:
             if name in a.params:
@@ -360,6 +366,14 @@ class Group(SparsityAlgorithm):
 
     def wants_dense_grads(self) -> bool:
         return any(a.wants_dense_grads() for a in self.algorithms)
+
+    def figures(self) -> dict[str, float]:
+        """This step's sparsity over all sparse weights: actual (from the masks) and target (the schedules'),
+        each weighted by the weights' sizes."""
+        sizes = [(a, sp.mask.numel(), int(sp.mask.sum())) for a in self.algorithms for sp in a.params.values()]
+        n = max(sum(k for _, k, _ in sizes), 1)
+        return {"sparsity": round(1.0 - sum(kept for _, _, kept in sizes) / n, 6),
+                "sparsity_target": round(sum(a.sparsity_at(a.step) * k for a, k, _ in sizes) / n, 6)}
 
     def updates_next(self) -> bool:
         """Whether the coming `update` may recompute masks (it then reads the weights)."""

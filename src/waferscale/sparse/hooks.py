@@ -49,17 +49,19 @@ def sparsify_module(algorithm: SparsityAlgorithm | Any, module: nn.Module) -> Gr
         key = f"{pname}_mask"
         owner.register_buffer(key, torch.ones(p.shape, dtype=torch.bool, device=p.device), persistent=True)
         sp = algo.add(name, p, lambda o=owner, k=key: o._buffers[k])
-        owner._register_load_state_dict_pre_hook(_mark_loaded(sp, owner, key))
+        owner._register_load_state_dict_pre_hook(_mark_loaded(sp, algo, key))
     group.initialize()
     applied(module).append(group)
     module.register_forward_pre_hook(lambda m, args: _prune_weights(group))
     return group
 
 
-def _mark_loaded(sp: Any, owner: nn.Module, key: str) -> Any:
+def _mark_loaded(sp: Any, algo: SparsityAlgorithm, key: str) -> Any:
+    """A mask loaded with the model's state dict counts as drawn, and as a change of masks."""
     def hook(state_dict: dict[str, Tensor], prefix: str, *args: Any) -> None:
         if prefix + key in state_dict:
             sp.initialized = True
+            algo.version += 1
     return hook
 
 
@@ -107,8 +109,18 @@ def sparsify_optimizer(algorithm: SparsityAlgorithm, optimizer: torch.optim.Opti
                         if torch.is_tensor(v) and v.shape == p.shape:
                             v.mul_(sp.mask)
 
+    # torch runs an optimizer's step hooks again when a subclass's step calls a patched super().step(): act on
+    # the outermost call only
+    depth = [0]
+
+    def before_step(*_: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            prune_state()
+
     def after_step(*_: Any) -> None:
-        if group.streamed:  # MemoryX updates the masks of a streamed model
+        depth[0] -= 1
+        if depth[0] or group.streamed:  # (MemoryX updates the masks of a streamed model)
             return
         _prune_weights(group)
         if group.update(group.dense_grads):
@@ -116,5 +128,5 @@ def sparsify_optimizer(algorithm: SparsityAlgorithm, optimizer: torch.optim.Opti
             prune_state()
         group.dense_grads.clear()
 
-    optimizer.register_step_pre_hook(prune_state)
+    optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

@@ -7,6 +7,9 @@ shape and their rows of the batch (not copies of the script) while this process 
 
 from __future__ import annotations
 
+from typing import Any
+
+from waferscale import sparse
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.params import OptimizerParams
 from waferscale.pytorch.backend import Backend
@@ -20,19 +23,27 @@ __all__ = ["compile_lm_step"]
 
 def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, optimizer: OptimizerParams, *,
                     half_dtype: str | None = None, micro_batch_size: int | None = None,
-                    recompute: bool | str = "auto", swarmx_timeout_s: float = 300.0) -> tuple[CausalLM, Executor]:
+                    recompute: bool | str = "auto", swarmx_timeout_s: float = 300.0,
+                    sparsity: Any = None) -> tuple[CausalLM, Executor]:
     """(the model the run reports on, its executor). `model` may be None: a streamed model is then
-    initialised inside MemoryX unit by unit, never materialized whole."""
+    initialised inside MemoryX unit by unit, never materialized whole. `sparsity`: a params file's sparsity
+    section; resident, its masks are applied by hooks (cstorch.sparse's); streamed, by MemoryX."""
+    group = sparse.configure(sparsity) if sparsity is not None else None
     device = backend.device
     spec = optimizer_spec(optimizer)
     budget = int(backend.device_memory_mb * 2**20) if backend.device_memory_mb is not None else None
     if not backend.is_csx:
         model = model if model is not None else build(cfg, device="cpu")
         model.to(device)
-        return model, ResidentExecutor(model, build_optimizer(model.parameters(), spec), device=device,
-                                       half_dtype=half_dtype, micro_batch_size=micro_batch_size,
-                                       max_gradient_norm=optimizer.max_gradient_norm,
-                                       loss_scaling_factor=optimizer.loss_scaling_factor)
+        opt = build_optimizer(model.parameters(), spec)
+        if group is not None:
+            sparse.sparsify_module(group, model)
+            sparse.sparsify_optimizer(group, opt)
+        resident = ResidentExecutor(model, opt, device=device, half_dtype=half_dtype,
+                                    micro_batch_size=micro_batch_size, max_gradient_norm=optimizer.max_gradient_norm,
+                                    loss_scaling_factor=optimizer.loss_scaling_factor)
+        resident.sparsity = group
+        return model, resident
     from waferscale.models.registry import META_THRESHOLD_PARAMS
     from waferscale.runtime.loss_scale import LossScaler
     from waferscale.runtime.memoryx import MemoryX
@@ -48,6 +59,8 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
                  ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
                  max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler)
     del model
+    if group is not None:
+        mx.attach_sparsity(group)
     skeleton = build_skeleton(cfg, device)
     executor: Executor
     if backend.num_csx > 1:
@@ -60,4 +73,5 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
         executor = StreamingExecutor(skeleton, mx, device=device, half_dtype=half_dtype,
                                      micro_batch_size=micro_batch_size, device_memory_bytes=budget,
                                      recompute=recompute)
+    executor.sparsity = group
     return skeleton, executor

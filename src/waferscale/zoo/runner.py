@@ -172,7 +172,7 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tu
     recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
     model, executor = compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
                                       micro_batch_size=inp.micro_batch_size, recompute=recompute,
-                                      swarmx_timeout_s=opts.swarmx_timeout_s)
+                                      swarmx_timeout_s=opts.swarmx_timeout_s, sparsity=params.sparsity)
     return model, executor, why
 
 
@@ -196,10 +196,14 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             raise CheckpointError(f"{c.path} was written for another architecture "
                                   f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
         executor.load_model_weights(c.model, str(c.path))
+        if executor.sparsity is not None and not any(k.endswith("_mask") for k in c.model):
+            executor.sparsity.redraw()  # sparse training from dense weights: masks from the loaded weights
         if opts.load_checkpoint_states == "all":
             if (state := c.optimizer_state()) is not None:
                 executor.load_optimizer_state(state)
             loader.load_state_dict(c.manifest.get("data", {"step": c.step}))
+            if executor.sparsity is not None and "sparsity" in c.manifest:
+                executor.sparsity.load_state_dict(c.manifest["sparsity"])
             if c.rng_state is not None:
                 torch.set_rng_state(c.rng_state)
             start_step = c.step
@@ -223,7 +227,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         return ckpt.save_checkpoint(model_dir, step, executor.model_for_checkpoint(), cfg.to_dict(),
                                     optimizer_state=executor.optimizer_state(),
                                     extra={"data": loader.state_dict(), "tokenizer": "tokenizer",
-                                           "seq_len": data.seq_len, "executor": executor.name})
+                                           "seq_len": data.seq_len, "executor": executor.name,
+                                           **({"sparsity": executor.sparsity.state_dict()}
+                                              if executor.sparsity is not None else {})})
 
     summary: dict[str, Any] = {"model": cfg.name, "params": model.num_params(), "device": str(device),
                                "executor": executor.name, "execution_reason": why, "num_csx": opts.num_csx,
@@ -258,6 +264,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
                 line["grad_norm"] = r.grad_norm
             if r.skipped:
                 line["skipped"] = True
+            if executor.sparsity is not None:  # target and actual (from the masks) over the sparse weights
+                line.update(executor.sparsity.figures())
             if r.stats:
                 line.update(r.stats)
                 accumulate_stream_stats(stream_totals, r.stats)

@@ -1,0 +1,70 @@
+"""Sparse payloads: what a link moves for a unit whose weights are masked.
+
+A unit's matrices payload (layout.py) becomes its kept values (in the stream dtype, payload order) plus a
+bitmask over the whole payload, one bit per element (`sparse.masks.pack_bits`). The bitmask, not CSR: at
+half precision a value is 16 bits, so the bitmask's overhead is 1/16 of the dense bytes at any density, where
+CSR's 16-bit column indices cost 16 bits per kept value and are larger than the bitmask above a density of
+1/16; and a bitmask is expanded with one masked scatter on any device. Vectors (biases, norms) stay dense.
+
+Gradients come back as the kept values only, in the same order: both ends know the mask of the step (the
+device got it with the weights), so no index travels back. On the steps where an algorithm needs the dense
+gradient (RigL's update steps) the gradient comes back dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from waferscale.runtime.layout import UnitLayout
+from waferscale.sparse.masks import pack_bits
+
+__all__ = ["PackedUnit", "UnitMasks", "expand"]
+
+
+@dataclass
+class PackedUnit:
+    """A sparse unit's weights in transit: kept matrix values, the bitmask, the dense vectors, and whether the
+    gradients of this step must come back dense."""
+
+    values: Tensor
+    bits: Tensor  # uint8, ceil(n_matrices / 8)
+    vectors: Tensor
+    dense_grads: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.bits, self.vectors))
+
+
+class UnitMasks:
+    """The kept elements of each unit's matrices payload, from the masks of the sparse parameters (by name).
+    Units with no masked matrix are dense and absent."""
+
+    def __init__(self, layouts: list[UnitLayout]) -> None:
+        self.layouts = layouts
+        self.keep: dict[int, Tensor] = {}  # unit -> bool (n_matrices,)
+        self.bits: dict[int, Tensor] = {}
+
+    def refresh(self, masks: dict[str, Tensor]) -> None:
+        self.keep, self.bits = {}, {}
+        for lay in self.layouts:
+            entries = [e for e in lay.entries if e.matrix and e.name in masks]
+            if not entries:
+                continue
+            keep = torch.ones(lay.n_matrices, dtype=torch.bool)
+            for e in entries:
+                keep[e.payload_offset:e.payload_offset + e.numel] = masks[e.name].reshape(-1)
+            self.keep[lay.index] = keep
+            self.bits[lay.index] = pack_bits(keep)
+
+    def __contains__(self, u: int) -> bool:
+        return u in self.keep
+
+
+def expand(values: Tensor, keep: Tensor) -> Tensor:
+    """The dense payload (zeros where not kept) on values' device and dtype."""
+    out = torch.zeros(keep.numel(), dtype=values.dtype, device=values.device)
+    return out.masked_scatter_(keep.to(values.device), values)
