@@ -249,6 +249,14 @@ class CausalLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def init_buffers(self, device: torch.device | str = "cpu") -> None:
+        """Compute the non-persistent buffers (rotary frequencies) on the CPU and move them to `device`: a model
+        built on the meta device gets real ones."""
+        cfg = self.config
+        for block in self.blocks:
+            if block.attn.rotary:
+                block.attn.inv_freq = rope_inv_freq(block.attn.hd, cfg.rope_theta, cfg.rope_scaling).to(device)
+
 
 def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
     """Mean cross-entropy over all target tokens (Model Zoo `loss_scaling: num_tokens`)."""

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.models.registry import build
 from waferscale.runtime.engine import StreamingEngine, fetch_order, nbytes
 from waferscale.runtime.executor import Executor, StepResult, check_loss, device_budget
 from waferscale.runtime.links import LocalLink
@@ -31,34 +32,10 @@ __all__ = ["StreamingExecutor", "MemoryXExecutor", "build_skeleton", "lm_engine"
            "MemoryPlan", "step_observability"]
 
 
-# ---- a model whose parameters are on the meta device (buffers such as rotary frequencies stay real) ------
-
-@contextlib.contextmanager
-def _params_on_meta():
-    orig = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        orig(self, name, param)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = orig  # type: ignore[method-assign]
-
-
 def build_skeleton(cfg: Any, device: torch.device | str = "cpu") -> CausalLM:
     """The model with meta parameters (no weight memory) and real buffers on `device`."""
-    from waferscale.models.registry import FAMILY_CLASSES
-
-    with _params_on_meta():
-        model = FAMILY_CLASSES[cfg.family](cfg)  # torch.empty parameters never touch their pages
-    for mod in model.modules():
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[name] = b.to(device)
+    model = build(cfg, device="meta")
+    model.init_buffers(device)
     return model
 
 
