@@ -80,9 +80,8 @@ def launch(backend: "Backend") -> None:
         threads = max(1, (os.cpu_count() or 1) // n)
         torch.set_num_threads(threads)
     _cluster_here = _cluster.launch(n, list(sys.argv), timeout_s=backend.cluster_config.timeout_s, label="system",
-                                    advice="the checkpoints already written are complete",
-                                    threads=threads, log_dir=backend.artifact_dir,
-                                    needed_by=f"ClusterConfig(num_csx={n})", what="processes")
+                                    advice="the checkpoints already written are complete", threads=threads,
+                                    log_dir=backend.artifact_dir, needed_by=f"ClusterConfig(num_csx={n})")
     atexit.register(_shutdown)
 
 
@@ -117,4 +116,9 @@ def guard(what: str, fn):  # noqa: ANN001, ANN201 - passes fn's result through
 
 def all_mean(values: list[float]) -> list[float]:
     """Element-wise mean over the systems (main thread, default group)."""
-    return _cluster.all_mean(_cluster_here, values, "averaging the step's results")
+    c = _cluster_here
+    if c is None or c.world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    c.guard("averaging the step's results", lambda: dist.all_reduce(t))
+    return (t / c.world).tolist()

@@ -22,7 +22,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 
 from waferscale.errors import ConfigError
@@ -104,12 +103,9 @@ class Cluster:
         dead = {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
         others = [r for r in range(self.world) if r != self.rank]
         beats = self._beats(others)
-        if beats:  # the rank that fell behind is the cause; the others stopped waiting for it
-            progress = {r: beats.get(r, (-1, 0, "never reported"))[:2] for r in others}
-            front = max(progress.values())
-            behind = sorted((v, r) for r, v in progress.items() if v < front)
-        else:
-            behind = []
+        # the rank that fell behind is the cause; the others stopped waiting for it
+        progress = {r: beats.get(r, (-1, 0))[:2] for r in others} if beats else {}
+        behind = sorted((v, r) for r, v in progress.items() if v < max(progress.values()))
         if behind:
             r = behind[0][1]
             seq, _, phase = beats.get(r, (0, 0, "never reported"))
@@ -221,12 +217,3 @@ def connect(url: str, rank: int, world: int, timeout_s: float, procs: dict[int, 
     dist.init_process_group("gloo", store=dist.PrefixStore("swarmx", store), rank=rank, world_size=world,
                             timeout=timeout)
     return Cluster(rank, world, store, timeout_s, procs or {}, label, advice)
-
-
-def all_mean(cluster: Cluster | None, values: list[float], what: str) -> list[float]:
-    """Element-wise mean over the ranks (main thread, default group)."""
-    if cluster is None or cluster.world == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    cluster.guard(what, lambda: dist.all_reduce(t))
-    return (t / cluster.world).tolist()
