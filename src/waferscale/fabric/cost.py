@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from statistics import NormalDist
 
 import numpy as np
@@ -184,10 +185,12 @@ def _chain_stages(spec: FabricSpec, mesh: Mesh, R: int, C: int, add_first: np.nd
     return stage
 
 
-def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float) -> np.ndarray:
+@lru_cache(maxsize=4096)
+def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float, index: bool = True) -> np.ndarray:
     """Distribution of one sparse x task's cycles (index = cycles): its non-zeros ~ Binomial(cells, density)
     (uniform random sparsity), each a multiply-add with value + index + y reads and a y write
-    (`pe.task_cycles`, at least one cycle)."""
+    (`pe.task_cycles`, at least one cycle). `index=False`: dense weights (no index to read). Memoized: the
+    callers never modify it."""
     if cells == 0 or density <= 0:
         return np.array([0.0, 1.0])
     mu, sd = cells * density, math.sqrt(cells * density * (1 - density))
@@ -199,10 +202,25 @@ def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float) -> np.nd
             + ks * math.log(density) + (cells - ks) * math.log1p(-density)
         p = np.exp(logp - logp.max())
     p /= p.sum()
-    cyc = np.array([PE.task_cycles(spec, dtype, ops=int(k), read_elems=3 * int(k), write_elems=int(k)) for k in ks])
+    reads = 3 if index else 2
+    cyc = np.array([PE.task_cycles(spec, dtype, ops=int(k), read_elems=reads * int(k), write_elems=int(k))
+                    for k in ks])
     out = np.zeros(int(cyc.max()) + 1)
     np.add.at(out, cyc, p)
     return out
+
+
+def _x_task_pmfs(spec: FabricSpec, dtype: str, mt: int, chunks: list[tuple[int, int]], density: float,
+                 act: float | None, index: bool) -> list[np.ndarray]:
+    """Task-cycle distributions of one PE's x stream for a tile of `mt` rows. act=None: the stream as it is,
+    `chunks` of (values per wavelet, wavelets), one task per wavelet. act in (0, 1]: zero activations filtered
+    at the sender, so each non-zero x value travels alone (value + index) and fires its own task; a value is
+    non-zero with probability `act` (a skipped value costs nothing on this PE). `index`: W stored sparse."""
+    if act is None:
+        return [q for e, cnt in chunks for q in [_task_pmf(spec, dtype, e * mt, density, index)] * cnt]
+    q = act * _task_pmf(spec, dtype, mt, density, index)
+    q[0] += 1.0 - act
+    return [q] * sum(e * cnt for e, cnt in chunks)
 
 
 def _work_pmf(task_pmfs: list[np.ndarray]) -> tuple[int, np.ndarray]:
@@ -244,16 +262,19 @@ def _expected_max(groups: list[tuple[np.ndarray, np.ndarray, int, np.ndarray]]) 
 
 
 def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str,
-                       mesh: Mesh | None, density: float | None = None) -> Cycles:
+                       mesh: Mesh | None, density: float | None = None, act: float | None = None) -> Cycles:
     """x segments multicast down the columns (1 color), one AXPY task per arriving x wavelet, partial sums
     chained East->West along the rows (2 alternating colors); n vectors stream back to back.
 
     The first vector's critical path is the max over PEs (i, j) of: the first x wavelet's arrival, the PE's
     own x tasks (`pe.task_cycles` per wavelet, for its real tile: the last tile row/column is smaller), and its
     partial's trip West through j chain stages (`_ws_offsets`), then the row's remaining partial wavelets one
-    add task each. Sparse (`density`): a PE's work is random (binomial non-zeros per task), so the model takes
-    the expectation of that maximum over independent PEs, exactly from the work distribution. Further vectors
-    follow one per period of the busiest PE (its x tasks + its adds)."""
+    add task each. Sparse (`density`, or `act`: the fraction of non-zero x values, zeros filtered at the
+    sender, `_x_task_pmfs`): a PE's work is random (binomial non-zeros per task), so the model takes the
+    expectation of that maximum over independent PEs, exactly from the work distribution. Further vectors
+    follow one per period of the busiest PE (its x tasks + its adds). A weight pattern is fixed, so the same PE
+    is the busiest for every vector: the period is the expected maximum over PEs of their work; activation
+    zeros change from vector to vector and average out in the PEs' queues (their mean is charged)."""
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(m, R), used(k, C)
     mts, kts = _split(m, R), _split(k, C)
@@ -267,7 +288,9 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
     add_first, add_tail, ny = (np.array([per_mt[int(v)][f] for v in uniq], np.float64)[inv] for f in (0, 1, 2))
     add_tail = add_tail if C > 1 else np.zeros(R)
     perfect = mesh is None or not mesh.has_defects
-    if perfect and density is None:  # offsets grow with i and j inside a tile class: only each class's last
+    sparse = density is not None or act is not None
+    d = 1.0 if density is None else density
+    if perfect and not sparse:  # offsets grow with i and j inside a tile class: only each class's last
         keep_r = np.array(sorted({int(np.flatnonzero(mts == v).max()) for v in np.unique(mts)}))  # row/column
         keep_c = np.array(sorted({int(np.flatnonzero(kts == v).max()) for v in np.unique(kts)}))  # can be max
     else:
@@ -275,7 +298,7 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
     off = _ws_offsets(spec, R, C, mesh, add_first, keep_r, keep_c) + add_tail[keep_r, None]
     mts_k, kts_k = mts[keep_r], kts[keep_c]
     comp = sram = period = 0.0
-    groups, cells, work = [], [], np.zeros(off.shape)
+    groups, cells, busy, work = [], [], [], np.zeros(off.shape)
     for mt in np.unique(mts):
         ri, mt = np.flatnonzero(mts_k == mt), int(mt)
         adds = per_mt[mt][3] if C > 1 else 0
@@ -283,24 +306,35 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
             ci, kt = np.flatnonzero(kts_k == kt), int(kt)
             full, rem = divmod(kt, epw)
             chunks = [(epw, full)] + ([(rem, 1)] if rem else [])  # (values per x wavelet, wavelets)
-            if density is None:
+            if not sparse:
                 x = sum(cnt * PE.axpy_task(spec, dtype, e, mt) for e, cnt in chunks)
                 parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt,
                                                                 write_elems=e * mt)) for e, cnt in chunks]
             else:
-                w0, pmf = _work_pmf([_task_pmf(spec, dtype, e * mt, density) for e, cnt in chunks
-                                     for _ in range(cnt)])
+                w0, pmf = _work_pmf(_x_task_pmfs(spec, dtype, mt, chunks, d, act, density is not None))
                 x = w0 + float((pmf * np.arange(len(pmf))).sum())
-                parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt * density,
-                                                                read_elems=3 * e * mt * density,
-                                                                write_elems=e * mt * density)) for e, cnt in chunks]
+                if act is None:
+                    parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt * d,
+                                                                    read_elems=3 * e * mt * d, write_elems=e * mt * d))
+                             for e, cnt in chunks]
+                else:  # one task per non-zero x value
+                    reads = (2 if density is None else 3) * mt * d
+                    parts = [tuple(kt * act * v for v in PE.task_parts(spec, dtype, ops=mt * d, read_elems=reads,
+                                                                        write_elems=mt * d))]
                 uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)
                 groups.append((uo, cnt.astype(np.float64), w0, pmf))
                 cells.append((ri, ci))
+                if n > 1:  # the fixed weight pattern's work per vector, scaled by the mean activation density
+                    a = 1.0 if act is None else act
+                    fw0, fpmf = (w0, pmf) if act is None else \
+                        _work_pmf(_x_task_pmfs(spec, dtype, mt, chunks, d, 1.0, density is not None))
+                    busy.append((np.array([adds / a]), np.array([float(len(ri) * len(ci))]), fw0, fpmf))
             work[np.ix_(ri, ci)] = x  # sparse: the mean work
             comp = max(comp, sum(c for c, _ in parts) + adds)
             sram = max(sram, sum(s_ for _, s_ in parts))
             period = max(period, x + adds)
+    if busy:
+        period = (1.0 if act is None else act) * _expected_max(busy)
     # detours can make several rows' chains share a physical link; their partials then take turns on it
     share = np.ones(R)
     if C > 1 and _exact(mesh, R, C):
@@ -309,10 +343,11 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
         for g, (ri, ci) in enumerate(cells):
             uo, cnt = np.unique(off[np.ix_(ri, ci)].ravel(), return_counts=True)
             groups[g] = (uo, cnt.astype(np.float64), groups[g][2], groups[g][3])
-    first = float((off + work).max()) if density is None else _expected_max(groups)
+    first = _expected_max(groups) if sparse else float((off + work).max())
     passes = _passes(spec, 1 + (2 if C > 1 else 0))
     total = (passes - 1) * _multicast(spec, _hops(mesh, R, C, axis=0), 1) + (n - 1) * period + first
-    fabric = n * max(-(-int(kts.max()) // epw), float((share * ny).max()) if C > 1 else 0)
+    x_waves = -(-int(kts.max()) // epw) if act is None else math.ceil(act * int(kts.max()))
+    fabric = n * max(x_waves, float((share * ny).max()) if C > 1 else 0)
     return make_cycles(compute=n * comp, sram=n * sram, fabric=fabric, total=total, passes=passes)
 
 
@@ -370,6 +405,46 @@ def spmv_cycles(spec: FabricSpec, m: int, k: int, nnz: int, rows: int, cols: int
     if nnz > m * k:
         raise ConfigError(f"nnz={nnz} exceeds m*k={m * k}")
     return _weight_stationary(spec, m, k, 1, rows, cols, dtype, mesh, density=nnz / (m * k))
+
+
+def sparse_gemm_cycles(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str = "fp16", *,
+                       density: float = 1.0, act_density: float = 1.0, mesh: Mesh | None = None) -> Cycles:
+    """Y(m, n) = W(m, k) X(k, n) with a `density` fraction of W non-zero (uniformly random, stored as value +
+    index: one multiply-add per non-zero, as `spmv_cycles`) and an `act_density` fraction of X non-zero.
+
+    Zero activations are either filtered at the sender (each non-zero value then travels alone with its index
+    and fires its own task; the multiply is skipped) or streamed as they are; the faster is charged. What no
+    sparsity removes: the x multicast's fill, one task (>= 1 cycle) per arriving wavelet, the dense partial
+    sums (m per vector) and their chain reduction, and the busiest PE of a random pattern setting the pace."""
+    check_positive(m=m, k=k, n=n)
+    for name, v in (("density", density), ("act_density", act_density)):
+        if not 0.0 < v <= 1.0:
+            raise ConfigError(f"{name} must be in (0, 1], got {v!r}")
+    dens = density if density < 1 else None
+    plain = _weight_stationary(spec, m, k, n, rows, cols, dtype, mesh, density=dens)
+    if act_density >= 1:
+        return plain
+    return min(plain, _weight_stationary(spec, m, k, n, rows, cols, dtype, mesh, density=dens, act=act_density),
+               key=lambda c: c.total)
+
+
+def sparse_imbalance(spec: FabricSpec, m: int, k: int, rows: int, cols: int, density: float,
+                     dtype: str = "fp16") -> float:
+    """The busiest PE's x-task cycles over the mean PE's for a uniformly random pattern of `density` on a
+    rows x cols region (the expected maximum over PEs): the load imbalance of unstructured sparsity."""
+    check_positive(m=m, k=k)
+    R, C = used(m, rows), used(k, cols)
+    epw = PE.elems_per_wavelet(spec, dtype)
+    groups, total, pes = [], 0.0, 0
+    for mt, cm in zip(*np.unique(_split(m, R), return_counts=True)):
+        for kt, ck in zip(*np.unique(_split(k, C), return_counts=True)):
+            full, rem = divmod(int(kt), epw)
+            chunks = [(epw, full)] + ([(rem, 1)] if rem else [])
+            w0, pmf = _work_pmf(_x_task_pmfs(spec, dtype, int(mt), chunks, density, None, True))
+            groups.append((np.zeros(1), np.array([float(cm * ck)]), w0, pmf))
+            total += (w0 + float((pmf * np.arange(len(pmf))).sum())) * cm * ck
+            pes += int(cm * ck)
+    return _expected_max(groups) / (total / pes)
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
