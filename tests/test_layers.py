@@ -30,7 +30,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": _BOTTOM,  # models and data never import each other
     "data": _BOTTOM,
     "sparse": _BOTTOM,  # masks and algorithms, pure torch: below everything that applies them
-    "compiler": _BOTTOM | {"fabric", "models"},
+    "compiler": _BOTTOM | {"fabric", "models", "sparse"},  # sparse: a params file's section, read by capture
     "runtime": _L1 | {"compiler"},  # never pytorch, params, zoo, serve, cli
     "pytorch": _L1 | {"compiler", "runtime"},  # the cstorch API
     "params": _BOTTOM | {"models", "sparse", "runtime"},  # the params YAML; read only by zoo and cli

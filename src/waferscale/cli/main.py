@@ -17,6 +17,7 @@ from waferscale.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from waferscale.compiler import Plan
     from waferscale.compiler.ir import Graph
+    from waferscale.params import Params
 
 EXIT_USAGE = 2
 
@@ -45,7 +46,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         from waferscale.compiler import compile_model
         from waferscale.zoo.wafer import params_graph
 
-        plan = compile_model(graph=params_graph(params), target=a.target, systems=num_csx, mode="train")
+        plan = compile_model(graph=params_graph(params), target=a.target, systems=num_csx, mode="train",
+                             sparsity=_params_sparsity(params))
         _report_plan(plan, Path(model_dir), as_json=False)
         return 0
     try:
@@ -127,6 +129,16 @@ def _params_graph(path: str) -> "Graph":
     return params_graph(load_params(path))
 
 
+def _params_sparsity(params: "Params") -> dict[str, float] | None:
+    """A params file's `sparsity:` section as the compiler takes it: zeros per matrix at the run's last step."""
+    if params.sparsity is None:
+        return None
+    from waferscale.compiler.capture import section_sparsity
+    from waferscale.params.typed import to_plain
+
+    return section_sparsity(params.model.to_model_config(), to_plain(params.sparsity), params.runconfig.max_steps)
+
+
 def _report_plan(plan: "Plan", out: Path | None, as_json: bool) -> None:
     """Write plan.json, wafer.png, wafer.svg and trace.json into `out` (if given), then print the plan."""
     from waferscale.compiler import plan_json, plan_summary, write_outputs
@@ -148,11 +160,19 @@ def cmd_compile(a: argparse.Namespace) -> int:
         raise ConfigError("give exactly one of --model NAME or --params P.yaml")
     if not 0.0 <= a.defects < 1.0:
         raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
-    plan = compile_model(model=a.model, graph=_params_graph(a.params) if a.params else None, target=a.target,
+    graph, sparsity = None, a.sparsity  # --sparsity overrides a params file's sparsity section
+    if a.params:
+        from waferscale.params import load_params
+        from waferscale.zoo.wafer import params_graph
+
+        params = load_params(a.params)
+        graph = params_graph(params)
+        sparsity = sparsity if sparsity is not None else _params_sparsity(params)
+    plan = compile_model(model=a.model, graph=graph, target=a.target,
                          systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
                          batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
                          context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
-                         clock_hz=a.clock_hz)
+                         clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity)
     _report_plan(plan, Path(a.out) if a.out else None, as_json=a.json)
     return 0
 
@@ -174,10 +194,71 @@ def cmd_kernel(a: argparse.Namespace) -> int:
 
     if not 0.0 <= a.defects < 1.0:
         raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
+    if a.density is not None and not 0.0 < a.density <= 1.0:
+        raise ConfigError(f"--density must be in (0, 1], got {a.density}")
+    sparsity = a.sparsity if a.density is None else 1.0 - a.density
     d = run_kernel(a.kind, m=a.m, k=a.k, n=a.n, target=a.target, pes=parse_pes(a.pes) if a.pes else None,
-                   defects=a.defects, seed=a.seed, verify=a.verify, sparsity=a.sparsity, clock_hz=a.clock_hz)
+                   defects=a.defects, seed=a.seed, verify=a.verify, sparsity=sparsity, clock_hz=a.clock_hz)
     print(json.dumps(d, indent=1) if a.json else format_kernel_report(d))
     return 1 if a.verify and not d.get("verified") else 0
+
+
+def cmd_sparsity_report(a: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from waferscale.compiler.capture import measure_sparsity
+    from waferscale.compiler.sparsity import report_figure, report_table
+    from waferscale.runtime.generation import load_for_generation
+    from waferscale.util.files import atomic_write_bytes
+
+    if (a.model is None) == (a.checkpoint is None):
+        raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
+    for flag in ("batch_size", "seq_len"):
+        if getattr(a, flag) <= 0:
+            raise ConfigError(f"--{flag} must be a positive integer, got {getattr(a, flag)}")
+    if not a.threshold > 0:
+        raise ConfigError(f"--threshold must be positive, got {a.threshold}")
+    model, tok, _ = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=None, device="cpu",
+                                        need_tokenizer=False)
+    cfg, n = model.config, a.batch_size * a.seq_len
+    if a.seq_len > cfg.max_seq_len:
+        raise ConfigError(f"--seq_len {a.seq_len} exceeds {cfg.name}'s context of {cfg.max_seq_len}")
+    if a.data is None:
+        ids, source = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(a.seed)), \
+            f"random token ids, seed {a.seed}"
+    else:
+        path = Path(a.data)
+        if not path.is_file():
+            raise ConfigError(f"--data {a.data}: no such file")
+        if path.suffix == ".npy":
+            try:
+                ids = torch.as_tensor(np.load(path).reshape(-1).astype(np.int64))
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"--data {a.data}: not a .npy array of token ids ({e})") from None
+        elif tok is None:
+            raise ConfigError(f"--data {a.data}: {cfg.name} has no tokenizer to read text with; give a .npy of ids")
+        else:
+            ids = torch.tensor(tok.encode(path.read_text(encoding="utf-8", errors="replace")))
+        if len(ids) < n or int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
+            raise ConfigError(f"--data {a.data}: needs {n:,} token ids in [0, {cfg.vocab_size}) for --batch_size "
+                              f"{a.batch_size} x --seq_len {a.seq_len}, has {len(ids):,}")
+        source = str(path)
+    rep = {"model": cfg.name, "activation": cfg.activation, "threshold": a.threshold,
+           "sample": {"batch": a.batch_size, "seq_len": a.seq_len, "source": source},
+           "layers": measure_sparsity(model, ids[:n].reshape(a.batch_size, a.seq_len), a.threshold)}
+    print(json.dumps(rep, indent=1) if a.json else report_table(rep))
+    if a.plot:
+        import io
+
+        import matplotlib.pyplot as plt
+
+        fig, buf = report_figure(rep), io.BytesIO()
+        fig.savefig(buf, format="png", dpi=140)
+        plt.close(fig)
+        atomic_write_bytes(a.plot, buf.getvalue())
+        print(f"wrote {a.plot}", file=sys.stderr if a.json else sys.stdout)
+    return 0
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -260,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         "estimate": (cmd_estimate, "memory table: weights, gradients, optimizer state vs wafer SRAM"),
         "serve": (cmd_serve, "OpenAI-compatible inference server with a playground at /"),
         "kernel": (cmd_kernel, "run a fabric kernel's cycle model (and verify it tile by tile)"),
+        "sparsity-report": (cmd_sparsity_report, "weight and activation sparsity per layer of a model, with a plot"),
     }
     for name, (fn, help_) in commands.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -305,6 +387,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--clock_hz", type=float, default=None, help="override the assumed clock")
             p.add_argument("--out", default=None, help="write plan.json, wafer.png, wafer.svg, trace.json here")
             p.add_argument("--json", action="store_true")
+            p.add_argument("--sparsity", type=float, default=None,
+                           help="fraction of zero weights in the blocks' matrices (overrides a params file's section)")
+            p.add_argument("--activation_sparsity", default=None,
+                           help="fraction of zeros entering each FFN down-projection: a number, one per layer "
+                                "(a,b,...), or a JSON file (`wsc sparsity-report --json`)")
+        elif name == "sparsity-report":
+            _model_source_flags(p)
+            p.add_argument("--data", default=None, help="a UTF-8 text file (tokenized with the model's tokenizer) "
+                                                       "or a .npy of token ids; default: random token ids")
+            p.add_argument("--batch_size", type=int, default=4)
+            p.add_argument("--seq_len", type=int, default=128)
+            p.add_argument("--threshold", type=float, default=1e-2, help="|a| below this counts as near zero")
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--plot", default="sparsity_report.png", help="PNG path ('' for none)")
+            p.add_argument("--json", action="store_true")
         elif name == "estimate":
             p.add_argument("--model", default=None)
             p.add_argument("--params", default=None)
@@ -321,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--defects", type=float, default=0.0)
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--sparsity", type=float, default=0.9, help="spmv: fraction of zero weights")
+            p.add_argument("--density", type=float, default=None, help="spmv: fraction of non-zero weights "
+                                                                          "(1 - --sparsity)")
             p.add_argument("--clock_hz", type=float, default=None)
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")

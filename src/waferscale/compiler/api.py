@@ -11,6 +11,7 @@ from typing import Any
 from waferscale.compiler.compile import compile_model
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
+from waferscale.compiler.sparsity import summary_lines
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
 from waferscale.errors import ConfigError
 from waferscale.util.files import atomic_write_bytes
@@ -25,7 +26,8 @@ TRAIN_KEYS = ("step_time_s", "tokens_per_s", "mfu", "no_stall_min_tokens_per_ste
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
-    """The `--json` object: strategy, fits_in_sram, pes_used, bottleneck, the mode's projections, assumptions."""
+    """The `--json` object: strategy, fits_in_sram, pes_used, bottleneck, the mode's projections, assumptions
+    (and the sparsity analysis when the plan has one)."""
     p = plan.projection
     d: dict[str, Any] = {"model": plan.model, "target": plan.target, "systems": plan.systems, "mode": plan.mode,
                          "strategy": plan.strategy, "replicas": plan.replicas,
@@ -35,6 +37,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     d.update({k: p[k] for k in (INFERENCE_KEYS if plan.mode == "inference" else TRAIN_KEYS) if k in p},
              why=list(plan.decisions), assumptions=plan.assumptions, plan_version=plan.version,
              fingerprint=plan.fingerprint())
+    if "sparsity" in plan.extra:
+        d["sparsity"] = plan.extra["sparsity"]
     return d
 
 
@@ -88,6 +92,7 @@ def plan_summary(plan: Plan) -> str:
                 f"{r['systems']}x: {r['tokens_per_s'] / 1e3:,.0f}k tok/s ({r['efficiency']:.2%})" for r in sc))
         shares = p.get("time_shares", {})
     lines.append(f"  bottleneck    {plan.bottleneck}  (" + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) + ")")
+    lines += summary_lines(plan.extra["sparsity"]) if "sparsity" in plan.extra else []
     lines.append(f"  assumptions   clock {a['clock_hz'] / 1e9:.3g} GHz, {a['fp16_flops_per_cycle_per_pe']} fp16 "
                  f"FLOP/cycle/PE, link {a['link_bytes_per_cycle']} B/cycle, SRAM {a['sram_bytes_per_pe'] // 1024} KiB/PE "
                  f"({a['program_reserve_bytes_per_pe'] // 1024} KiB program reserve), I/O "

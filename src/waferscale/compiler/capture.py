@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from waferscale.compiler.ir import Graph, MatMul, Unit
+from waferscale.compiler.ir import FFN_DOWN, Graph, MatMul, Unit
 from waferscale.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
             owner.setdefault(id(p), i)
     d, ffn = cfg.d_model, cfg.ffn_dim
     kinds = ["embed"] + ["block"] * cfg.n_layer + ["head"]
-    names = ["embed"] + [f"block{i}" for i in range(cfg.n_layer)] + ["head"]
+    names = unit_names(cfg.n_layer)
     out: list[Unit] = []
     for i, (mod, kind, name) in enumerate(zip(units, kinds, names)):
         params = sum(p.numel() for p in mod.parameters() if owner[id(p)] == i)
@@ -106,8 +107,18 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
     return Graph(name=cfg.name, source=source, units=tuple(out), dtype=dtype, max_seq_len=cfg.max_seq_len)
 
 
+def unit_names(n_layer: int) -> list[str]:
+    """The units of a zoo model (`model.units()`), as the graph names them."""
+    return ["embed"] + [f"block{i}" for i in range(n_layer)] + ["head"]
+
+
 def _matmuls(mod: nn.Module) -> tuple[MatMul, ...]:
-    """nn.Linear layers of a unit; q/k/v and gate/up (same input) fused into one GEMV as a compiler would."""
+    return tuple(mm for mm, _ in _matmul_members(mod))
+
+
+def _matmul_members(mod: nn.Module) -> list[tuple[MatMul, list[nn.Linear]]]:
+    """nn.Linear layers of a unit; q/k/v and gate/up (same input) fused into one GEMV as a compiler would:
+    each matrix with the layers it fuses."""
     groups: "OrderedDict[str, list[nn.Linear]]" = OrderedDict()
     leaves: dict[str, str] = {}  # the leaf name of a group's first layer (a group of one keeps its own name)
     for qual, m in mod.named_modules():
@@ -119,11 +130,79 @@ def _matmuls(mod: nn.Module) -> tuple[MatMul, ...]:
     out = []
     for key, ms in groups.items():
         if len({m.in_features for m in ms}) != 1:  # not a shared input: keep them apart
-            out += [MatMul(f"{key}.{j}", m.out_features, m.in_features) for j, m in enumerate(ms)]
+            out += [(MatMul(f"{key}.{j}", m.out_features, m.in_features), [m]) for j, m in enumerate(ms)]
         else:
             leaf = key.rpartition(".")[2] if len(ms) > 1 else leaves[key]
-            out.append(MatMul(leaf, sum(m.out_features for m in ms), ms[0].in_features))
-    return tuple(out)
+            out.append((MatMul(leaf, sum(m.out_features for m in ms), ms[0].in_features), ms))
+    return out
+
+
+# ---- sparsity: a params file's section, and what a real model's weights and activations hold ---------------
+
+def section_sparsity(cfg: ModelConfig, section: Any, step: int | None = None) -> dict[str, float]:
+    """Fraction of zero weights per matrix ("unit.matmul") that a params file's `sparsity:` section sets: the
+    parameters its groups select (`waferscale.sparse.configure`, `Group.select`) at each algorithm's target
+    at `step` (the run's last step; 0 when unknown). A fused matrix (q/k/v, gate/up) takes its members'
+    size-weighted mean. Under the default filter embeddings and the LM head stay dense, tied or not, as in
+    Cerebras' (which names them `*embedding*` and `lm_head`; the zoo's embedding is `embed.tok`)."""
+    from waferscale.models import build
+    from waferscale.sparse import configure
+
+    with warnings.catch_warnings():  # the params loader has already said that `type` is `algorithm`'s old name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        group = configure(section)
+    with _no_init():
+        model = build(cfg, device="meta")
+    embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    default = {id(a) for f, a in zip(group.filters, group.algorithms) if f is None}
+    picked = {id(p): algo.sparsity_at(step or 0) for name, p, algo in group.select(model.named_parameters())
+              if not (id(algo) in default and (id(p) in embeds or "lm_head" in name))}
+    out = {}
+    for uname, mod in zip(unit_names(cfg.n_layer), model.units()):
+        for mm, members in _matmul_members(mod):
+            zeros = sum(picked.get(id(m.weight), 0.0) * m.weight.numel() for m in members)
+            if zeros:
+                out[f"{uname}.{mm.name}"] = zeros / sum(m.weight.numel() for m in members)
+    return out
+
+
+@torch.no_grad()
+def measure_sparsity(model: nn.Module, ids: torch.Tensor, threshold: float) -> list[dict[str, Any]]:
+    """Per unit of a zoo model (embedding, blocks, head): its matrices' weight sparsity (exact zeros, tables
+    included; and their `<name>_mask` buffers' when present), and for a block the activation entering its FFN
+    down-projection on the batch `ids` (B, T), taken by forward pre-hooks: the fraction of exact zeros (what
+    the wafer's cores skip) and of |a| < threshold (what thresholding would add)."""
+    acts: dict[str, list[int]] = {}
+    hooks = []
+    names = unit_names(model.config.n_layer)
+    for uname, mod in zip(names, model.units()):
+        for qual, m in mod.named_modules():
+            if isinstance(m, nn.Linear) and qual.rpartition(".")[2] in FFN_DOWN:
+                def hook(_m, args, uname=uname):
+                    a = args[0]
+                    n = acts.setdefault(uname, [0, 0, 0])
+                    n[0] += int((a == 0).sum())
+                    n[1] += int((a.abs() < threshold).sum())
+                    n[2] += a.numel()
+                hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for uname, mod in zip(names, model.units()):
+        mats = [(n, p) for n, p in mod.named_parameters() if p.ndim > 1]
+        masks = [b for n, b in mod.named_buffers() if n.endswith("_mask")]
+        size = sum(p.numel() for _, p in mats)
+        a = acts.get(uname)
+        rows.append({"layer": uname, "matrix_params": size,
+                     "weight_sparsity": sum(int((p == 0).sum()) for _, p in mats) / size if size else None,
+                     "mask_sparsity": 1 - sum(int(b.sum()) for b in masks) / sum(b.numel() for b in masks)
+                     if masks else None,
+                     "activation_exact_zero": a[0] / a[2] if a else None,
+                     "activation_near_zero": a[1] / a[2] if a else None, "activation_values": a[2] if a else 0})
+    return rows
 
 
 # ---- arbitrary nn.Module ---------------------------------------------------------------------------------

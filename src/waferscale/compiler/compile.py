@@ -9,17 +9,22 @@ and assembles the `Plan`:
     pipeline.py          placing pipeline copies on wafers, hand-offs and decode latency (shared)
     data_parallel.py     SwarmX gradient all-reduce and weak scaling over systems
     strategy.py          region sizing, placement of one copy, routing colors
+    sparsity.py          weight and activation sparsity on the graph, and the speedup sweep that explains it
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from waferscale.compiler import project as pj
+from waferscale.compiler import sparsity as sp
 from waferscale.compiler._fabric import wafer_map
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.inference import plan_inference
 from waferscale.compiler.ir import Graph
+from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Plan, Region
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
 from waferscale.compiler.training import plan_training
@@ -33,11 +38,17 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                   systems: int = 1, pes: tuple[int, int] | None = None, mode: str = "inference",
                   batch_size: int | None = None, seq_len: int | None = None, prompt_len: int | None = None,
                   context_len: int | None = None, users: int | None = None, defects: float = 0.0, seed: int = 0,
-                  clock_hz: float | None = None) -> Plan:
+                  clock_hz: float | None = None, sparsity: float | Mapping[str, float] | None = None,
+                  activation_sparsity: Any = None) -> Plan:
     """Compile a zoo model (`model`), a captured graph (`graph`: a params file's comes from
     `waferscale.zoo.wafer.params_graph`) or an nn.Module (`module`, or `(module, sample_input_shape)`) for
     `systems` x `target` wafers. Raises ConfigError on bad input or an impossible request (the message has the
-    numbers)."""
+    numbers).
+
+    sparsity: the fraction of zero weights in the matrices Cerebras' default filter takes, or per matrix
+    ("unit.matmul" -> fraction: `capture.section_sparsity` for a params file's section). activation_sparsity:
+    the fraction of zeros entering the FFN down-projections (`sparsity.activation_sparsity` lists the forms).
+    Without either the plan is the dense one, byte for byte."""
     if sum(x is not None for x in (model, graph, module)) != 1:
         raise ConfigError("give exactly one of --model NAME, --params P.yaml (or a module)")
     mode_key = MODES.get(str(mode).lower())
@@ -61,12 +72,19 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         mod, example = module if isinstance(module, tuple) else (module, None)
         g = capture.capture_module(mod, example)
 
+    weight = sp.weight_sparsity(g, sparsity) if sparsity is not None else {}
+    act = sp.activation_sparsity(g, activation_sparsity) if activation_sparsity is not None else {}
+    if weight or act:
+        g = sp.apply(g, weight, act)
     wafers = [wafer_map(spec, defects, seed + s) for s in range(systems)]
     ctx = CompileContext(g, spec, wafers, systems, [])
     usable = min(w.usable_pes for w in wafers)
     if usable < len(g.units):
         raise ConfigError(f"the {wafers[0].rows}x{wafers[0].cols} mesh has {usable} usable PEs, fewer than the "
                           f"{len(g.units)} units of {g.name} (one PE per unit at least); use a larger --pes")
+    if activation_sparsity is not None and not act:
+        ctx.say("activation sparsity: no exact zeros given (GELU/SwiGLU FFNs produce few), so no multiply is "
+                "skipped; the projection is the dense one")
     if defects:
         m = wafers[0].mesh
         ctx.say(f"defects: rate {defects:g}, seed {seed}: wafer 0 has {m.n_dead_cores} dead cores and "
@@ -77,6 +95,9 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         plan_training(ctx, batch_size, seq_len)
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
+    reproject = out.pop("reproject")
+    extra = {"sparsity": sp.explain(ctx, reproject, _probe(g, regions, proj, wafers[0]),
+                                    "decode token" if mode_key == "inference" else "training step")} if g.sparse else {}
     assumptions = pj.assumptions(spec, systems, g.dtype)
     if defects:
         assumptions["defect_detours"] = ("charged per placed region on its own routes (fabric.mesh: exact routes for "
@@ -92,4 +113,15 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                         for i, w in enumerate(wafers)],
                 workload=out["workload"], graph=g.to_dict(), regions=regions, decisions=ctx.decisions,
                 projection=proj, assumptions=assumptions, bottleneck=proj["bottleneck"],
-                pes_used=sum(r.live_pes for r in regions))
+                pes_used=sum(r.live_pes for r in regions), extra=extra)
+
+
+def _probe(g: Graph, regions: list[Region], proj: dict, wafer) -> tuple[int, int]:
+    """(rows, cols) of the first sparse unit's region: its own rectangle, or a streamed layer's share of the
+    wafer (its g-way copy)."""
+    i = next(i for i, u in enumerate(g.units) if u.sparse)
+    own = [r for r in regions if r.unit == i]
+    if own:
+        return own[0].rows, own[0].cols
+    box = grid_boxes(Rect(0, 0, wafer.rows, wafer.cols), proj.get("layer_copies", [1] * len(g.units))[i])[0]
+    return box.rows, box.cols

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from waferscale.compiler.plan import Plan
+from waferscale.compiler.sparsity import unit_density
 
 
 # labels stay readable over the dead-core markers: a light box behind the text
@@ -43,6 +44,8 @@ def figure(plan: Plan):
     for r in plan.regions:
         by_sys.setdefault(r.system, []).append(r)
     dead = _dead_cores(plan)
+    sparse = "sparsity" in plan.extra
+    density = [unit_density(u) for u in plan.graph["units"]]
     for s in range(nrows * ncols):
         ax = axes[s // ncols][s % ncols]
         if s >= n:
@@ -55,16 +58,19 @@ def figure(plan: Plan):
         big = [r for r in regs if r.area >= 0.002 * rows * cols]
         for r in regs:
             color = "#9ecae1" if r.unit < 0 else cmap(0.08 + 0.84 * r.unit / max(1, n_units - 1))
+            shade = 0.9 if r.unit < 0 or not sparse else 0.2 + 0.7 * density[r.unit]  # paler = sparser
             ax.add_patch(Rectangle((r.col, r.row), r.cols, r.rows, facecolor=color, edgecolor="black",
-                                   lw=0.6 if len(regs) < 200 else 0.2, alpha=0.9))
+                                   lw=0.6 if len(regs) < 200 else 0.2, alpha=shade))
         # label every region that has room; the rest are named by their neighbours' numbering
         for r in regs:
             fs = min(9.0, 0.9 * 72 * 4.6 * min(r.cols / cols, r.rows / rows * aspect) / max(2, len(_short(r.name))) * 1.6)
             if r.unit < 0:
-                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, f"{plan.model}\n{r.name}\n(whole wafer per layer)",
+                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, f"{plan.model}\n{r.name}\n(whole wafer per layer)"
+                        + (f"\n{_densities(density)}" if sparse else ""),
                         ha="center", va="center", fontsize=9, zorder=6, bbox=_LABEL_BOX)
             elif fs >= 3.5 or (r in big and len(regs) < 12):
-                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, _short(r.name), ha="center", va="center",
+                label = _short(r.name) + (f"\n{density[r.unit]:.2g}" if sparse and density[r.unit] < 1 else "")
+                ax.text(r.col + r.cols / 2, r.row + r.rows / 2, label, ha="center", va="center",
                         fontsize=max(3.5, fs), color="black", zorder=6, bbox=_LABEL_BOX if len(dead) else None)
         # the pipeline path: stage centers joined in order (one hop between neighbours)
         pipe = sorted((r for r in regs if r.replica == (regs[0].replica if regs else 0) and r.unit >= 0),
@@ -95,11 +101,23 @@ def figure(plan: Plan):
     else:
         line = (f"step {p['step_time_s']:.3g} s, {p['tokens_per_s']:,.0f} tok/s, MFU {p['mfu']:.1%}; "
                 f"bottleneck: {plan.bottleneck}")
+    if sparse:
+        line += "\nsparse regions: weight density under the name, paler = sparser"
     fig.suptitle(f"{plan.model} on {plan.systems} x {plan.target} — {plan.strategy.replace('_', ' ')}"
                  f" ({plan.replicas} cop{'y' if plan.replicas == 1 else 'ies'}, {plan.pes_used:,} PEs)\n{line}",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
+
+
+def _densities(density: list[float]) -> str:
+    """The streamed layers' weight densities in words (one region stands for all of them)."""
+    sparse = [d for d in density if d < 1]
+    if not sparse:
+        return "dense weights"
+    lo, hi = min(sparse), max(sparse)
+    span = f"{lo:.2g}" if lo == hi else f"{lo:.2g}-{hi:.2g}"
+    return f"weight density {span} in {len(sparse)} of {len(density)} layers"
 
 
 def _io_edges(ax, plan: Plan, s: int, regs, rows: int, cols: int) -> None:

@@ -36,14 +36,14 @@ REPLICA_CANDIDATES = (1, 2, 3, 4, 6, 8, 9, 12, 16, 20, 24, 25, 32, 36, 48, 49, 6
 class _Footprint:
     """On-wafer bytes per unit of one pipeline copy at a context of `context` tokens."""
 
-    weights: list[int]  # (params + a tied copy) x dtype bytes
+    weights: list[int]  # (params + a tied copy) x dtype bytes, sparse matrices compressed
     kv_per_token: list[int]  # KV cache bytes per token, per user
     acts: list[int]  # activations in and out, double-buffered
     context: int
 
     @classmethod
     def of(cls, units: Sequence[Unit], b: int, context: int) -> "_Footprint":
-        return cls([(u.params + u.tied_params) * b for u in units], [u.kv_elems_per_token() * b for u in units],
+        return cls([u.stored_weight_bytes(b) for u in units], [u.kv_elems_per_token() * b for u in units],
                    [2 * (u.d_in + u.d_out) * b for u in units], context)
 
     def mem(self, users: int) -> list[int]:
@@ -104,7 +104,15 @@ def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int
                 f"(exact routes for regions up to 4,096 PEs, per-link hop estimates above): decode latency "
                 f"{lat0 * 1e6:.2f} -> {choice.lat * 1e6:.2f} us per token (+{(choice.lat / lat0 - 1):.2%})")
     _explain_choice(ctx, units, fp, choice, candidates, kmax, cap_w, users, b)
-    return _result(ctx, units, fp, choice, wpp, users, P, b)
+    out = _result(ctx, units, fp, choice, wpp, users, P, b)
+    pipe = choice.pipes[0]
+
+    def reproject(us: list[Unit]) -> tuple[pj.Time, list[float]]:  # a decode token on this placement
+        times = [stage_time(us[r.unit], r.rows, r.cols) for r in pipe.regions]
+        return decode_latency(ctx, us, Layout(pipe.regions, times), b)[1], [t.s for t in times]
+
+    out["reproject"] = reproject
+    return out
 
 
 def _context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | None) -> tuple[int, int]:

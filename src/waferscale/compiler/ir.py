@@ -7,23 +7,65 @@ Every quantity is per token unless its name says otherwise; bytes follow the dty
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from waferscale.fabric.pe import DTYPE_BYTES
 
+FFN_DOWN = ("down_proj", "fc2", "c_proj", "w2")  # names of the matrix whose input is the FFN activation
+
 
 @dataclass(frozen=True)
 class MatMul:
-    """y (m) = W (m x k) @ x (k), once per token. `m` outputs, `k` inputs (weight-stationary GEMV/GEMM)."""
+    """y (m) = W (m x k) @ x (k), once per token. `m` outputs, `k` inputs (weight-stationary GEMV/GEMM).
+    `density`: the fraction of W's weights that are non-zero (1 = dense); `act_density`: the fraction of x's
+    values that are non-zero (activation sparsity; the wafer skips the multiply of a zero)."""
 
     name: str
     m: int
     k: int
+    density: float = 1.0
+    act_density: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("density", "act_density"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"matmul {self.name!r}: {name} must be in (0, 1], got {v!r}")
 
     @property
     def flops_per_token(self) -> int:
         return 2 * self.m * self.k
+
+    @property
+    def sparse(self) -> bool:
+        return self.density < 1.0 or self.act_density < 1.0
+
+    @property
+    def nonzero_flops_per_token(self) -> float:
+        """FLOPs of the multiply-adds not skipped: non-zero weights times non-zero inputs."""
+        return self.flops_per_token * self.density * self.act_density
+
+    def stored_bytes(self, b: int) -> int:
+        """SRAM bytes of W at `b` bytes per value: dense, or per non-zero its value + a 16-bit index (row within
+        the PE's tile column), whichever is smaller (a compiler keeps a barely sparse matrix dense)."""
+        dense = self.m * self.k * b
+        return dense if self.density >= 1.0 else min(dense, math.ceil(self.m * self.k * self.density) * (b + 2))
+
+    def streamed_bytes(self, b: int) -> int:
+        """Bytes of W streamed from MemoryX: the non-zero values plus the mask as a bitmask (1 bit per weight,
+        `sparse.masks.pack_bits`); dense: every value."""
+        if self.density >= 1.0:
+            return self.m * self.k * b
+        return math.ceil(self.m * self.k * self.density) * b + math.ceil(self.m * self.k / 8)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for name in ("density", "act_density"):  # dense graphs serialize as they always have
+            if d[name] == 1.0:
+                del d[name]
+        return d
 
 
 @dataclass(frozen=True)
@@ -57,19 +99,52 @@ class Unit:
     def matmul_flops_per_token(self) -> int:
         return sum(m.flops_per_token for m in self.matmuls)
 
+    @property
+    def sparse(self) -> bool:
+        return any(m.sparse for m in self.matmuls)
+
+    @property
+    def act_sparse(self) -> bool:
+        return any(m.act_density < 1.0 for m in self.matmuls)
+
+    @property
+    def nonzero_matmul_flops_per_token(self) -> float:
+        return sum(m.nonzero_flops_per_token for m in self.matmuls)
+
+    @property
+    def nonzero_params(self) -> int:
+        """Weights that are not pruned (all of them in a dense unit)."""
+        return self.params - sum(m.m * m.k - math.ceil(m.m * m.k * m.density) for m in self.matmuls
+                                 if m.density < 1.0)
+
+    def _matrix_bytes_saved(self, b: int, streamed: bool) -> int:
+        return sum(m.m * m.k * b - (m.streamed_bytes(b) if streamed else m.stored_bytes(b))
+                   for m in self.matmuls if m.density < 1.0)
+
+    def stored_weight_bytes(self, b: int) -> int:
+        """On-wafer bytes of the weights this unit holds (its own + a tied copy), sparse matrices compressed."""
+        return max(0, (self.params + self.tied_params) * b - self._matrix_bytes_saved(b, streamed=False))
+
+    def streamed_weight_bytes(self, b: int) -> int:
+        """Bytes of this unit's own weights streamed from MemoryX per pass (non-zeros + bitmask when sparse)."""
+        return max(0, self.params * b - self._matrix_bytes_saved(b, streamed=True))
+
     def attn_flops_per_token(self, context: int) -> int:
         """QK^T and AV for one query over `context` keys: 2 x 2 x heads x head_dim x context."""
         return 4 * self.n_heads * self.head_dim * context
 
-    def fwd_flops_per_token(self, context: int = 0) -> int:
-        return self.matmul_flops_per_token + self.attn_flops_per_token(context) + self.elementwise_flops_per_token
+    def fwd_flops_per_token(self, context: int = 0, nonzero: bool = False) -> float:
+        """FLOPs of one token: the matmuls' (`nonzero`: only non-zero weights times non-zero inputs), attention
+        over `context` keys, element-wise work."""
+        mm = self.nonzero_matmul_flops_per_token if nonzero else self.matmul_flops_per_token
+        return mm + self.attn_flops_per_token(context) + self.elementwise_flops_per_token
 
     def kv_elems_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim if self.n_heads else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["matmuls"] = [dataclasses.asdict(m) for m in self.matmuls]
+        d["matmuls"] = [m.to_dict() for m in self.matmuls]
         return d
 
 @dataclass(frozen=True)
@@ -106,11 +181,17 @@ class Graph:
     def n_blocks(self) -> int:
         return sum(u.kind == "block" for u in self.units)
 
-    def model_flops_per_token(self, seq_len: int, training: bool) -> int:
+    def model_flops_per_token(self, seq_len: int, training: bool, nonzero: bool = False) -> float:
         """Model FLOPs per token as PaLM counts them (matmuls + attention over the full window; element-wise
-        work excluded), x3 for training (forward + backward)."""
-        fwd = sum(u.matmul_flops_per_token + u.attn_flops_per_token(seq_len) for u in self.units)
+        work excluded), x3 for training (forward + backward). `nonzero`: only the multiply-adds of non-zero
+        weights and activations (what a sparse model's MFU counts)."""
+        fwd = sum((u.nonzero_matmul_flops_per_token if nonzero else u.matmul_flops_per_token)
+                  + u.attn_flops_per_token(seq_len) for u in self.units)
         return 3 * fwd if training else fwd
+
+    @property
+    def sparse(self) -> bool:
+        return any(u.sparse for u in self.units)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "dtype": self.dtype, "max_seq_len": self.max_seq_len,

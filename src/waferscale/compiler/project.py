@@ -9,6 +9,7 @@ limits it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -78,8 +79,12 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
     m = dict(mesh=mesh)
     try:
         for mm in matmuls:
-            out.append(cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1
-                       else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m))
+            c = cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1 \
+                else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m)
+            if mm.sparse:  # the sparse kernel where it is faster (a barely sparse matrix on tiny tiles is not)
+                c = min(c, cost.sparse_gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, density=mm.density,
+                                                   act_density=mm.act_density, **m), key=lambda x: x.total)
+            out.append(c)
         if n_heads and attn_ctx > 0:
             if n_tokens == 1:  # decode: one query over the KV cache spread across the region
                 out.append(cost.attention_decode_cycles(spec, n_heads, head_dim, attn_ctx, rows, cols, dtype,
@@ -121,6 +126,19 @@ def unit_time(spec: FabricSpec, u: Unit, rows: int, cols: int, *, n_tokens: int,
         return Time().add("SRAM", math.inf)
     for label, cyc in parts:
         t.add(label, cyc / spec.clock_hz)
+    return t
+
+
+def backward_time(spec: FabricSpec, u: Unit, rows: int, cols: int, fwd: Time, recompute: bool = False,
+                  **kw) -> Time:
+    """The backward of unit `u` whose forward took `fwd` (plus that forward again when it is recomputed): two
+    forward-equivalents, the weight gradient dW = dy x^T, which skips zero inputs as the forward does, and the
+    input gradient W^T dy, which cannot (dy is dense). `kw`: `unit_time`'s, for that dense-input product."""
+    if not u.act_sparse:
+        return fwd.scaled(2 + recompute)
+    dense_x = dataclasses.replace(u, matmuls=tuple(dataclasses.replace(m, act_density=1.0) for m in u.matmuls))
+    t = fwd.scaled(1 + recompute)
+    t += unit_time(spec, dense_x, rows, cols, **kw)
     return t
 
 

@@ -7,6 +7,7 @@ on the wafer is in its module's docstring (`inference.py`, `training.py`, `weigh
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -58,12 +59,15 @@ def waterfill(need: list[int], work: list[float], budget: int) -> list[int]:
 def place_replica(spec: FabricSpec, units: list[Unit], mem: list[int], box: Rect, stage_time,
                   stage0: int) -> Layout | None:
     """Units stage0, stage0+1, ... (`mem` bytes each) as a snake of regions in `box` (system 0, replica 0),
-    sized by memory first, then by FLOPs; the layout whose slowest stage (`stage_time`) is fastest, or None."""
+    sized by memory first, then by FLOPs (dense, and non-zero when sparse); the layout whose slowest stage
+    (`stage_time`) is fastest, or None."""
     cap = data_bytes_per_pe(spec)
     need = [max(1, math.ceil(m / cap)) for m in mem]
     if sum(need) > box.area:
         return None
-    work = [u.fwd_flops_per_token(1) + 1.0 for u in units]
+    works = [[u.fwd_flops_per_token(1) + 1.0 for u in units]]
+    if any(u.sparse for u in units):  # sparse: also sized by the non-zero work (fixed costs make it optimistic)
+        works.append([u.fwd_flops_per_token(1, nonzero=True) + 1.0 for u in units])
     best: Layout | None = None
     best_key = None
 
@@ -71,7 +75,7 @@ def place_replica(spec: FabricSpec, units: list[Unit], mem: list[int], box: Rect
         return stage_time(units[i], r, c).s
 
     # a fuller budget gives bigger regions but lumpier bands: try a few fill levels, keep the fastest layout
-    for f in (0.98, 0.95, 0.9, 0.8, 0.65, 0.5):
+    for work, f in itertools.product(works, (0.98, 0.95, 0.9, 0.8, 0.65, 0.5)):
         rects = snake(waterfill(need, work, int(box.area * f)), box, stage_cost=cost)
         if rects is None:
             continue

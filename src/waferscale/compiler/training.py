@@ -81,8 +81,12 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
 
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
-        return pj.unit_time(spec, u, r, c, n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False,
-                            mesh=mesh).scaled(3)
+        kw = dict(n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False, mesh=mesh)
+        f = pj.unit_time(spec, u, r, c, **kw)
+        if not u.act_sparse:
+            return f.scaled(3)
+        f += pj.backward_time(spec, u, r, c, f, **kw)
+        return f
 
     kmax = max(1, min(MAX_REPLICAS_PER_WAFER, per_sys, int(cap_w // sum(mem))))
     best = None
@@ -111,7 +115,7 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     if k > 1:
         ctx.say(f"data-parallel replicas on the wafer: {k} copies of the layer pipeline (small model) give the "
                 f"highest projected tokens/s")
-    grads = sum(u.params + u.tied_params for u in units) * b
+    grads = sum(u.nonzero_params + u.tied_params for u in units) * b  # sparse: only kept weights' grads
     sync = swarmx_allreduce(ctx, grads, ctx.systems)
     step += sync.s
     tps = workload["tokens_per_step"] / step
@@ -120,15 +124,26 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
                 f"gradients ({gb(grads)}) go out through SwarmX, are summed in its 1:4 tree and come back "
                 f"({sync.s * 1e3:.2f} ms, not overlapped with compute; weights stay resident)")
     slow_t = max(pipes[0].stage_times, key=lambda t: t.s)
-    flops = ctx.g.model_flops_per_token(seq, training=True)
+    flops = ctx.g.model_flops_per_token(seq, training=True, nonzero=ctx.g.sparse)
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (common["peak_flops_per_wafer"] * ctx.systems),
             "weights_streamed": False, "bottleneck": slow_t.bottleneck(), "time_shares": slow_t.shares(),
             "slowest_stage_s_per_sequence": slow_t.s, "model_flops_per_token": flops, **common,
             "scaling": weak_scaling(ctx, per_sys, seq, lambda n: step - sync.s + swarmx_allreduce(ctx, grads, n).s,
                                      lambda n: swarmx_allreduce(ctx, grads, n).s)}
+    seqs = math.ceil(per_sys / k)
+
+    def reproject(us: list[Unit]) -> tuple[pj.Time, list[float]]:  # one step on this placement, other densities
+        times = [stage_time(us[r.unit], r.rows, r.cols) for r in pipes[0].regions]
+        t = pj.Time()
+        for st in times:
+            t += st
+        t += max(times, key=lambda x: x.s).scaled(seqs - 1)
+        pipe = t.s
+        return t.add("compute", opt).add("I/O", sync.s), [x.s * pipe / sum(y.s for y in times) for x in times]
+
     return {"strategy": "replicated" if k > 1 else "pipelined", "replicas": k * ctx.systems, "wafers_per_pipeline": 1,
             "fits_in_sram": True, "workload": workload, "projection": proj,
-            "regions": [r for p in pipes for r in p.regions]}
+            "regions": [r for p in pipes for r in p.regions], "reproject": reproject}
 
 
 def _step_1f1b(pipe: Layout, seqs: int, opt: float) -> float:

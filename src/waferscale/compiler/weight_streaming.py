@@ -24,51 +24,57 @@ from waferscale.fabric.spec import SystemSpec
 
 
 def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b: int, recompute: bool, n_systems: int,
-                  free_bytes: float) -> tuple[pj.Time, pj.Time, pj.Time, list[int]]:
+                  free_bytes: float) -> tuple[pj.Time, pj.Time, pj.Time, list[int], list[float]]:
     """One micro-batch of t_mb tokens, layer by layer over the whole wafer: (total, compute-only, io-only,
-    groups per layer). A streamed layer may be multicast into g copies (a g-way grid of the wafer), each
-    taking t_mb/g tokens, when g copies of its weights + gradients fit in `free_bytes`; the copies' gradients
-    are reduced before streaming out. g is chosen per layer by the cost model."""
+    groups per layer, seconds per layer). A streamed layer may be multicast into g copies (a g-way grid of the
+    wafer), each taking t_mb/g tokens, when g copies of its weights + gradients fit in `free_bytes`; the
+    copies' gradients are reduced before streaming out. g is chosen per layer by the cost model."""
     spec, g = ctx.spec, ctx.g
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
     full = Rect(0, 0, R, Cc)
     sx = SystemSpec(ctx.spec, n_systems)  # MemoryX -> SwarmX 1:4 broadcast-reduce tree -> each system
     BW = sx.swarmx_bytes_per_s
     total, comp, io = pj.Time(), pj.Time(), pj.Time()
-    groups = []
+    groups, per = [], []
     for u in units:
         best = None
         for gg in (1, 4, 16, 64, 256):
-            if gg > 1 and (3 * u.params * b * gg > free_bytes or not u.matmuls or t_mb < gg):
+            if gg > 1 and (3 * u.nonzero_params * b * gg > free_bytes or not (u.matmuls or u.n_heads) or t_mb < gg):
                 continue
             box = grid_boxes(full, gg)[0]
-            f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
-                             dtype=g.dtype, decode=False)
+            kw = dict(n_tokens=math.ceil(t_mb / gg), attn_ctx=seq, dtype=g.dtype, decode=False)
+            f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
+            bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
             red = pj.Time()
             if gg > 1:  # reduce the copies' gradient tiles across the g-way grid (tile per PE, grid hops)
                 gr = R // box.rows
-                tile = max(1, math.ceil(u.params / (box.rows * box.cols)))
+                tile = max(1, math.ceil(u.nonzero_params / (box.rows * box.cols)))  # only kept weights' grads
                 red.add_cycles(cost.reduce_cycles(spec, tile, gr, gg // gr), spec.clock_hz)
                 red.add("fabric latency", (R + Cc) * spec.hop_latency_cycles / spec.clock_hz)
-            t = f.s * (3 + recompute) + red.s
+            t = (f.s * (3 + recompute) if not u.act_sparse else f.s + bwd.s) + red.s
             if best is None or t < best[0]:
-                best = (t, gg, box, f, red)
-        _, gg, box, f, red = best
+                best = (t, gg, box, f, bwd, red)
+        _, gg, box, f, bwd, red = best
         if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
-            f = pj.unit_time(spec, u, box.rows, box.cols, n_tokens=math.ceil(t_mb / gg), attn_ctx=seq,
-                             dtype=g.dtype, decode=False, mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
+            kw = dict(n_tokens=math.ceil(t_mb / gg), attn_ctx=seq, dtype=g.dtype, decode=False,
+                      mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
+            f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
+            bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
         groups.append(gg)
-        w = u.params * b / BW + sx.swarmx_hops * spec.io_latency_s  # a layer's request pays the tree latency
+        # a layer's request pays the tree latency; sparse: the non-zero values + the bitmask
+        w = u.streamed_weight_bytes(b) / BW + sx.swarmx_hops * spec.io_latency_s
+        before = total.s
         for mult in (1, 2 + recompute):  # forward, then backward (+ recomputed forward)
-            c = f.scaled(mult)
+            c = f.scaled(mult) if mult == 1 else bwd
             if mult > 1:
                 c += red
             comp += c
             io.add("I/O", w)
             total += c if c.s >= w else pj.Time().add("I/O", w)
+        per.append(total.s - before)
     if units[0].kind == "embed":  # the micro-batch's embedded tokens enter through the wafer edge
         total += pj.io_time(spec, units[0].d_out * b * t_mb)
-    return total, comp, io, groups
+    return total, comp, io, groups, per
 
 
 def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: int) -> pj.Time:
@@ -78,7 +84,7 @@ def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: in
     prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
     sx = SystemSpec(ctx.spec, n_systems)
     first = next((u for u in units if u.params), units[0])  # backward ends where the next forward begins
-    return pj.Time().add("I/O", 2 * first.params * b / sx.swarmx_bytes_per_s
+    return pj.Time().add("I/O", 2 * first.streamed_weight_bytes(b) / sx.swarmx_bytes_per_s
                          + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
 
 
@@ -120,7 +126,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     n_micro = per_sys // micro
     act = (act_tok_ckpt if recompute else act_tok_all)
     free = cap_w - act * t_mb
-    total, comp, io, groups = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free)
+    total, comp, io, groups, _ = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free)
     if ctx.defective:
         ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
                 "cores and links (per-link hop estimates of fabric.mesh for regions over 4,096 PEs)")
@@ -135,7 +141,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
 
     step = step_at(ctx.systems)
     tps = workload["tokens_per_step"] / step
-    flops = g.model_flops_per_token(seq, training=True)
+    flops = g.model_flops_per_token(seq, training=True, nonzero=g.sparse)
     ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW = ({b}/3) x {F / 1e15:.2f} PF / "
             f"{spec.io_bytes_per_s / 1e9:.0f} GB/s = {t_min:,}; this plan streams per {t_mb:,} tokens: "
             + ("compute-bound" if t_mb >= t_min else "I/O-bound (the wafer waits for weights)"))
@@ -160,8 +166,15 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     regions = [Region(-1, f"all {len(units)} layers, streamed one at a time", s, s, 0, 0, 0, R, Cc,
                       ctx.wafers[s].usable_pes, int(layer_buf + act * t_mb))
                for s in range(ctx.systems)]
+
+    def reproject(us: list[Unit]) -> tuple[pj.Time, list[float]]:  # one step with other densities (g re-chosen)
+        t, _, _, _, per = _stream_micro(ctx, us, t_mb, seq, b, recompute, ctx.systems, free)
+        t = t.scaled(n_micro)
+        t += _step_boundary(ctx, us, b, ctx.systems)
+        return t, [n_micro * x for x in per]
+
     return {"strategy": "weight_streaming", "replicas": ctx.systems, "wafers_per_pipeline": 1, "fits_in_sram": False,
-            "workload": workload, "projection": proj, "regions": regions,
+            "workload": workload, "projection": proj, "regions": regions, "reproject": reproject,
             "assumptions": {"optimizer_update": "in MemoryX, overlapped with the next step's streaming",
                             "gradients_out": "on the egress direction of the same links, concurrent with weights in",
                             "swarmx": "tree of 1:4 broadcast-reduce nodes, 100 Gb/s ports at line rate (12 parallel "
