@@ -82,3 +82,63 @@ def test_memoryx_packs_kept_values_and_takes_kept_gradients():
     assert torch.equal(grad, keep.float())  # the kept values, in place
     keep1 = mx.unit_masks.keep[1]
     assert torch.equal(mx.stores[1].open("grad")[:keep1.numel()], keep1.float())  # dense, then masked
+
+
+# ---- `wsc run` with a params file's sparsity section ----------------------------------------------------
+
+ZOO_SPARSITY = {"algorithm": "rigl", "sparsity": 0.7, "update": {"freq": 2}, "drop_fraction": 0.3}
+
+
+def _zoo(corpus, model_dir, **opts):
+    import io
+
+    from conftest import tiny_params
+    from waferscale.params import params_from_dict
+    from waferscale.zoo.runner import RunOptions, run
+
+    d = tiny_params(corpus, model_dir)
+    d["sparsity"] = dict(ZOO_SPARSITY)
+    run(params_from_dict(d, source="test"), RunOptions(model_dir=model_dir, progress=False, **opts),
+        out=io.StringIO())
+    return [json.loads(ln) for ln in (model_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_params_sparsity_section_trains_alike_resident_and_streamed_and_resumes_exactly(corpus, tmp_path):
+    resident = _zoo(corpus, tmp_path / "r", execution="resident")
+    streamed = _zoo(corpus, tmp_path / "s", execution="streaming")
+    assert [r["sparsity"] for r in resident] == [r["sparsity"] for r in streamed]
+    assert all(abs(r["sparsity"] - 0.7) < 1e-3 and r["sparsity_target"] == 0.7 for r in streamed)
+    for a, b in zip(resident, streamed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+    s, u = streamed[4], streamed[5]  # the blocks travel as ~30% of their values plus a bitmask
+    assert s["bytes_streamed"] < 0.8 * s["bytes_in"] and s["bytes_reduced"] < 0.8 * s["bytes_out"]
+    assert u["bytes_reduced"] == u["bytes_out"]  # RigL's update step (6): the dense gradients come back
+    split = tmp_path / "split"
+    _zoo(corpus, split, execution="streaming", num_steps=3)  # stops after step 3 (masks were updated at 2)
+    resumed = _zoo(corpus, split, execution="streaming")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in streamed]
+
+
+def test_export_writes_dense_weights_with_zeros_and_no_masks(corpus, tmp_path):
+    from conftest import wsc
+    from safetensors.torch import load_file
+
+    md = tmp_path / "run"
+    _zoo(corpus, md, execution="streaming", num_steps=2)
+    r = wsc("export", "--checkpoint", str(md), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    tensors = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    assert tensors and not any("mask" in k for k in tensors)
+    zeros = [float((t == 0).float().mean()) for k, t in tensors.items() if t.ndim == 2 and ".h." in k
+             and "ln" not in k]
+    assert zeros and min(zeros) >= 0.69, zeros
+
+
+@pytest.mark.slow
+def test_a_params_sparsity_section_on_two_systems_equals_one(corpus, tmp_path):
+    one = _zoo(corpus, tmp_path / "one", execution="streaming")
+    two = _zoo(corpus, tmp_path / "two", execution="streaming", num_csx=2)
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["sparsity"] == b["sparsity"]

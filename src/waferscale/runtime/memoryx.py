@@ -573,13 +573,16 @@ class MemoryX:
     def load_weights(self, weights: dict[str, Tensor], where: str) -> None:
         from waferscale.runtime.checkpoint import load_model_weights
 
-        masks = {k[:-5]: v for k, v in weights.items() if k.endswith("_mask")}
+        sparse = set(self.sparsity.params) if self.sparsity is not None else set(self._masks)
+        for k, m in weights.items():  # all the masks first (a sync prunes by every mask), then the weights
+            if k.endswith("_mask") and k[:-5] in sparse:  # (a dense run ignores a sparse run's masks)
+                if self.sparsity is not None:
+                    self.sparsity.set_mask(k[:-5], m)
+                else:
+                    self.set_mask(k[:-5], m)
+        self.sync_masks()
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
         load_model_weights(self.checkpoint_module(masks=False), plain, where)
-        sparse = set(self.sparsity.params) if self.sparsity is not None else set(self._masks)
-        for name, m in masks.items():
-            if name in sparse:  # (a dense run ignores a sparse run's masks: dense fine-tuning)
-                self.set_mask(name, m)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """torch's optimizer state-dict format with the resident optimizer's parameter indices."""

@@ -24,9 +24,10 @@ __all__ = ["default_filter", "make_filter", "Shaper", "topk_mask", "mask_for_spa
 
 
 def default_filter(name: str, param: Tensor) -> bool:
-    """Cerebras' default: matrices (ndim > 1) except embeddings, norms, the LM head and position helpers."""
+    """Cerebras' default: matrices (ndim > 1) except embeddings, norms, the LM head and position helpers, by
+    name ("embed" where Cerebras has "embedding": the zoo's embeddings are `embed.tok` / `embed.pos`)."""
     low = name.lower()
-    return param.ndim > 1 and not any(w in low for w in ("embedding", "norm", "lm_head", "pe_helper"))
+    return param.ndim > 1 and not any(w in low for w in ("embed", "norm", "lm_head", "pe_helper"))
 
 
 def make_filter(param_filter: str | Iterable[str] | Callable[[str, Tensor], bool] | None,
