@@ -259,8 +259,7 @@ class StreamingEngine:
     # ---- one unit ----
     def _run(self, u: int, dev: DeviceUnit, inp: Tensor, target: Tensor | None) -> Tensor:
         """Unit u on `inp` with autograd through the streamed weights (when grad mode is on)."""
-        lay = self.layouts[u]
-        names = [e.local for e in lay.entries]
+        names = [e.local for e in self.layouts[u].entries]
         if torch.is_grad_enabled():
             ws = _StreamIn.apply(self, u, self._anchor, *[dev.views[k] for k in names])
             params = dict(zip(names, ws))
@@ -395,9 +394,8 @@ class StreamingEngine:
                         m._buffers[k].copy_(b)
 
     def _take_input_grad(self, leaf: Tensor) -> Tensor | None:
-        if leaf.grad is None:
-            return None
-        self.ledger.alloc("activations", nbytes(leaf.grad))
+        if leaf.grad is not None:
+            self.ledger.alloc("activations", nbytes(leaf.grad))
         return leaf.grad
 
     def _drop_boundary(self, acts: list[list[Tensor]], u: int, m: int, grad_out: list[Tensor | None]) -> None:

@@ -125,8 +125,7 @@ class ResidentExecutor(Executor):
         mb = self.micro_batch_size or x.shape[0]
         n_micro = x.shape[0] // mb
         total = torch.zeros((), device=self.device)
-        for i in range(n_micro):  # gradient accumulation: each micro-batch carries 1/n of the mean loss
-            xs, ys = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
+        for xs, ys in zip(x.split(mb), y.split(mb)):  # gradient accumulation: each carries 1/n of the mean loss
             with self._autocast():
                 loss = lm_loss(self.model(xs), ys) / n_micro
             (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -10,12 +10,9 @@ __all__ = ["LossScaler"]
 class LossScaler:
     """fp16 loss scale: halve on overflow (the step is skipped), double after `growth_interval` clean steps."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5) -> None:
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000) -> None:
         self.scale = float(init_scale)
         self.growth_interval = growth_interval
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
         self.tracker = 0
 
     @classmethod
@@ -25,16 +22,16 @@ class LossScaler:
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
-            self.scale *= self.backoff_factor
+            self.scale *= 0.5
             self.tracker = 0
         else:
             self.tracker += 1
             if self.tracker == self.growth_interval:
-                self.scale *= self.growth_factor
+                self.scale *= 2.0
                 self.tracker = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+        return {"scale": self.scale, "growth_factor": 2.0, "backoff_factor": 0.5,
                 "growth_interval": self.growth_interval, "_growth_tracker": self.tracker}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:

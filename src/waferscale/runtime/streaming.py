@@ -100,24 +100,20 @@ def plan_device_memory(skeleton: CausalLM, layouts: list[UnitLayout], *, batch: 
     """The executor's device working set, from shapes (a meta-device dry run of the embedding, one block and
     the head)."""
     units = skeleton.units()
-    n = len(units)
-    hb = torch.empty((), dtype=half).element_size() if half else 4
-    pay = [lay.payload_bytes(hb) for lay in layouts]
+    n = len(units)  # embedding, n_layer >= 1 blocks, head
     order = fetch_order(n)
-    weights = max(pay[a] + pay[b] for a, b in zip(order, order[1:])) if n > 1 else pay[0]
-    gbytes = [4 * (lay.n_matrices + lay.n_vectors) for lay in layouts]
-    grads = max(gbytes[a] + gbytes[b] for a, b in zip(order[::-1], order[::-1][1:])) if n > 1 else gbytes[0]
+    pay = [lay.payload_bytes(half.itemsize if half else 4) for lay in layouts]
+    weights = max(pay[a] + pay[b] for a, b in zip(order, order[1:]))
+    gbytes = [lay.payload_bytes(4) for lay in layouts]  # fp32
+    grads = max(gbytes[a] + gbytes[b] for a, b in zip(order, order[1:]))
     C = skeleton.config.d_model
     act = batch * seq_len * C * 4
     boundary = batch * seq_len * 8 + (n - 1) * act + 2 * act  # token ids, n-1 boundaries, 2 gradient buffers
     mb_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     mb_act = torch.empty(micro_batch, seq_len, C, device="meta", requires_grad=True)
-    per_unit = {}
-    for u in sorted({0, min(1, n - 1), n - 1}):
-        x = mb_ids if u == 0 else mb_act
-        per_unit[u] = _saved_bytes_meta(units[u], layouts[u], x, half, device_type,
-                                        mb_ids if u == n - 1 else None)
-    saved = [per_unit[0]] + [per_unit[min(1, n - 1)]] * (n - 2) + [per_unit[n - 1]]
+    per_unit = {u: _saved_bytes_meta(units[u], layouts[u], mb_ids if u == 0 else mb_act, half, device_type,
+                                     mb_ids if u == n - 1 else None) for u in (0, 1, n - 1)}
+    saved = [per_unit[0]] + [per_unit[1]] * (n - 2) + [per_unit[n - 1]]
     n_mb = batch // micro_batch
     saved_all = sum(saved[:-1]) * n_mb + saved[-1]  # the head runs forward and backward together
     return MemoryPlan(weights, grads, boundary, max(saved), saved_all)
@@ -175,7 +171,6 @@ class StreamingExecutor(MemoryXExecutor):
         self.recompute_option = recompute
         self.engine: StreamingEngine | None = None
         self._planned_for: tuple[int, int] | None = None
-        self.plan: MemoryPlan | None = None
         self._trace_path: Path | None = None
         self._weight_params = sum(lay.numel for lay in memoryx.layouts)
         if device.type == "cuda":
@@ -195,7 +190,6 @@ class StreamingExecutor(MemoryXExecutor):
                               f"or lower micro_batch_size / batch_size")
         rc = self.recompute_option
         recompute = (budget is not None and plan.without_recompute > budget) if rc == "auto" else bool(rc)
-        self.plan = plan
         if self.engine is None:
             self.engine = lm_engine(self.skeleton, LocalLink(self.mx, self.device), self.mx.layouts,
                                     device=self.device, half=self.half, recompute=recompute)
