@@ -76,7 +76,7 @@ class LocalLink(_Counted):
         p = self.mx.fetch_packed(u)
         self.stats["bytes_streamed"] += p.nbytes
         if not self.cuda:
-            return expand(p.values, self.mx.unit_masks.keep[u]), p.vectors
+            return expand(p.values, self.mx.unit_masks.keep[u], self.mx.unit_masks.index[u]), p.vectors
         staged = [t.pin_memory() for t in (p.values, p.bits, p.vectors)]
         with torch.cuda.stream(self.h2d):
             values, bits, vectors = (t.to(self.device, non_blocking=True) for t in staged)
@@ -85,9 +85,9 @@ class LocalLink(_Counted):
         return matrices, vectors
 
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
-        keep = self.mx.unit_masks.keep.get(u) if not self.mx.dense_grads() else None
-        if keep is not None:  # the kept gradients only
-            matrices = matrices[keep.to(matrices.device, non_blocking=True)]
+        index = self.mx.unit_masks.index.get(u) if not self.mx.dense_grads() else None
+        if index is not None:  # the kept gradients only
+            matrices = matrices.index_select(0, index.to(matrices.device, non_blocking=True))
         self.stats["bytes_reduced"] += _nbytes(matrices, vectors)
         if not self.cuda:
             return self.mx.push_grads(u, matrices, vectors)

@@ -342,8 +342,16 @@ class MemoryX:
     def fetch_packed(self, u: int) -> PackedUnit:
         """A unit with masked matrices as it travels: the kept matrix values (stream dtype), the bitmask, the
         vectors; and whether this step's gradients must come back dense (for the sparsity algorithm)."""
-        matrices, vectors = self.fetch(u)
-        return PackedUnit(matrices[self.unit_masks.keep[u]], self.unit_masks.bits[u], vectors, self.dense_grads())
+        lay, index = self.layouts[u], self.unit_masks.index[u]
+        if any(e.owner != u for e in lay.entries):  # borrowed weights: through the dense payload
+            matrices, vectors = self.fetch(u)
+            values = matrices.index_select(0, index)
+        else:  # straight from the masters (one gather and cast)
+            self._update_done[u].result()
+            master = self.stores[u].open("param")
+            values = master[:lay.n_matrices].index_select(0, index).to(self.stream_dtype)
+            vectors = master[lay.n_matrices:lay.numel].clone()
+        return PackedUnit(values, self.unit_masks.bits[u], vectors, self.dense_grads())
 
     def dense_grads(self) -> bool:
         return self.sparsity is not None and self.sparsity.wants_dense_grads()
@@ -373,7 +381,7 @@ class MemoryX:
         keep = self.unit_masks.keep.get(u)
         if keep is not None:
             if matrices.numel() != lay.n_matrices:
-                matrices = expand(matrices, keep)
+                matrices = expand(matrices, keep, self.unit_masks.index[u])
             else:
                 self._keep_dense_grads(lay, matrices, vectors)
                 matrices = matrices * keep

@@ -46,10 +46,11 @@ class UnitMasks:
     def __init__(self, layouts: list[UnitLayout]) -> None:
         self.layouts = layouts
         self.keep: dict[int, Tensor] = {}  # unit -> bool (n_matrices,)
+        self.index: dict[int, Tensor] = {}  # unit -> int64 positions of the kept elements, increasing
         self.bits: dict[int, Tensor] = {}
 
     def refresh(self, masks: dict[str, Tensor]) -> None:
-        self.keep, self.bits = {}, {}
+        self.keep, self.index, self.bits = {}, {}, {}
         for lay in self.layouts:
             entries = [e for e in lay.entries if e.matrix and e.name in masks]
             if not entries:
@@ -58,13 +59,17 @@ class UnitMasks:
             for e in entries:
                 keep[e.payload_offset:e.payload_offset + e.numel] = masks[e.name].reshape(-1)
             self.keep[lay.index] = keep
+            self.index[lay.index] = keep.nonzero().squeeze(1)
             self.bits[lay.index] = pack_bits(keep)
 
     def __contains__(self, u: int) -> bool:
         return u in self.keep
 
 
-def expand(values: Tensor, keep: Tensor) -> Tensor:
-    """The dense payload (zeros where not kept) on values' device and dtype."""
+def expand(values: Tensor, keep: Tensor, index: Tensor | None = None) -> Tensor:
+    """The dense payload (zeros where not kept) on values' device and dtype; `index`: the kept positions, where
+    known (faster than the mask)."""
     out = torch.zeros(keep.numel(), dtype=values.dtype, device=values.device)
+    if index is not None:
+        return out.index_copy_(0, index.to(values.device), values)
     return out.masked_scatter_(keep.to(values.device), values)
