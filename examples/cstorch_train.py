@@ -4,6 +4,7 @@ weight streaming (the "CSX" backend: weights in MemoryX, streamed unit by unit, 
     python examples/cstorch_train.py                      # weight streaming on this machine
     python examples/cstorch_train.py --num_csx 2          # two data-parallel systems sharing one MemoryX
     python examples/cstorch_train.py --backend CPU        # the same script, resident on the CPU
+    python examples/cstorch_train.py --sparsity 0.75      # 75% of each block's weights zero (cstorch.sparse)
 """
 
 import argparse
@@ -21,6 +22,7 @@ ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--checkpoint_steps", type=int, default=30)
 ap.add_argument("--artifact_dir", default="./artifacts")
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--sparsity", type=float, default=None, help="static weight sparsity of the blocks' matrices")
 args = ap.parse_args()
 
 torch.manual_seed(args.seed)
@@ -40,6 +42,10 @@ optimizer = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 scheduler = cstorch.optim.lr_scheduler.LinearLR(optimizer, initial_learning_rate=3e-3, end_learning_rate=3e-4,
                                                 total_iters=args.steps)
 loss_fn = torch.nn.CrossEntropyLoss()
+if args.sparsity is not None:
+    sparsity = cstorch.sparse.configure({"algorithm": "static", "sparsity": args.sparsity})
+    model.apply(sparsity)
+    optimizer.apply(sparsity)
 
 
 @cstorch.trace
