@@ -316,9 +316,16 @@ class StreamingEngine:
         for f in pushes:
             f.result()
 
-    # ---- the forward over units 0..upto-1, every micro-batch ----
-    def _forward_units(self, upto: int, acts: list[list[Tensor]], graphs: dict, rng: dict) -> None:
-        for u in range(upto):
+    # ---- a training step's forward over units 0..n-2, every micro-batch ----
+    def _forward_units(self, xs: list[Tensor]) -> tuple[list[list[Tensor]], dict, dict]:
+        """Start the step's fetches, run units 0..n-2 on the micro-batches `xs`; returns (the activations
+        entering each unit, the graphs kept without recompute, the RNG each recompute replays)."""
+        acts: list[list[Tensor]] = [xs]
+        graphs: dict[tuple[int, int], Any] = {}
+        rng: dict[tuple[int, int], Any] = {}
+        self.ledger.alloc("activations", sum(nbytes(x) for x in xs))
+        self._start_fetches(fetch_order(self.n))
+        for u in range(self.n - 1):
             dev = self._next_unit()
             t0 = time.perf_counter()
             outs = []
@@ -337,6 +344,7 @@ class StreamingEngine:
             self._span("main", f"forward unit {u}", t0)
             self._release(dev)
             del dev
+        return acts, graphs, rng
 
     # ---- the backward over units `us` (descending), every micro-batch ----
     def _backward_units(self, us: Sequence[int], acts: list[list[Tensor]], graphs: dict, rng: dict,
@@ -412,14 +420,8 @@ class StreamingEngine:
         loss_divisor) * loss_scale are pushed to the link per unit. Returns the (unscaled) loss sum."""
         assert not self.takes_input, "the fused step is for units called unit(h) (a zoo model's units())"
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        xs = list(x.split(micro_batch))
-        acts: list[list[Tensor]] = [xs]
-        self.ledger.alloc("activations", nbytes(x))
-        graphs: dict[tuple[int, int], Any] = {}
-        rng: dict[tuple[int, int], Any] = {}
-        self._start_fetches(fetch_order(self.n))
-        self._forward_units(self.n - 1, acts, graphs, rng)
-        loss_sum = self._backward_units(range(self.n - 1, -1, -1), acts, graphs, rng, [None] * len(xs),
+        acts, graphs, rng = self._forward_units(list(x.split(micro_batch)))
+        loss_sum = self._backward_units(range(self.n - 1, -1, -1), acts, graphs, rng, [None] * len(acts[0]),
                                         (y.split(micro_batch), loss_divisor, loss_scale))
         return float(loss_sum)
 
@@ -429,11 +431,7 @@ class StreamingEngine:
         what `backward` needs. The last unit's weights stay on the device until `backward` (or the next
         forward, which drops this one's pending backward)."""
         self._inputs = inputs
-        acts: list[list[Tensor]] = [[x]]
-        self.ledger.alloc("activations", nbytes(x))
-        rng: dict[tuple[int, int], Any] = {}
-        self._start_fetches(fetch_order(self.n))
-        self._forward_units(self.n - 1, acts, {}, rng)
+        acts, _, rng = self._forward_units([x])  # (the CSX backend always recomputes: no graphs kept)
         u = self.n - 1
         dev = self._next_unit()
         self._bwd_unit = dev
