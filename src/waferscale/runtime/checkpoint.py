@@ -34,14 +34,10 @@ def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with tied parameters kept once (first name wins)."""
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
+    first: dict[int, tuple[str, torch.Tensor]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = t.detach()
-    return out
+        first.setdefault(id(t), (name, t.detach()))
+    return dict(first.values())
 
 
 def optimizer_to_tensors(opt_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

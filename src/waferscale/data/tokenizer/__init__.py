@@ -1,11 +1,5 @@
-"""Tokenizers, one file per kind, behind one interface (`base.Tokenizer`) and one entry point (`load_tokenizer`).
-
-    base.py       the interface: encode/decode, vocab_size, eos/bos, chat template, save, fingerprint
-    char.py       CharTokenizer: one id per character (tiny experiments)
-    hf.py         HFTokenizer: Hugging Face `tokenizers` from tokenizer.json (+ tokenizer_config.json)
-    from_gguf.py  tokenizer_from_gguf: the BPE vocabulary embedded in a GGUF file, as an HFTokenizer
-    load.py       load_tokenizer(spec): "char", an asset name, a .gguf, a tokenizer.json or a directory
-"""
+"""Tokenizers, one file per kind (char.py, hf.py, from_gguf.py: each module's docstring says what it reads), behind
+one interface (`base.Tokenizer`) and one entry point (`load.load_tokenizer`)."""
 
 from waferscale.data.tokenizer.base import Tokenizer, check_vocab_fits
 from waferscale.data.tokenizer.char import CharTokenizer

@@ -8,6 +8,7 @@ along the first dimension), so the loader's batch size is the global batch."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -76,11 +77,6 @@ class RateTracker:
         self._t = time.perf_counter()
 
 
-class _Profiler:
-    def __init__(self) -> None:
-        self.rate_tracker = RateTracker()
-
-
 def _batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
@@ -125,7 +121,7 @@ class DataExecutor:
         self.num_steps = 0 if b is not None and b.compile_only else num_steps
         self.start_step = start_step
         self.iteration = 0  # steps completed by this executor
-        self.profiler = _Profiler()
+        self.profiler = SimpleNamespace(rate_tracker=RateTracker())  # as cstorch's executor.profiler
         self._batch = 0
         self._step = 0
 
