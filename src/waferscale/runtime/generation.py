@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from waferscale.data import load_tokenizer
+from waferscale.data import check_vocab_fits, load_tokenizer
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import CausalLM, ModelConfig, build, config_from_name
 from waferscale.models.pretrained import is_pretrained, load_pretrained
@@ -71,9 +71,8 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
     if need_tokenizer and tok is None:
         raise ConfigError("no tokenizer known for this model: pass --tokenizer (e.g. smollm2, a tokenizer.json, "
                           "or a .gguf file)")
-    if tok is not None and tok.vocab_size > m.config.vocab_size:
-        raise CheckpointError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
-                              f"{m.config.vocab_size}: they do not belong together")
+    if tok is not None:
+        check_vocab_fits(tok, m.config.vocab_size)
     return m.to(resolve_device(device)).eval(), tok, note
 
 

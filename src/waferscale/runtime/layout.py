@@ -73,20 +73,16 @@ def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> lis
     for u, mod in enumerate(units):
         lay = UnitLayout(u, mod_name.get(id(mod)) or f"unit{u}")
         named = list(mod.named_parameters())
-        offset = 0
-        owned_order = [(n, p) for n, p in named if id(p) not in owner and p.ndim >= 2] + \
-                      [(n, p) for n, p in named if id(p) not in owner and p.ndim < 2]
-        owned_ids = {id(p) for _, p in owned_order}
-        for n, p in owned_order:
+        offset = 0  # the parameters first used here are stored here, matrices first
+        for n, p in sorted([(n, p) for n, p in named if id(p) not in owner], key=lambda x: x[1].ndim < 2):
             if id(p) not in pname:
                 raise ValueError(f"unit {u}'s parameter {n} is not a parameter of the model")
             owner[id(p)] = (u, pname[id(p)], offset)
             offset += p.numel()
         for matrix in (True, False):
             group = [(n, p) for n, p in named if (p.ndim >= 2) == matrix]
-            group = [x for x in group if id(x[1]) in owned_ids] + [x for x in group if id(x[1]) not in owned_ids]
             pay = 0
-            for n, p in group:
+            for n, p in sorted(group, key=lambda x: owner[id(x[1])][0] < u):  # owned first, then borrowed
                 ou, oname, ooff = owner[id(p)]  # ou <= u: every parameter of unit u is owned by now
                 lay.entries.append(ParamEntry(n, oname, tuple(p.shape), p.numel(), matrix, ou, ooff, pay,
                                               gidx[id(p)], order[id(p)]))
