@@ -65,9 +65,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     missing = [k for k in keys if k not in rs]
     if missing:
         raise CheckpointError(f"llama3 rope scaling lacks {missing}; config: {rs}")
-    return theta, RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
-                              high_freq_factor=float(rs["high_freq_factor"]),
-                              original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+    return theta, RopeScaling(**{k: float(rs[k]) for k in keys[:3]}, original_max_position_embeddings=int(rs[keys[3]]))
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -214,13 +212,9 @@ def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None
     root = "transformer." if model_type == "gpt2" else "model."
     if not key.startswith((root, "lm_head.")):
         key = root + key  # saved from the bare GPT2Model / LlamaModel
-    if model_type == "gpt2" and re.search(r"\.attn\.(masked_)?bias$", key):
-        return None  # causal-mask buffers of old GPT-2 checkpoints
-    if key.endswith("rotary_emb.inv_freq"):
-        return None
-    if key == "lm_head.weight" and cfg.tie_embeddings:
-        return None
-    return key
+    ignored = (model_type == "gpt2" and re.search(r"\.attn\.(masked_)?bias$", key)  # old GPT-2 causal masks
+               or key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and cfg.tie_embeddings))
+    return None if ignored else key
 
 
 def _check_against(found: dict[str, Tensor], expected: dict[str, Tensor], cfg: ModelConfig, where: str) -> None:

@@ -478,7 +478,6 @@ class StreamingEngine:
             self._inputs = ()
         return grad_out[0]
 
-    # ---- no gradients ----
     @torch.no_grad()
     def forward(self, x: Tensor, inputs: tuple[Tensor, ...] = (), target: Tensor | None = None) -> Tensor:
         """The model's output with streamed weights, no gradients; with `target`, the last unit's loss_fn."""

@@ -187,10 +187,8 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
     groups = opt.param_groups
     if len({g["lr"] for g in groups}) > 1:
         raise ConfigError("with weight streaming every parameter group must share one learning rate")
-    decay: dict[bool, set[float]] = {True: set(), False: set()}
-    for g in groups:
-        for p in g["params"]:
-            decay[p.ndim >= 2].add(g.get("weight_decay", 0.0))
+    decay = {matrix: {g.get("weight_decay", 0.0) for g in groups for p in g["params"] if (p.ndim >= 2) == matrix}
+             for matrix in (True, False)}
     if len(decay[True]) > 1 or len(decay[False]) > 1:
         raise ConfigError("with weight streaming weight decay may differ between matrices and vectors, not within "
                           "them: MemoryX updates each unit's matrices (and its vectors) in one fused call")
