@@ -198,7 +198,6 @@ def choose_execution(execution: str, *, num_params: int, optimizer_type: str, mo
     if budget is None:
         return "resident", "auto: no device memory budget on a CPU host"
     fits = need <= budget
-    verdict = "fit" if fits else "exceed"
     return ("resident" if fits else "streaming",
-            f"auto: weights + gradients + optimizer state ({need / 2**20:,.0f} MiB) {verdict} the device budget "
-            f"({budget / 2**20:,.0f} MiB)")
+            f"auto: weights + gradients + optimizer state ({need / 2**20:,.0f} MiB) {'fit' if fits else 'exceed'} "
+            f"the device budget ({budget / 2**20:,.0f} MiB)")

@@ -175,8 +175,7 @@ def split_into_units(model: nn.Module) -> StreamUnits:
     random_input_only = [n.name for n in body if n not in part and _random(n, model)]
     if random_input_only:
         return _whole(model, f"a random value every unit would redraw ({', '.join(random_input_only[:3])})")
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    result = out_node.args[0]
+    result = next(n for n in graph.nodes if n.op == "output").args[0]
     if not isinstance(result, fx.Node) or part.get(result) != k:
         return _whole(model, "its output is not one tensor computed by the last unit")
 

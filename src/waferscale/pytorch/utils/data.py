@@ -7,6 +7,7 @@ along the first dimension), so the loader's batch size is the global batch."""
 
 from __future__ import annotations
 
+import functools
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
@@ -32,15 +33,13 @@ class DataLoader:
             raise ConfigError("cstorch.utils.data.DataLoader takes a function that returns a torch DataLoader "
                               "(or any iterable of batches), not the loader itself")
         self.input_fn, self.args, self.kwargs = input_fn, args, kwargs
-        self._loader: Any = None
 
-    @property
+    @functools.cached_property
     def loader(self) -> Any:
-        if self._loader is None:
-            self._loader = self.input_fn(*self.args, **self.kwargs)
-            if not hasattr(self._loader, "__iter__"):
-                raise ConfigError(f"input_fn returned {type(self._loader).__name__}, which is not iterable")
-        return self._loader
+        loader = self.input_fn(*self.args, **self.kwargs)
+        if not hasattr(loader, "__iter__"):
+            raise ConfigError(f"input_fn returned {type(loader).__name__}, which is not iterable")
+        return loader
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
