@@ -130,8 +130,7 @@ def _compile_chat_template(source: str) -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:

@@ -23,9 +23,7 @@ class HFTokenizer(Tokenizer):
         for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise DataError(f"{name}={value} is outside the tokenizer vocabulary [0, {self.vocab_size})")
-        self.eos_id = eos_id
-        self.bos_id = bos_id
-        self.chat_template = chat_template
+        self.eos_id, self.bos_id, self.chat_template = eos_id, bos_id, chat_template
 
     @classmethod
     def from_file(cls, path: Path | str) -> HFTokenizer:

@@ -1,9 +1,6 @@
-"""`cstorch.optim.lr_scheduler`: Cerebras' learning-rate schedulers over any optimizer.
-
-Each is a pure function of the step (the formulas in `waferscale.runtime.optim`): `step()` advances it and
-sets the optimizer's learning rate for the next update, `state_dict()` is just the step, so a resumed run has
-exactly the rates of an uninterrupted one. As Cerebras', the rate of the first update is the step-0 value.
-"""
+"""`cstorch.optim.lr_scheduler`: Cerebras' learning-rate schedulers over any optimizer. Each wraps a schedule of
+`waferscale.runtime.optim` (a pure function of the step): `step()` sets the optimizer's rate for the next update,
+and `state_dict()` is just the step."""
 
 from __future__ import annotations
 
