@@ -59,12 +59,10 @@ class GradScaler:
             return  # MemoryX unscales
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         inv = 1.0 / self.loss_scaler.scale
-        found = False
         with torch.no_grad():
             for gr in grads:
                 gr.mul_(inv)
-                found = found or not bool(torch.isfinite(gr).all())
-        self._found_inf = found
+        self._found_inf = not all(bool(torch.isfinite(gr).all()) for gr in grads)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if getattr(optimizer, "_stream", None) is not None:

@@ -26,8 +26,7 @@ class LRScheduler:
 
     def _apply(self) -> None:
         lr = float(self.schedule(self.last_epoch))
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        _sched.set_lr(self.optimizer, lr)
         self._last_lr = [lr] * len(self.optimizer.param_groups)
 
     def step(self, *args: Any) -> None:
