@@ -172,6 +172,7 @@ class Engine:
             self.fast_linear = runner.fast_linear
             self.c_kernels: bool | None = runner.c_kernels  # None: decided in each stage process
             self.decode_threads: int | None = runner.decode_threads
+            self.weight_bytes: tuple[int, int] | None = runner.weight_bytes  # (all dense, as packed) per token
             self._executor: Any = _InProcessExecutor(runner)
         else:
             from waferscale.serve.stages import PipelineExecutor
@@ -180,7 +181,7 @@ class Engine:
                                               device=device, fast_linear=fast_linear, threads_per_stage=threads,
                                               decode_threads=decode_threads)
             self.fast_linear = self._executor.fast_linear
-            self.c_kernels = self.decode_threads = None
+            self.c_kernels = self.decode_threads = self.weight_bytes = None
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids: list[int] = [] if eos is None else [int(eos)]
         tv = getattr(tokenizer, "vocab_size", None)

@@ -9,6 +9,9 @@ of many by the FMA units; both bounds are within reach only if the weights strea
   here. Each output is one FMA chain over k in order, so results depend neither on the batch nor on the thread
   count; the two decode attentions share their arithmetic, so a sequence decodes to the same bits alone or in
   a batch. `rms_norm` and `silu_mul` agree with torch to float32 rounding (~1e-6 relative), not bit for bit.
+- A weight with enough exact zeros (a pruned model) can go in sparse panels instead (`sparse_plan`,
+  `pack_sparse`, `sparse_pays`; csrc/spanels.c): masks and non-zero values only, fewer bytes a decode token, the
+  same bits as its dense panels.
 - The weights live in one 2 MiB-aligned arena on transparent huge pages (`hugepage_tensor`).
 - `set_threads` starts a work-stealing pool that measures whether sharing pays (csrc/pool.c).
 
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,7 +41,8 @@ from torch import Tensor
 from waferscale.util.paths import cache_dir
 
 __all__ = ["DecodeStack", "PANEL", "argmax", "argmax_rows", "available", "decode_attention", "decode_attention_batch",
-           "hugepage_tensor", "linear", "pack", "packed_numel", "rms_norm", "set_threads", "silu_mul"]
+           "hugepage_tensor", "linear", "pack", "pack_sparse", "packed_numel", "rms_norm", "set_threads", "silu_mul",
+           "sparse_pays", "sparse_plan"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"  # the C source, shipped as package data
 _MAIN = "serve_kernels.c"  # the one translation unit: it includes the other csrc/ files
@@ -92,6 +97,7 @@ def _build() -> ctypes.CDLL:
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     for name, args, res in [
             ("wsc_linear", [P, P, P, P, P, L, L, L], I),
+            ("wsc_linear_sparse", [P, P, P, P, P, P, L, L, L], I),
             ("wsc_rms_norm", [P, P, F, P, L, L], None),
             ("wsc_decode_attention", [P, P, P, P, L, L, L, L, L, L, F, P], I),
             ("wsc_decode_attention_batch", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L], I),
@@ -100,6 +106,8 @@ def _build() -> ctypes.CDLL:
             ("wsc_argmax_rows", [P, L, L, L, P], None),
             ("wsc_decode_layers", [P, P, L, L, L, L, L, L, P, P, L, L, L, P], I),
             ("wsc_decode_layers_batch", [P, P, L, L, L, L, L, L, L, P, P, L, P, P, L, L, P, P], I),
+            ("wsc_sparse_plan", [P, L, L, P], I),
+            ("wsc_sparse_pack", [P, L, L, I, P, P], I),
             ("wsc_set_threads", [I], I)]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -180,17 +188,72 @@ def packed_numel(shape: tuple[int, int]) -> int:
     return -(-shape[0] // PANEL) * PANEL * shape[1]
 
 
+# ---- sparse panels (csrc/spanels.c): windows of k with each output's non-zeros, values only --------------------
+SPARSE_MAX_FRACTION = 0.75  # a matrix goes sparse when its sparse panels are at most this fraction of the dense
+# ones' bytes and take at most this fraction of their steps (a sparse step costs about what a dense k step does):
+# decode then reads fewer bytes without running out of arithmetic (README, "Serving"; bench/serve_sparse_decode.py)
+
+
+class SparsePlan(NamedTuple):
+    """How a weight packs in sparse panels: S non-zeros per output and window, `numel` floats, `steps` steps
+    (S x windows; the dense panels take ceil(out / 16) x in)."""
+
+    S: int
+    numel: int
+    steps: int
+
+
+class SparsePanels(NamedTuple):
+    """A weight in sparse panels (csrc/spanels.c): `blob` (float32, plan.numel), `off` ((P + 2,) int64: where
+    each panel starts in blob, its end, S). off[P] * 4 bytes are read per product."""
+
+    blob: Tensor
+    off: Tensor
+
+
+def sparse_plan(w: Tensor) -> SparsePlan:
+    """The sparse panel layout of an (out, in) float32 weight that takes the fewest steps."""
+    info = (ctypes.c_long * 3)()
+    w = w.contiguous()
+    if _lib.wsc_sparse_plan(w.data_ptr(), w.shape[0], w.shape[1], info) != 0:
+        raise MemoryError("sparse_plan: out of memory")
+    return SparsePlan(*info)
+
+
+def sparse_pays(shape: tuple[int, int], plan: SparsePlan) -> bool:
+    """Whether sparse panels beat dense ones (SPARSE_MAX_FRACTION of their bytes and of their steps)."""
+    return (plan.numel <= SPARSE_MAX_FRACTION * packed_numel(shape)
+            and plan.steps <= SPARSE_MAX_FRACTION * -(-shape[0] // PANEL) * shape[1])
+
+
+def pack_sparse(w: Tensor, plan: SparsePlan, out: Tensor | None = None) -> SparsePanels:
+    """(out, in) float32 weight -> its sparse panels as `plan` (sparse_plan(w)) lays them out, written into `out`
+    when given (plan.numel floats, e.g. a huge-page arena view)."""
+    w = w.contiguous()
+    blob = torch.empty(plan.numel) if out is None else out
+    off = torch.empty(-(-w.shape[0] // PANEL) + 2, dtype=torch.int64)
+    if _lib.wsc_sparse_pack(w.data_ptr(), w.shape[0], w.shape[1], plan.S, blob.data_ptr(), off.data_ptr()) != 0:
+        raise MemoryError("pack_sparse: out of memory")
+    return SparsePanels(blob, off)
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 # The kernels below take float32 contiguous CPU tensors.
-def linear(x: Tensor, wp: Tensor, out: int, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """(R, in) x, packed weight `wp` (see pack) of `out` outputs [, (out,) bias, (R, out) residual] -> (R, out)
-    residual + x W^T + bias."""
+def linear(x: Tensor, wp: Tensor | SparsePanels, out: int, bias: Tensor | None = None,
+           residual: Tensor | None = None) -> Tensor:
+    """(R, in) x, packed weight `wp` (see pack, or pack_sparse) of `out` outputs [, (out,) bias, (R, out)
+    residual] -> (R, out) residual + x W^T + bias."""
     R, n = x.shape
     y = torch.empty(R, out)
-    if _lib.wsc_linear(wp.data_ptr(), x.data_ptr(), _ptr(bias), _ptr(residual), y.data_ptr(), R, out, n) != 0:
+    if isinstance(wp, SparsePanels):
+        rc = _lib.wsc_linear_sparse(wp.blob.data_ptr(), wp.off.data_ptr(), x.data_ptr(), _ptr(bias), _ptr(residual),
+                                    y.data_ptr(), R, out, n)
+    else:
+        rc = _lib.wsc_linear(wp.data_ptr(), x.data_ptr(), _ptr(bias), _ptr(residual), y.data_ptr(), R, out, n)
+    if rc != 0:
         raise MemoryError(f"linear over {R} rows: out of memory for the packed input")
     return y
 
@@ -262,9 +325,13 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 _LAYER_PTRS = ("attn_norm", "wqkv", "bqkv", "wo", "bo", "mlp_norm", "wgu", "bgu", "wd", "bd")
 
 
+_SPARSE_OFFS = {"wqkv": "oqkv", "wo": "oo", "wgu": "ogu", "wd": "od"}  # a matrix's sparse panel offsets
+
+
 class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
     _fields_ = [(f, ctypes.c_void_p) for f in _LAYER_PTRS] + \
-        [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)]
+        [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)] + \
+        [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()]
 
 
 class DecodeStack:
@@ -273,7 +340,7 @@ class DecodeStack:
 
     def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
-        for absent biases) and cache ((2 n_kv, slots, hd))."""
+        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd))."""
         self._keep = layers
         self.n, self.nh, self.nkv, self.hd, self.ffn = len(layers), n_head, n_kv, head_dim, ffn
         self.C = layers[0]["attn_norm"].shape[0]
@@ -281,7 +348,11 @@ class DecodeStack:
         self._arr = (_LayerT * len(layers))()
         for t, d in zip(self._arr, layers):
             for f in (*_LAYER_PTRS, "cache"):
-                setattr(t, f, _ptr(d[f]))
+                v = d[f]
+                if isinstance(v, SparsePanels):
+                    setattr(t, _SPARSE_OFFS[f], v.off.data_ptr())
+                    v = v.blob
+                setattr(t, f, _ptr(v))
             t.attn_eps, t.mlp_eps = d["attn_eps"], d["mlp_eps"]
         self._scratch = torch.empty(self.C + (n_head + 2 * n_kv) * head_dim + n_head * head_dim + 3 * ffn)
 

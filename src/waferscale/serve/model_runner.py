@@ -8,16 +8,20 @@ together; only the rows that sample go through the head. A runner covers a conti
 pipeline stage is a runner over its slice (`has_embed` on the first, `has_head` on the last).
 
 On CPU float32 (`fast_linear`) the projections, norms and SwiGLU run in the C kernels of serve/kernels.py over
-weights packed in one huge-page arena in the order they are read; decode rows' rope, KV write and attention run
-in one C call over the paged cache, and with Llama-style blocks decode and short prefill chunks run every layer
-in one C call (`kernels.DecodeStack`). The per-op torch path (decode rows gathered into a padded
-(B, nkv, S_max, hd) tensor with a key mask) stays the reference; without a C compiler the projections use MKL
-(its packed single-row GEMM for one row). How fast: README's Serving section, bench/serve_decode.py.
+weights packed in one huge-page arena in the order they are read (a matrix with enough exact zeros, as a pruned
+checkpoint has, in sparse panels: fewer bytes a token, the same bits; WSC_SPARSE_KERNELS=0 keeps it dense);
+decode rows' rope, KV write and attention run in one C call over the paged cache, and with Llama-style blocks
+decode and short prefill chunks run every layer in one C call (`kernels.DecodeStack`). The per-op torch path
+(decode rows gathered into a padded (B, nkv, S_max, hd) tensor with a key mask) stays the reference; without a C
+compiler the projections use MKL (its packed single-row GEMM for one row). How fast: README's Serving section,
+bench/serve_decode.py.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -174,8 +178,8 @@ STACK_MAX_CHUNK = 64
 
 class FastLinear:
     """y = residual + x W^T + b over a (fused) weight. On CPU float32 with the C kernels (`ckern`) the runner
-    packs W into its arena (`cw`, serve/kernels.py) and every call runs there; otherwise MKL, packed for one
-    row when `pack`."""
+    packs W into its arena (`cw`: dense or sparse panels, serve/kernels.py) and every call runs there; otherwise
+    MKL, packed for one row when `pack`."""
 
     threads = 1  # set by the runner: threads lent to GEMMs of PAR_MACS+ multiply-adds
 
@@ -184,7 +188,7 @@ class FastLinear:
         self.out, self.inp = weight.shape
         self.bias = None if bias is None else bias.contiguous()
         self.ckern = ckern
-        self.cw: Tensor | None = None  # the packed weight (set by the runner's arena when ckern)
+        self.cw: Tensor | kernels.SparsePanels | None = None  # the packed weight (the runner's arena, when ckern)
         self.packed = None
         if pack:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
@@ -208,17 +212,35 @@ class FastLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _hugepage_weights(lins: list[FastLinear]) -> None:
-    """Pack the weights of `lins` (kernels.pack) into one huge-page-backed arena, back to back in this order
-    (the order a step reads them), and drop the row-major ones. One packed copy of each weight, made once at
-    load (the model keeps its own tensors)."""
-    size = [kernels.packed_numel((lin.out, lin.inp)) for lin in lins]
+def _hugepage_weights(lins: list[FastLinear], sparse: bool) -> tuple[int, int, int]:
+    """Pack the weights of `lins` into one huge-page-backed arena, back to back in this order (the order a step
+    reads them), and drop the row-major ones. One packed copy of each weight, made once at load (the model keeps
+    its own tensors). A weight with enough exact zeros goes in sparse panels when `sparse` (kernels.sparse_pays),
+    else in dense ones (kernels.pack). Returns (weights sparse enough, bytes a step reads all dense, bytes it
+    reads as packed)."""
+    plans: list[kernels.SparsePlan | None] = []
+    for lin in lins:
+        plan = None
+        zeros = int((lin.weight == 0).sum())
+        if zeros >= (1 - kernels.SPARSE_MAX_FRACTION) * lin.weight.numel():  # (else sparse cannot pay)
+            plan = kernels.sparse_plan(lin.weight)
+            plan = plan if kernels.sparse_pays((lin.out, lin.inp), plan) else None
+        plans.append(plan)
+    dense = [kernels.packed_numel((lin.out, lin.inp)) for lin in lins]
+    size = [p.numel if p is not None and sparse else n for p, n in zip(plans, dense)]
     arena = kernels.hugepage_tensor(sum(size))
     off = 0
-    for lin, n in zip(lins, size):
-        lin.cw = kernels.pack(lin.weight, arena[off:off + n])
+    read = 0
+    for lin, plan, n in zip(lins, plans, size):
+        if plan is not None and sparse:
+            lin.cw = kernels.pack_sparse(lin.weight, plan, arena[off:off + n])
+            read += int(lin.cw.off[-2])
+        else:
+            lin.cw = kernels.pack(lin.weight, arena[off:off + n])
+            read += n
         lin.weight = None  # (a fused weight was a copy: freed)
         off += n
+    return sum(p is not None for p in plans), 4 * sum(dense), 4 * read
 
 
 def mkl_packing_available() -> bool:
@@ -336,9 +358,18 @@ class ModelRunner:
             if has_head else None
         if self.lm_head is not None:
             self.lm_head.threads = self.threads
+        self.weight_bytes: tuple[int, int] | None = None  # weight bytes a decode step reads: (all dense, as packed)
         if ckern:  # the weights this runner streams, in the order it streams them, on huge pages
             lins = [lin for L in self.layers for lin in (L.qkv, L.o, L.up, L.down)]
-            _hugepage_weights(lins + ([self.lm_head] if self.lm_head is not None else []))
+            lins += [self.lm_head] if self.lm_head is not None else []
+            sparse = os.environ.get("WSC_SPARSE_KERNELS", "1") != "0"
+            enough, dense_b, read_b = _hugepage_weights(lins, sparse)
+            self.weight_bytes = (dense_b, read_b)
+            if enough:
+                how = "in sparse panels" if sparse else "kept dense (WSC_SPARSE_KERNELS=0)"
+                print(f"serve: {enough} of {len(lins)} weight matrices (layers {lo}..{hi - 1}) sparse enough, {how}: "
+                      f"{read_b / 1e6:.1f} MB of weights read per token ({dense_b / 1e6:.1f} MB dense)",
+                      file=sys.stderr)
         self.cos_table = self.sin_table = None
         if cfg.position == "rotary":
             cos, sin = rope_cos_sin(model.blocks[0].attn.inv_freq.to(self.device), 0, cfg.max_seq_len)  # (T, hd)

@@ -8,6 +8,7 @@ typedef struct {
     const float *attn_norm, *wqkv, *bqkv, *wo, *bo, *mlp_norm, *wgu, *bgu, *wd, *bd;
     float attn_eps, mlp_eps;
     float* cache;  /* (2 nkv, slots, hd) */
+    const int64_t *oqkv, *oo, *ogu, *od;  /* sparse panel offsets of wqkv, wo, wgu, wd (spanels.c); NULL: dense */
 } layer_t;
 
 /* x (C,) in place through layers[0 .. n); scratch: at least C + (nh + 2 nkv) hd + nh hd + 3 ffn floats.
@@ -23,14 +24,14 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
     for (long l = 0; l < n; l++) {
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
-        wsc_linear(L->wqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
+        product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
         if (wsc_decode_attention(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y) != 0)
             return -1;
-        wsc_linear(L->wo, y, L->bo, x, x, 1, C, nh * hd);
+        product(L->wo, L->oo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
-        wsc_linear(L->wgu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
+        product(L->wgu, L->ogu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
         wsc_silu_mul(gu, a, 1, ffn);
-        wsc_linear(L->wd, a, L->bd, x, x, 1, C, ffn);
+        product(L->wd, L->od, a, L->bd, x, x, 1, C, ffn);
     }
     return 0;
 }
@@ -52,15 +53,15 @@ int wsc_decode_layers_batch(float* x, const layer_t* layers, long n, long R, lon
     for (long l = 0; l < n; l++) {
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, R, C);
-        if (wsc_linear(L->wqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
+        if (product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
             wsc_decode_attention_batch(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs, nh,
                                        nkv, hd, scale, y, nh * hd) != 0 ||
-            wsc_linear(L->wo, y, L->bo, x, x, R, C, nh * hd) != 0)
+            product(L->wo, L->oo, y, L->bo, x, x, R, C, nh * hd) != 0)
             return -1;
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, R, C);
-        if (wsc_linear(L->wgu, h, L->bgu, NULL, gu, R, 2 * ffn, C) != 0) return -1;
+        if (product(L->wgu, L->ogu, h, L->bgu, NULL, gu, R, 2 * ffn, C) != 0) return -1;
         wsc_silu_mul(gu, a, R, ffn);
-        if (wsc_linear(L->wd, a, L->bd, x, x, R, C, ffn) != 0) return -1;
+        if (product(L->wd, L->od, a, L->bd, x, x, R, C, ffn) != 0) return -1;
     }
     return 0;
 }

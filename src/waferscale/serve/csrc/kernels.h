@@ -122,11 +122,13 @@ typedef struct {
     const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
 } attn_t;
 
-/* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk */
+/* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk. A product's W is in
+   dense panels (off == NULL, panels.c) or in sparse panels with panel offsets off (spanels.c). */
 typedef struct {
     const float *W, *xt, *b, *res; float* y;
     long rows, out, in;
     const attn_t* at;
+    const int64_t* off;
 } job_t;
 
 /* defined in attention.c, run by the pool (pool.c) */

@@ -88,7 +88,7 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
     }
     long np = (j->out + PANEL - 1) / PANEL;
     long p0 = c * cp, p1 = p0 + cp < np ? p0 + cp : np;
-    panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL);
+    if (any_panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL) != 0) return;  /* as attend_chunk above */
     uint64_t want = gen << 2 | OPEN;
     if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
         put(j, p0, p1, buf);
@@ -196,20 +196,24 @@ static inline int faster_shared(const double* ns, const double* bytes) {
 static _Thread_local void* t_xt;
 static _Thread_local long t_xt_cap;
 
-/* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed (see panels.c), x (rows, in), y/res (rows, out).
-   b and res may be NULL; res may alias y. Thread-safe: one caller at a time shares the pool, any others
-   run alone. Returns 0, or -1 when out of memory (nothing written). */
-int wsc_linear(const float* W, const float* x, const float* b, const float* res, float* y,
-               long rows, long out, long in) {
+/* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed in panels (off NULL, see panels.c) or in sparse
+   panels (spanels.c), x (rows, in), y/res (rows, out). b and res may be NULL; res may alias y. Thread-safe: one
+   caller at a time shares the pool, any others run alone. Returns 0, or -1 when out of memory (nothing
+   written). */
+static int product(const float* W, const int64_t* off, const float* x, const float* b, const float* res, float* y,
+                   long rows, long out, long in) {
     const float* xt = x;
-    if (rows > 1) {  /* (one row is its own transpose) */
+    long np = (out + PANEL - 1) / PANEL;
+    int unpack = off && sp_unpacks(rows, (int)off[np + 1]);
+    if (unpack && sp_unpack_bufs(rows, in) != 0) return -1;  /* (the caller's own, reserved) */
+    if (rows > 1 && (!off || unpack)) {  /* (one row is its own transpose; sparse panels read x as it is) */
         if (!grow(&t_xt, &t_xt_cap, rows * in, sizeof(float))) return -1;
         pack_x(x, rows, in, t_xt);
         xt = t_xt;
     }
-    job_t j = {W, xt, b, res, y, rows, out, in, NULL};
-    long np = (out + PANEL - 1) / PANEL;
-    long cp = CHUNK_FLOATS / (PANEL * (in > 0 ? in : 1));
+    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off};
+    long per = off ? (long)off[np] / (np > 0 ? np : 1) : PANEL * in;  /* floats streamed per panel */
+    long cp = CHUNK_FLOATS / (per > 0 ? per : 1);
     if (cp < 1) cp = 1;
     if (cp > MAX_CHUNK_OUT / PANEL) cp = MAX_CHUNK_OUT / PANEL;
     if ((np + cp - 1) / cp > MAX_CHUNKS) cp = (np + MAX_CHUNKS - 1) / MAX_CHUNKS;
@@ -218,10 +222,11 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
     if (ns > nc / 2) ns = nc / 2;
     int idle = 0;
     if (ns < 2 || !chunk_buf(rows * cp * PANEL) || !atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
-        panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
+        any_panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
         return 0;
     }
-    double bytes = (double)out * in * 4;  /* weight bytes streamed; the class is by work (bytes x rows) */
+    double bytes = off ? (double)off[np] * 4 : (double)out * in * 4;  /* weight bytes streamed; the class is by
+                                                                           work (bytes x rows) */
     int cls = 63 - __builtin_clzl((unsigned long)(bytes * rows) | 1);
     int pref = g_bytes[0] > 0 && g_bytes[1] > 0 && faster_shared(g_ns, g_bytes);
     if (g_cbytes[cls][0] > 0 && g_cbytes[cls][1] > 0) pref = faster_shared(g_cns[cls], g_cbytes[cls]);
@@ -239,7 +244,7 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
         g_burst_left--;
     }
     long t0 = now_ns();
-    if (shared) count &= run_pool(&j, cp, nc, ns); else panels_into(&j, 0, np, y, out);
+    if (shared) count &= run_pool(&j, cp, nc, ns); else any_panels_into(&j, 0, np, y, out);
     if (count) {  /* decay: overall, the last ~64 MB-weighted products of each way count; per class, ~4 */
         double dt = (double)(now_ns() - t0), keep = 1.0 - bytes / (bytes + 64e6);
         g_ns[shared] = g_ns[shared] * keep + dt;
@@ -249,6 +254,17 @@ int wsc_linear(const float* W, const float* x, const float* b, const float* res,
     }
     atomic_store(&g_busy, 0);
     return 0;
+}
+
+int wsc_linear(const float* W, const float* x, const float* b, const float* res, float* y, long rows, long out,
+               long in) {
+    return product(W, NULL, x, b, res, y, rows, out, in);
+}
+
+/* wsc_linear over W in sparse panels with panel offsets off (spanels.c) */
+int wsc_linear_sparse(const float* W, const int64_t* off, const float* x, const float* b, const float* res, float* y,
+                      long rows, long out, long in) {
+    return product(W, off, x, b, res, y, rows, out, in);
 }
 
 /* returns 0 when a worker had to be woken (a transient, e.g. the first product of a token: not a fair sample

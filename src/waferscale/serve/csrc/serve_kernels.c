@@ -7,6 +7,7 @@
 #include "kernels.h"
 
 #include "panels.c"         /* the panel microkernel: y = residual + x W^T + bias, per chunk of panels */
+#include "spanels.c"        /* the same over sparse panels (masks + non-zero values) */
 #include "pool.c"           /* the work-stealing pool, wsc_set_threads, wsc_linear */
 #include "attention.c"      /* wsc_decode_attention, wsc_decode_attention_batch */
 #include "rowwise.c"        /* wsc_silu_mul, wsc_argmax, wsc_argmax_rows, wsc_rms_norm */

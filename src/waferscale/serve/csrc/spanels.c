@@ -1,0 +1,333 @@
+/* Products over weights in sparse panels: fewer bytes read per token for a matrix with many exact zeros. */
+#ifndef WSC_SERVE_KERNELS_TU
+#error "part of serve_kernels.c, which includes it: compile that file"
+#endif
+
+/* ---- y = residual + x W^T + bias over W in sparse panels -------------------------------------------------
+   The panels of panels.c (16 outputs each, rows past `out` zero), each cut along k into windows of at most
+   SP_WIN consecutive k in which no output has more than S non-zeros (S: one per matrix, chosen at packing, see
+   wsc_sparse_plan). A window is its first k (int32), one uint32 mask per output (bit t: the weight at k0 + t
+   is non-zero), S uint16 masks of the outputs that have an s-th non-zero (padded to whole floats: SP_HDR(S)
+   floats in all), then its non-zero values in S steps: step s holds the s-th non-zero (in k order) of each
+   output that has one, outputs in order. Panel p's windows lie at W + off[p] .. W + off[p + 1] (floats);
+   off[np + 1] = S; 16 zero floats follow the last panel. Bytes read: 4 per non-zero and 68 + 2 S (rounded up
+   to 4) per window (up to 32 k of 16 outputs, so at least 2/16 per weight; windows of zeros are left out).
+   A step gathers each output's next x from the window's x (two vectors, one permute), expands the step's
+   values into the outputs that have one (zeros elsewhere) and runs one FMA per x row, so a decode token costs
+   S steps per window instead of a step per k. (A 16-bit mask per k with an expanding load per k reads the same
+   bytes but takes a step per k: measured on a Zen 4 at ~1.7 ns a step whatever the density, a quarter of the
+   memory's speed at 90% sparsity; this layout takes ~2 ns a step and 4 to 5 times fewer steps.) Each output is
+   still one FMA chain over its non-zero k in order, and a zero lane adds x * 0 to a sum that starts at +0,
+   which leaves it as it is: the same bits as the dense panels of the same matrix (for finite x), whatever the
+   batch or the threads. */
+
+#define SP_WIN 32
+#define SP_HDR(S) (1 + PANEL + ((S) + 1) / 2)
+
+#if defined(__GNUC__) && defined(__AVX512F__) && (defined(__AVX512VPOPCNTDQ__) || defined(__AVX512CD__))
+#define SP_AVX512 1
+#include <immintrin.h>
+
+/* the lowest set bit's index of each lane (lanes of 0: any index in 0 .. 31), and that bit cleared in *m */
+static inline __m512i pop_lowest(__m512i* m) {
+    __m512i t = _mm512_add_epi32(*m, _mm512_set1_epi32(-1));
+#ifdef __AVX512VPOPCNTDQ__
+    __m512i idx = _mm512_popcnt_epi32(_mm512_andnot_si512(*m, t));  /* the bits below the lowest */
+#else
+    __m512i low = _mm512_andnot_si512(t, *m);
+    __m512i idx = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(low));
+#endif
+    *m = _mm512_and_si512(*m, t);
+    return idx;
+}
+#endif
+
+/* One window at s of a sparse panel against MR (<= 8) x rows (x + r * ldx, `in` long): a[r] += its terms.
+   Returns the next window. */
+static inline __attribute__((always_inline)) const float* sp_window(const float* s, int S, const float* x,
+                                                                    long ldx, long in, int MR, v16* a) {
+    int32_t k0;
+    __builtin_memcpy(&k0, s, sizeof k0);
+    const float* v = s + SP_HDR(S);
+#ifdef SP_AVX512
+    __m512i m = _mm512_loadu_si512(s + 1);
+    const uint16_t* act = (const uint16_t*)(s + 1 + PANEL);
+    __m512 x0[8], x1[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) if (r < MR) {
+        const float* xr = x + r * ldx + k0;
+        if (in - k0 >= SP_WIN) {
+            x0[r] = _mm512_loadu_ps(xr);
+            x1[r] = _mm512_loadu_ps(xr + 16);
+        } else {  /* the last window: x ends inside it */
+            float t[SP_WIN] = {0};
+            __builtin_memcpy(t, xr, (in - k0) * sizeof(float));
+            x0[r] = _mm512_loadu_ps(t);
+            x1[r] = _mm512_loadu_ps(t + 16);
+        }
+    }
+    for (int st = 0; st < S; st++) {
+        v16 w = (v16)_mm512_maskz_expandloadu_ps(act[st], v);
+        v += __builtin_popcount(act[st]);
+#if PF_DIST > 0
+        __builtin_prefetch(v + PF_DIST, 0, 3);
+#endif
+        __m512i idx = pop_lowest(&m);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) if (r < MR) a[r] += (v16)_mm512_permutex2var_ps(x0[r], idx, x1[r]) * w;
+    }
+#else
+    uint32_t m[PANEL];
+    __builtin_memcpy(m, s + 1, sizeof m);
+    for (int st = 0; st < S; st++) {
+        float w[PANEL], xs[8][PANEL];
+        for (int c = 0; c < PANEL; c++) {
+            int t = m[c] ? __builtin_ctz(m[c]) : 0;
+            w[c] = m[c] ? *v++ : 0.0f;
+            for (int r = 0; r < MR; r++) xs[r][c] = m[c] ? x[r * ldx + k0 + t] : 0.0f;
+            m[c] &= m[c] - 1;
+        }
+        for (int r = 0; r < MR; r++) a[r] += ld16(xs[r]) * ld16(w);
+    }
+#endif
+    return v;
+}
+
+/* pmk's stores: dst[r * ldd + c] = res[r * ldr + c] + (a[r][c] + b[c]), r < MR, c < nc (b, res may be NULL) */
+static inline __attribute__((always_inline)) void sp_store(const v16* a, int MR, float* dst, long ldd, int nc,
+                                                           const float* b, const float* res, long ldr) {
+    if (nc == PANEL) {
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) if (r < MR) {
+            v16 z = a[r];
+            if (b) z = z + ld16(b);
+            if (res) z = ld16(res + r * ldr) + z;
+            __builtin_memcpy(dst + r * ldd, &z, sizeof z);
+        }
+        return;
+    }
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < nc; c++) {
+            float z = a[r][c];
+            if (b) z = z + b[c];
+            if (res) z = res[r * ldr + c] + z;
+            dst[r * ldd + c] = z;
+        }
+}
+
+/* MR x rows against one sparse panel [sp, end): as pmk */
+static inline __attribute__((always_inline)) void spmk(const float* sp, const float* end, int S, const float* x,
+                                                       long ldx, long in, int MR, float* dst, long ldd, int nc,
+                                                       const float* b, const float* res, long ldr) {
+    v16 a[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) a[r] = (v16){0};
+    for (const float* s = sp; s < end;) s = sp_window(s, S, x, ldx, in, MR, a);
+    sp_store(a, MR, dst, ldd, nc, b, res, ldr);
+}
+
+/* A product of many rows (prefill) is bound by FMAs, not bytes, and there a sparse step (a permute and an FMA
+   per row) costs more than a dense k (an FMA per row) unless the steps are few: with SP_DENSE_ROWS rows or more
+   and S >= SP_DENSE_S, SP_UNPACK panels at a time are unpacked into dense panels for the dense microkernel (the
+   same bits: the same matrix, the same chains). Measured on SmolLM2's shapes, 32 rows, 50% sparse: 0.60x dense
+   unpacked, 0.48x not; 90% (S = 5): 1.4x dense not unpacked. */
+#define SP_DENSE_ROWS 32
+#define SP_DENSE_S 8
+#define SP_UNPACK 16
+
+static inline int sp_unpacks(long rows, int S) { return rows >= SP_DENSE_ROWS && S >= SP_DENSE_S; }
+
+static _Thread_local void *t_unpack, *t_tmp;
+static _Thread_local long t_unpack_cap, t_tmp_cap;
+
+/* this thread's buffers for unpacking: 0, or -1 when out of memory */
+static int sp_unpack_bufs(long rows, long in) {
+    return grow(&t_unpack, &t_unpack_cap, SP_UNPACK * PANEL * in, sizeof(float)) &&
+           grow(&t_tmp, &t_tmp_cap, rows * SP_UNPACK * PANEL, sizeof(float)) ? 0 : -1;
+}
+
+/* the sparse panel [s, end) of S -> dense panel dp (in, 16) */
+static void sp_unpack(const float* s, const float* end, int S, long in, float* dp) {
+    for (long i = 0; i < in * PANEL; i++) dp[i] = 0.0f;
+    while (s < end) {
+        int32_t k0;
+        uint32_t m[PANEL];
+        __builtin_memcpy(&k0, s, sizeof k0);
+        __builtin_memcpy(m, s + 1, sizeof m);
+        const uint16_t* act = (const uint16_t*)(s + 1 + PANEL);
+        const float* v = s + SP_HDR(S);
+#ifdef SP_AVX512
+        __m512i mm = _mm512_loadu_si512(s + 1);
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int st = 0; st < S; st++) {
+            __m512 w = _mm512_maskz_expandloadu_ps(act[st], v);
+            v += __builtin_popcount(act[st]);
+            __m512i at = _mm512_add_epi32(_mm512_slli_epi32(pop_lowest(&mm), 4), lane);
+            _mm512_mask_i32scatter_ps(dp + k0 * PANEL, act[st], at, w, 4);
+        }
+        (void)m;
+#else
+        for (int st = 0; st < S; st++)
+            for (unsigned bits = act[st]; bits; bits &= bits - 1) {  /* (the outputs with an st-th non-zero) */
+                int c = __builtin_ctz(bits);
+                dp[(k0 + __builtin_ctz(m[c])) * PANEL + c] = *v++;
+                m[c] &= m[c] - 1;
+            }
+#endif
+        s = v;
+    }
+}
+
+/* panels_into over sparse panels. Unpacked (sp_unpacks), x is packed in tiles as for panels_into; otherwise it
+   is (rows, in) row-major and rows go 8, 4, 2 or 1 at a time (each output's chain is the same whatever the rows
+   beside it). Returns 0, or -1 when out of memory. */
+static int spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+    long R = j->rows, in = j->in, out = j->out;
+    int S = (int)j->off[(out + PANEL - 1) / PANEL + 1];
+    if (sp_unpacks(R, S)) {
+        if (sp_unpack_bufs(R, in) != 0) return -1;
+        float *dp = t_unpack, *tmp = t_tmp;
+        for (long q0 = p0; q0 < p1; q0 += SP_UNPACK) {
+            long q1 = q0 + SP_UNPACK < p1 ? q0 + SP_UNPACK : p1, o0 = q0 * PANEL, m = out_end(j, q1) - o0;
+            for (long p = q0; p < q1; p++)
+                sp_unpack(j->W + j->off[p], j->W + j->off[p + 1], S, in, dp + (p - q0) * in * PANEL);
+            job_t d = *j;  /* panels [q0, q1) as outputs [0, m) of a dense job, without the residual (res may be
+                              dst: it is added below, after the bias, as pmk adds it) */
+            d.W = dp;
+            d.b = j->b ? j->b + o0 : NULL;
+            d.res = NULL;
+            d.out = m;
+            d.off = NULL;
+            panels_into(&d, 0, q1 - q0, tmp, m);
+            for (long r = 0; r < R; r++)
+                for (long o = 0; o < m; o++) {
+                    float z = tmp[r * m + o];
+                    if (j->res) z = j->res[r * out + o0 + o] + z;
+                    dst[r * ldd + (o0 - p0 * PANEL) + o] = z;
+                }
+        }
+        return 0;
+    }
+    for (long p = p0; p < p1; p++) {
+        const float *sp = j->W + j->off[p], *end = j->W + j->off[p + 1];
+        long o = p * PANEL;
+        int nc = out - o < PANEL ? (int)(out - o) : PANEL;
+        const float* b = j->b ? j->b + o : NULL;
+        for (long r0 = 0, n; r0 < R; r0 += n) {
+            n = R - r0 >= 8 ? 8 : R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
+            const float* x = j->xt + (size_t)r0 * in;
+            float* d = dst + r0 * ldd + (o - p0 * PANEL);
+            const float* res = j->res ? j->res + (size_t)r0 * out + o : NULL;
+            switch (n) {
+#define SPMK(n) case n: spmk(sp, end, S, x, in, in, n, d, ldd, nc, b, res, out); break;
+            SPMK(1) SPMK(2) SPMK(4) SPMK(8)
+#undef SPMK
+            }
+        }
+    }
+    return 0;
+}
+
+/* a job's panels [p0, p1) into dst: 0, or -1 when out of memory */
+static int any_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+    if (j->off) return spanels_into(j, p0, p1, dst, ldd);
+    panels_into(j, p0, p1, dst, ldd);
+    return 0;
+}
+
+/* ---- packing -------------------------------------------------------------------------------------------- */
+
+/* mk[k] = the outputs of panel p of W (out, in) whose weight at k is non-zero (-0.0 counts as zero) */
+static void sp_masks(const float* W, long out, long in, long p, uint16_t* mk) {
+    for (long k = 0; k < in; k++) mk[k] = 0;
+    for (int c = 0; c < PANEL && p * PANEL + c < out; c++) {
+        const float* row = W + (p * PANEL + c) * in;
+        for (long k = 0; k < in; k++) mk[k] |= (uint16_t)((row[k] != 0) << c);
+    }
+}
+
+/* the end of the window that starts at k0: at most SP_WIN k, at most S non-zeros per output */
+static long sp_cut(const uint16_t* mk, long in, int S, long k0) {
+    int cnt[PANEL] = {0};
+    unsigned full = 0;  /* outputs with S non-zeros so far */
+    long k = k0;
+    for (; k < in && k - k0 < SP_WIN && !(mk[k] & full); k++)
+        for (unsigned b = mk[k]; b; b &= b - 1) {
+            int c = __builtin_ctz(b);
+            if (++cnt[c] == S) full |= 1u << c;
+        }
+    return k;
+}
+
+/* panel p (its masks mk) in windows of S; with dst, written there. Returns the floats; *steps += S x windows. */
+static long sp_panel(const float* W, long in, long p, const uint16_t* mk, int S, float* dst, long* steps) {
+    long n = 0;
+    for (long k0 = 0, k1; k0 < in; k0 = k1) {
+        k1 = sp_cut(mk, in, S, k0);
+        long nz = 0;
+        for (long k = k0; k < k1; k++) nz += __builtin_popcount(mk[k]);
+        if (nz == 0) continue;  /* (k0 is stored: a window of zeros is left out) */
+        if (dst) {
+            int32_t k32 = (int32_t)k0;
+            uint32_t m[PANEL] = {0};
+            uint16_t act[SP_WIN + 1] = {0};
+            for (long k = k0; k < k1; k++)
+                for (unsigned b = mk[k]; b; b &= b - 1) m[__builtin_ctz(b)] |= 1u << (k - k0);
+            for (int st = 0; st < S; st++)
+                for (int c = 0; c < PANEL; c++) act[st] |= (uint16_t)((__builtin_popcount(m[c]) > st) << c);
+            __builtin_memcpy(dst + n, &k32, sizeof k32);
+            __builtin_memcpy(dst + n + 1, m, sizeof m);
+            __builtin_memcpy(dst + n + 1 + PANEL, act, (SP_HDR(S) - 1 - PANEL) * sizeof(float));
+            float* v = dst + n + SP_HDR(S);
+            for (int st = 0; st < S; st++)
+                for (int c = 0; c < PANEL; c++)
+                    if (m[c]) {
+                        *v++ = W[(p * PANEL + c) * in + k0 + __builtin_ctz(m[c])];
+                        m[c] &= m[c] - 1;
+                    }
+        }
+        n += SP_HDR(S) + nz;
+        *steps += S;
+    }
+    return n;
+}
+
+static const int SP_CAND[] = {1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32};
+#define SP_NCAND (long)(sizeof SP_CAND / sizeof SP_CAND[0])
+
+/* The S (of SP_CAND) that makes the fewest steps for W (out, in): info[0..2] = S, floats of its sparse panels
+   (the 16 that follow included), steps (S x windows). Returns 0, or -1 when out of memory. */
+int wsc_sparse_plan(const float* W, long out, long in, long* info) {
+    long np = (out + PANEL - 1) / PANEL, floats[SP_NCAND] = {0}, steps[SP_NCAND] = {0};
+    uint16_t* mk = malloc((size_t)(in > 0 ? in : 1) * sizeof *mk);
+    if (!mk) return -1;
+    for (long p = 0; p < np; p++) {
+        sp_masks(W, out, in, p, mk);
+        for (long i = 0; i < SP_NCAND; i++) floats[i] += sp_panel(W, in, p, mk, SP_CAND[i], NULL, &steps[i]);
+    }
+    free(mk);
+    long best = 0;
+    for (long i = 1; i < SP_NCAND; i++) if (steps[i] < steps[best]) best = i;
+    info[0] = SP_CAND[best];
+    info[1] = floats[best] + PANEL;
+    info[2] = steps[best];
+    return 0;
+}
+
+/* W (out, in) row-major -> sparse panels of S (from wsc_sparse_plan): dst (the floats it counted, all written),
+   off (np + 2 int64). Returns 0, or -1 when out of memory. */
+int wsc_sparse_pack(const float* W, long out, long in, int S, float* dst, int64_t* off) {
+    long np = (out + PANEL - 1) / PANEL, n = 0, steps = 0;
+    uint16_t* mk = malloc((size_t)(in > 0 ? in : 1) * sizeof *mk);
+    if (!mk) return -1;
+    for (long p = 0; p < np; p++) {
+        off[p] = n;
+        sp_masks(W, out, in, p, mk);
+        n += sp_panel(W, in, p, mk, S, dst + n, &steps);
+    }
+    free(mk);
+    off[np] = n;
+    off[np + 1] = S;
+    for (int i = 0; i < PANEL; i++) dst[n + i] = 0.0f;
+    return 0;
+}
