@@ -445,8 +445,7 @@ class StreamingEngine:
         if p is None:
             return
         self.ledger.free("saved", sum(p["count"].values()))
-        for acts in p["acts"]:
-            self.ledger.free("activations", sum(nbytes(a) for a in acts if a is not None))
+        self.ledger.free("activations", sum(nbytes(a) for acts in p["acts"] for a in acts if a is not None))
         self._release(p["dev"])
         self._bwd_unit = None
         p.clear()

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.runtime import checkpoint
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.optim import set_lr
 from waferscale.util.dtypes import half_dtype as torch_half_dtype
@@ -84,9 +85,7 @@ class Executor(ABC):
 
     def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
         """Copy checkpoint weights in (refusing another architecture)."""
-        from waferscale.runtime.checkpoint import load_model_weights
-
-        load_model_weights(self.model_for_checkpoint(), weights, where)
+        checkpoint.load_model_weights(self.model_for_checkpoint(), weights, where)
 
     def close(self) -> None:
         """Finish pending work (asynchronous updates, worker processes)."""
