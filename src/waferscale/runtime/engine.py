@@ -39,11 +39,7 @@ from waferscale.runtime.lane import Lane
 from waferscale.runtime.layout import UnitLayout
 from waferscale.runtime.trace import Tracer
 
-__all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "nbytes", "fetch_order"]
-
-
-def nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+__all__ = ["StreamingEngine", "DeviceLedger", "DeviceUnit", "rng_state", "rng_restored", "fetch_order"]
 
 
 def fetch_order(n: int) -> list[int]:
@@ -86,7 +82,7 @@ class DeviceUnit:
                       .view(e.shape) for e in lay.entries}
         self.ptrs = {p: k for k, p in ((0, matrices.untyped_storage().data_ptr() if matrices.numel() else 0),
                                        (1, vectors.untyped_storage().data_ptr() if vectors.numel() else 0)) if p}
-        self.nbytes = nbytes(matrices) + nbytes(vectors)
+        self.nbytes = matrices.nbytes + vectors.nbytes
 
 
 def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -323,7 +319,7 @@ class StreamingEngine:
         acts: list[list[Tensor]] = [xs]
         graphs: dict[tuple[int, int], Any] = {}
         rng: dict[tuple[int, int], Any] = {}
-        self.ledger.alloc("activations", sum(nbytes(x) for x in xs))
+        self.ledger.alloc("activations", sum(x.nbytes for x in xs))
         self._start_fetches(fetch_order(self.n))
         for u in range(self.n - 1):
             dev = self._next_unit()
@@ -339,7 +335,7 @@ class StreamingEngine:
                     graphs[u, m] = self._run_keeping_graph(u, dev, inp)
                     out = graphs[u, m][1].detach()
                 outs.append(out)
-                self.ledger.alloc("activations", nbytes(out))
+                self.ledger.alloc("activations", out.nbytes)
             acts.append(outs)
             self._span("main", f"forward unit {u}", t0)
             self._release(dev)
@@ -403,14 +399,14 @@ class StreamingEngine:
 
     def _take_input_grad(self, leaf: Tensor) -> Tensor | None:
         if leaf.grad is not None:
-            self.ledger.alloc("activations", nbytes(leaf.grad))
+            self.ledger.alloc("activations", leaf.grad.nbytes)
         return leaf.grad
 
     def _drop_boundary(self, acts: list[list[Tensor]], u: int, m: int, grad_out: list[Tensor | None]) -> None:
         if grad_out[m] is not None:
-            self.ledger.free("activations", nbytes(grad_out[m]))
+            self.ledger.free("activations", grad_out[m].nbytes)
             grad_out[m] = None
-        self.ledger.free("activations", nbytes(acts[u][m]))
+        self.ledger.free("activations", acts[u][m].nbytes)
         acts[u][m] = None  # type: ignore[call-overload]
 
     # ---- the zoo's fused step: loss inside the last unit, micro-batches ----
@@ -445,7 +441,7 @@ class StreamingEngine:
         if p is None:
             return
         self.ledger.free("saved", sum(p["count"].values()))
-        self.ledger.free("activations", sum(nbytes(a) for acts in p["acts"] for a in acts if a is not None))
+        self.ledger.free("activations", sum(a.nbytes for acts in p["acts"] for a in acts if a is not None))
         self._release(p["dev"])
         self._bwd_unit = None
         p.clear()

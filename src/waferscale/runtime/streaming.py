@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM, lm_loss
 from waferscale.models.registry import build
-from waferscale.runtime.engine import StreamingEngine, fetch_order, nbytes
+from waferscale.runtime.engine import StreamingEngine, fetch_order
 from waferscale.runtime.executor import Executor, StepResult, check_loss, device_budget
 from waferscale.runtime.links import LocalLink
 from waferscale.runtime.layout import UnitLayout
@@ -84,7 +84,7 @@ def _saved_bytes_meta(unit: nn.Module, lay: UnitLayout, x: Tensor, half: torch.d
     def pack(t: Tensor) -> Tensor:
         base = t._base if t._base is not None else t
         if id(base) not in wids and id(t) not in wids and t is not x:
-            total[0] += nbytes(t)
+            total[0] += t.nbytes
         return t
 
     ctx = torch.autocast(device_type, dtype=half) if half else contextlib.nullcontext()
