@@ -228,10 +228,9 @@ def _check_against(found: dict[str, Tensor], expected: dict[str, Tensor], cfg: M
         problems.append("shape mismatch: " + "; ".join(
             f"{k!r} is {list(found[k].shape)} in the checkpoint but the model expects {list(expected[k].shape)}"
             for k in wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""))
-    if missing:
-        problems.append(f"{len(missing)} missing key(s), e.g. " + ", ".join(repr(k) for k in missing[:5]))
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected key(s), e.g. " + ", ".join(repr(k) for k in unexpected[:5]))
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            problems.append(f"{len(keys)} {what} key(s), e.g. " + ", ".join(repr(k) for k in keys[:5]))
     raise CheckpointError(f"{where} does not fit model {cfg.name!r} ({cfg.n_layer} layers, d_model "
                           f"{cfg.d_model}, vocab {cfg.vocab_size}): {'; '.join(problems)}. Is it a checkpoint of "
                           "another architecture? Check that the config (config.json, GGUF metadata) belongs to "
