@@ -99,12 +99,9 @@ class ResidentExecutor(Executor):
     def __init__(self, model: CausalLM, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  half_dtype: str | None = None, micro_batch_size: int | None = None,
                  max_gradient_norm: float | None = None, loss_scaling_factor: float | str = 1.0) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.device = device
+        self.model, self.optimizer, self.device = model, optimizer, device
         self.half = torch_half_dtype(half_dtype)
-        self.micro_batch_size = micro_batch_size
-        self.max_gradient_norm = max_gradient_norm
+        self.micro_batch_size, self.max_gradient_norm = micro_batch_size, max_gradient_norm
         self.scaler: torch.amp.GradScaler | None = None
         if self.half == torch.float16:  # bf16 has fp32's range and needs no loss scaling
             rule = LossScaler.from_config(loss_scaling_factor)

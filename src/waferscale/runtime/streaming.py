@@ -166,8 +166,7 @@ class StreamingExecutor(MemoryXExecutor):
                  device_memory_bytes: int | None = None, recompute: bool | str = "auto") -> None:
         self.skeleton, self.mx, self.device = skeleton, memoryx, device
         self.half = torch_half_dtype(half_dtype)
-        self.micro_batch_size = micro_batch_size
-        self.device_memory_bytes = device_memory_bytes
+        self.micro_batch_size, self.device_memory_bytes = micro_batch_size, device_memory_bytes
         self.recompute_option = recompute
         self.engine: StreamingEngine | None = None
         self._planned_for: tuple[int, int] | None = None
