@@ -92,12 +92,10 @@ def build_token_splits(documents: list[str], tokenizer: Tokenizer, cache_dir: Pa
             return splits
         shutil.rmtree(entry)  # damaged, or a 64-bit prefix collision (vanishingly rare): never serve wrong tokens
 
-    # Built in a temp directory, renamed into place; if another process finished the same entry first, its
-    # copy is kept.
     writing = False
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(entry) as tmp:
+        with atomic_dir(entry) as tmp:  # (another process's copy of the same entry, finished first, is kept)
             writing = True
             meta = _tokenize_to(tmp, documents, tokenizer, val_fraction, eos_between_docs, progress)
             meta["key"] = key
