@@ -13,8 +13,6 @@ __all__ = ["Lane", "done_future"]
 
 
 class Lane:
-    """One daemon thread running submitted callables in order; `submit` returns a Future."""
-
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)

@@ -1,4 +1,4 @@
-"""Chrome/Perfetto traces of a step: spans on named lanes (main / prefetch / memoryx)."""
+"""Chrome/Perfetto traces of a step (open in ui.perfetto.dev): spans on named lanes (main / prefetch / memoryx)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ __all__ = ["Tracer"]
 
 
 class Tracer:
-    """Spans on named lanes, written as a Chrome/Perfetto trace (open in ui.perfetto.dev)."""
-
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
