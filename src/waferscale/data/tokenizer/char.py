@@ -13,8 +13,6 @@ __all__ = ["CharTokenizer"]
 
 
 class CharTokenizer(Tokenizer):
-    """One id per character; the vocabulary is the sorted set of characters seen in the training text."""
-
     def __init__(self, chars: list[str] | str):
         chars = list(chars)
         if not chars:

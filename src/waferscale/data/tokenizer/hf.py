@@ -14,8 +14,6 @@ __all__ = ["HFTokenizer"]
 
 
 class HFTokenizer(Tokenizer):
-    """Wraps a `tokenizers.Tokenizer` (BPE, WordPiece, ...). Special tokens in the text encode as one id."""
-
     def __init__(self, tokenizer: Any, eos_id: int | None = None, bos_id: int | None = None,
                  chat_template: str | None = None) -> None:
         self.tk = tokenizer
