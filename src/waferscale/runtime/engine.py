@@ -169,8 +169,7 @@ class StreamingEngine:
     # ---- weights ----
     def _fetch_task(self, u: int) -> DeviceUnit:
         t0 = time.perf_counter()
-        matrices, vectors = self.link.fetch(u)
-        dev = DeviceUnit(u, self.layouts[u], matrices, vectors)
+        dev = DeviceUnit(u, self.layouts[u], *self.link.fetch(u))  # (matrices, vectors)
         self.ledger.alloc("weights", dev.nbytes)
         t1 = time.perf_counter()
         self.stats["fetch_busy_s"] += t1 - t0

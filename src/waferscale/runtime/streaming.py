@@ -126,10 +126,9 @@ def step_observability(stats: dict[str, float], *, step_s: float, tokens: int, f
     """Per-step figures for metrics.jsonl. The no-stall condition (WSE.md): weights stream twice per step, so a
     step hides the stream behind compute when tokens >= (b/3) * F / BW per 6 FLOP/param/token, with b the
     bytes per streamed weight, F the achieved compute rate and BW the achieved streaming bandwidth."""
-    compute = max(stats.get("compute_s", 0.0), 1e-9)
     bw = stats["bytes_in"] / stats["fetch_busy_s"] if stats.get("fetch_busy_s") else float("inf")
     b = stats["bytes_in"] / max(1, 2 * weight_params)  # bytes per streamed weight (two streams per step)
-    f = flops / compute
+    f = flops / max(stats.get("compute_s", 0.0), 1e-9)
     needed = (b / 3) * f / bw if math.isfinite(bw) else 0.0
     out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()}
     out.update({"stream_bandwidth_Bps": bw if math.isfinite(bw) else None,
