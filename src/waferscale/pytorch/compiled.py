@@ -71,9 +71,6 @@ class CompiledModel(nn.Module):
             self.runner = StreamRunner(self.model, self.backend, half)
         return self.runner(args[0])
 
-    def units(self) -> list[nn.Module]:
-        return model_units(self.model).modules
-
     def write_wafer_plan(self) -> None:
         """compile_only: place the model on a wafer (the compiler's plan, summary and picture in compile_dir)."""
         from waferscale.compiler.api import write_outputs

@@ -317,12 +317,10 @@ class MemoryX:
                 matrices[:owned_matrices].copy_(masters[u][:owned_matrices])
             if owned_vectors:
                 vectors[:owned_vectors].copy_(masters[u][owned_matrices:owned_matrices + owned_vectors])
-            for e in lay.entries:
-                dst = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
+            for e in lay.entries:  # (masked weights are zero in the masters themselves)
                 if e.owner != u:
+                    dst = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                     dst.copy_(masters[e.owner][e.offset:e.offset + e.numel])
-                if e.name in self._masks:
-                    dst.mul_(self._masks[e.name].reshape(-1))
         return matrices, vectors
 
     def fetch_view(self, u: int) -> tuple[Tensor, Tensor] | None:
@@ -561,9 +559,6 @@ class MemoryX:
             for slot in store.slots():
                 if slot != "grad":
                     store.open(slot)[e.offset:e.offset + e.numel].mul_(m.reshape(-1))
-
-    def mask(self, name: str) -> Tensor | None:
-        return self._masks.get(name)
 
     # ---- checkpoints (keyed like the resident model and optimizer: they interchange) ----
     def checkpoint_module(self, masks: bool = True) -> nn.Module:
