@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 
 
-def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with tied parameters kept once (first name wins)."""
+def unique_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state dict (or the given one) with tied parameters kept once (first name wins)."""
     first: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in (model if isinstance(model, Mapping) else model.state_dict(keep_vars=True)).items():
         first.setdefault(id(t), (name, t.detach()))
     return dict(first.values())
 
@@ -90,7 +91,8 @@ class Checkpoint:
         return (self.optim_tensors or {}).get("rng.torch")
 
 
-def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module, model_config: dict[str, Any], *,
+def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
+                    model_config: dict[str, Any], *,
                     optimizer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write checkpoint_{step}.* atomically; returns the manifest path."""
     model_dir = Path(model_dir)
@@ -167,7 +169,8 @@ def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> Checkpoint
                       optim_tensors=optim)
 
 
-def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+def load_model_weights(model: torch.nn.Module | Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor],
+                       where: str) -> None:
     """Copy weights into `model`, refusing another architecture with the first mismatch named. Sparsity masks
     (`<name>_mask`) are optional both ways: a dense model ignores a sparse run's (dense fine-tuning after
     sparse pre-training), a sparse model without them in the checkpoint keeps the masks it has."""

@@ -68,8 +68,8 @@ class Executor(ABC):
         """Mean loss on one batch, no gradients."""
 
     @abstractmethod
-    def model_for_checkpoint(self) -> torch.nn.Module:
-        """A module whose state_dict holds the current fp32 weights."""
+    def model_for_checkpoint(self) -> torch.nn.Module | dict[str, Tensor]:
+        """A module whose state dict holds the current fp32 weights, or that state dict."""
 
     @abstractmethod
     def optimizer_state(self) -> dict[str, Any]: ...

@@ -144,17 +144,6 @@ def _init_like_reset(name: str, t: Tensor, n_layer: int, std: float) -> None:
 
 # ---- the store -------------------------------------------------------------------------------------------
 
-class _CheckpointView(nn.Module):
-    """What `save_checkpoint` / `load_model_weights` see: the master weights under the model's names."""
-
-    def __init__(self, tensors: "OrderedDict[str, Tensor]") -> None:
-        super().__init__()
-        self._tensors = tensors
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> "OrderedDict[str, Tensor]":  # type: ignore[override]
-        return OrderedDict(self._tensors)
-
-
 class MemoryX:
     """fp32 master weights + gradients + optimizer state of a CausalLM, per unit, in RAM and flash.
 
@@ -561,8 +550,8 @@ class MemoryX:
                     store.open(slot)[e.offset:e.offset + e.numel].mul_(m.reshape(-1))
 
     # ---- checkpoints (keyed like the resident model and optimizer: they interchange) ----
-    def checkpoint_module(self, masks: bool = True) -> nn.Module:
-        """Master weights under the model's state-dict names (tied weights once); masks as `<name>_mask`."""
+    def checkpoint_state(self, masks: bool = True) -> "OrderedDict[str, Tensor]":
+        """Master weights (views) under the model's state-dict names (tied weights once); masks as `<name>_mask`."""
         self.synchronize()
         out: "OrderedDict[str, Tensor]" = OrderedDict()
         for lay, store in zip(self.layouts, self.stores):
@@ -571,7 +560,7 @@ class MemoryX:
                 out[e.name] = flat[e.offset:e.offset + e.numel].view(e.shape)
         if masks:
             out.update((f"{name}_mask", m) for name, m in self._masks.items())
-        return _CheckpointView(out)
+        return out
 
     def load_weights(self, weights: dict[str, Tensor], where: str) -> None:
         from waferscale.runtime.checkpoint import load_model_weights
@@ -585,7 +574,7 @@ class MemoryX:
                     self.set_mask(k[:-5], m)
         self.sync_masks()
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
-        load_model_weights(self.checkpoint_module(masks=False), plain, where)
+        load_model_weights(self.checkpoint_state(masks=False), plain, where)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """torch's optimizer state-dict format with the resident optimizer's parameter indices."""

@@ -142,8 +142,8 @@ class MemoryXExecutor(Executor):
 
     mx: MemoryX
 
-    def model_for_checkpoint(self) -> nn.Module:
-        return self.mx.checkpoint_module()
+    def model_for_checkpoint(self) -> dict[str, Tensor]:
+        return self.mx.checkpoint_state()
 
     def load_model_weights(self, weights: dict[str, Tensor], where: str) -> None:
         self.mx.load_weights(weights, where)
