@@ -179,8 +179,7 @@ class StreamRunner:
         mb = self.backend.device_memory_mb
         if mb is None:
             return
-        item = torch.empty(0, dtype=stream_dtype).element_size()
-        two = sorted((lay.payload_bytes(item) for lay in self.layouts), reverse=True)[:2]
+        two = sorted((lay.payload_bytes(stream_dtype.itemsize) for lay in self.layouts), reverse=True)[:2]
         if sum(two) > mb * 2**20:
             raise ConfigError(f"device_memory_mb {mb:g} is a budget smaller than two units' weights "
                               f"({sum(two) / 2**20:,.1f} MiB): raise it, or split the model into more units")

@@ -223,11 +223,7 @@ class MemoryX:
             del flat
         self._lane = Lane("memoryx-optimizer")
         self._update_done: list[Future] = [done_future() for _ in self.layouts]
-        self._grad_futs: list[Future] = []
-        self._written: set[int] = set()
-        self._sqnorms: dict[int, Tensor] = {}  # param_order -> norm
-        self._finite = True
-        self._lr = 0.0
+        self.begin_step(0.0)
         self._stats_lock = threading.Lock()
         self._stats = self._zero_stats()
         self._adopted = [False] * self.n_units
@@ -347,10 +343,10 @@ class MemoryX:
     def begin_step(self, lr: float) -> None:
         self.sync_masks()
         self._lr = float(lr)
-        self._written = set()
-        self._sqnorms = {}
+        self._written: set[int] = set()  # global indices of the gradients written this step
+        self._sqnorms: dict[int, Tensor] = {}  # param_order -> norm
         self._finite = True
-        self._grad_futs = []
+        self._grad_futs: list[Future] = []
 
     def push_grads(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
         """Hand over unit u's gradients (fp32, payload layout; host tensors MemoryX may keep until done).
