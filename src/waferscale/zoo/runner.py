@@ -306,6 +306,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
                         "peak_flops_measured": peak, "peak_systems": systems, "mfu": tps * flops_tok / peak})
         if stream_totals:
             summary["streaming"] = summarize_stream_stats(stream_totals, end_step - start_step)
+        if executor.sparsity is not None:
+            summary["sparsity"] = executor.sparsity.figures()
         if opts.trace:
             summary["trace"] = opts.trace
     if opts.mode in ("eval", "train_and_eval"):
@@ -325,7 +327,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
 # ---- observability: per-step streaming figures, their totals, one traced step --------------------------------
 
 _SUMMED = ("wait_weights_s", "compute_s", "grad_writeback_s", "optimizer_s", "fetch_busy_s", "bytes_in", "bytes_out",
-           "bytes_in_place")
+           "bytes_in_place", "bytes_streamed", "bytes_reduced")
 
 
 def accumulate_stream_stats(totals: dict[str, float], stats: dict[str, Any]) -> None:
@@ -372,6 +374,9 @@ def print_summary(s: dict[str, Any], model_dir: Path, out: TextIO) -> None:
             in_place = f"; {st['bytes_in_place'] / 2**20:,.1f} MiB of it read in place from MemoryX's RAM"
             if st["bytes_in_place"] >= st["bytes_in"]:
                 bw = "no copy"
+        if "sparsity" in s:  # masked units travel packed: what the links moved against the dense payloads
+            in_place += (f"; sparse {100 * s['sparsity']['sparsity']:.0f}%: moved {st['bytes_streamed'] / 2**20:,.1f} "
+                         f"MiB in, {st['bytes_reduced'] / 2**20:,.1f} MiB out")
         rows += [("execution", s.get("execution_reason", "")),
                  ("streamed", f"in {st['bytes_in'] / 2**20:,.1f} MiB, out {st['bytes_out'] / 2**20:,.1f} MiB at "
                               f"{bw}{in_place}"),
