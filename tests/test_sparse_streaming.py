@@ -142,3 +142,18 @@ def test_a_params_sparsity_section_on_two_systems_equals_one(corpus, tmp_path):
     two = _zoo(corpus, tmp_path / "two", execution="streaming", num_csx=2)
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["sparsity"] == b["sparsity"]
+
+
+def test_a_filter_that_matches_nothing_names_its_line(corpus, tmp_path):
+    import yaml
+
+    from conftest import tiny_params, wsc
+
+    d = tiny_params(corpus, tmp_path / "run")
+    d["sparsity"] = {"sparsity": 0.5, "param_filter": ["blocks.*.nothing"]}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    r = wsc("run", "--params", str(path), "--execution", "streaming")
+    line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip().startswith("param_filter"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{path}:{line}: sparsity param_filter" in r.stderr and "matches no parameter" in r.stderr, r.stderr

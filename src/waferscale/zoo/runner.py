@@ -170,9 +170,15 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tu
         cluster_config=cstorch.distributed.ClusterConfig(num_csx=opts.num_csx, timeout_s=opts.swarmx_timeout_s),
         spawn_script_copies=False)  # the workers run the compiled step, not copies of `wsc run`
     recompute = {"auto": "auto", "always": True, "never": False}[opts.recompute]
-    model, executor = compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
-                                      micro_batch_size=inp.micro_batch_size, recompute=recompute,
-                                      swarmx_timeout_s=opts.swarmx_timeout_s, sparsity=params.sparsity)
+    try:
+        model, executor = compile_lm_step(model, cfg, backend, opt, half_dtype=params.model.half_dtype,
+                                          micro_batch_size=inp.micro_batch_size, recompute=recompute,
+                                          swarmx_timeout_s=opts.swarmx_timeout_s, sparsity=params.sparsity)
+    except ConfigError as e:  # a filter that matches none of the model's parameters: point at it in the file
+        line = getattr(params.sparsity, "key_lines", {}).get("param_filter")
+        if "param_filter" not in str(e) or line is None:
+            raise
+        raise ConfigError(f"{params.source}:{line}: {e}") from None
     return model, executor, why
 
 
