@@ -51,8 +51,6 @@ def with_detours(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, time_
     """A placed pipeline's stage times re-projected with each region's own defect map, so the hops of the
     detours around its dead cores and links are charged (placement itself searched shapes on a perfect mesh:
     the logical mesh is defect-free after spare remapping, only its routes are longer)."""
-    if not ctx.defective:
-        return pipe
     return Layout(pipe.regions, [time_fn(units[r.unit], r.rows, r.cols,
                                          ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols))
                                  for r in pipe.regions])

@@ -83,8 +83,6 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
         kw = dict(n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False, mesh=mesh)
         f = pj.unit_time(spec, u, r, c, **kw)
-        if not u.act_sparse:
-            return f.scaled(3)
         f += pj.backward_time(spec, u, r, c, f, **kw)
         return f
 

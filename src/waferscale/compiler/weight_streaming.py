@@ -64,10 +64,8 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
         # a layer's request pays the tree latency; sparse: the non-zero values + the bitmask
         w = u.streamed_weight_bytes(b) / BW + sx.swarmx_hops * spec.io_latency_s
         before = total.s
-        for mult in (1, 2 + recompute):  # forward, then backward (+ recomputed forward)
-            c = f.scaled(mult) if mult == 1 else bwd
-            if mult > 1:
-                c += red
+        bwd += red  # the copies' gradients are reduced before they stream out
+        for c in (f, bwd):  # forward, then backward (+ recomputed forward)
             comp += c
             io.add("I/O", w)
             total += c if c.s >= w else pj.Time().add("I/O", w)
