@@ -376,20 +376,11 @@ def _cumsum0(a: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _xy(a: Coord, b: Coord, y_first: bool = False) -> list[Coord]:
-    (r, c), (r1, c1) = a, b
-    path = [(r, c)]
-    for axis in ((0, 1) if y_first else (1, 0)):
-        if axis == 1:
-            step = 1 if c1 > c else -1
-            while c != c1:
-                c += step
-                path.append((r, c))
-        else:
-            step = 1 if r1 > r else -1
-            while r != r1:
-                r += step
-                path.append((r, c))
-    return path
+    (r0, c0), (r1, c1) = a, b
+    dr, dc = (1 if r1 > r0 else -1), (1 if c1 > c0 else -1)
+    if y_first:  # down column c0 to row r1, then along row r1
+        return [(r, c0) for r in range(r0, r1 + dr, dr)] + [(r1, c) for c in range(c0 + dc, c1 + dc, dc)]
+    return [(r0, c) for c in range(c0, c1 + dc, dc)] + [(r, c1) for r in range(r0 + dr, r1 + dr, dr)]
 
 
 def _clustered(rng: np.random.Generator, R: int, C: int, n_dead: int, n_clusters: int) -> np.ndarray:
