@@ -229,8 +229,6 @@ class _FanOut:
             async for out in self.s.aengine.generate(f"{self.base_id}-{i}", prompt, params):
                 await self.q.put((i, out, None))
             await self.q.put((i, None, None))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # forwarded to the handler, which turns it into an error answer
             await self.q.put((i, None, e))
 
@@ -361,8 +359,6 @@ def _event_stream(fan: _FanOut, chunks: AsyncIterator[dict[str, Any]]) -> Stream
         try:
             async for chunk in chunks:
                 yield _sse(chunk)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:
             yield _sse(_engine_error(e).body())
         finally:
