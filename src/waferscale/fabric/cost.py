@@ -36,7 +36,7 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules import attention_phases, norm_phases, reduce_parents, softmax_phases, used
+from waferscale.fabric.schedules import attention_phases, norm_phases, reduce_parents, softmax_phases, tile_sizes, used
 from waferscale.fabric.spec import FabricSpec
 
 BOTTLENECKS = ("compute", "SRAM", "fabric latency", "routing", "I/O")
@@ -142,12 +142,6 @@ def _chunk_sum(n: int, per: int, fn) -> float:
     """fn summed over the chunks of n values `per` at a time, in O(1): n // per full chunks, then the rest."""
     full, rem = divmod(n, per)
     return full * fn(per) + (fn(rem) if rem else 0)
-
-
-def _split(n: int, parts: int) -> np.ndarray:
-    """Tile sizes of a block split of n over `parts` PEs (ceil tiles, the last one smaller), as the kernels do."""
-    t = -(-n // parts)
-    return np.clip(n - np.arange(parts) * t, 0, t)
 
 
 def _ws_offsets(spec: FabricSpec, R: int, C: int, mesh: Mesh | None, add_first: np.ndarray,
@@ -277,7 +271,7 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
     zeros change from vector to vector and average out in the PEs' queues (their mean is charged)."""
     R, C = _region(spec, rows, cols, mesh)
     R, C = used(m, R), used(k, C)
-    mts, kts = _split(m, R), _split(k, C)
+    mts, kts = np.array(tile_sizes(m, R)), np.array(tile_sizes(k, C))
     epw = PE.elems_per_wavelet(spec, dtype)
     per_mt = {}  # per distinct tile height: first partial's add task, the rest's adds, wavelets, all adds
     for mt in map(int, np.unique(mts)):
@@ -436,8 +430,8 @@ def sparse_imbalance(spec: FabricSpec, m: int, k: int, rows: int, cols: int, den
     R, C = used(m, rows), used(k, cols)
     epw = PE.elems_per_wavelet(spec, dtype)
     groups, total, pes = [], 0.0, 0
-    for mt, cm in zip(*np.unique(_split(m, R), return_counts=True)):
-        for kt, ck in zip(*np.unique(_split(k, C), return_counts=True)):
+    for mt, cm in zip(*np.unique(tile_sizes(m, R), return_counts=True)):
+        for kt, ck in zip(*np.unique(tile_sizes(k, C), return_counts=True)):
             full, rem = divmod(int(kt), epw)
             chunks = [(epw, full)] + ([(rem, 1)] if rem else [])
             w0, pmf = _work_pmf(_x_task_pmfs(spec, dtype, int(mt), chunks, density, None, True))

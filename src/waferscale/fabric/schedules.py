@@ -24,6 +24,12 @@ def used(n: int, parts: int) -> int:
     return -(-n // -(-n // parts))
 
 
+def tile_sizes(n: int, parts: int) -> list[int]:
+    """Tile sizes of a block split of n over `parts` PEs (ceil tiles, the last ones smaller), as the kernels do."""
+    t = -(-n // parts)
+    return [max(0, min(t, n - p * t)) for p in range(parts)]
+
+
 # ---- reductions -----------------------------------------------------------------------------------------
 def snake(rows: int, cols: int) -> list[Coord]:
     """Logical PEs in boustrophedon order starting at (0, 0): consecutive entries are neighbours."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Coord, Mesh
-from waferscale.fabric.schedules import reduce_parents, used
+from waferscale.fabric.schedules import reduce_parents, tile_sizes, used
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -111,12 +111,6 @@ class EventSim:
                     payload)
 
 
-def _split(n: int, parts: int) -> list[int]:
-    """Sizes of a block split of n over `parts` (ceil tiles, last ones smaller)."""
-    t = -(-n // parts)
-    return [max(0, min(t, n - p * t)) for p in range(parts)]
-
-
 def _chunks(n: int, per: int) -> list[int]:
     return [min(per, n - s) for s in range(0, n, per)]
 
@@ -128,7 +122,7 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
     each column of each PE's tile — it is the sparse GEMV: one multiply-add per non-zero."""
     R, C = used(m, rows), used(k, cols)
     sim = EventSim(spec, mesh, R, C)
-    mts, kts = _split(m, R), _split(k, C)
+    mts, kts = tile_sizes(m, R), tile_sizes(k, C)
     epw = PE.elems_per_wavelet(spec, dtype)
     x_trees = [sim.mesh.multicast_tree([(i, j) for i in range(R)]) for j in range(C)]
     # the PE of row 0 also takes its own x from the stream (loop-back through its ramp)
