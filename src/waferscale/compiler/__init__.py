@@ -4,8 +4,8 @@
     print(plan_summary(plan)); write_outputs(plan, "out/")
 """
 
-from waferscale.compiler.api import (compile_model, estimate_memory, estimate_table, plan_json, plan_summary,
-                                     write_outputs)
+from waferscale.compiler.api import estimate_memory, estimate_table, plan_json, plan_summary, write_outputs
+from waferscale.compiler.compile import compile_model
 from waferscale.compiler.ir import Graph, MatMul, Unit
 from waferscale.compiler.plan import PLAN_VERSION, Plan, Region
 

@@ -1,5 +1,5 @@
-"""Library entry points the CLI calls: compile_model, plan_summary, plan_json, write_outputs, estimate_memory,
-estimate_table."""
+"""Library entry points the CLI calls besides compile_model: plan_summary, plan_json, write_outputs,
+estimate_memory, estimate_table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from waferscale.compiler.compile import compile_model
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
 from waferscale.compiler.sparsity import summary_lines
@@ -16,7 +15,7 @@ from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RES
 from waferscale.errors import ConfigError
 from waferscale.util.files import atomic_write_bytes
 
-__all__ = ["compile_model", "plan_summary", "plan_json", "write_outputs", "estimate_memory", "estimate_table"]
+__all__ = ["plan_summary", "plan_json", "write_outputs", "estimate_memory", "estimate_table"]
 
 INFERENCE_KEYS = ("decode_tokens_per_s_per_user", "aggregate_decode_tokens_per_s", "prefill_tokens_per_s",
                   "time_to_first_token_s", "decode_latency_s_per_token", "users_in_flight", "prompt_len",

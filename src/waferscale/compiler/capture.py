@@ -89,7 +89,7 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
         shared = [p for p in mod.parameters() if owner[id(p)] != i]
         tied = names[owner[id(shared[0])]] if shared else None
         tied_params = sum(p.numel() for p in shared)
-        mms = _matmuls(mod)
+        mms = tuple(mm for mm, _ in _matmul_members(mod))
         if kind == "embed":
             out.append(Unit(name, kind, params, (), d_in=1, d_out=d, tied_to=tied, tied_params=tied_params,
                             elementwise_flops_per_token=d if cfg.position == "learned" else 0))
@@ -110,10 +110,6 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
 def unit_names(n_layer: int) -> list[str]:
     """The units of a zoo model (`model.units()`), as the graph names them."""
     return ["embed"] + [f"block{i}" for i in range(n_layer)] + ["head"]
-
-
-def _matmuls(mod: nn.Module) -> tuple[MatMul, ...]:
-    return tuple(mm for mm, _ in _matmul_members(mod))
 
 
 def _matmul_members(mod: nn.Module) -> list[tuple[MatMul, list[nn.Linear]]]:
