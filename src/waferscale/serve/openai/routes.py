@@ -465,14 +465,8 @@ def _chat_message(req: ChatCompletionRequest, plan: _ChatPlan, c: _Choice) -> tu
 
 
 def _chat_logprobs(req: ChatCompletionRequest, entries: list[dict]) -> dict[str, Any] | None:
-    top = req.top_logprobs or 0
-    return {"content": [_chat_logprob(e, top) for e in entries]} if req.logprobs else None
-
-
-def _chat_logprob(e: dict, top: int) -> dict[str, Any]:
-    return {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                             for t in (e.get("top_logprobs") or [])[:top]]}
+    """The engine's entries are OpenAI `content` items already (`sampling.logprob_entry`, top_logprobs of them)."""
+    return {"content": entries} if req.logprobs else None
 
 
 def _with_totals(s: ServerState, fan: _FanOut, created: float, body: dict[str, Any]) -> dict[str, Any]:
