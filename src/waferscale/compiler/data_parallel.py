@@ -26,12 +26,12 @@ def swarmx_allreduce(ctx: CompileContext, nbytes: float, n: int) -> pj.Time:
 
 def weak_scaling(ctx: CompileContext, per_sys: int, seq: int, step_at: Callable[[int], float],
                  exposed_at: Callable[[int], float]) -> list[dict]:
-    """Data-parallel scaling over 1..N systems at a fixed per-system batch (weak scaling, as Cerebras'
-    --num_csx does: the global batch grows with N, every system runs the same step). `step_at(n)` is the step
-    time on n systems; `exposed_at(n)` the part of it SwarmX adds that compute does not hide. Efficiency =
-    tokens/s(n) / (n x tokens/s(1)) <= 1, and the table says what it loses to."""
+    """Data-parallel scaling over N and the powers of two up to max(N, 16) systems at a fixed per-system batch
+    (weak scaling, as Cerebras' --num_csx does: the global batch grows with N, every system runs the same
+    step). `step_at(n)` is the step time on n systems; `exposed_at(n)` the part of it SwarmX adds that compute
+    does not hide. Efficiency = tokens/s(n) / (n x tokens/s(1)) <= 1, and the table says what it loses to."""
     rows = []
-    for n in _scaling_points(ctx.systems):
+    for n in sorted({2 ** i for i in range(int(math.log2(max(ctx.systems, 16))) + 1)} | {ctx.systems}):
         st = step_at(n)
         rows.append({"systems": n, "global_batch": n * per_sys, "per_system_batch": per_sys, "step_time_s": st,
                      "tokens_per_s": n * per_sys * seq / st, "swarmx_levels": SystemSpec(ctx.spec, n).swarmx_levels,
@@ -41,7 +41,3 @@ def weak_scaling(ctx: CompileContext, per_sys: int, seq: int, step_at: Callable[
         r["efficiency"] = r["speedup"] / r["systems"]
     return rows
 
-
-def _scaling_points(systems: int) -> list[int]:
-    """Powers of two up to max(systems, 16), and `systems` itself."""
-    return sorted({2 ** i for i in range(int(math.log2(max(systems, 16))) + 1)} | {systems})

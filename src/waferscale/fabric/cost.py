@@ -592,9 +592,8 @@ def allreduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo:
                      *, mesh: Mesh | None = None) -> Cycles:
     """Reduce into (0, 0) (`reduce_cycles`, HPDC'24 form), then broadcast the sum (`broadcast_cycles`);
     algo in {"chain", "tree", "2d"}. The broadcast starts when the root holds the whole sum."""
-    r = reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh)
-    b = broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh)
-    return r + b
+    return reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh) + \
+        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh)
 
 
 # ---- element-wise, norms, softmax, attention ------------------------------------------------------------
