@@ -296,21 +296,25 @@ static const int SP_CAND[] = {1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32};
 #define SP_NCAND (long)(sizeof SP_CAND / sizeof SP_CAND[0])
 
 /* The S (of SP_CAND) that makes the fewest steps for W (out, in): info[0..2] = S, floats of its sparse panels
-   (the 16 that follow included), steps (S x windows). Returns 0, or -1 when out of memory. */
+   (the 16 that follow included), steps (S x windows). Steps fall and then rise with S: the search stops two
+   candidates past the fewest. Returns 0, or -1 when out of memory. */
 int wsc_sparse_plan(const float* W, long out, long in, long* info) {
-    long np = (out + PANEL - 1) / PANEL, floats[SP_NCAND] = {0}, steps[SP_NCAND] = {0};
-    uint16_t* mk = malloc((size_t)(in > 0 ? in : 1) * sizeof *mk);
+    long np = (out + PANEL - 1) / PANEL;
+    uint16_t* mk = malloc((size_t)(np * in > 0 ? np * in : 1) * sizeof *mk);
     if (!mk) return -1;
-    for (long p = 0; p < np; p++) {
-        sp_masks(W, out, in, p, mk);
-        for (long i = 0; i < SP_NCAND; i++) floats[i] += sp_panel(W, in, p, mk, SP_CAND[i], NULL, &steps[i]);
+    for (long p = 0; p < np; p++) sp_masks(W, out, in, p, mk + p * in);
+    info[2] = -1;
+    for (long i = 0, worse = 0; i < SP_NCAND && worse < 2; i++) {
+        long floats = PANEL, steps = 0;
+        for (long p = 0; p < np; p++) floats += sp_panel(W, in, p, mk + p * in, SP_CAND[i], NULL, &steps);
+        worse = info[2] >= 0 && steps >= info[2] ? worse + 1 : 0;
+        if (!worse) {
+            info[0] = SP_CAND[i];
+            info[1] = floats;
+            info[2] = steps;
+        }
     }
     free(mk);
-    long best = 0;
-    for (long i = 1; i < SP_NCAND; i++) if (steps[i] < steps[best]) best = i;
-    info[0] = SP_CAND[best];
-    info[1] = floats[best] + PANEL;
-    info[2] = steps[best];
     return 0;
 }
 
