@@ -121,9 +121,7 @@ class CoreClient:
             raise CoreError(f"the engine process exited (code {self._proc.exitcode}) while loading {model!r}") \
                 from None
         if msg[0] == "error":
-            self._closed = True
-            atexit.unregister(self.close)
-            self._proc.join(timeout=30)
+            self.close()
             if msg[2]:
                 from waferscale.errors import ConfigError
 

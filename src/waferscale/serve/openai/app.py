@@ -45,8 +45,7 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
                   openapi_url=None)
     state = ServerState(engine=engine, aengine=aengine, tokenizer=tokenizer, model_id=model_id,
                         aliases=set(aliases or ()), api_key=api_key, projection=projection,
-                        limits=rate_limits or RateLimiter())
-    state.metrics = Metrics(aengine.stats)
+                        limits=rate_limits or RateLimiter(), metrics=Metrics(aengine.stats))
     app.state.wsc = state
     app.include_router(router)
 
