@@ -246,8 +246,7 @@ class Mesh:
         """`chain_hops` of the whole logical mesh, computed once: a region at the origin is a slice of it."""
         key = ("chain_hops", axis)
         if key not in self._routes:
-            R, C = self.logical_rows, self.logical_cols
-            self._routes[key] = self._chain_hops(R, C, axis, (R, C - 1) if axis == 1 else (R - 1, C))
+            self._routes[key] = self._chain_hops(axis)
             self._routes[key].setflags(write=False)
         return self._routes[key]
 
@@ -261,14 +260,15 @@ class Mesh:
             self._routes[key].setflags(write=False)
         return self._routes[key][:rows, :cols]
 
-    def _chain_hops(self, rows: int, cols: int, axis: int, shape: tuple[int, int]) -> np.ndarray:
+    def _chain_hops(self, axis: int) -> np.ndarray:
         if self.usable_pes <= 4096:
-            out = np.empty(shape, dtype=np.int64)
-            for i in range(shape[0]):
-                for j in range(shape[1]):
+            R, C = self.logical_rows, self.logical_cols
+            out = np.empty((R, C - 1) if axis == 1 else (R - 1, C), dtype=np.int64)
+            for i in range(out.shape[0]):
+                for j in range(out.shape[1]):
                     out[i, j] = self.hops((i, j + 1), (i, j)) if axis == 1 else self.hops((i, j), (i + 1, j))
             return out
-        pr, pc = self.physical_grid(rows, cols)
+        pr, pc = self.physical_grid()
         pr, pc = pr.astype(np.int64), pc.astype(np.int64)
         core_r, link_e, core_c, link_s = self._prefix_sums()
         if axis == 1:  # same physical row: blocked if a dead core or a dead East link lies between the two PEs
