@@ -95,8 +95,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         plan_training(ctx, batch_size, seq_len)
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
-    reproject = out.pop("reproject")
-    extra = {"sparsity": sp.explain(ctx, reproject, _probe(g, regions, proj, wafers[0]),
+    extra = {"sparsity": sp.explain(ctx, out["reproject"], _probe(g, regions, proj, wafers[0]),
                                     "decode token" if mode_key == "inference" else "training step")} if g.sparse else {}
     assumptions = pj.assumptions(spec, systems, g.dtype)
     if defects:

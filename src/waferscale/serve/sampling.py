@@ -178,8 +178,7 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
-        tk = getattr(tokenizer, "tk", None)
-        decoder = getattr(tk, "decoder", None) if tk is not None else None
+        decoder = getattr(getattr(tokenizer, "tk", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel"
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
