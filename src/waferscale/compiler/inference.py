@@ -176,11 +176,8 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     whose KV caches still place; keep the highest aggregate decode rate. Returns (choice, the k tried, kmax);
     ConfigError when no k places the users."""
     b = ctx.g.dtype_bytes
-    mem1 = fp.mem(1)
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
-    kmax = 1
-    if wpp == 1:
-        kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem1))))
+    kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(fp.mem(1))))) if wpp == 1 else 1
     candidates = sorted({k for k in REPLICA_CANDIDATES if k <= kmax})
     best: _Choice | None = None
     for k in candidates:
@@ -244,7 +241,6 @@ def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, 
     """The plan's strategy, workload, regions and projection for the chosen placement."""
     C, kv_tok = fp.context, fp.kv_per_token_total
     total_users = users or c.users_r * c.copies
-    # prefill: prompt tokens stream through the stages in chunks (the pipeline fills with prompt tokens)
     ttft, chunk, pre_tps = _prefill(ctx, units, c.pipes[0], b, P)
     proj = {
         "decode_latency_s_per_token": c.lat,

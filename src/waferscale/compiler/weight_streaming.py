@@ -102,9 +102,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     act_tok_all = sum(u.train_act_elems_per_token for u in units) * b
     act_tok_ckpt = g.n_blocks * d * b + max(u.train_act_elems_per_token for u in units) * b
     t_mb = micro * seq
-    recompute = False
-    if act_tok_all * t_mb + layer_buf > cap_w:
-        recompute = True
+    recompute = act_tok_all * t_mb + layer_buf > cap_w
+    if recompute:
         if act_tok_ckpt * t_mb + layer_buf > cap_w:
             fit = int((cap_w - layer_buf) // (act_tok_ckpt * seq))
             if fit < 1:
