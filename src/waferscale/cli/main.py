@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,7 +55,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         run(params, opts)
     except SwarmXFailure as e:  # not bad input: a system died or hung; the checkpoints are intact
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter teardown: a collective the failure left pending aborts it (SIGABRT)
     return 0
 
 
