@@ -162,11 +162,8 @@ def _dead_cores(plan: Plan) -> list[np.ndarray]:
     for w in plan.wafers:
         m = wafer_map(spec, w["defect_rate"], w["seed"]).mesh
         row_of = {int(pr): i for i, pr in enumerate(np.asarray(m.phys_rows))}
-        pts = []
-        for pr, pc in np.argwhere(m.dead_cores).tolist():
-            i = row_of.get(pr)
-            if i is not None:
-                pts.append((i, int(np.searchsorted(np.asarray(m.phys_cols[i]), pc))))
+        pts = [(row_of[pr], int(np.searchsorted(np.asarray(m.phys_cols[row_of[pr]]), pc)))
+               for pr, pc in np.argwhere(m.dead_cores).tolist() if pr in row_of]
         out.append(np.asarray(pts, dtype=float).reshape(-1, 2))
     return out
 

@@ -375,14 +375,13 @@ def _projection_for(s: ServerState, prompt_tokens: int, completion_tokens: int) 
     if p is None:
         return None
     decode = p["decode_tokens_per_s_per_user"]
-    prefill = p["prefill_tokens_per_s"]
     ttft = p["time_to_first_token_s"] * prompt_tokens / max(1, p["prompt_len"])
     return {"kind": "projection", "target": p["target"], "systems": p["systems"],
             "decode_tokens_per_s_per_user": decode, "time_to_first_token_s": ttft,
             "users_at_full_speed": p["users_in_flight"],
             "aggregate_decode_tokens_per_s": p["aggregate_decode_tokens_per_s"],
             "total_time_s": ttft + completion_tokens / decode if decode else None,
-            "prefill_tokens_per_s": prefill,
+            "prefill_tokens_per_s": p["prefill_tokens_per_s"],
             "note": f"projection from the compiler's cost model, not a measurement; assumptions: "
                     f"GET /v1/models/{s.model_id}"}
 
