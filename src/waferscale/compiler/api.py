@@ -158,13 +158,12 @@ def estimate_memory(*, model: str | None = None, graph: Graph | None = None, tar
     rows = [{"item": item, "dtype": dt, "bytes_per_param": bp, "bytes": n * bp, "where": where}
             for item, dt, bp, where in items if bp]
     total = sum(r["bytes"] for r in rows)
-    sram = spec.sram_bytes
     usable = spec.pes * data_bytes_per_pe(spec)
     infer = n * (2 if mixed_precision else 4)
     return {"model": g.name, "params": n, "target": spec.name, "mixed_precision": mixed_precision, "rows": rows,
             "training_bytes": total, "training_bytes_per_param": w + gr + master + m1 + m2,
             "optimizer_state_bytes": n * (master + m1 + m2), "inference_weight_bytes": infer,
-            "sram_bytes": sram, "usable_sram_bytes": usable,
+            "sram_bytes": spec.sram_bytes, "usable_sram_bytes": usable,
             "program_reserve_bytes_per_pe": PROGRAM_RESERVE_BYTES_PER_PE,
             "training_fits_in_sram": total <= usable, "inference_fits_in_sram": infer <= usable,
             "training_verdict": ("fits in SRAM (weights, gradients and optimizer state; activations come on top)"

@@ -27,8 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from waferscale.serve.engine import (EngineDead, EngineOutput, RequestTooLong, SamplingParams, StreamHub,
-                                     check_request)
+from waferscale.serve.engine import EngineDead, RequestTooLong, SamplingParams, StreamHub, check_request
 
 __all__ = ["CoreClient", "CoreError"]
 
@@ -75,10 +74,8 @@ def _core_main(conn: Any, model: Any, engine_kw: dict[str, Any]) -> None:
             try:
                 outs = engine.step()
             except Exception as e:  # noqa: BLE001 - a broken step fails every live request; the loop keeps serving
-                msg = f"engine step failed: {e!r}"
                 traceback.print_exc()
-                ids = engine.abort_all()
-                conn.send(("failed", ids, msg, engine.stats()))
+                conn.send(("failed", engine.abort_all(), f"engine step failed: {e!r}", engine.stats()))
                 continue
             conn.send(("out", outs, engine.stats()))
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
@@ -200,8 +197,7 @@ class CoreClient:
                 msg = self._conn.recv()
                 kind = msg[0]
                 if kind == "out":
-                    outs: list[EngineOutput] = msg[1]
-                    self._stats = msg[2]
+                    _, outs, self._stats = msg
                     self._hub.deliver([(o.request_id, o, o.finished) for o in outs])
                 elif kind == "reject":
                     _, rid, text, too_long = msg
