@@ -101,8 +101,7 @@ class PipelineExecutor:
         ctx = mp.get_context("spawn")
         kw = dict(num_blocks=num_blocks, block_size=block_size, device="cpu", fast_linear=fast_linear,
                   threads=threads, decode_threads=decode_threads)
-        first_recv, self._send = ctx.Pipe(duplex=False)
-        prev = first_recv
+        prev, self._send = ctx.Pipe(duplex=False)  # prev: the receiving end of the hop into the next stage
         self._procs = []
         for rank, (lo, hi) in enumerate(self.ranges):
             recv, send = ctx.Pipe(duplex=False)
