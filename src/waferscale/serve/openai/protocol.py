@@ -234,13 +234,9 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
         else:
             msg = f"invalid '{param}': {msg}"
             if first["type"].endswith("_type") or first["type"].startswith(("literal", "enum")):
-                msg += f" (got {_short(first.get('input'))})"
+                got = repr(first.get("input"))
+                msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
         raise APIError(400, msg, param=param, code="invalid_value" if param != "body" else None) from None
-
-
-def _short(x: Any) -> str:
-    r = repr(x)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def time_info(queue: float, prompt: float, completion: float, created: float) -> dict[str, float]:
