@@ -126,8 +126,6 @@ def _passes(spec: FabricSpec, colors_needed: int) -> int:
 def _chain(spec: FabricSpec, stages: int, hops: int, n_waves: int, add_c: int) -> int:
     """A pipelined chain of `stages` PEs forwarding n_waves wavelets, each combined by an add task of add_c:
     the first wavelet pays ramp out + hops + ramp in + add per stage, the rest follow one per max(1, add_c)."""
-    if stages == 0:
-        return 0
     return stages * (2 * spec.ramp_latency_cycles + add_c) + hops * spec.hop_latency_cycles \
         + (n_waves - 1) * max(1, add_c)
 
