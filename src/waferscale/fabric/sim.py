@@ -187,7 +187,7 @@ def broadcast_tree(sim: EventSim, R: int, C: int):
 
 
 def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
-                  mesh: Mesh | None = None, broadcast: bool = True) -> int:
+                  mesh: Mesh | None = None) -> int:
     sim = EventSim(spec, mesh, rows, cols)
     R, C = sim.rows, sim.cols
     parents = reduce_parents(algo, R, C)
@@ -205,7 +205,7 @@ def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
             sim.send(t, pe, up[pe], on_partial, w)
             return
         at_root[0] += 1  # the root has the full sum of wavelet w
-        if broadcast and R * C > 1 and at_root[0] == len(waves):  # reduce done: broadcast it all
+        if R * C > 1 and at_root[0] == len(waves):  # reduce done: broadcast it all
             for b in range(len(waves)):
                 sim.send(t, pe, bcast, lambda t, pe, w: None, b)
 
