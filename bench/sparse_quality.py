@@ -1,0 +1,87 @@
+"""Benchmark: what sparsity costs in quality. The demo's small GPT on Shakespeare (configs/gpt2_tiny_shakespeare.yaml:
+same data order, seed and steps), trained dense and 75% sparse with each algorithm, then sparse pre-training
+followed by dense fine-tuning (SPDF) against dense-only at equal total steps. Validation loss (nats/char) from
+`wsc run --mode train_and_eval`, resident execution (the streamed runs compute the same numbers).
+
+    static   one random mask, kept
+    gmp      magnitude pruning from dense up to 75% (linear schedule, masks every 10 steps until 3/4 of the run)
+    set      75%; every 25 steps until 3/4 of the run, drop the smallest of a cosine-decaying fraction (0.3 at
+             first) of the kept weights and regrow as many at random
+    rigl     the same, regrowing where the dense gradient is largest
+    spdf     static 75% for 3/4 of the steps, then the same weights dense (the masks dropped) to the end
+
+    python bench/sparse_quality.py [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from waferscale.params import params_from_dict
+from waferscale.zoo.runner import RunOptions, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sparsity_sections(steps: int) -> dict[str, dict | None]:
+    stop = steps * 3 // 4
+    drop = {"type": "cosine", "init": 0.3, "half_period": stop}
+    return {
+        "dense": None,
+        "static": {"algorithm": "static", "sparsity": 0.75},
+        "gmp": {"algorithm": "gmp", "sparsity": {"type": "linear", "init": 0.0, "slope": 0.75 / stop},
+                "update": {"freq": 10, "stop": stop}},
+        "set": {"algorithm": "set", "sparsity": 0.75, "update": {"freq": 25, "stop": stop}, "drop_fraction": drop},
+        "rigl": {"algorithm": "rigl", "sparsity": 0.75, "update": {"freq": 25, "stop": stop},
+                 "drop_fraction": drop},
+    }
+
+
+def train(base: dict, steps: int, model_dir: Path, sparsity: dict | None) -> dict:
+    d = json.loads(json.dumps(base))
+    d["runconfig"].update(max_steps=steps, checkpoint_steps=steps, model_dir=str(model_dir))
+    d["sparsity"] = sparsity
+    if sparsity is None:
+        d.pop("sparsity")
+    return run(params_from_dict(d, source="bench"),
+               RunOptions(mode="train_and_eval", model_dir=model_dir, progress=False, execution="resident"),
+               out=io.StringIO())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    a = ap.parse_args()
+    base = yaml.safe_load((ROOT / "configs" / "gpt2_tiny_shakespeare.yaml").read_text())
+    sections = sparsity_sections(a.steps)
+    print(f"gpt-mini on Shakespeare, {a.steps} steps of {base['train_input']['batch_size']}x"
+          f"{base['train_input']['max_sequence_length']} characters, validation loss over "
+          f"{base['runconfig']['eval_steps']} batches")
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, section in sections.items():
+            t0 = time.perf_counter()
+            s = train(base, a.steps, Path(tmp) / name, section)
+            results[name] = s["eval_loss"]
+            print(f"  {name:<7} val loss {s['eval_loss']:.4f}   train loss {s['final_loss']:.4f}   "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        spdf = Path(tmp) / "spdf"
+        train(base, a.steps * 3 // 4, spdf, sections["static"])  # sparse pre-training
+        s = train(base, a.steps, spdf, None)  # resumes dense from the sparse checkpoint (its masks dropped)
+        results["spdf"] = s["eval_loss"]
+    dense = results["dense"]
+    print(f"\n{'run':<22} {'val loss':>8} {'vs dense':>9}")
+    for name, label in (("dense", "dense"), ("static", "static 75%"), ("gmp", "GMP -> 75%"), ("set", "SET 75%"),
+                        ("rigl", "RigL 75%"), ("spdf", "SPDF (75% then dense)")):
+        print(f"{label:<22} {results[name]:>8.4f} {results[name] - dense:>+9.4f}")
+
+
+if __name__ == "__main__":
+    main()
