@@ -438,6 +438,15 @@ def test_token_cache_uint32_for_big_vocab(tmp_path):
         def _tokenizer_json(self):
             return "big"
 
+        def decode(self, ids):
+            return "".join(chr(i - 65_536) for i in ids)
+
+        def id_to_token(self, token_id):
+            return None
+
+        def token_to_id(self, token):
+            return None
+
     s = build_token_splits(["hello world" * 3], Big(), tmp_path, val_fraction=0.2, progress=False)
     assert s.train.dtype == np.uint32 and int(s.train.max()) >= 65_536
 

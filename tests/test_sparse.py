@@ -163,7 +163,7 @@ def test_hooks_equal_a_hand_masked_dense_run(name: str) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)
     assert (changes > 0) == (name != "static")
     mask = model.state_dict()["fc1.weight_mask"]
-    assert mask.dtype == torch.bool and 1 - mask.float().mean().item() == pytest.approx(group.actual_sparsity(),
+    assert mask.dtype == torch.bool and 1 - mask.float().mean().item() == pytest.approx(group.figures()["sparsity"],
                                                                                        abs=0.05)
     assert (model.fc1.weight[~mask] == 0).all()
 

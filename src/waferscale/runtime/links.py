@@ -29,10 +29,6 @@ from waferscale.sparse.masks import unpack_bits
 __all__ = ["LocalLink", "SwarmLink"]
 
 
-def _nbytes(*ts: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 class _Counted:
     def __init__(self) -> None:
         self.stats = {"bytes_streamed": 0, "bytes_reduced": 0}
@@ -59,7 +55,7 @@ class LocalLink(_Counted):
         if u in self.mx.unit_masks:
             return self._fetch_packed(u)
         lay = self.mx.layouts[u]
-        self.stats["bytes_streamed"] += lay.payload_bytes(torch.empty(0, dtype=self.mx.stream_dtype).element_size())
+        self.stats["bytes_streamed"] += lay.payload_bytes(self.mx.stream_dtype.itemsize)
         if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
             return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
         lay = self.mx.layouts[u]
@@ -88,7 +84,7 @@ class LocalLink(_Counted):
         index = self.mx.unit_masks.index.get(u) if not self.mx.dense_grads() else None
         if index is not None:  # the kept gradients only
             matrices = matrices.index_select(0, index.to(matrices.device, non_blocking=True))
-        self.stats["bytes_reduced"] += _nbytes(matrices, vectors)
+        self.stats["bytes_reduced"] += matrices.nbytes + vectors.nbytes
         if not self.cuda:
             return self.mx.push_grads(u, matrices, vectors)
         ev = torch.cuda.Event()
@@ -139,7 +135,7 @@ class SwarmLink(_Counted):
                     dist.broadcast(t, 0, group=self.cluster.g_weights)
         except RuntimeError as e:
             raise LinkError(f"broadcasting the weights of unit {u}: {e}") from e
-        self.stats["bytes_streamed"] += _nbytes(*ts)
+        self.stats["bytes_streamed"] += sum(t.nbytes for t in ts)
 
     def _fetch_packed(self, u: int) -> tuple[Tensor, Tensor]:
         lay = self.layouts[u]
@@ -204,7 +200,7 @@ class SwarmLink(_Counted):
                     dist.reduce(t, 0, op=dist.ReduceOp.SUM, group=self.cluster.g_grads)
         except RuntimeError as e:
             raise LinkError(f"reducing the gradients of unit {u}: {e}") from e
-        self.stats["bytes_reduced"] += _nbytes(m, v)
+        self.stats["bytes_reduced"] += m.nbytes + v.nbytes
         if self.mx is not None:
             if self.mean:
                 m.div_(self.cluster.world)

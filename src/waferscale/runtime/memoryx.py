@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
-from waferscale.runtime.layout import build_layouts
+from waferscale.runtime.layout import UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand
 from waferscale.sparse import Group
@@ -439,7 +439,7 @@ class MemoryX:
         g.dense_grads.clear()
         self.sync_masks()
 
-    def _keep_dense_grads(self, lay: Any, matrices: Tensor, vectors: Tensor) -> None:
+    def _keep_dense_grads(self, lay: UnitLayout, matrices: Tensor, vectors: Tensor) -> None:
         if self.sparsity is None or not self.sparsity.wants_dense_grads():
             return
         dense = self.sparsity.dense_grads

@@ -36,7 +36,7 @@ class PackedUnit:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.bits, self.vectors))
+        return self.values.nbytes + self.bits.nbytes + self.vectors.nbytes
 
 
 class UnitMasks:

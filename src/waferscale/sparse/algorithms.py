@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -143,10 +144,6 @@ class SparsityAlgorithm:
         """hook(algorithm, name, actual) after each step, per parameter."""
         self._computed_hooks.append(hook)
 
-    def actual_sparsity(self) -> float:
-        n = sum(sp.mask.numel() for sp in self.params.values())
-        return 1.0 - sum(int(sp.mask.sum()) for sp in self.params.values()) / max(n, 1)
-
     # ---- checkpoints (masks travel with the weights as `<name>_mask`) ----
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -182,7 +179,7 @@ class Static(SparsityAlgorithm):
         return []
 
 
-class DynamicSparsityAlgorithm(SparsityAlgorithm):
+class DynamicSparsityAlgorithm(SparsityAlgorithm, ABC):
     """Masks recomputed on the update schedule (`update`: {freq, start, stop} or {steps}; None = every step).
     If step 0 is not an update step, training starts dense (all-ones masks) until the first update."""
 
@@ -215,8 +212,9 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         self._report()
         return changed
 
+    @abstractmethod
     def new_mask(self, sp: SparseParam, sparsity: float, dense_grads: dict[str, Tensor] | None) -> Tensor:
-        raise NotImplementedError
+        """The mask of `sp` at the target `sparsity` (this update step's), from its weights (and gradients)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": torch.tensor(self.step, dtype=torch.int64), "sparsity": self.schedule.state_dict()}
@@ -247,20 +245,19 @@ class _DropRegrow(DynamicSparsityAlgorithm):
         self.drop_fraction = make_schedule(drop_fraction, "drop_fraction")
         _check_fractions(self.drop_fraction, "drop_fraction")
 
+    @abstractmethod
     def regrow_score(self, sp: SparseParam, dense_grads: dict[str, Tensor] | None) -> Tensor:
-        raise NotImplementedError
+        """Where to regrow: the highest scores among the pruned weights win."""
 
     def update(self, dense_grads: dict[str, Tensor] | None = None, finite: bool = True,
                compute: bool = True) -> list[str]:
-        self._drop_now = self.drop_fraction(self.step + 1)
         changed = super().update(dense_grads, finite, compute)
         self.drop_fraction.update(self.update_schedule(self.step) and finite)
         return changed
 
     def new_mask(self, sp: SparseParam, sparsity: float, dense_grads: dict[str, Tensor] | None) -> Tensor:
-        mask = sp.mask.clone()
-        score = sp.param.detach().abs().float().cpu()
-        mask, k = drop_minimum(score, mask, self._drop_now, self.shaper)
+        score = sp.param.detach().abs().float().cpu()  # (called after the step has advanced)
+        mask, k = drop_minimum(score, sp.mask, self.drop_fraction(self.step), self.shaper)
         return grow_maximum(self.regrow_score(sp, dense_grads), mask, sparsity, k, self.shaper)
 
     def state_dict(self) -> dict[str, Any]:

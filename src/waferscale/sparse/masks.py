@@ -18,7 +18,7 @@ from torch import Tensor
 from waferscale.errors import ConfigError
 
 __all__ = ["default_filter", "make_filter", "Shaper", "topk_mask", "mask_for_sparsity", "drop_minimum",
-           "grow_maximum", "make_init_method", "pack_bits", "unpack_bits", "kept"]
+           "grow_maximum", "make_init_method", "pack_bits", "unpack_bits"]
 
 # ---- which parameters are sparse --------------------------------------------------------------------------
 
@@ -163,7 +163,3 @@ def pack_bits(keep: Tensor) -> Tensor:
 def unpack_bits(bits: Tensor, n: int) -> Tensor:
     """The inverse of pack_bits: n bools."""
     return ((bits.unsqueeze(1) & _BITS.to(bits.device)) != 0).reshape(-1)[:n]
-
-
-def kept(mask: Tensor) -> int:
-    return int(mask.sum())

@@ -34,14 +34,6 @@ class Schedule:
     def update(self, is_update_step: bool) -> None:
         pass
 
-    def bounds(self, begin: int, end: int) -> tuple[float, float]:
-        """(min, max) over steps begin..end: the compiler sizes sparse storage by the densest point."""
-        if self.kind == "cosine":
-            lo, hi = self.params["minimum"], self.params["init"]
-            return min(lo, hi), max(lo, hi)
-        values = [self(s) for s in (begin, end)]
-        return min(values), max(values)
-
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -57,9 +49,6 @@ class _Cycling(Schedule):
     def update(self, is_update_step: bool) -> None:
         if is_update_step:
             self.index = (self.index + 1) % len(self.values)
-
-    def bounds(self, begin: int, end: int) -> tuple[float, float]:
-        return min(self.values), max(self.values)
 
     def state_dict(self) -> dict[str, Any]:
         return {"index": self.index}

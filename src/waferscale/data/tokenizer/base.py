@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from abc import ABC, abstractmethod
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Base class. Subclasses set the four attributes and implement `encode`/`decode`/`_tokenizer_json`.
 
     Ids are ints in [0, vocab_size). `eos_id`/`bos_id` are None when the vocabulary has no such token.
@@ -30,24 +31,27 @@ class Tokenizer:
     chat_template: str | None = None
 
     # ---- text <-> ids -------------------------------------------------------------------------------------
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of `text` (no special tokens added)."""
 
+    @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Text for `ids`. Ids outside [0, vocab_size) are skipped, as Hugging Face `tokenizers` does (a model
         whose embedding is padded past the tokenizer's vocabulary can sample them); mask such logits when
         sampling if they must never appear."""
-        raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts; subclasses override this with a faster (parallel / vectorized) path."""
         return [self.encode(t) for t in texts]
 
+    @abstractmethod
     def id_to_token(self, token_id: int) -> str | None:
-        raise NotImplementedError
+        """The vocabulary entry of an id; None if out of range."""
 
+    @abstractmethod
     def token_to_id(self, token: str) -> int | None:
-        raise NotImplementedError
+        """The id of a vocabulary entry; None if absent."""
 
     @property
     def eos_token(self) -> str | None:
@@ -94,8 +98,9 @@ class Tokenizer:
         if config:
             atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False))
 
+    @abstractmethod
     def _tokenizer_json(self) -> str:
-        raise NotImplementedError
+        """This tokenizer as a Hugging Face tokenizer.json (what `save` writes)."""
 
     def fingerprint(self) -> str:
         """Hex sha256 of everything that decides the ids: the serialized vocabulary, merges and pre-tokenizer."""
