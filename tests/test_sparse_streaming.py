@@ -11,7 +11,7 @@ import torch
 
 from test_cstorch_user_models import _script, assert_same_run
 from user_models import train
-from waferscale.runtime.layout import build_layouts
+from waferscale.runtime.links import LocalLink
 from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.optim import OptimizerSpec
 from waferscale.runtime.sparse_stream import expand
@@ -83,6 +83,44 @@ def test_memoryx_packs_kept_values_and_takes_kept_gradients():
     assert torch.equal(grad, keep.float())  # the kept values, in place
     keep1 = mx.unit_masks.keep[1]
     assert torch.equal(mx.stores[1].open("grad")[:keep1.numel()], keep1.float())  # dense, then masked
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_masters_stay_zero_where_masked_so_a_cpu_device_computes_from_them(name):
+    """A CPU device computes from MemoryX's masters (no gather, no scatter): they must equal the packed payload
+    expanded at every step (the masks change at step 2, and 4, but for static) and after loading dense weights;
+    the gradients of masked weights are zero in MemoryX; the counters count the packed bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    mx = MemoryX(model, OptimizerSpec("AdamW", learning_rate=0.1, weight_decay=0.1), units=[model[0], model[2]])
+    group = configure({k: v for k, v in CONFIGS[name].items() if k != "param_filter"})
+    mx.attach_sparsity(group)
+    link = LocalLink(mx, torch.device("cpu"))
+
+    def check_fetch() -> None:
+        for u in (0, 1):
+            m, v = link.fetch(u)
+            p = mx.fetch_packed(u)
+            assert torch.equal(m, expand(p.values, mx.unit_masks.keep[u])) and torch.equal(v, p.vectors)
+
+    masks = set()
+    for step in range(6):
+        mx.begin_step(0.1)
+        check_fetch()
+        masks.add(tuple(mx.unit_masks.index[0].tolist()))
+        assert link.take_stats()["bytes_streamed"] == sum(mx.fetch_packed(u).nbytes for u in (0, 1))
+        for u in (1, 0):
+            lay = mx.layouts[u]
+            link.push(u, torch.randn(lay.n_matrices), torch.randn(lay.n_vectors)).result()
+            grad = mx.stores[u].open("grad")[:lay.n_matrices]
+            assert not grad[~mx.unit_masks.keep[u]].any() and grad[mx.unit_masks.keep[u]].all()
+        mx.end_backward()
+    assert (len(masks) == 1) == (name == "static")
+    check_fetch()
+    mx.load_weights(dense, "dense weights")  # resuming from a dense run's weights: pruned by the masks
+    check_fetch()
+    assert int((mx.checkpoint_state()["0.weight"] != 0).sum()) == int(group.params["0.weight"].mask.sum())
 
 
 # ---- `wsc run` with a params file's sparsity section ----------------------------------------------------

@@ -40,7 +40,11 @@ class _Counted:
 
 class LocalLink(_Counted):
     """MemoryX in this process. On a CPU device the payload is MemoryX's fp32 masters themselves where they are
-    the payload (no copy); on CUDA, pinned staging buffers and one copy stream per direction."""
+    the payload (no copy), for a masked unit too (the masters are zero where masked: `memoryx.py`), and the
+    gradients go to MemoryX as computed (it zeroes the masked ones as it writes them); on CUDA, pinned staging
+    buffers and one copy stream per direction, a masked unit packed. The counters count what the link's
+    protocol carries for each unit whether or not anything is copied: the dense or packed payload, the dense
+    or kept gradients."""
 
     def __init__(self, memoryx: MemoryX, device: torch.device) -> None:
         super().__init__()
@@ -52,13 +56,15 @@ class LocalLink(_Counted):
             self._writer = Lane("grad-writeback")
 
     def fetch(self, u: int) -> tuple[Tensor, Tensor]:
-        if u in self.mx.unit_masks:
-            return self._fetch_packed(u)
-        lay = self.mx.layouts[u]
-        self.stats["bytes_streamed"] += lay.payload_bytes(self.mx.stream_dtype.itemsize)
+        lay, sparse = self.mx.layouts[u], u in self.mx.unit_masks
+        if sparse:
+            self.stats["bytes_streamed"] += self.mx.unit_masks.packed_nbytes(u, self.mx.stream_dtype.itemsize)
+        else:
+            self.stats["bytes_streamed"] += lay.payload_bytes(self.mx.stream_dtype.itemsize)
         if not self.cuda:  # the device is host memory: the masters themselves where they are the payload,
             return self.mx.fetch_view(u) or self.mx.fetch(u)  # else a copy (and cast) out of them
-        lay = self.mx.layouts[u]
+        if sparse:
+            return self._fetch_packed(u)
         hm = torch.empty(lay.n_matrices, dtype=self.mx.stream_dtype, pin_memory=True)
         hv = torch.empty(lay.n_vectors, dtype=torch.float32, pin_memory=True)
         self.mx.fetch(u, hm, hv)
@@ -70,9 +76,6 @@ class LocalLink(_Counted):
 
     def _fetch_packed(self, u: int) -> tuple[Tensor, Tensor]:
         p = self.mx.fetch_packed(u)
-        self.stats["bytes_streamed"] += p.nbytes
-        if not self.cuda:
-            return expand(p.values, self.mx.unit_masks.keep[u], self.mx.unit_masks.index[u]), p.vectors
         staged = [t.pin_memory() for t in (p.values, p.bits, p.vectors)]
         with torch.cuda.stream(self.h2d):
             values, bits, vectors = (t.to(self.device, non_blocking=True) for t in staged)
@@ -82,11 +85,13 @@ class LocalLink(_Counted):
 
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
         index = self.mx.unit_masks.index.get(u) if not self.mx.dense_grads() else None
+        if not self.cuda:  # MemoryX takes the device's gradients as they are and zeroes the masked ones
+            self.stats["bytes_reduced"] += (self.mx.unit_masks.grad_nbytes(u) if index is not None
+                                            else matrices.nbytes + vectors.nbytes)
+            return self.mx.push_grads(u, matrices, vectors)
         if index is not None:  # the kept gradients only
             matrices = matrices.index_select(0, index.to(matrices.device, non_blocking=True))
         self.stats["bytes_reduced"] += matrices.nbytes + vectors.nbytes
-        if not self.cuda:
-            return self.mx.push_grads(u, matrices, vectors)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         hm = torch.empty(matrices.shape, dtype=matrices.dtype, pin_memory=True)

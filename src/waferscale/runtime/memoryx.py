@@ -20,6 +20,12 @@ step before any update, so MemoryX picks one of two exact policies:
               for step t+1 waits only for unit u's update.
 
 Both give the resident executor's numbers (same optimizer class, same per-element arithmetic).
+
+Masks (weight sparsity): the master weights are zero where their masks drop them, at every step: MemoryX
+prunes them (and the optimizer state) when it takes masks (`sync_masks`: a new group, a mask update, a
+checkpoint's masks), after every update, and after loading weights. So the dense payload of a masked unit
+is its packed payload expanded, and a device that shares host memory computes from the masters themselves
+(`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are written (`_accumulate`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from waferscale.sparse import Group
 from waferscale.runtime.optim import build_optimizer, set_lr
 
 __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
+
+_ZERO = torch.zeros(())  # the gradient where a mask drops it
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
 STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1,
@@ -361,27 +369,24 @@ class MemoryX:
         and then masked."""
         t0 = time.perf_counter()
         lay = self.layouts[u]
-        keep = self.unit_masks.keep.get(u)
-        if keep is not None:
-            if matrices.numel() != lay.n_matrices:
-                matrices = expand(matrices, keep, self.unit_masks.index[u])
-            else:
-                self._keep_dense_grads(lay, matrices, vectors)
-                matrices = matrices * keep
-        elif any(not e.matrix and e.name in self._masks for e in lay.entries):
+        kept_values = u in self.unit_masks and matrices.numel() != lay.n_matrices
+        if kept_values:  # zeros where masked already
+            matrices = expand(matrices, self.unit_masks.keep[u], self.unit_masks.index[u])
+        elif any(e.name in self._masks for e in lay.entries):
             self._keep_dense_grads(lay, matrices, vectors)
         grads = {o: self.stores[o].open("grad") for o in {e.owner for e in lay.entries}}
         with torch.no_grad():
             for e in lay.entries:
                 src = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                 dst = grads[e.owner][e.offset:e.offset + e.numel]
+                mask = self._masks.get(e.name) if not (e.matrix and kept_values) else None
                 if e.global_index in self._written:
-                    dst.add_(src)
-                else:
+                    dst.add_(src if mask is None else torch.where(mask.reshape(-1), src, _ZERO))
+                elif mask is None:
                     dst.copy_(src)
-                    self._written.add(e.global_index)
-                if not e.matrix and e.name in self._masks:
-                    dst.mul_(self._masks[e.name].reshape(-1))
+                else:  # masked as written (one pass; zero where masked, as the resident gradient hook does)
+                    torch.where(mask.reshape(-1), src, _ZERO, out=dst)
+                self._written.add(e.global_index)
             own = grads.get(u)
             if own is not None and (self.max_gradient_norm or self.scaler is not None):
                 for e in lay.owned:  # unit u is complete: its borrowers came earlier in backward
@@ -571,6 +576,16 @@ class MemoryX:
         self.sync_masks()
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
         load_model_weights(self.checkpoint_state(masks=False), plain, where)
+        self.prune_masters()  # (weights from a dense run, or saved before their masks changed)
+
+    def prune_masters(self) -> None:
+        """Zero the master weights where their masks drop them, after someone else wrote the masters (a load)."""
+        self.synchronize()
+        owned = {e.name: e for lay in self.layouts for e in lay.owned}
+        with torch.no_grad():
+            for name, m in self._masks.items():
+                e = owned[name]
+                self.stores[e.owner].open("param")[e.offset:e.offset + e.numel].mul_(m.reshape(-1))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """torch's optimizer state-dict format with the resident optimizer's parameter indices."""

@@ -65,6 +65,14 @@ class UnitMasks:
     def __contains__(self, u: int) -> bool:
         return u in self.keep
 
+    def packed_nbytes(self, u: int, itemsize: int) -> int:
+        """The bytes unit u's packed payload takes on a link (`PackedUnit.nbytes`), without packing it."""
+        return self.index[u].numel() * itemsize + self.bits[u].nbytes + 4 * self.layouts[u].n_vectors
+
+    def grad_nbytes(self, u: int) -> int:
+        """The bytes of unit u's kept fp32 gradients (matrices' kept values, dense vectors) on a link."""
+        return 4 * (self.index[u].numel() + self.layouts[u].n_vectors)
+
 
 def expand(values: Tensor, keep: Tensor, index: Tensor | None = None) -> Tensor:
     """The dense payload (zeros where not kept) on values' device and dtype; `index`: the kept positions, where
