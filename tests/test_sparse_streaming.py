@@ -14,7 +14,7 @@ from user_models import train
 from waferscale.runtime.links import LocalLink
 from waferscale.runtime.memoryx import MemoryX
 from waferscale.runtime.optim import OptimizerSpec
-from waferscale.runtime.sparse_stream import expand
+from waferscale.runtime.sparse_stream import expand, kept_only
 from waferscale.sparse import configure
 from waferscale.sparse.masks import pack_bits, unpack_bits
 
@@ -83,6 +83,18 @@ def test_memoryx_packs_kept_values_and_takes_kept_gradients():
     assert torch.equal(grad, keep.float())  # the kept values, in place
     keep1 = mx.unit_masks.keep[1]
     assert torch.equal(mx.stores[1].open("grad")[:keep1.numel()], keep1.float())  # dense, then masked
+
+
+def test_kept_only_is_torch_where_bit_for_bit():
+    torch.manual_seed(0)
+    src = torch.randn(1000)
+    src[::7], src[::11], src[::13] = float("inf"), float("nan"), -0.0
+    keep = torch.rand(1000) < 0.4
+    want = torch.where(keep, src, torch.zeros(()))
+    out = torch.full((1000,), 5.0)
+    for got in (kept_only(src, keep), kept_only(src, keep, out=out)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got is out
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

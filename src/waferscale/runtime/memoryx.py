@@ -46,13 +46,11 @@ from waferscale.errors import CheckpointError, ConfigError
 from waferscale.runtime.lane import Lane, done_future
 from waferscale.runtime.layout import UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
-from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand
+from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
 from waferscale.sparse import Group
 from waferscale.runtime.optim import build_optimizer, set_lr
 
 __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
-
-_ZERO = torch.zeros(())  # the gradient where a mask drops it
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
 STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1,
@@ -381,11 +379,11 @@ class MemoryX:
                 dst = grads[e.owner][e.offset:e.offset + e.numel]
                 mask = self._masks.get(e.name) if not (e.matrix and kept_values) else None
                 if e.global_index in self._written:
-                    dst.add_(src if mask is None else torch.where(mask.reshape(-1), src, _ZERO))
+                    dst.add_(src if mask is None else kept_only(src, mask))
                 elif mask is None:
                     dst.copy_(src)
                 else:  # masked as written (one pass; zero where masked, as the resident gradient hook does)
-                    torch.where(mask.reshape(-1), src, _ZERO, out=dst)
+                    kept_only(src, mask, out=dst)
                 self._written.add(e.global_index)
             own = grads.get(u)
             if own is not None and (self.max_gradient_norm or self.scaler is not None):

@@ -21,7 +21,7 @@ from torch import Tensor
 from waferscale.runtime.layout import UnitLayout
 from waferscale.sparse.masks import pack_bits
 
-__all__ = ["PackedUnit", "UnitMasks", "expand"]
+__all__ = ["PackedUnit", "UnitMasks", "expand", "kept_only"]
 
 
 @dataclass
@@ -81,3 +81,16 @@ def expand(values: Tensor, keep: Tensor, index: Tensor | None = None) -> Tensor:
     if index is not None:
         return out.index_copy_(0, index.to(values.device), values)
     return out.masked_scatter_(keep.to(values.device), values)
+
+
+def kept_only(src: Tensor, keep: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32 `src` where `keep`, +0 elsewhere, bit for bit `torch.where(keep, src, 0)` (an overflow where not
+    kept is dropped too), into `out` if given: an AND of src's bits with keep widened to all-ones or all-zero
+    words, which vectorizes where torch.where on a bool mask takes a branch per element (~10x slower on a
+    CPU at half density)."""
+    assert src.dtype == torch.float32, src.dtype
+    words = keep.reshape(src.shape).to(torch.int32).neg_()  # True -> 0xffffffff, False -> 0
+    if out is None:
+        return torch.bitwise_and(src.view(torch.int32), words).view(torch.float32)
+    torch.bitwise_and(src.view(torch.int32), words, out=out.view(torch.int32))
+    return out
