@@ -5,10 +5,11 @@ Per step, from metrics.jsonl: `bytes_streamed` (what the link moved: for a spars
 bitmask index, one bit per weight) against `bytes_in` (the dense payloads the device computed with), and
 `bytes_reduced` (the gradients sent back: the kept values only) against `bytes_out`. The expected ratio is
 density x (the blocks' share of the bytes) + the dense units' share, plus the index: 1 bit per block weight, 1/32
-of an fp32 weight (1/16 under half precision). Step time is the median over the timed steps. The dense run
-(density 1.0, no sparsity section) is the peer, in the same job.
+of an fp32 weight (1/16 under half precision). Step time is the median over the timed steps of every round;
+the rounds run the densities in turn, forward then backward, so that a change of load on a shared machine falls
+on all of them alike. The dense run (density 1.0, no sparsity section) is the peer, in the same job.
 
-    python bench/train_sparse_streaming.py [--layers 4] [--hidden 512] [--seq_len 128] [--batch_size 8]
+    python bench/train_sparse_streaming.py [--layers 4] [--hidden 512] [--seq_len 128] [--batch_size 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def measure(a: argparse.Namespace, density: float, num_csx: int) -> dict:
         run(params_from_dict(params_dict(a, d, density), source="bench"),
             RunOptions(model_dir=Path(d), progress=False, execution="streaming", num_csx=num_csx), out=io.StringIO())
         rows = [json.loads(ln) for ln in (Path(d) / "metrics.jsonl").read_text().splitlines()][a.warmup:]
-    step_s = statistics.median(b["elapsed_s"] - a_["elapsed_s"] for a_, b in zip(rows, rows[1:]))
     last = rows[-1]
+    steps_s = [b["elapsed_s"] - a_["elapsed_s"] for a_, b in zip(rows, rows[1:])]
     return {"streamed": last["bytes_streamed"], "dense_in": last["bytes_in"], "reduced": last["bytes_reduced"],
-            "dense_out": last["bytes_out"], "step_s": step_s, "loss": last["loss"]}
+            "dense_out": last["bytes_out"], "steps_s": steps_s, "loss": last["loss"]}
 
 
 def main() -> None:
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--num_csx", default="1,2")
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     model = from_name("gpt-mini", vocab_size=256, max_seq_len=a.seq_len, d_model=a.hidden, n_layer=a.layers,
                       n_head=a.heads, device="meta")
@@ -78,10 +80,16 @@ def main() -> None:
     print(f"{'num_csx':>7} {'density':>7} {'streamed MB':>11} {'dense MB':>8} {'ratio':>6} {'expect':>6} "
           f"{'reduced MB':>10} {'ratio':>6} {'step s':>7} {'x dense':>7}")
     for num_csx in (int(x) for x in a.num_csx.split(",")):
-        base = None
-        for density in DENSITIES:
-            r = measure(a, density, num_csx)
-            base = base or r
+        runs: dict[float, dict] = {}
+        for k in range(a.rounds):
+            for density in DENSITIES if k % 2 == 0 else DENSITIES[::-1]:
+                r = measure(a, density, num_csx)
+                r["steps_s"] = runs.get(density, {}).get("steps_s", []) + r["steps_s"]
+                runs[density] = r
+        for r in runs.values():
+            r["step_s"] = statistics.median(r["steps_s"])
+        base = runs[1.0]
+        for density, r in runs.items():
             expect = 1.0 if density == 1.0 else 1 - share + share * (density + 1 / 32)
             print(f"{num_csx:>7} {density:>7.2f} {r['streamed'] / 1e6:>11.2f} {r['dense_in'] / 1e6:>8.2f} "
                   f"{r['streamed'] / r['dense_in']:>6.3f} {expect:>6.3f} {r['reduced'] / 1e6:>10.2f} "
