@@ -130,7 +130,8 @@ class SwarmLink(_Counted):
         self.cluster, self.layouts, self.stream_dtype, self.device = cluster, layouts, stream_dtype, device
         self.mx, self.mean = memoryx, mean
         self.sparse_units = set(sparse_units or ())
-        self._keep: dict[int, Tensor | None] = {}  # per sparse unit, from its last fetch: the gradients' mask
+        self._index: dict[int, Tensor | None] = {}  # per sparse unit, from its last fetch: the kept gradients
+        self._unpacked: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # unit -> (bits, keep, index), ranks > 0
         self._lane = Lane("swarmx-grads")
 
     def _bcast(self, u: int, *ts: Tensor) -> None:
@@ -155,18 +156,35 @@ class SwarmLink(_Counted):
                            torch.empty((lay.n_matrices + 7) // 8, dtype=torch.uint8),
                            torch.empty(lay.n_vectors, dtype=torch.float32), bool(header[1]))
         self._bcast(u, p.bits, p.values, p.vectors)
-        keep = unpack_bits(p.bits, lay.n_matrices)
-        self._keep[u] = None if p.dense_grads else keep
+        if self.mx is None:
+            keep, index = self._unpack(u, p.bits)
+            self._index[u] = None if p.dense_grads else index
+        else:
+            keep, index = self.mx.unit_masks.keep[u], self.mx.unit_masks.index[u]
+            view = self.mx.fetch_view(u) if self.device.type == "cpu" else None
+            if view is not None:  # rank 0 computes from the masters, zero where masked (memoryx.py)
+                return view
+        if self.device.type == "cpu":
+            return expand(p.values, keep, index), p.vectors
         return expand(p.values.to(self.device), keep), p.vectors.to(self.device)
 
-    def _grad_keep(self, u: int) -> Tensor | None:
-        """The mask of unit u's gradients this step (None: dense). Rank 0 knows it before its fetch of u (its
-        zeros may go into the reduce first); the others from their fetch, which comes before their push."""
+    def _unpack(self, u: int, bits: Tensor) -> tuple[Tensor, Tensor]:
+        """Unit u's mask and kept positions from its bitmask, unpacked again only when the mask changed."""
+        last = self._unpacked.get(u)
+        if last is None or not torch.equal(last[0], bits):
+            keep = unpack_bits(bits, self.layouts[u].n_matrices)
+            last = self._unpacked[u] = (bits, keep, keep.nonzero().squeeze(1))
+        return last[1], last[2]
+
+    def _grad_index(self, u: int) -> Tensor | None:
+        """The kept positions of unit u's gradients this step (None: dense). Rank 0 knows them before its fetch
+        of u (its zeros may go into the reduce first); the others from their fetch, which comes before their
+        push."""
         if u not in self.sparse_units:
             return None
         if self.mx is not None:
-            return None if self.mx.dense_grads() else self.mx.unit_masks.keep[u]
-        return self._keep[u]
+            return None if self.mx.dense_grads() else self.mx.unit_masks.index[u]
+        return self._index[u]
 
     def fetch(self, u: int) -> tuple[Tensor, Tensor]:
         if u in self.sparse_units:
@@ -183,16 +201,16 @@ class SwarmLink(_Counted):
         return matrices, vectors
 
     def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
-        keep = self._grad_keep(u)
-        if keep is not None:
-            matrices = matrices[keep.to(matrices.device)]
+        index = self._grad_index(u)
+        if index is not None:
+            matrices = matrices.index_select(0, index.to(matrices.device))
         return self._lane.submit(self._send, u, lambda: (matrices.cpu(), vectors.cpu()))
 
     def push_zeros(self, u: int) -> Future:
         """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank); the
         zeros are made when the reduce runs, one unit at a time."""
-        lay, keep = self.layouts[u], self._grad_keep(u)
-        n = int(keep.sum()) if keep is not None else lay.n_matrices
+        lay, index = self.layouts[u], self._grad_index(u)
+        n = index.numel() if index is not None else lay.n_matrices
         return self._lane.submit(self._send, u, lambda: (torch.zeros(n), torch.zeros(lay.n_vectors)))
 
     def _send(self, u: int, make: Any) -> None:
