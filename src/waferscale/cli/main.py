@@ -26,20 +26,15 @@ EXIT_USAGE = 2
 # ---- commands ------------------------------------------------------------------------------------------
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from waferscale.params import check_batch_split, load_params
     from waferscale.runtime import swarmx
     from waferscale.runtime.cluster import SwarmXFailure
-    from waferscale.zoo.runner import RunOptions, run
+    from waferscale.zoo.runner import RunOptions, prepare_run, run
 
     if swarmx.is_worker_rank():  # under torchrun, ranks >= 1 are SwarmX workers fed by rank 0
         return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)
-    params = load_params(a.params)
-    num_csx = a.num_csx if a.num_csx is not None else params.runconfig.num_csx
-    model_dir = a.model_dir or params.runconfig.model_dir or "model_dir"
     flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(RunOptions) if hasattr(a, f.name)}
-    opts = RunOptions(**flags | {"model_dir": Path(model_dir), "progress": not a.no_progress,
-                                 "num_csx": num_csx})  # checks the flags
-    check_batch_split(params.train_input, num_csx, num_csx_name="--num_csx")
+    params, opts = prepare_run(a.params, flags | {"progress": not a.no_progress})
+    num_csx, model_dir = opts.num_csx, opts.model_dir
     if a.validate_only:  # the params file and the flags, as the run would read them
         print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
         return 0
@@ -287,11 +282,11 @@ def cmd_models(a: argparse.Namespace) -> int:
 
 # ---- the table -----------------------------------------------------------------------------------------
 
-def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False) -> None:
+def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False, params_required: bool = True) -> None:
     if params_positional:
         p.add_argument("params", help="params YAML (Model Zoo layout)")
     else:
-        p.add_argument("-p", "--params", required=True, help="params YAML (Model Zoo layout)")
+        p.add_argument("-p", "--params", required=params_required, help="params YAML (Model Zoo layout)")
         p.add_argument("-m", "--mode", default="train", choices=["train", "eval", "train_and_eval"])
     p.add_argument("-o", "--model_dir", default=None, help="where checkpoints and metrics go (default: runconfig)")
     p.add_argument("--num_csx", type=int, default=None, help="data-parallel systems (default: runconfig.num_csx)")
@@ -440,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")
+    from waferscale.cli.appliance import register
+
+    register(sub, _run_flags)
     return parser
 
 

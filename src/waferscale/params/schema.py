@@ -264,9 +264,10 @@ def check_batch_split(inp: InputParams, num_csx: int, *, section: str = "train_i
                          f"{per_csx}")
 
 
-def load_params(path: str | Path) -> Params:
-    """Read a params YAML (legacy or trainer layout). Every problem is a ConfigError naming the file."""
-    return params_from_dict(read_yaml(path), source=str(Path(path)))
+def load_params(path: str | Path, text: str | None = None) -> Params:
+    """Read a params YAML (legacy or trainer layout), or its `text` read elsewhere (by a client of the
+    appliance). Every problem is a ConfigError naming the file."""
+    return params_from_dict(read_yaml(path, text), source=str(Path(path)))
 
 
 def save_params(params: Params, path: str | Path) -> None:

@@ -43,12 +43,12 @@ def make_loader(source: str) -> type[yaml.SafeLoader]:
     return Loader
 
 
-def read_yaml(path: str | Path) -> Any:
-    """The parsed file, its mappings `LinedDict`s. Every problem is a ConfigError naming the file (and the line
-    and column of malformed YAML)."""
+def read_yaml(path: str | Path, text: str | None = None) -> Any:
+    """The parsed file (or `text`, read from it elsewhere), its mappings `LinedDict`s. Every problem is a
+    ConfigError naming the file (and the line and column of malformed YAML)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8") if text is None else text
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such params file; check the --params path") from None
     except IsADirectoryError:

@@ -15,6 +15,7 @@ update (metrics.jsonl, progress bar, checkpoints), then evaluation and the summa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -28,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 import waferscale.pytorch as cstorch
-from waferscale.params import Params, check_batch_split
+from waferscale.params import Params, check_batch_split, load_params
 from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
@@ -79,6 +80,20 @@ class RunOptions:
             raise ConfigError(f"--num_csx must be at least 1 (the number of systems), got {self.num_csx}")
         if self.recompute not in ("auto", "always", "never"):
             raise ConfigError(f"--recompute must be auto, always or never, got {self.recompute!r}")
+
+
+def prepare_run(params_path: str | Path, flags: dict[str, Any], text: str | None = None) -> tuple[Params, RunOptions]:
+    """The params and options of `wsc run --params PATH` with `flags` (RunOptions' fields; None: unset), every
+    check the run makes before it starts: what `wsc run` and `wsc validate` do first, and what the appliance
+    does to a job at submit (`text`: the file's content, sent by the client)."""
+    params = load_params(params_path, text)
+    num_csx = flags.get("num_csx") or params.runconfig.num_csx
+    model_dir = flags.get("model_dir") or params.runconfig.model_dir or "model_dir"
+    known = {f.name for f in dataclasses.fields(RunOptions)}
+    opts = RunOptions(**{k: v for k, v in flags.items() if k in known and v is not None}
+                      | {"model_dir": Path(model_dir), "num_csx": num_csx})  # checks the flags
+    check_batch_split(params.train_input, num_csx, num_csx_name="--num_csx")
+    return params, opts
 
 
 # ---- set-up: data, tokenizer, model ----------------------------------------------------------------

@@ -17,7 +17,7 @@ from waferscale.serve.openai.metrics import Metrics
 from waferscale.serve.openai.protocol import APIError
 from waferscale.serve.openai.routes import RateLimiter, ServerState, router
 
-__all__ = ["create_app"]
+__all__ = ["bearer_token", "create_app", "error_response", "install_error_handlers"]
 
 PLAYGROUND = Path(__file__).resolve().parent.parent / "playground"
 _STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
@@ -54,12 +54,12 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
         path = request.url.path
         api = path.startswith("/v1/") and path != "/v1/tcp_warming"
         if api and state.api_key is not None and not _authorized(request, state.api_key):
-            return _error(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
-                                   type="invalid_request_error", code="invalid_api_key"))
+            return error_response(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer "
+                                           "KEY'.", type="invalid_request_error", code="invalid_api_key"))
         generation = request.method == "POST" and path in _GENERATION
         if generation and not state.limits.admit():
-            resp = _error(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
-                                   type="rate_limit_error", code="rate_limit_exceeded"))
+            resp = error_response(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
+                                           type="rate_limit_error", code="rate_limit_exceeded"))
             state.metrics.request_done(path, 429)
             return resp
         if generation:
@@ -75,25 +75,7 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
             state.metrics.request_done(path, resp.status_code)
         return resp
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
-        return _error(APIError(400, f"invalid request: {err.get('msg')}", param=loc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return _error(APIError(exc.status_code, msg, code=code))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return _error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error"))
+    install_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
     async def playground() -> Response:
@@ -108,12 +90,42 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
     return app
 
 
-def _authorized(request: Request, key: str) -> bool:
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure of `app` answers in the OpenAI error envelope: APIError as raised, a request that does not
+    validate as 400, unknown routes and methods as 404/405, anything else as 500 (the server keeps serving)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        return error_response(APIError(400, f"invalid request: {err.get('msg')}", param=loc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, msg, code=code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                       type="server_error"))
+
+
+def bearer_token(request: Request) -> str:
+    """The request's key: `Authorization: Bearer KEY`, else `x-api-key` (Cerebras' SDK), else ''."""
     auth = request.headers.get("authorization", "")
-    given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(given.encode(), key.encode())
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
 
 
-def _error(exc: APIError) -> JSONResponse:
+def _authorized(request: Request, key: str) -> bool:
+    return hmac.compare_digest(bearer_token(request).encode(), key.encode())
+
+
+def error_response(exc: APIError) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
