@@ -58,6 +58,8 @@ def train(base: dict, steps: int, model_dir: Path, sparsity: dict | None) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--runs", nargs="+", choices=["dense", "static", "gmp", "set", "rigl", "spdf"],
+                    default=["dense", "static", "gmp", "set", "rigl", "spdf"], help="which runs (default: all)")
     a = ap.parse_args()
     base = yaml.safe_load((ROOT / "configs" / "gpt2_tiny_shakespeare.yaml").read_text())
     sections = sparsity_sections(a.steps)
@@ -67,20 +69,24 @@ def main() -> None:
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, section in sections.items():
+            if name not in a.runs:
+                continue
             t0 = time.perf_counter()
             s = train(base, a.steps, Path(tmp) / name, section)
             results[name] = s["eval_loss"]
             print(f"  {name:<7} val loss {s['eval_loss']:.4f}   train loss {s['final_loss']:.4f}   "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        spdf = Path(tmp) / "spdf"
-        train(base, a.steps * 3 // 4, spdf, sections["static"])  # sparse pre-training
-        s = train(base, a.steps, spdf, None)  # resumes dense from the sparse checkpoint (its masks dropped)
-        results["spdf"] = s["eval_loss"]
-    dense = results["dense"]
-    print(f"\n{'run':<22} {'val loss':>8} {'vs dense':>9}")
+        if "spdf" in a.runs:
+            spdf = Path(tmp) / "spdf"
+            train(base, a.steps * 3 // 4, spdf, sections["static"])  # sparse pre-training
+            s = train(base, a.steps, spdf, None)  # resumes dense from the sparse checkpoint (its masks dropped)
+            results["spdf"] = s["eval_loss"]
+    ref, ref_name = (results["dense"], "dense") if "dense" in results else (results[a.runs[0]], a.runs[0])
+    print(f"\n{'run':<22} {'val loss':>8} {'vs ' + ref_name:>9}")
     for name, label in (("dense", "dense"), ("static", "static 75%"), ("gmp", "GMP -> 75%"), ("set", "SET 75%"),
                         ("rigl", "RigL 75%"), ("spdf", "SPDF (75% then dense)")):
-        print(f"{label:<22} {results[name]:>8.4f} {results[name] - dense:>+9.4f}")
+        if name in results:
+            print(f"{label:<22} {results[name]:>8.4f} {results[name] - ref:>+9.4f}")
 
 
 if __name__ == "__main__":
