@@ -6,8 +6,9 @@
 
 `LocalLink` serves MemoryX in this process, `SwarmLink` SwarmX's broadcast and reduce. A unit with masked
 matrices travels packed (its kept values and a bitmask, `sparse_stream.py`) and is expanded on the device; its
-gradients travel as the kept values (dense on the steps the sparsity algorithm asks for them). `stats` counts
-the bytes each link moved: `bytes_streamed` (weights and index) and `bytes_reduced` (gradients).
+gradients travel as the kept values (dense on the steps the sparsity algorithm asks for them). A CPU device
+beside MemoryX computes from its masters instead, sparse or dense (no copy). `stats` counts the bytes each
+link's protocol carries, copied or not: `bytes_streamed` (weights and index) and `bytes_reduced` (gradients).
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ class SwarmLink(_Counted):
     number of ranks (each rank's loss was its own batch's mean) before MemoryX takes it. A failed collective raises
     LinkError (from `fetch`, or through the push's future); the caller's `cluster.guard` names the rank that caused
     it. `sparse_units`: the units with masked matrices, the same set on every rank (packed units carry a small
-    header first: the number of kept values and whether gradients come back dense)."""
+    header first: the number of kept values and whether gradients come back dense). Rank 0 on a CPU device
+    computes a packed unit from MemoryX's masters; the others expand it, unpacking its bitmask again only when
+    it changed."""
 
     def __init__(self, cluster: Cluster, layouts: list[UnitLayout], stream_dtype: torch.dtype, device: torch.device,
                  memoryx: MemoryX | None = None, *, mean: bool = False, sparse_units: set[int] | None = None) -> None:

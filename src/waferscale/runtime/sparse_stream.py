@@ -9,6 +9,13 @@ CSR's 16-bit column indices cost 16 bits per kept value and are larger than the 
 Gradients come back as the kept values only, in the same order: both ends know the mask of the step (the
 device got it with the weights), so no index travels back. On the steps where an algorithm needs the dense
 gradient (RigL's update steps) the gradient comes back dense.
+
+A CPU device in MemoryX's process computes from MemoryX's masters, which are zero where masked
+(`memoryx.py`), as a dense unit does. Through `LocalLink` nothing is packed: the gradients go over as
+computed and MemoryX zeroes the masked ones as it writes them (`kept_only`), and the link's byte counters
+still count what its protocol carries for the unit (the packed bytes in, the kept gradients out), as the
+dense path counts its payload bytes although nothing is copied on a CPU device. SwarmX's rank 0 packs for
+the other systems and reduces the kept gradients with them.
 """
 
 from __future__ import annotations
