@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import tiny_params, wsc
-from serve_helpers import free_port
+from serve_helpers import free_port, have_smollm2, tiny_model_dir
 from waferscale.appliance import ApplianceError, Client
 from waferscale.appliance.scheduler import Pending, schedule
 from waferscale.appliance.store import MIGRATIONS, Store
@@ -322,6 +323,10 @@ def test_kill_9_of_the_service_loses_nothing(service: Service, tmp_path: Path) -
     q = [b.submit_script(script, [str(tmp_path / f"q{i}")], client_id=f"q{i}") for i in range(3)]
     wait_file(tmp_path / "r1.starts")
     pids = service.job_pids(r1["id"])
+    followed: list[str] = []  # `logs -f` rides out the restart
+    follower = threading.Thread(target=lambda: followed.extend(b.logs(r1["id"], follow=True, poll_s=0.1)))
+    follower.start()
+    time.sleep(0.5)
     service.kill9()
     os.kill(pids["pgid"], 0)  # the job lives on without the service
     service.start()
@@ -333,6 +338,9 @@ def test_kill_9_of_the_service_loses_nothing(service: Service, tmp_path: Path) -
         if n.startswith("q"):
             time.sleep(0.3)
     done = [wait_state(b, x["id"], ("SUCCEEDED",)) for x in q]
+    follower.join(timeout=60)
+    assert not follower.is_alive() and "".join(followed) == (service.state / "jobs" / r1["id"] / "log").read_text()
+    assert "".join(followed).endswith("done\n")
     assert [d["started_at"] for d in done] == sorted(d["started_at"] for d in done)  # in their order
     for n in ("r1", "r2", "q0", "q1", "q2"):
         assert len((tmp_path / f"{n}.starts").read_text().splitlines()) == 1, n  # each ran once
@@ -388,3 +396,45 @@ def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: Ser
     assert any(r.startswith("re-queued in its place") for r in events), events
     log = "".join(b.logs(j["id"]))
     assert "appliance: attempt 2, resuming from the last checkpoint" in log and "resumed from" in log
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer package (make setup)")
+def test_a_deployment_answers_the_openai_client_by_model_name(service: Service, tmp_path: Path) -> None:
+    import openai
+
+    model = tiny_model_dir(tmp_path)
+    c = service.client("carol")
+    r = service.cli("carol", "deploy", "--model", str(model))
+    assert r.returncode == 0, r.stderr
+    jid = r.stdout.split()[0]
+    with pytest.raises(ApplianceError) as e:
+        service.client("bob").deploy(str(model))
+    assert e.value.status == 409 and e.value.code == "already_deployed"
+    wait_state(c, jid, ("RUNNING",))
+    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.tokens["bob"].read_text().strip(),
+                       max_retries=0)
+    deadline = time.monotonic() + 180
+    while True:  # the server loads its model first (503 until then)
+        try:
+            out = oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=8, temperature=0)
+            break
+        except openai.APIStatusError as err:
+            assert err.status_code == 503 and time.monotonic() < deadline, err
+            time.sleep(0.5)
+    assert out.choices[0].message.content and out.usage.completion_tokens == 8
+    assert [m.id for m in oa.models.list().data] == ["tiny-chat"]
+    chunks = list(oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=8, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == out.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as nf:
+        oa.chat.completions.create(model="other", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{service.address}/v1", api_key="wrong", max_retries=0).models.list()
+    r = service.cli("carol", "undeploy", "--model", str(model))
+    assert r.returncode == 0, r.stderr
+    assert wait_state(c, jid, ("CANCELLED",))["state"] == "CANCELLED"
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)

@@ -80,13 +80,17 @@ class Client:
 
     def deploy(self, model: str, *, num_csx: int = 1, priority: str = "p2", args: list[str] | None = None,
                labels: dict[str, str] | None = None) -> dict[str, Any]:
-        """Serve `model` (what `wsc serve --model` takes) until undeployed, at /v1 of the appliance."""
+        """Serve `model` (what `wsc serve --model` takes: a zoo name, a HF directory or a .gguf file) until
+        undeployed, at the appliance's /v1 routes, by the id `GET /v1/models` lists (a path's last component)."""
+        if Path(model).expanduser().exists():
+            model = str(Path(model).expanduser().resolve())
         spec = {"model": model, "args": list(args or []), "cwd": os.getcwd()}
         return self.submit("deploy", spec, num_csx=num_csx, priority=priority, labels=labels)
 
     def undeploy(self, model: str) -> dict[str, Any]:
+        full = str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
         for j in self.jobs():
-            if j["kind"] == "deploy" and j["spec"]["model"] == model:
+            if j["kind"] == "deploy" and j["spec"]["model"] in (model, full):
                 return self.cancel(j["id"])
         raise ApplianceError(f"no deployment of {model!r} of yours is queued or running", 404)
 

@@ -162,8 +162,9 @@ class Appliance:
         elif req.kind == "deploy":
             if not spec.get("model"):
                 raise APIError(400, "a deployment needs a model", param="spec.model")
+            mine = (user.name, req.client_id) if req.client_id is not None else None  # (a resubmission is no clash)
             active = [j for j in self.store.jobs(states=ACTIVE) if j.kind == "deploy"
-                      and j.spec["model"] == spec["model"] and j.client_id != req.client_id]
+                      and j.spec["model"] == spec["model"] and (j.user, j.client_id) != mine]
             if active:
                 raise APIError(409, f"model {spec['model']!r} is already deployed (job {active[0].id}); "
                                     f"undeploy it first", param="spec.model", code="already_deployed")
@@ -347,21 +348,27 @@ def create_app(app_: Appliance) -> FastAPI:
         return {"user": u.name, "admin": u.admin, "quota": u.quota}
 
     # ---- deployments: OpenAI routes by model name -------------------------------------------------------------
+    def deployed() -> list[tuple[Job, str, set[str]]]:
+        """Running deployments, each with the id its server answers to and the other names it takes."""
+        from waferscale.serve.server import served_model_id
+
+        return [(j, *served_model_id(j.spec["model"])) for j in app_.store.jobs(states=["RUNNING"])
+                if j.kind == "deploy"]
+
     def deployment(model: str | None) -> Job:
-        deps = [j for j in app_.store.jobs(states=["RUNNING"]) if j.kind == "deploy"]
-        for j in deps:
-            if j.spec["model"] == model:
+        deps = deployed()
+        for j, mid, aliases in deps:
+            if model == mid or model in aliases:
                 return j
-        names = ", ".join(repr(j.spec["model"]) for j in deps) or "none"
+        names = ", ".join(repr(mid) for _, mid, _ in deps) or "none"
         raise APIError(404, f"the model {model!r} is not deployed here (deployed: {names}); "
                             f"`wsc deploy --model {model}` deploys it", param="model", code="model_not_found")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         who(request)
-        deps = [j for j in app_.store.jobs(states=["RUNNING"]) if j.kind == "deploy"]
-        return {"object": "list", "data": [{"id": j.spec["model"], "object": "model", "owned_by": j.user,
-                                            "created": int(j.started_at or 0)} for j in deps]}
+        return {"object": "list", "data": [{"id": mid, "object": "model", "owned_by": j.user,
+                                            "created": int(j.started_at or 0)} for j, mid, _ in deployed()]}
 
     @app.post("/v1/{route:path}")
     async def proxy(route: str, request: Request) -> Response:
@@ -396,6 +403,14 @@ def create_app(app_: Appliance) -> FastAPI:
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
         return FileResponse(PAGE / "index.html", media_type="text/html; charset=utf-8")
+
+    page_files = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+
+    @app.get("/page/{name}", include_in_schema=False)
+    async def page_file(name: str) -> Response:  # (no token: the files are the same for everyone)
+        if name not in page_files:
+            raise APIError(404, f"no page file {name!r}", code="not_found")
+        return FileResponse(PAGE / name, media_type=page_files[name])
 
     return app
 

@@ -20,7 +20,7 @@ __all__ = ["serve", "build_app", "wafer_projection"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _model_id(model: str) -> tuple[str, set[str]]:
+def served_model_id(model: str) -> tuple[str, set[str]]:
     """The id clients use: a zoo/asset name as given, or a path's final component (the full path also works)."""
     p = Path(model).expanduser()
     if p.exists():
@@ -73,7 +73,7 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
         engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
         aengine = AsyncEngine(engine)
     tokenizer = load_tokenizer(model)
-    model_id, aliases = _model_id(model)
+    model_id, aliases = served_model_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
         f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''})")
     projection = None
