@@ -1,0 +1,276 @@
+"""The Ray backend of the appliance: `wsc appliance start --backend ray --address HEAD:PORT --systems N`.
+
+The cluster. Every node advertises the systems it hosts as the custom resource "csx" and runs the same
+installation of waferscale (same interpreter path) as the service:
+
+    ray start --head --port 6379 --resources '{"csx": 0}'                  # a head that hosts no system
+    ray start --address HEAD:6379 --resources '{"csx": 2}'                 # a node with two systems
+
+The service connects as a Ray driver (namespace "waferscale") and refuses to start unless `--systems` equals the
+cluster's "csx" total, so the pool it schedules against is the cluster's. The appliance's state directory must be
+shared by every node at the same path (NFS or alike): each rank writes the job's log (STATE/jobs/ID/log, appended
+by every rank and attempt), its exit record, and the run's checkpoints (the job's model_dir) there.
+
+A job. Its systems are one placement group of `num_csx` bundles {"csx": 1}, strategy PACK: gang placement stays
+all-or-nothing (a placement group is placed whole or not at all), and PACK puts the bundles on as few nodes as
+it can, which keeps MemoryX's weight and gradient traffic on fewer links, makes fewer nodes the job's points of
+failure, and leaves whole nodes free for the next large job; unlike STRICT_PACK it still spans nodes when no one
+node has enough systems. Each rank runs in a detached, named actor (`wsc-JOB-ATTEMPT-rRANK`, 0 CPUs) pinned to a
+bundle, which starts the rank's process and records how it ended:
+- a `run` with num_csx K > 1 is K + 1 ranks under torch.distributed, as torchrun would start them (RANK,
+  WORLD_SIZE, MASTER_ADDR/MASTER_PORT of rank 0's node, LOCAL_RANK): rank 0 is MemoryX and the training loop and
+  shares bundle 0 with rank 1 (MemoryX is a host role, not a system), rank r >= 1 is the worker of bundle r - 1;
+- any other job (a run on one system, a cstorch script) is one process on bundle 0, which starts whatever it
+  starts on that node; the other bundles hold its systems reserved.
+A rank's process gets its node's environment (less what Ray sets for its own workers) plus the job's variables,
+runs in a process group of its own (cancel signals that group) and dies with its actor (PR_SET_PDEATHSIG), so an
+actor killed or gone with its node leaves no process behind. Rank r writes ATTEMPT_DIR/exit-r.json when its
+process ends. Deployments are not placed on Ray: the service reaches a deployment on its own machine only.
+
+Finding an attempt again. The handle names the attempt's placement group and actors, so a service restarted
+after a `kill -9` looks them up by name (ray.get_actor) and never starts an attempt twice: a new attempt has a
+new name, and an attempt is only given up (lost) after its leftovers are killed and its placement group removed.
+`poll`:
+- every rank has its exit record: exited, with rank 0's code (the job's outcome: MemoryX runs the loop);
+- a rank without one whose actor is dead or missing: lost. Either its node left the cluster, or the service
+  stopped while starting the attempt (an actor missing, or one that never started its process). A job one of
+  whose nodes left is reported lost even when rank 0 then ended on its own (the SwarmX failure that node's loss
+  caused): the service re-queues it to resume from its last checkpoint, rather than failing it;
+- otherwise alive; a rank whose actor does not answer yet counts as alive until Ray says it is dead.
+Rank 0 ended and a worker outliving it by WORKER_GRACE_S is killed.
+
+A node that leaves. Ray's GCS health-checks every node and declares it dead after `health_check_failure_threshold`
+failed checks, one every `health_check_period_ms`, each failing at once when the node is gone or after
+`health_check_timeout_ms` when it hangs; the node's actors die with it. The next `poll` (every tick of the
+service) reports its jobs lost. So the bound is threshold x period for a node that is gone (15 s with Ray's
+defaults 5 x 3000 ms, after the 5 s initial delay for a node that just joined) and threshold x (period + timeout)
+for one that hangs (65 s with the default 10000 ms timeout), plus a tick and POLL_TIMEOUT_S. They are set in the
+head node's environment: `RAY_health_check_period_ms=1000 RAY_health_check_failure_threshold=3 ray start --head`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from waferscale.appliance.launch import Launcher, Status, job_command
+from waferscale.appliance.store import Job
+from waferscale.errors import ConfigError
+from waferscale.util.files import atomic_write_json
+
+__all__ = ["RayLauncher", "RESOURCE", "NAMESPACE"]
+
+RESOURCE = "csx"  # the custom resource a node advertises its systems as
+NAMESPACE = "waferscale"
+PLACE_TIMEOUT_S = 60.0  # a placement group not placed by then fails the start (the cluster lost systems)
+POLL_TIMEOUT_S = 2.0  # how long a poll waits for the actors' answers (the service's loop waits with it)
+WORKER_GRACE_S = 30.0  # a worker rank still running this long after rank 0 ended is killed
+RAY_WORKER_ENV = ("OMP_NUM_THREADS", "PYTHONBREAKPOINT", "SPT_NOENV")  # set by Ray for its workers, not the node's
+
+
+class RayLauncher(Launcher):
+    """Jobs as placement groups and detached actors on the Ray cluster at `address` (see the module docstring)."""
+
+    def __init__(self, address: str | None, systems: int) -> None:
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+        except (ConnectionError, RuntimeError) as e:
+            raise ConfigError(f"cannot connect to the Ray cluster at {address or 'auto'}: {e}") from None
+        total = ray.cluster_resources().get(RESOURCE, 0)
+        if total != systems:
+            ray.shutdown()
+            raise ConfigError(f"the Ray cluster at {address} advertises {total:g} systems (resource {RESOURCE!r}) "
+                              f"but --systems is {systems}: give --systems {total:g}, or start each node with "
+                              f"`ray start ... --resources '{{\"{RESOURCE}\": N}}'` for its N systems")
+        self._actors: dict[str, Any] = {}  # actor name -> handle, looked up once
+
+    def plan(self, job: Job, job_dir: Path, attempt: int) -> dict[str, Any]:
+        ranks = job.num_csx + 1 if job.kind == "run" and job.num_csx > 1 else 1
+        return {"backend": "ray", "name": f"wsc-{job.id}-{attempt}", "dir": str(job_dir / f"attempt-{attempt}"),
+                "ranks": ranks, "port": None}
+
+    def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> None:
+        if job.kind == "deploy":
+            raise ConfigError("deployments are not placed on Ray: the service serves them from its own machine "
+                              "(start an appliance with the local backend for them)")
+        d = Path(handle["dir"])
+        d.mkdir(parents=True)
+        cmd = job_command(job, job_dir, systems)
+        job_env = {k: v for k, v in cmd["env"].items() if os.environ.get(k) != v}  # what the job adds
+        try:
+            self._start(job, handle, cmd["argv"], cmd["cwd"], job_env, str(job_dir / "log"))
+        except BaseException:
+            self._release(handle)  # nothing of a failed start is left holding systems
+            raise
+
+    def _start(self, job: Job, handle: dict[str, Any], argv: list[str], cwd: str, job_env: dict[str, str],
+               log: str) -> None:
+        pg = placement_group([{RESOURCE: 1.0}] * job.num_csx, strategy="PACK", name=handle["name"],
+                             lifetime="detached")
+        try:
+            ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
+        except GetTimeoutError:
+            free = ray.available_resources().get(RESOURCE, 0)
+            raise RuntimeError(f"Ray could not place {job.num_csx} systems within {PLACE_TIMEOUT_S:.0f} s ({free:g} "
+                               f"of the cluster's {ray.cluster_resources().get(RESOURCE, 0):g} free; did a node "
+                               f"leave?)") from None
+        n = handle["ranks"]
+        actors = [_Rank.options(name=_actor_name(handle, r), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                    pg, placement_group_bundle_index=max(0, r - 1))).remote(handle["dir"], r)
+                  for r in range(n)]
+        nodes = ray.get([a.node.remote() for a in actors])  # (node id, ip) of each rank
+        envs = [dict(job_env) for _ in range(n)]
+        if n > 1:
+            port = ray.get(actors[0].free_port.remote())
+            for r, env in enumerate(envs):
+                local = sum(1 for q in range(1, r) if nodes[q][0] == nodes[r][0])  # its GPU on a multi-GPU node
+                env |= {"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": nodes[0][1], "MASTER_PORT": str(port),
+                        "LOCAL_RANK": str(local)}
+        pids = ray.get([a.run.remote(argv, cwd, env, log) for a, env in zip(actors, envs)])
+        atomic_write_json(Path(handle["dir"]) / "ranks.json", [{"rank": r, "node": node, "ip": ip, "pid": pid}
+                                                               for r, ((node, ip), pid) in enumerate(zip(nodes, pids))])
+
+    def poll(self, handle: dict[str, Any]) -> Status:
+        d = Path(handle["dir"])
+        exits: dict[int, dict[str, Any]] = {}
+        for r in range(handle["ranks"]):
+            try:
+                exits[r] = json.loads((d / f"exit-{r}.json").read_text())
+            except (OSError, ValueError):
+                pass
+        if len(exits) == handle["ranks"]:
+            self._release(handle)
+            return Status("exited", exits[0]["rc"])
+        asks = {}
+        for r in range(handle["ranks"]):
+            if r in exits:
+                continue
+            actor = self._actor(handle, r)
+            if actor is None:
+                self._release(handle)
+                return Status("lost", why=f"rank {r}'s actor is gone (its node left the Ray cluster, or the "
+                                          f"service stopped while starting it)")
+            asks[r] = actor.state.remote()
+        ray.wait(list(asks.values()), num_returns=len(asks), timeout=POLL_TIMEOUT_S)
+        for r, ref in asks.items():
+            try:
+                state = ray.get(ref, timeout=0)
+            except (ActorUnavailableError, GetTimeoutError):
+                continue  # not answering yet: Ray's health check decides whether its node is gone
+            except RayActorError as e:
+                self._release(handle)
+                return Status("lost", why=f"rank {r}'s actor died ({_first_line(e)}): its node left the Ray "
+                                          f"cluster")
+            if state == "idle":
+                self._release(handle)
+                return Status("lost", why="the service stopped while starting it")
+        if 0 in exits and time.time() - exits[0]["ended"] > WORKER_GRACE_S:
+            self.signal(handle, force=True)  # rank 0 is done; a worker that waits on it would wait forever
+        return Status("alive")
+
+    def signal(self, handle: dict[str, Any], force: bool) -> None:
+        for r in range(handle["ranks"]):
+            actor = self._actor(handle, r)
+            if actor is not None:
+                actor.signal.remote(signal.SIGKILL if force else signal.SIGTERM)  # (not awaited)
+
+    def close(self) -> None:
+        ray.shutdown()
+
+    def _actor(self, handle: dict[str, Any], rank: int) -> Any:
+        name = _actor_name(handle, rank)
+        if name not in self._actors:
+            try:
+                self._actors[name] = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:  # never made, or dead and gone
+                return None
+        return self._actors[name]
+
+    def _release(self, handle: dict[str, Any]) -> None:
+        """Kill the attempt's actors (their processes die with them) and free its systems; idempotent."""
+        for r in range(handle["ranks"]):
+            actor = self._actor(handle, r)
+            if actor is not None:
+                ray.kill(actor)
+            self._actors.pop(_actor_name(handle, r), None)
+        try:
+            remove_placement_group(get_placement_group(handle["name"]))
+        except ValueError:
+            pass  # never made, or already removed
+
+
+def _actor_name(handle: dict[str, Any], rank: int) -> str:
+    return f"{handle['name']}-r{rank}"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+
+
+@ray.remote
+class _Rank:
+    """One rank of an attempt, in a detached actor: starts the rank's process and writes exit-RANK.json when it
+    ends. Its methods run on the actor's main thread, so the process's parent-death signal follows the actor."""
+
+    def __init__(self, attempt_dir: str, rank: int) -> None:
+        self.dir, self.rank = Path(attempt_dir), rank
+        self.proc: subprocess.Popen | None = None
+        self.done = False
+
+    def node(self) -> tuple[str, str]:
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return s.getsockname()[1]
+
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], log: str) -> int:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in RAY_WORKER_ENV}
+        with open(log, "ab", buffering=0) as out:
+            try:
+                self.proc = subprocess.Popen(argv, cwd=cwd, env=base | env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=out, process_group=0,
+                                             preexec_fn=functools.partial(_die_with, os.getpid()))
+            except OSError as e:
+                out.write(f"appliance: rank {self.rank}: cannot start {argv[0]}: {e}\n".encode())
+                self._ended(127)
+                return -1
+        threading.Thread(target=lambda: self._ended(self.proc.wait()), daemon=True).start()
+        return self.proc.pid
+
+    def _ended(self, rc: int) -> None:
+        atomic_write_json(self.dir / f"exit-{self.rank}.json", {"rc": rc, "ended": time.time()})
+        self.done = True
+
+    def state(self) -> str:
+        return "idle" if self.proc is None and not self.done else "exited" if self.done else "running"
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _die_with(parent: int) -> None:  # in the rank's process, before exec: SIGKILL when its actor's process ends
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the actor died before the signal was armed
+        os._exit(1)
