@@ -130,7 +130,8 @@ def test_masters_stay_zero_where_masked_so_a_cpu_device_computes_from_them(name)
         mx.end_backward()
     assert (len(masks) == 1) == (name == "static")
     check_fetch()
-    mx.load_weights(dense, "dense weights")  # resuming from a dense run's weights: pruned by the masks
+    mx.load_weights(dense, "dense weights")  # starting from a dense run's weights: pruned by the masks
+    mx.sync_masks()  # (as every step and evaluation begins)
     check_fetch()
     assert int((mx.checkpoint_state()["0.weight"] != 0).sum()) == int(group.params["0.weight"].mask.sum())
 
@@ -140,7 +141,7 @@ def test_masters_stay_zero_where_masked_so_a_cpu_device_computes_from_them(name)
 ZOO_SPARSITY = {"algorithm": "rigl", "sparsity": 0.7, "update": {"freq": 2}, "drop_fraction": 0.3}
 
 
-def _zoo(corpus, model_dir, **opts):
+def _zoo(corpus, model_dir, sparsity=ZOO_SPARSITY, **opts):
     import io
 
     from conftest import tiny_params
@@ -148,7 +149,8 @@ def _zoo(corpus, model_dir, **opts):
     from waferscale.zoo.runner import RunOptions, run
 
     d = tiny_params(corpus, model_dir)
-    d["sparsity"] = dict(ZOO_SPARSITY)
+    if sparsity is not None:
+        d["sparsity"] = dict(sparsity)
     run(params_from_dict(d, source="test"), RunOptions(model_dir=model_dir, progress=False, **opts),
         out=io.StringIO())
     return [json.loads(ln) for ln in (model_dir / "metrics.jsonl").read_text().splitlines()]
@@ -168,6 +170,21 @@ def test_a_params_sparsity_section_trains_alike_resident_and_streamed_and_resume
     _zoo(corpus, split, execution="streaming", num_steps=3)  # stops after step 3 (masks were updated at 2)
     resumed = _zoo(corpus, split, execution="streaming")
     assert [r["loss"] for r in resumed] == [r["loss"] for r in streamed]
+
+
+def test_a_sparse_run_from_a_dense_checkpoint_trains_alike_resident_and_streamed(corpus, tmp_path):
+    """Masks drawn from the loaded dense weights (topk), which MemoryX prunes by those masks, not the ones it
+    had before the load."""
+    from waferscale.runtime.checkpoint import latest_checkpoint
+
+    _zoo(corpus, tmp_path / "dense", sparsity=None, execution="resident", num_steps=3)
+    start = str(latest_checkpoint(tmp_path / "dense"))
+    topk = {**ZOO_SPARSITY, "init_method": "topk"}
+    resident = _zoo(corpus, tmp_path / "r", topk, execution="resident", checkpoint_path=start)
+    streamed = _zoo(corpus, tmp_path / "s", topk, execution="streaming", checkpoint_path=start)
+    assert len(streamed) == 3
+    for a, b in zip(resident, streamed, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["sparsity"] == b["sparsity"]
 
 
 def test_export_writes_dense_weights_with_zeros_and_no_masks(corpus, tmp_path):

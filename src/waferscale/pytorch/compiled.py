@@ -174,14 +174,8 @@ class StreamRunner:
                     params[e.name].data = flat[e.offset:e.offset + e.numel].view(e.shape)
         self.model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
         self.model.register_load_state_dict_pre_hook(lambda *a, **k: self.synchronize())
-        self.model.register_load_state_dict_post_hook(lambda *a: self._prune_loaded())
-
-    def _prune_loaded(self) -> None:
-        """After a load into the aliased masters: the loaded masks taken, the weights they drop zeroed (a dense
-        state dict loaded into a sparse model), as MemoryX keeps its masters."""
-        self._sync_sparsity()
-        assert self.mx is not None
-        self.mx.prune_masters()
+        # a state dict loaded into the aliased masters may hold weights the masks drop: pruned at the next call
+        self.model.register_load_state_dict_post_hook(lambda *a: self.mx.weights_loaded())
 
     def _check_budget(self, stream_dtype: torch.dtype) -> None:
         mb = self.backend.device_memory_mb

@@ -23,7 +23,7 @@ Both give the resident executor's numbers (same optimizer class, same per-elemen
 
 Masks (weight sparsity): the master weights are zero where their masks drop them, at every step: MemoryX
 prunes them (and the optimizer state) when it takes masks (`sync_masks`: a new group, a mask update, a
-checkpoint's masks), after every update, and after loading weights. So the dense payload of a masked unit
+checkpoint's masks, loaded weights; every step and evaluation begins with it) and after every update. So the dense payload of a masked unit
 is its packed payload expanded, and a device that shares host memory computes from the masters themselves
 (`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are written (`_accumulate`).
 """
@@ -574,10 +574,15 @@ class MemoryX:
         self.sync_masks()
         plain = {k: v for k, v in weights.items() if not k.endswith("_mask")}
         load_model_weights(self.checkpoint_state(masks=False), plain, where)
-        self.prune_masters()  # (weights from a dense run, or saved before their masks changed)
+        self.weights_loaded()
 
-    def prune_masters(self) -> None:
-        """Zero the master weights where their masks drop them, after someone else wrote the masters (a load)."""
+    def weights_loaded(self) -> None:
+        """The masters were written from outside (a load): they may hold values their masks drop (a dense run's
+        weights). Pruned by the next `sync_masks`, by the masks then (masks may be drawn from the loaded weights
+        first); masks set by hand, without a group, prune them now."""
+        if self.sparsity is not None:
+            self._mask_version = -1
+            return
         self.synchronize()
         owned = {e.name: e for lay in self.layouts for e in lay.owned}
         with torch.no_grad():

@@ -239,6 +239,7 @@ class StreamingExecutor(MemoryXExecutor):
 
     def eval_loss(self, x: Tensor, y: Tensor) -> float:
         eng = self._ensure_engine(*x.shape) if self.engine is None else self.engine
+        self.mx.sync_masks()  # (masks drawn or weights loaded since the last step)
         return float(eng.forward(x.to(self.device), target=y.to(self.device)))
 
     def peak_device_bytes(self) -> int:
