@@ -310,8 +310,8 @@ def test_bad_input_is_refused_and_nothing_is_queued(service: Service, tmp_path: 
     assert e.value.status == 401 and e.value.code == "invalid_token"
     r = wsc("jobs", "--mgmt_address", service.address, "--credentials_path", str(tmp_path / "missing.token"))
     assert r.returncode == 2 and "cannot read the token file" in r.stderr
-    r = wsc("appliance", "start", "--state_dir", str(tmp_path / "s2"), "--db", "postgresql+psycopg://nobody@127.0.0.1:1/x",
-            "--port", str(free_port()), timeout=60)
+    r = wsc("appliance", "start", "--state_dir", str(tmp_path / "s2"), "--port", str(free_port()),
+            "--db", "postgresql+psycopg://nobody@127.0.0.1:1/x", timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: cannot open the appliance database") \
         and "Traceback" not in r.stderr
     r = wsc("appliance", "start", "--state_dir", str(service.state), "--port", str(free_port()), timeout=60)

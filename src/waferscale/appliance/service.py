@@ -65,6 +65,7 @@ class Appliance:
     # ---- the loop --------------------------------------------------------------------------------------------
     def start(self) -> None:
         self.tick()  # re-attach or re-queue what a previous service left running, before serving anything
+        threading.Thread(target=_warm_validator, daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="appliance-loop", daemon=True)
         self._thread.start()
 
@@ -227,6 +228,11 @@ def _check_run(spec: dict[str, Any], num_csx: int) -> None:
         raise APIError(400, str(e), param="spec.params_yaml", code="invalid_params") from None
     except (TypeError, OSError) as e:
         raise APIError(400, f"invalid run flags: {e}", param="spec.flags", code="invalid_params") from None
+
+
+def _warm_validator() -> None:
+    """Import what `_check_run` needs (torch, the zoo) now, not in the first user's submit."""
+    import waferscale.zoo.runner  # noqa: F401
 
 
 def log_tail(job_dir: Path, lines: int) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -92,8 +91,6 @@ def _labels(items: list[str]) -> dict[str, str]:
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
-    from waferscale.zoo.runner import RunOptions
-
     if (a.params is None) == (a.script is None):
         raise ConfigError("give exactly one of --params P.yaml (a `wsc run` job) or --script S.py (a cstorch script)")
     c = _client(a)
@@ -102,9 +99,9 @@ def cmd_submit(a: argparse.Namespace) -> int:
         args = a.script_args[1:] if a.script_args[:1] == ["--"] else a.script_args
         job = c.submit_script(a.script, args, num_csx=a.num_csx or 1, **common)
     else:
-        skip = {"mode", "model_dir", "num_csx", "progress"}
-        flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(RunOptions)
-                 if f.name not in skip and hasattr(a, f.name) and getattr(a, f.name) != f.default}
+        skip = {"params", "mode", "model_dir", "num_csx", "no_progress", "validate_only", "compile_only"}
+        flags = {k: getattr(a, k) for k, default in a.run_defaults.items()
+                 if k not in skip and getattr(a, k) != default}  # the `wsc run` flags given
         job = c.submit_run(a.params, mode=a.mode, num_csx=a.num_csx or 1, model_dir=a.model_dir, **common,
                            **flags)
     print(f"{job['id']}  {job['state']}  {job['reason']}")
@@ -208,6 +205,7 @@ def register(sub: Any, run_flags: Callable[..., None]) -> dict[str, Callable[[ar
     cmds: dict[str, Callable[[argparse.Namespace], int]] = {"appliance": cmd_appliance}
     q = sub.add_parser("submit", help="submit a `wsc run` job (or a cstorch script) to the appliance")
     run_flags(q, params_required=False)
+    q.set_defaults(run_defaults={act.dest: act.default for act in q._actions if act.dest != "help"})
     q.add_argument("--script", default=None, help="a cstorch script to run instead of --params")
     q.add_argument("--id", default=None, help="a client id: submitting it again returns the same job")
     q.add_argument("script_args", nargs=argparse.REMAINDER, help="-- then the script's arguments")
