@@ -121,15 +121,15 @@ function renderQueue(pool) {
        `${j.user} · ${j.priority} · ${j.num_csx} system${j.num_csx > 1 ? "s" : ""} · ${took(j)}`)),
     el("span", {}, ...labels(j)),
     el("span", { class: "reason" }, j.reason))));
-  if (!queued.length) $("queue").append(el("li", { class: "empty" }, "Nothing is waiting."));
+  if (!queued.length) $("queue").append(el("li", { class: "empty" }, hidden > 0 ? "None of yours is waiting." :
+                                                                   "Nothing is waiting."));
 }
 
 function renderJobs() {
   const tbody = $("jobs").querySelector("tbody");
   tbody.replaceChildren(...state.jobs.map((j) => el("tr",
     { "data-job": j.id, class: j.id === state.selected ? "selected" : "", onclick: () => select(j.id) },
-    el("td", { class: "id", title: what(j) }, j.id, el("div", { class: "dim" }, j.kind)),
-    el("td", {}, j.user),
+    el("td", { class: "id", title: what(j) }, j.id, el("div", { class: "dim" }, `${j.kind} · ${j.user}`)),
     el("td", {}, stateBadge(j.state)),
     el("td", {}, j.priority),
     el("td", {}, String(j.num_csx), j.systems && j.systems.length ? el("div", { class: "dim" }, "on " +
@@ -214,7 +214,9 @@ function ticks(lo, hi, n) {
 function fmt(v) { return Math.abs(v) >= 100 ? v.toFixed(0) : +v.toPrecision(3) + ""; }
 
 // ---- refresh ------------------------------------------------------------------------------------------------
+// signed out (no token, or a refused one): only the token box and the error
 function clearViews() {
+  document.body.classList.add("signed-out");
   state.jobs = [];
   renderWho(null); renderPool(null); renderQueue(null); renderJobs(); renderDetail(null, []);
 }
@@ -235,6 +237,7 @@ async function refresh() {
       sel ? api(`/api/jobs/${encodeURIComponent(sel)}`).catch(lostJob) : null,
       sel ? api(`/api/jobs/${encodeURIComponent(sel)}/metrics`).catch(lostJob) : null]);
     if (gen !== state.gen) return;
+    document.body.classList.remove("signed-out");
     state.jobs = jobs.data;
     if (!sel && state.jobs.length) {  // show something at once: the first running job, else the first
       select((state.jobs.find((j) => j.state === "RUNNING") || state.jobs[0]).id);
