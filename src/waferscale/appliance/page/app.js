@@ -67,7 +67,9 @@ function took(j) {
   if (!j.started_at) return "";
   return span((j.ended_at || now) - j.started_at) + (j.state === "RUNNING" ? " so far" : "");
 }
-function labels(j) { return Object.entries(j.labels || {}).map(([k, v]) => el("span", { class: "label" }, `${k}=${v}`)); }
+function labels(j) {
+  return Object.entries(j.labels || {}).map(([k, v]) => el("span", { class: "label" }, `${k}=${v}`));
+}
 function stateBadge(s) { return el("span", { class: "state " + s }, s); }
 function byQueueOrder(a, b) { return a.priority.localeCompare(b.priority) || a.seq - b.seq; }
 function what(j) {
@@ -105,8 +107,8 @@ function renderPool(pool) {
                            onclick: () => jid && j && select(jid) },
                   el("div", { class: "name" }, "system " + s),
                   el("div", { class: "what mono" }, jid || "free"),
-                  jid ? el("div", { class: "who" }, j ? `${j.user} · ${j.priority} · ${took(j)}` : "another user's job")
-                      : null));
+                  jid ? el("div", { class: "who" },
+                           j ? `${j.user} · ${j.priority} · ${took(j)}` : "another user's job") : null));
   }
 }
 
@@ -151,13 +153,15 @@ function renderDetail(j, rows) {
   $("d-state").replaceWith(Object.assign(stateBadge(j.state), { id: "d-state" }));
   $("d-reason").textContent = j.reason + (j.cancel_at && ACTIVE.has(j.state) ? " · cancel requested" : "");
   const facts = [["user", j.user], ["kind", j.kind], ["command", what(j)], ["priority", j.priority],
-                 ["systems", `${j.num_csx} asked` + (j.systems && j.systems.length ? `, on ${j.systems.join(", ")}` : "")],
+                 ["systems", `${j.num_csx} asked` + (j.systems && j.systems.length ? `, on ${j.systems.join(", ")}`
+                                                                                    : "")],
                  ["attempts", String(j.attempts)], ["submitted", clock(j.submitted_at)],
                  ["started", clock(j.started_at) || "not yet"], ["ended", j.ended_at ? clock(j.ended_at) +
                   (j.exit_code !== null ? ` (exit code ${j.exit_code})` : "") : "not yet"]];
   const lab = labels(j);
-  $("d-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("span", { class: "k" }, k), el("span", { class: "v" }, v)]),
-                               ...(lab.length ? [el("span", { class: "k" }, "labels"), el("span", { class: "v" }, ...lab)] : []));
+  if (lab.length) facts.push(["labels", ...lab]);
+  $("d-facts").replaceChildren(...facts.flatMap(([k, ...v]) => [el("span", { class: "k" }, k),
+                                                                el("span", { class: "v" }, ...v)]));
   const cancel = $("cancel");
   cancel.classList.toggle("hidden", !ACTIVE.has(j.state));
   cancel.disabled = !!j.cancel_at;
@@ -181,7 +185,8 @@ function drawLoss(rows) {
   chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
   chart.replaceChildren();
   chart.dataset.points = pts.length;
-  $("loss-last").textContent = pts.length ? `step ${pts[pts.length - 1][0]} · ${pts[pts.length - 1][1].toFixed(4)}` : "";
+  const last = pts[pts.length - 1];
+  $("loss-last").textContent = last ? `step ${last[0]} · ${last[1].toFixed(4)}` : "";
   if (!pts.length) {
     chart.append(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "note" },
                      "no metrics yet: a run writes a row each logged step"));
@@ -191,7 +196,8 @@ function drawLoss(rows) {
   if (x1 === x0) x1 = x0 + 1;
   const pad = (y1 - y0) * 0.05 || Math.abs(y0) * 0.05 || 1;
   y0 -= pad; y1 += pad;
-  const X = (x) => m.l + (x - x0) / (x1 - x0) * (W - m.l - m.r), Y = (y) => H - m.b - (y - y0) / (y1 - y0) * (H - m.t - m.b);
+  const X = (x) => m.l + (x - x0) / (x1 - x0) * (W - m.l - m.r);
+  const Y = (y) => H - m.b - (y - y0) / (y1 - y0) * (H - m.t - m.b);
   for (const t of ticks(y0, y1, 4)) {
     chart.append(svg("line", { x1: m.l, x2: W - m.r, y1: Y(t), y2: Y(t), class: "grid" }),
                  svg("text", { x: m.l - 6, y: Y(t) + 4, "text-anchor": "end", class: "axis" }, fmt(t)));
@@ -199,9 +205,9 @@ function drawLoss(rows) {
   for (const t of ticks(x0, x1, 6).filter(Number.isInteger)) {
     chart.append(svg("text", { x: X(t), y: H - 8, "text-anchor": "middle", class: "axis" }, String(t)));
   }
-  chart.append(svg("polyline", { class: "line", points: pts.map(([x, y]) => `${X(x).toFixed(1)},${Y(y).toFixed(1)}`).join(" ") }));
-  const [lx, ly] = pts[pts.length - 1];
-  chart.append(svg("circle", { cx: X(lx), cy: Y(ly), r: 3.5, class: "dot" }));
+  const line = pts.map(([x, y]) => `${X(x).toFixed(1)},${Y(y).toFixed(1)}`).join(" ");
+  chart.append(svg("polyline", { class: "line", points: line }),
+               svg("circle", { cx: X(last[0]), cy: Y(last[1]), r: 3.5, class: "dot" }));
 }
 function extent(v) { return v.reduce(([lo, hi], x) => [Math.min(lo, x), Math.max(hi, x)], [Infinity, -Infinity]); }
 function ticks(lo, hi, n) {
