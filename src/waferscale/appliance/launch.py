@@ -43,8 +43,8 @@ def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = 
     py = [sys.executable, "-m", "waferscale"]
     if job.kind == "run":
         argv = py + ["run", "--params", str(job_dir / "params.yaml"), "--mode", s["mode"],
-                     "--num_csx", str(job.num_csx), "--model_dir", s.get("model_dir") or str(job_dir / "model_dir"),
-                     "--no_progress"] + [a for k, v in (s.get("flags") or {}).items() if v is not None
+                     "--num_csx", str(job.num_csx), "--model_dir", s.get("model_dir") or str(job_dir / "model_dir")
+                     ] + [a for k, v in (s.get("flags") or {}).items() if v is not None
                                          for a in (f"--{k}", str(v))]
     elif job.kind == "script":
         argv = [sys.executable, s["script"]] + list(s.get("args", []))
@@ -54,7 +54,7 @@ def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = 
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     env = dict(os.environ) | dict(s.get("env", {})) | {
-        "PYTHONUNBUFFERED": "1", "WSC_APPLIANCE_JOB": job.id, "WSC_APPLIANCE_SYSTEMS": ",".join(map(str, systems)),
+        "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "2",  # (a run's progress bar goes to the log: every 2 s) "WSC_APPLIANCE_JOB": job.id, "WSC_APPLIANCE_SYSTEMS": ",".join(map(str, systems)),
         "WSC_NUM_CSX": str(job.num_csx)}
     return {"argv": argv, "cwd": s.get("cwd") or str(job_dir), "env": env}
 
