@@ -2,9 +2,9 @@
    UBSan, built and run by tests/test_serve_sparse.py (once as this machine builds the kernels, once without
    AVX-512: the portable path): random matrices at several densities, packed by wsc_sparse_plan /
    wsc_sparse_pack into buffers of their exact size, must give the dense panels' products bit for bit, with one
-   thread and with the pool's two, few rows (the window kernel) and many (unpacked to dense panels), the residual
-   apart and in place; and the decode layers over sparse matrices must give the dense layers' bits. Prints one
-   line per failed comparison and exits 1 if any failed; a sanitizer report aborts the run by itself.
+   thread and with the pool's two, for row counts that take each of the window kernel's row groups (8, 4, 2, 1),
+   the residual apart and in place; and the decode layers over sparse matrices must give the dense layers' bits.
+   Prints one line per failed comparison and exits 1 if any failed; a sanitizer report aborts the run by itself.
 
    Build: cc -I src/waferscale/serve/csrc -O1 -g -march=native -fno-fast-math -pthread
           -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -177,7 +177,7 @@ static void check_decode_layers(void) {
 
 int main(void) {
     const long shapes[][2] = {{5, 37}, {16, 32}, {33, 17}, {50, 64}, {131, 77}, {40, 200}};
-    const long rows[] = {1, 3, 8, 17, 40};
+    const long rows[] = {1, 3, 8, 15, 17, 40};  /* (15: a group of 8, 4, 2 and 1) */
     const double dens[] = {0.0, 0.05, 0.25, 0.6, 1.0};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)

@@ -88,7 +88,7 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
     }
     long np = (j->out + PANEL - 1) / PANEL;
     long p0 = c * cp, p1 = p0 + cp < np ? p0 + cp : np;
-    if (any_panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL) != 0) return;  /* as attend_chunk above */
+    any_panels_into(j, p0, p1, buf, out_end(j, p1) - p0 * PANEL);
     uint64_t want = gen << 2 | OPEN;
     if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
         put(j, p0, p1, buf);
@@ -204,9 +204,7 @@ static int product(const float* W, const int64_t* off, const float* x, const flo
                    long rows, long out, long in) {
     const float* xt = x;
     long np = (out + PANEL - 1) / PANEL;
-    int unpack = off && sp_unpacks(rows, (int)off[np + 1]);
-    if (unpack && sp_unpack_bufs(rows, in) != 0) return -1;  /* (the caller's own, reserved) */
-    if (rows > 1 && (!off || unpack)) {  /* (one row is its own transpose; sparse panels read x as it is) */
+    if (rows > 1 && !off) {  /* (one row is its own transpose; sparse panels read x as it is) */
         if (!grow(&t_xt, &t_xt_cap, rows * in, sizeof(float))) return -1;
         pack_x(x, rows, in, t_xt);
         xt = t_xt;

@@ -19,9 +19,16 @@
    memory's speed at 90% sparsity; this layout takes ~2 ns a step and 4 to 5 times fewer steps.) Each output is
    still one FMA chain over its non-zero k in order, and a zero lane adds x * 0 to a sum that starts at +0,
    which leaves it as it is: the same bits as the dense panels of the same matrix (for finite x), whatever the
-   batch or the threads. */
+   batch or the threads.
+   On the Zen 5 this was last tuned on, a step is bound by the shuffle unit, not by the FMA's latency: its
+   expand and its permutes (one per x row) take about a cycle each, the FMA and the mask arithmetic run beside
+   them (an L1-resident loop of steps: ~0.8 ns a step without the expand, ~1.5 ns with it, the same without the
+   mask arithmetic). So interleaving the steps of 2 or 4 panels, independent chains for one x row, measured no
+   faster from the caches (and slower from memory); what one row does need is the prefetch well ahead: at SP_PF
+   floats (8 KiB) a token of SmolLM2's matrices at 90% sparsity takes ~10% less than at 2 KiB. */
 
 #define SP_WIN 32
+#define SP_PF 2048  /* floats ahead of the sparse panel read to prefetch */
 #define SP_HDR(S) (1 + PANEL + ((S) + 1) / 2)
 
 #if defined(__GNUC__) && defined(__AVX512F__) && (defined(__AVX512VPOPCNTDQ__) || defined(__AVX512CD__))
@@ -69,8 +76,8 @@ static inline __attribute__((always_inline)) const float* sp_window(const float*
     for (int st = 0; st < S; st++) {
         v16 w = (v16)_mm512_maskz_expandloadu_ps(act[st], v);
         v += __builtin_popcount(act[st]);
-#if PF_DIST > 0
-        __builtin_prefetch(v + PF_DIST, 0, 3);
+#if SP_PF > 0
+        __builtin_prefetch(v + SP_PF, 0, 3);
 #endif
         __m512i idx = pop_lowest(&m);
 #pragma GCC unroll 8
@@ -126,88 +133,19 @@ static inline __attribute__((always_inline)) void spmk(const float* sp, const fl
     sp_store(a, MR, dst, ldd, nc, b, res, ldr);
 }
 
-/* A product of many rows (prefill) is bound by FMAs, not bytes, and there a sparse step (a permute and an FMA
-   per row) costs more than a dense k (an FMA per row) unless the steps are few: with SP_DENSE_ROWS rows or more
-   and S >= SP_DENSE_S, SP_UNPACK panels at a time are unpacked into dense panels for the dense microkernel (the
-   same bits: the same matrix, the same chains). Measured on SmolLM2's shapes, 32 rows, 50% sparse: 0.60x dense
-   unpacked, 0.48x not; 90% (S = 5): 1.4x dense not unpacked. */
-#define SP_DENSE_ROWS 32
-#define SP_DENSE_S 8
-#define SP_UNPACK 16
-
-static inline int sp_unpacks(long rows, int S) { return rows >= SP_DENSE_ROWS && S >= SP_DENSE_S; }
-
-static _Thread_local void *t_unpack, *t_tmp;
-static _Thread_local long t_unpack_cap, t_tmp_cap;
-
-/* this thread's buffers for unpacking: 0, or -1 when out of memory */
-static int sp_unpack_bufs(long rows, long in) {
-    return grow(&t_unpack, &t_unpack_cap, SP_UNPACK * PANEL * in, sizeof(float)) &&
-           grow(&t_tmp, &t_tmp_cap, rows * SP_UNPACK * PANEL, sizeof(float)) ? 0 : -1;
-}
-
-/* the sparse panel [s, end) of S -> dense panel dp (in, 16) */
-static void sp_unpack(const float* s, const float* end, int S, long in, float* dp) {
-    for (long i = 0; i < in * PANEL; i++) dp[i] = 0.0f;
-    while (s < end) {
-        int32_t k0;
-        uint32_t m[PANEL];
-        __builtin_memcpy(&k0, s, sizeof k0);
-        __builtin_memcpy(m, s + 1, sizeof m);
-        const uint16_t* act = (const uint16_t*)(s + 1 + PANEL);
-        const float* v = s + SP_HDR(S);
-#ifdef SP_AVX512
-        __m512i mm = _mm512_loadu_si512(s + 1);
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int st = 0; st < S; st++) {
-            __m512 w = _mm512_maskz_expandloadu_ps(act[st], v);
-            v += __builtin_popcount(act[st]);
-            __m512i at = _mm512_add_epi32(_mm512_slli_epi32(pop_lowest(&mm), 4), lane);
-            _mm512_mask_i32scatter_ps(dp + k0 * PANEL, act[st], at, w, 4);
-        }
-        (void)m;
-#else
-        for (int st = 0; st < S; st++)
-            for (unsigned bits = act[st]; bits; bits &= bits - 1) {  /* (the outputs with an st-th non-zero) */
-                int c = __builtin_ctz(bits);
-                dp[(k0 + __builtin_ctz(m[c])) * PANEL + c] = *v++;
-                m[c] &= m[c] - 1;
-            }
-#endif
-        s = v;
-    }
-}
-
-/* panels_into over sparse panels. Unpacked (sp_unpacks), x is packed in tiles as for panels_into; otherwise it
-   is (rows, in) row-major and rows go 8, 4, 2 or 1 at a time (each output's chain is the same whatever the rows
-   beside it). Returns 0, or -1 when out of memory. */
-static int spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+/* panels_into over sparse panels, x (rows, in) row-major: rows go 8, 4, 2 or 1 at a time (each output's chain
+   is the same whatever the rows beside it). With R rows a step costs about R + 1 shuffles where a dense k costs
+   R / 2 cycles of FMAs, so in a batch the sparse panels win only while their steps are few (steps / dense k
+   steps: ~0.68 at 50% sparsity, ~0.4 at 75%, ~0.2 at 90%): measured on SmolLM2's shapes, one thread, sparse
+   against dense time 0.7x at 16 rows and 0.5x at 64 at 50% sparsity, 1.15x and 0.8x at 75%, 2x and 1.4x at
+   90%. Every row count still takes this kernel, because on the Zen 5 the alternatives measured slower at every
+   row count from 8 to 64: unpacking panels into dense ones for the dense microkernel (with a scatter per step,
+   which this file did from 32 rows: 0.4x dense at 32 rows and 50% sparsity against this kernel's 0.57x; or with
+   scalar stores), and rows in the lanes (a table of each step's k and value, then one FMA per output, step and
+   16 rows, with a broadcast value and a row of x: bound by its loads, 0.3-0.5x dense at 50%). */
+static void spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
     long R = j->rows, in = j->in, out = j->out;
     int S = (int)j->off[(out + PANEL - 1) / PANEL + 1];
-    if (sp_unpacks(R, S)) {
-        if (sp_unpack_bufs(R, in) != 0) return -1;
-        float *dp = t_unpack, *tmp = t_tmp;
-        for (long q0 = p0; q0 < p1; q0 += SP_UNPACK) {
-            long q1 = q0 + SP_UNPACK < p1 ? q0 + SP_UNPACK : p1, o0 = q0 * PANEL, m = out_end(j, q1) - o0;
-            for (long p = q0; p < q1; p++)
-                sp_unpack(j->W + j->off[p], j->W + j->off[p + 1], S, in, dp + (p - q0) * in * PANEL);
-            job_t d = *j;  /* panels [q0, q1) as outputs [0, m) of a dense job, without the residual (res may be
-                              dst: it is added below, after the bias, as pmk adds it) */
-            d.W = dp;
-            d.b = j->b ? j->b + o0 : NULL;
-            d.res = NULL;
-            d.out = m;
-            d.off = NULL;
-            panels_into(&d, 0, q1 - q0, tmp, m);
-            for (long r = 0; r < R; r++)
-                for (long o = 0; o < m; o++) {
-                    float z = tmp[r * m + o];
-                    if (j->res) z = j->res[r * out + o0 + o] + z;
-                    dst[r * ldd + (o0 - p0 * PANEL) + o] = z;
-                }
-        }
-        return 0;
-    }
     for (long p = p0; p < p1; p++) {
         const float *sp = j->W + j->off[p], *end = j->W + j->off[p + 1];
         long o = p * PANEL;
@@ -225,14 +163,12 @@ static int spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) 
             }
         }
     }
-    return 0;
 }
 
-/* a job's panels [p0, p1) into dst: 0, or -1 when out of memory */
-static int any_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
-    if (j->off) return spanels_into(j, p0, p1, dst, ldd);
-    panels_into(j, p0, p1, dst, ldd);
-    return 0;
+/* a job's panels [p0, p1) into dst */
+static void any_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+    if (j->off) spanels_into(j, p0, p1, dst, ldd);
+    else panels_into(j, p0, p1, dst, ldd);
 }
 
 /* ---- packing -------------------------------------------------------------------------------------------- */
