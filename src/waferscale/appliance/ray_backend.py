@@ -86,10 +86,17 @@ class RayLauncher(Launcher):
     """Jobs as placement groups and detached actors on the Ray cluster at `address` (see the module docstring)."""
 
     def __init__(self, address: str | None, systems: int) -> None:
-        try:
-            ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
-        except (ConnectionError, RuntimeError) as e:
-            raise ConfigError(f"cannot connect to the Ray cluster at {address or 'auto'}: {e}") from None
+        address = address or os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise ConfigError("--backend ray needs the Ray cluster: --address HOST:PORT (its head's address) or "
+                              "RAY_ADDRESS")
+        host, _, port = address.rpartition(":")
+        try:  # (ray.init waits for an absent head without end)
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot reach the Ray cluster's head at {address} ({e}): is `ray start --head` "
+                              f"running there?") from None
+        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
         total = ray.cluster_resources().get(RESOURCE, 0)
         if total != systems:
             ray.shutdown()
