@@ -15,13 +15,14 @@ A job. Its systems are one placement group of `num_csx` bundles {"csx": 1}, stra
 all-or-nothing (a placement group is placed whole or not at all), and PACK puts the bundles on as few nodes as
 it can, which keeps MemoryX's weight and gradient traffic on fewer links, makes fewer nodes the job's points of
 failure, and leaves whole nodes free for the next large job; unlike STRICT_PACK it still spans nodes when no one
-node has enough systems. Each rank runs in a detached, named actor (`wsc-JOB-ATTEMPT-rRANK`, 0 CPUs) pinned to a
-bundle, which starts the rank's process and records how it ended:
+node has enough systems. The job's actors are detached and named (`wsc-JOB-ATTEMPT-aI`, 0 CPUs), each pinned
+to a bundle, and every bundle has one, so a node that leaves takes one of the job's actors with it:
 - a `run` with num_csx K > 1 is K + 1 ranks under torch.distributed, as torchrun would start them (RANK,
-  WORLD_SIZE, MASTER_ADDR/MASTER_PORT of rank 0's node, LOCAL_RANK): rank 0 is MemoryX and the training loop and
-  shares bundle 0 with rank 1 (MemoryX is a host role, not a system), rank r >= 1 is the worker of bundle r - 1;
-- any other job (a run on one system, a cstorch script) is one process on bundle 0, which starts whatever it
-  starts on that node; the other bundles hold its systems reserved.
+  WORLD_SIZE, MASTER_ADDR/MASTER_PORT of rank 0's node, LOCAL_RANK), actor I running rank I: rank 0 is MemoryX
+  and the training loop and shares bundle 0 with rank 1 (MemoryX is a host role, not a system), rank r >= 1 is
+  the worker of bundle r - 1;
+- any other job (a run on one system, a cstorch script) is one process, run by the actor of bundle 0 (it starts
+  whatever it starts on that node, as it would on one machine); the actors of the other bundles only hold them.
 A rank's process gets its node's environment (less what Ray sets for its own workers) plus the job's variables,
 runs in a process group of its own (cancel signals that group) and dies with its actor (PR_SET_PDEATHSIG), so an
 actor killed or gone with its node leaves no process behind. Rank r writes ATTEMPT_DIR/exit-r.json when its
@@ -32,11 +33,11 @@ after a `kill -9` looks them up by name (ray.get_actor) and never starts an atte
 new name, and an attempt is only given up (lost) after its leftovers are killed and its placement group removed.
 `poll`:
 - every rank has its exit record: exited, with rank 0's code (the job's outcome: MemoryX runs the loop);
-- a rank without one whose actor is dead or missing: lost. Either its node left the cluster, or the service
-  stopped while starting the attempt (an actor missing, or one that never started its process). A job one of
+- an actor dead or missing (of a rank yet to end, or a holder): lost. Either its node left the cluster, or the
+  service stopped while starting the attempt (an actor missing, or one never told what to do). A job one of
   whose nodes left is reported lost even when rank 0 then ended on its own (the SwarmX failure that node's loss
   caused): the service re-queues it to resume from its last checkpoint, rather than failing it;
-- otherwise alive; a rank whose actor does not answer yet counts as alive until Ray says it is dead.
+- otherwise alive; an actor that does not answer yet counts as alive until Ray says it is dead.
 Rank 0 ended and a worker outliving it by WORKER_GRACE_S is killed.
 
 A node that leaves. Ray's GCS health-checks every node and declares it dead after `health_check_failure_threshold`
@@ -108,7 +109,7 @@ class RayLauncher(Launcher):
     def plan(self, job: Job, job_dir: Path, attempt: int) -> dict[str, Any]:
         ranks = job.num_csx + 1 if job.kind == "run" and job.num_csx > 1 else 1
         return {"backend": "ray", "name": f"wsc-{job.id}-{attempt}", "dir": str(job_dir / f"attempt-{attempt}"),
-                "ranks": ranks, "port": None}
+                "ranks": ranks, "actors": max(ranks, job.num_csx), "port": None}
 
     def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> None:
         if job.kind == "deploy":
@@ -136,11 +137,12 @@ class RayLauncher(Launcher):
                                f"of the cluster's {ray.cluster_resources().get(RESOURCE, 0):g} free; did a node "
                                f"leave?)") from None
         n = handle["ranks"]
-        actors = [_Rank.options(name=_actor_name(handle, r), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+        actors = [_Rank.options(name=_actor_name(handle, i), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                                 max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                    pg, placement_group_bundle_index=max(0, r - 1))).remote(handle["dir"], r)
-                  for r in range(n)]
-        nodes = ray.get([a.node.remote() for a in actors])  # (node id, ip) of each rank
+                                    pg, placement_group_bundle_index=i if n == 1 else max(0, i - 1))
+                                ).remote(handle["dir"], i)
+                  for i in range(handle["actors"])]
+        nodes = ray.get([a.node.remote() for a in actors])  # (node id, ip, its process) of each actor
         envs = [dict(job_env) for _ in range(n)]
         if n > 1:
             port = ray.get(actors[0].free_port.remote())
@@ -149,8 +151,11 @@ class RayLauncher(Launcher):
                 env |= {"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": nodes[0][1], "MASTER_PORT": str(port),
                         "LOCAL_RANK": str(local)}
         pids = ray.get([a.run.remote(argv, cwd, env, log) for a, env in zip(actors, envs)])
-        atomic_write_json(Path(handle["dir"]) / "ranks.json", [{"rank": r, "node": node, "ip": ip, "pid": pid}
-                                                               for r, ((node, ip), pid) in enumerate(zip(nodes, pids))])
+        ray.get([a.hold.remote() for a in actors[n:]])
+        pids += [None] * (len(actors) - n)  # (the holders run nothing)
+        atomic_write_json(Path(handle["dir"]) / "actors.json", [  # where each one is, for people and tests
+            {"actor": i, "node": node, "ip": ip, "actor_pid": apid, "pid": pid}
+            for i, ((node, ip, apid), pid) in enumerate(zip(nodes, pids))])
 
     def poll(self, handle: dict[str, Any]) -> Status:
         d = Path(handle["dir"])
@@ -164,25 +169,24 @@ class RayLauncher(Launcher):
             self._release(handle)
             return Status("exited", exits[0]["rc"])
         asks = {}
-        for r in range(handle["ranks"]):
-            if r in exits:
+        for i in range(handle["actors"]):  # (the ranks yet to end, and the holders)
+            if i in exits:
                 continue
-            actor = self._actor(handle, r)
+            actor = self._actor(handle, i)
             if actor is None:
                 self._release(handle)
-                return Status("lost", why=f"rank {r}'s actor is gone (its node left the Ray cluster, or the "
-                                          f"service stopped while starting it)")
-            asks[r] = actor.state.remote()
+                return Status("lost", why=f"its actor {i} is gone (its node left the Ray cluster, or the service "
+                                          f"stopped while starting it)")
+            asks[i] = actor.state.remote()
         ray.wait(list(asks.values()), num_returns=len(asks), timeout=POLL_TIMEOUT_S)
-        for r, ref in asks.items():
+        for i, ref in asks.items():
             try:
                 state = ray.get(ref, timeout=0)
             except (ActorUnavailableError, GetTimeoutError):
                 continue  # not answering yet: Ray's health check decides whether its node is gone
             except RayActorError as e:
                 self._release(handle)
-                return Status("lost", why=f"rank {r}'s actor died ({_first_line(e)}): its node left the Ray "
-                                          f"cluster")
+                return Status("lost", why=f"its actor {i} died ({_first_line(e)}): its node left the Ray cluster")
             if state == "idle":
                 self._release(handle)
                 return Status("lost", why="the service stopped while starting it")
@@ -210,19 +214,19 @@ class RayLauncher(Launcher):
 
     def _release(self, handle: dict[str, Any]) -> None:
         """Kill the attempt's actors (their processes die with them) and free its systems; idempotent."""
-        for r in range(handle["ranks"]):
-            actor = self._actor(handle, r)
+        for i in range(handle["actors"]):
+            actor = self._actor(handle, i)
             if actor is not None:
                 ray.kill(actor)
-            self._actors.pop(_actor_name(handle, r), None)
+            self._actors.pop(_actor_name(handle, i), None)
         try:
             remove_placement_group(get_placement_group(handle["name"]))
         except ValueError:
             pass  # never made, or already removed
 
 
-def _actor_name(handle: dict[str, Any], rank: int) -> str:
-    return f"{handle['name']}-r{rank}"
+def _actor_name(handle: dict[str, Any], i: int) -> str:
+    return f"{handle['name']}-a{i}"
 
 
 def _first_line(e: BaseException) -> str:
@@ -231,16 +235,17 @@ def _first_line(e: BaseException) -> str:
 
 @ray.remote
 class _Rank:
-    """One rank of an attempt, in a detached actor: starts the rank's process and writes exit-RANK.json when it
-    ends. Its methods run on the actor's main thread, so the process's parent-death signal follows the actor."""
+    """One bundle's actor of an attempt: starts a rank's process and writes exit-RANK.json when it ends, or only
+    holds its bundle. Its methods run on the actor's main thread, so the process's parent-death signal follows
+    the actor."""
 
     def __init__(self, attempt_dir: str, rank: int) -> None:
         self.dir, self.rank = Path(attempt_dir), rank
         self.proc: subprocess.Popen | None = None
-        self.done = False
+        self.done = self.holding = False
 
-    def node(self) -> tuple[str, str]:
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    def node(self) -> tuple[str, str, int]:
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -265,8 +270,13 @@ class _Rank:
         atomic_write_json(self.dir / f"exit-{self.rank}.json", {"rc": rc, "ended": time.time()})
         self.done = True
 
+    def hold(self) -> None:
+        self.holding = True
+
     def state(self) -> str:
-        return "idle" if self.proc is None and not self.done else "exited" if self.done else "running"
+        if self.done:
+            return "exited"
+        return "running" if self.proc is not None else "holding" if self.holding else "idle"
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
