@@ -271,7 +271,7 @@ def actors(service: Service, jid: str, attempt: int = 1) -> list[dict]:
     return json.loads((service.state / "jobs" / jid / f"attempt-{attempt}" / "actors.json").read_text())
 
 
-# ---- the tests (in this order: the last one takes a node away) --------------------------------------------------------
+# ---- the tests (in this order: the last one takes a node away) ------------------------------------------------
 def test_the_pool_must_be_the_clusters_systems(cluster: RayCluster, tmp_path: Path) -> None:
     def start(address: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "waferscale", "appliance", "start", "--backend", "ray",
