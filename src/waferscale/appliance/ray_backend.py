@@ -77,7 +77,8 @@ __all__ = ["RayLauncher", "RESOURCE", "NAMESPACE"]
 
 RESOURCE = "csx"  # the custom resource a node advertises its systems as
 NAMESPACE = "waferscale"
-PLACE_TIMEOUT_S = 60.0  # a placement group not placed by then fails the start (the cluster lost systems)
+PLACE_TIMEOUT_S = 20.0  # a placement group not placed by then fails the start (the cluster lost systems;
+#   a healthy cluster places one in well under a second, and the service's loop waits while it tries)
 POLL_TIMEOUT_S = 2.0  # how long a poll waits for the actors' answers (the service's loop waits with it)
 WORKER_GRACE_S = 30.0  # a worker rank still running this long after rank 0 ended is killed
 RAY_WORKER_ENV = ("OMP_NUM_THREADS", "PYTHONBREAKPOINT", "SPT_NOENV")  # set by Ray for its workers, not the node's
