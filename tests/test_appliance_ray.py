@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("ray", reason="the Ray backend needs ray (the test extra installs it)")
 
 from conftest import wsc  # noqa: E402
-from serve_helpers import free_port  # noqa: E402
+from serve_helpers import free_port, have_smollm2, tiny_model_dir  # noqa: E402
 from waferscale.appliance import ApplianceError, Client  # noqa: E402
 from waferscale.appliance.ray_backend import POLL_TIMEOUT_S  # noqa: E402
 
@@ -299,6 +299,29 @@ def test_a_two_system_run_spans_both_nodes(service: Service, tmp_path: Path) -> 
     assert c.pool()["free"] == 3
 
 
+@pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer package (make setup)")
+def test_a_deployment_on_a_node_answers_through_the_appliance(service: Service, tmp_path: Path) -> None:
+    import openai
+
+    c = service.client()
+    job = c.deploy(str(tiny_model_dir(tmp_path)))
+    j = wait_state(c, job["id"], ("RUNNING",))
+    assert j["state"] == "RUNNING"
+    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.token.read_text().strip(), max_retries=0)
+
+    def answer():
+        try:
+            return oa.completions.create(model="tiny-chat", prompt="Hello", max_tokens=4, temperature=0)
+        except openai.APIStatusError as e:  # 503 while its server loads the model
+            assert e.status_code == 503, e
+            return None
+
+    out = wait_for(answer, "the deployment to answer", timeout=180)
+    assert out.usage.completion_tokens == 4 and out.choices[0].text
+    c.undeploy(str(tiny_model_dir(tmp_path)))
+    assert wait_state(c, job["id"], ("SUCCEEDED", "FAILED", "CANCELLED"))["state"] == "CANCELLED"
+
+
 def test_a_failing_job_fails_with_its_reason_and_a_cancel_stops_one(service: Service, tmp_path: Path) -> None:
     c = service.client()
     script = gate_script(tmp_path)
@@ -352,6 +375,7 @@ def test_a_lost_node_requeues_its_job_within_the_bound(service: Service, cluster
     # the stated bound, and a few seconds for a loaded 2-core machine
     assert requeued["at"] - lost_at < LOST_BOUND_S + 5, (requeued["at"] - lost_at, LOST_BOUND_S)
     wait_for(lambda: _gone(pid), "the first attempt's process to stop", timeout=30)
+    assert c.pool()["gone"] == 1  # the pool the service schedules shrank with the cluster
     j = wait_state(c, job["id"], ("SUCCEEDED", "FAILED", "CANCELLED"))
     assert (j["state"], j["attempts"]) == ("SUCCEEDED", 2), j
     assert holder["node"] not in {a["node"] for a in actors(service, job["id"], 2)}

@@ -35,7 +35,8 @@ class Status(NamedTuple):
     why: str = ""  # lost: what is known
 
 
-def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = None) -> dict[str, Any]:
+def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = None,
+                host: str = "127.0.0.1") -> dict[str, Any]:
     """argv, cwd and env of a job's main process (`launch.json`). Runs resume from the latest checkpoint in
     their model_dir (the job's own, STATE/jobs/ID/model_dir, unless the submitter named one), so a restarted
     attempt picks up where the last checkpoint left it."""
@@ -49,7 +50,7 @@ def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = 
     elif job.kind == "script":
         argv = [sys.executable, s["script"]] + list(s.get("args", []))
     elif job.kind == "deploy":
-        argv = py + ["serve", "--model", s["model"], "--host", "127.0.0.1", "--port", str(port),
+        argv = py + ["serve", "--model", s["model"], "--host", host, "--port", str(port),
                      "--api-key", s["key"]] + list(s.get("args", []))
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
@@ -68,8 +69,9 @@ class Launcher(ABC):
         """The handle (JSON) of the job's attempt number `attempt`: where its processes will be found."""
 
     @abstractmethod
-    def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> None:
-        """Start the attempt `handle` names on `systems`."""
+    def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> dict[str, Any] | None:
+        """Start the attempt `handle` names on `systems`; returns the handle with what only the start could learn
+        (a deployment's host and port), or None when it is as planned."""
 
     @abstractmethod
     def poll(self, handle: dict[str, Any]) -> Status:
@@ -78,6 +80,10 @@ class Launcher(ABC):
     @abstractmethod
     def signal(self, handle: dict[str, Any], force: bool) -> None:
         """SIGTERM the attempt's processes (SIGKILL with `force`); nothing if they are gone."""
+
+    def capacity(self) -> int | None:
+        """Systems the backend has now, when that can fall below the pool's size (a Ray node left); None: all."""
+        return None
 
     def close(self) -> None:
         """Let go of the backend (the jobs go on)."""

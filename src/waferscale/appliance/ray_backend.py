@@ -26,7 +26,8 @@ to a bundle, and every bundle has one, so a node that leaves takes one of the jo
 A rank's process gets its node's environment (less what Ray sets for its own workers) plus the job's variables,
 runs in a process group of its own (cancel signals that group) and dies with its actor (PR_SET_PDEATHSIG), so an
 actor killed or gone with its node leaves no process behind. Rank r writes ATTEMPT_DIR/exit-r.json when its
-process ends. Deployments are not placed on Ray: the service reaches a deployment on its own machine only.
+process ends. A deployment's server listens on its node's address, on a port free there (the handle says which,
+for the service's proxy).
 
 Finding an attempt again. The handle names the attempt's placement group and actors, so a service restarted
 after a `kill -9` looks them up by name (ray.get_actor) and never starts an attempt twice: a new attempt has a
@@ -112,22 +113,18 @@ class RayLauncher(Launcher):
         return {"backend": "ray", "name": f"wsc-{job.id}-{attempt}", "dir": str(job_dir / f"attempt-{attempt}"),
                 "ranks": ranks, "actors": max(ranks, job.num_csx), "port": None}
 
-    def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> None:
-        if job.kind == "deploy":
-            raise ConfigError("deployments are not placed on Ray: the service serves them from its own machine "
-                              "(start an appliance with the local backend for them)")
-        d = Path(handle["dir"])
-        d.mkdir(parents=True)
-        cmd = job_command(job, job_dir, systems)
-        job_env = {k: v for k, v in cmd["env"].items() if os.environ.get(k) != v}  # what the job adds
+    def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> dict[str, Any] | None:
+        Path(handle["dir"]).mkdir(parents=True)
         try:
-            self._start(job, handle, cmd["argv"], cmd["cwd"], job_env, str(job_dir / "log"))
+            return self._start(job, job_dir, systems, handle)
         except BaseException:
             self._release(handle)  # nothing of a failed start is left holding systems
             raise
 
-    def _start(self, job: Job, handle: dict[str, Any], argv: list[str], cwd: str, job_env: dict[str, str],
-               log: str) -> None:
+    def capacity(self) -> int | None:
+        return int(ray.cluster_resources().get(RESOURCE, 0))
+
+    def _start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> dict[str, Any] | None:
         pg = placement_group([{RESOURCE: 1.0}] * job.num_csx, strategy="PACK", name=handle["name"],
                              lifetime="detached")
         try:
@@ -144,6 +141,13 @@ class RayLauncher(Launcher):
                                 ).remote(handle["dir"], i)
                   for i in range(handle["actors"])]
         nodes = ray.get([a.node.remote() for a in actors])  # (node id, ip, its process) of each actor
+        learned = None
+        if job.kind == "deploy":  # its server listens on its node, on a port free there, for the service's proxy
+            learned = handle | {"host": nodes[0][1], "port": ray.get(actors[0].free_port.remote())}
+        port, host = (learned["port"], learned["host"]) if learned else (None, "127.0.0.1")
+        cmd = job_command(job, job_dir, systems, port, host)
+        argv, cwd, log = cmd["argv"], cmd["cwd"], str(job_dir / "log")
+        job_env = {k: v for k, v in cmd["env"].items() if os.environ.get(k) != v}  # what the job adds
         envs = [dict(job_env) for _ in range(n)]
         if n > 1:
             port = ray.get(actors[0].free_port.remote())
@@ -157,6 +161,7 @@ class RayLauncher(Launcher):
         atomic_write_json(Path(handle["dir"]) / "actors.json", [  # where each one is, for people and tests
             {"actor": i, "node": node, "ip": ip, "actor_pid": apid, "pid": pid}
             for i, ((node, ip, apid), pid) in enumerate(zip(nodes, pids))])
+        return learned
 
     def poll(self, handle: dict[str, Any]) -> Status:
         d = Path(handle["dir"])

@@ -126,8 +126,11 @@ class Appliance:
         for j in running:
             held[j.user] = held.get(j.user, 0) + j.num_csx
         queued = {j.id: j for j in self.store.jobs(states=["QUEUED"]) if j.cancel_at is None}
-        d = schedule([Pending(j.id, j.user, j.num_csx, j.priority, j.seq) for j in queued.values()],
-                     [s for s in range(self.systems) if s not in used], held, self.store.quotas())
+        free = [s for s in range(self.systems) if s not in used]
+        gone = self.systems - min(self.systems, self.launcher.capacity() or self.systems)
+        free = free[:max(0, len(free) - gone)]  # (systems of a node that left are not there to give)
+        d = schedule([Pending(j.id, j.user, j.num_csx, j.priority, j.seq) for j in queued.values()], free, held,
+                     self.store.quotas())
         for jid, systems in d.starts:
             self._launch(queued[jid], systems)
         for jid, reason in d.reasons.items():
@@ -145,7 +148,9 @@ class Appliance:
             with open(self.job_dir(job.id) / "log", "ab") as f:
                 f.write(f"appliance: attempt {attempt}, resuming from the last checkpoint\n".encode())
         try:
-            self.launcher.start(job, self.job_dir(job.id), systems, handle)
+            learned = self.launcher.start(job, self.job_dir(job.id), systems, handle)
+            if learned is not None:
+                self.store.update(job.id, handle=learned)
         except Exception as e:
             self._end(job, "FAILED", f"could not start: {type(e).__name__}: {e}", None)
 
@@ -193,7 +198,8 @@ class Appliance:
     def pool(self) -> dict[str, Any]:
         running = self.store.jobs(states=["RUNNING"])
         owner = {s: j.id for j in running for s in (j.systems or [])}
-        return {"systems": self.systems, "free": self.systems - len(owner),
+        gone = self.systems - min(self.systems, self.launcher.capacity() or self.systems)
+        return {"systems": self.systems, "free": max(0, self.systems - len(owner) - gone), "gone": gone,
                 "used": {str(s): owner[s] for s in sorted(owner)},
                 "queued": len(self.store.jobs(states=["QUEUED"])), "running": len(running)}
 
@@ -385,7 +391,7 @@ def create_app(app_: Appliance) -> FastAPI:
         except (ValueError, AttributeError):
             raise APIError(400, "the request body is not a JSON object") from None
         dep = deployment(model)
-        url = f"http://127.0.0.1:{dep.handle['port']}/v1/{route}"
+        url = f"http://{dep.handle.get('host') or '127.0.0.1'}:{dep.handle['port']}/v1/{route}"
         headers = {"authorization": f"Bearer {dep.spec['key']}", "content-type": "application/json"}
         client: httpx.AsyncClient = state["proxy"]
         try:
