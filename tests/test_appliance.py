@@ -203,6 +203,9 @@ def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: Se
     jb = b.submit_script(script, [str(tmp_path / "b")])
     alice_systems = wait_state(a, ja["id"], ("RUNNING",))["systems"]
     wait_state(b, jb["id"], ("RUNNING",))
+    wait_file(tmp_path / "a.starts")
+    wait_file(tmp_path / "b.starts")
+    assert {(tmp_path / f"{n}.starts").read_text() for n in "ab"} == {"0\n", "1\n"}  # the systems they were given
     jc = c.submit_script(script, [str(tmp_path / "c")])
     assert jc["state"] == "QUEUED" and jc["reason"] == "waiting for 1 system, 0 free"
     # each user sees only their own jobs; the admin sees everyone's

@@ -55,7 +55,8 @@ def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = 
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     env = dict(os.environ) | dict(s.get("env", {})) | {
-        "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "2",  # (a run's progress bar goes to the log: every 2 s) "WSC_APPLIANCE_JOB": job.id, "WSC_APPLIANCE_SYSTEMS": ",".join(map(str, systems)),
+        "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "2",  # (a run's progress bar goes to the log every 2 s)
+        "WSC_APPLIANCE_JOB": job.id, "WSC_APPLIANCE_SYSTEMS": ",".join(map(str, systems)),
         "WSC_NUM_CSX": str(job.num_csx)}
     return {"argv": argv, "cwd": s.get("cwd") or str(job_dir), "env": env}
 
