@@ -29,6 +29,7 @@
 
 #define SP_WIN 32
 #define SP_PF 2048  /* floats ahead of the sparse panel read to prefetch */
+#define SP_FULL_S 10  /* from this S on, sp_window takes the steps with a value for every output apart */
 #define SP_HDR(S) (1 + PANEL + ((S) + 1) / 2)
 
 #if defined(__GNUC__) && defined(__AVX512F__) && (defined(__AVX512VPOPCNTDQ__) || defined(__AVX512CD__))
@@ -73,7 +74,21 @@ static inline __attribute__((always_inline)) const float* sp_window(const float*
             x1[r] = _mm512_loadu_ps(t + 16);
         }
     }
-    for (int st = 0; st < S; st++) {
+    int st = 0;
+    if (MR == 8 && S >= SP_FULL_S)  /* the leading steps in which every output has a value need no expand: with
+                                       8 rows and many such steps, a shuffle less a step pays for the exit from
+                                       this loop that the branch predictor misses (with fewer, it does not) */
+        for (; st < S && act[st] == 0xFFFF; st++) {
+            v16 w = ld16(v);
+            v += PANEL;
+#if SP_PF > 0
+            __builtin_prefetch(v + SP_PF, 0, 3);
+#endif
+            __m512i idx = pop_lowest(&m);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) if (r < MR) a[r] += (v16)_mm512_permutex2var_ps(x0[r], idx, x1[r]) * w;
+        }
+    for (; st < S; st++) {
         v16 w = (v16)_mm512_maskz_expandloadu_ps(act[st], v);
         v += __builtin_popcount(act[st]);
 #if SP_PF > 0
@@ -136,13 +151,15 @@ static inline __attribute__((always_inline)) void spmk(const float* sp, const fl
 /* panels_into over sparse panels, x (rows, in) row-major: rows go 8, 4, 2 or 1 at a time (each output's chain
    is the same whatever the rows beside it). With R rows a step costs about R + 1 shuffles where a dense k costs
    R / 2 cycles of FMAs, so in a batch the sparse panels win only while their steps are few (steps / dense k
-   steps: ~0.68 at 50% sparsity, ~0.4 at 75%, ~0.2 at 90%): measured on SmolLM2's shapes, one thread, sparse
-   against dense time 0.7x at 16 rows and 0.5x at 64 at 50% sparsity, 1.15x and 0.8x at 75%, 2x and 1.4x at
-   90%. Every row count still takes this kernel, because on the Zen 5 the alternatives measured slower at every
-   row count from 8 to 64: unpacking panels into dense ones for the dense microkernel (with a scatter per step,
-   which this file did from 32 rows: 0.4x dense at 32 rows and 50% sparsity against this kernel's 0.57x; or with
-   scalar stores), and rows in the lanes (a table of each step's k and value, then one FMA per output, step and
-   16 rows, with a broadcast value and a row of x: bound by its loads, 0.3-0.5x dense at 50%). */
+   steps: ~0.68 at 50% sparsity, ~0.4 at 75%, ~0.2 at 90%). Measured on SmolLM2's shapes (bench/
+   serve_sparse_kernels.c, one thread), dense time / sparse time at 16 and 64 rows: 0.9x and 0.65x at 50%
+   sparsity, 1.3x and 0.95x at 75%, 2.1x and 1.55x at 90% (0.7x, 0.5x, 1.15x and 0.8x before the full steps went
+   without their expand, see sp_window). Every row count takes this kernel, because on the Zen 5 the alternatives
+   measured slower at every row count from 8 to 64: unpacking panels into dense ones for the dense microkernel
+   (with a scatter per step, which this file did from 32 rows: 0.4x dense at 32 rows and 50% sparsity, against
+   this kernel's 0.75x; or with scalar stores), and rows in the lanes (a table of each step's k and value, then
+   one FMA per output, step and 16 rows, with a broadcast value and a row of x: bound by its loads, 0.3-0.5x dense
+   at 50%). */
 static void spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
     long R = j->rows, in = j->in, out = j->out;
     int S = (int)j->off[(out + PANEL - 1) / PANEL + 1];
