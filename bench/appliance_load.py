@@ -31,55 +31,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from waferscale.appliance import ApplianceError, Client  # noqa: E402
+from appliance_helpers import ApplianceProc  # noqa: E402
 
 
-def start_service(state: Path, systems: int, users: int) -> tuple[subprocess.Popen, str, dict[str, Path]]:
-    from serve_helpers import free_port
-
-    port = free_port()
-    tokens = {}
-    for i in range(users):
-        tokens[f"u{i}"] = state.parent / f"u{i}.token"
-        quota = ["--quota", "2"] if i % 2 == 0 else []
-        subprocess.run([sys.executable, "-m", "waferscale", "appliance", "token", "create", f"u{i}", "--state_dir",
-                        str(state), "--out", str(tokens[f"u{i}"]), *quota], check=True, capture_output=True)
-    log = open(state.parent / "service.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "waferscale", "appliance", "start", "--systems", str(systems),
-                             "--port", str(port), "--state_dir", str(state)], stdout=log, stderr=log)
-    address = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            Client(address, credentials_path=tokens["u0"]).pool()
-            return proc, address, tokens
-        except ApplianceError:
-            assert proc.poll() is None, (state.parent / "service.log").read_text()
-            time.sleep(0.2)
+def start_service(tmp: Path, systems: int, users: int) -> ApplianceProc:
+    """Users u0..u{users-1}, every other one with a quota of 2 systems."""
+    return ApplianceProc(tmp, systems, users={f"u{i}": (["--quota", "2"] if i % 2 == 0 else [])
+                                              for i in range(users)}, grace_s=10.0)
 
 
 def load(a: argparse.Namespace, tmp: Path) -> None:
     sleeper = tmp / "sleeper.py"
     sleeper.write_text("import sys, time\ntime.sleep(float(sys.argv[1]))\n")
-    proc, address, tokens = start_service(tmp / "state", a.systems, a.users)
-    quotas = {u: (2 if i % 2 == 0 else None) for i, u in enumerate(tokens)}
+    service = start_service(tmp / "load", a.systems, a.users)
+    users = [u for u in service.tokens if u != "admin"]
+    quotas = {u: (2 if i % 2 == 0 else None) for i, u in enumerate(users)}
     rng = random.Random(0)
     plan = {u: [(rng.choice((1, 1, 2)), rng.choice(("p1", "p2", "p2", "p3")), rng.uniform(0.1, 0.5))
-                for _ in range(a.jobs // a.users)] for u in tokens}
-    ids: dict[str, list[str]] = {u: [] for u in tokens}
+                for _ in range(a.jobs // a.users)] for u in users}
 
     def user(u: str) -> None:
-        c = Client(address, credentials_path=tokens[u])
+        c = service.client(u)
         for n, prio, dur in plan[u]:
-            ids[u].append(c.submit_script(sleeper, [f"{dur:.3f}"], num_csx=n, priority=prio)["id"])
+            c.submit_script(sleeper, [f"{dur:.3f}"], num_csx=n, priority=prio)
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=user, args=(u,)) for u in tokens]
+    threads = [threading.Thread(target=user, args=(u,)) for u in users]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     submitted = time.monotonic() - t0
-    admin = Client(address, credentials_path=tmp / "state" / "admin.token")
+    admin = service.client("admin")
     while time.monotonic() - t0 < a.timeout:
         jobs = admin.jobs(all=True)
         if all(j["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") for j in jobs):
@@ -87,8 +70,7 @@ def load(a: argparse.Namespace, tmp: Path) -> None:
         time.sleep(0.5)
     wall = time.monotonic() - t0
     jobs = admin.jobs(all=True)
-    proc.terminate()
-    proc.wait()
+    service.stop()
     states: dict[str, int] = {}
     for j in jobs:
         states[j["state"]] = states.get(j["state"], 0) + 1
@@ -149,13 +131,13 @@ def overhead(a: argparse.Namespace, tmp: Path) -> None:
     direct = (first[0] if first else float("nan")), time.monotonic() - t0
     done.set()
     watch.join()
-    proc, address, tokens = start_service(tmp / "state2", 1, 1)
-    env = {"WSC_MGMT_ADDRESS": address, "WSC_CREDENTIALS_PATH": str(tokens["u0"])}
+    service = start_service(tmp / "overhead", 1, 1)
+    env = {"WSC_MGMT_ADDRESS": service.address, "WSC_CREDENTIALS_PATH": str(service.tokens["u0"])}
     sub = [sys.executable, "-m", "waferscale", "submit", "--params", str(params), "--id", "overhead", *run_flags]
     follow = [sys.executable, "-m", "waferscale", "logs", "-f", "JOB"]
 
     def metrics() -> Path | None:
-        found = list((tmp / "state2" / "jobs").glob("*/model_dir/metrics.jsonl"))
+        found = list((service.state / "jobs").glob("*/model_dir/metrics.jsonl"))
         return found[0] if found else None
 
     # `wsc submit` then `wsc logs -f` until the job ends (the job id comes from the submit's output)
@@ -168,9 +150,8 @@ def overhead(a: argparse.Namespace, tmp: Path) -> None:
     via = (first[0] if first else float("nan")), time.monotonic() - t0
     done.set()
     watch.join()
-    state = Client(address, credentials_path=tokens["u0"]).status(jid)["state"]
-    proc.terminate()
-    proc.wait()
+    state = service.client("u0").status(jid)["state"]
+    service.stop()
     assert state == "SUCCEEDED", state
     print(f"overhead: {a.steps} steps of the demo model, direct `wsc run` vs `wsc submit` + `wsc logs -f`")
     print(f"  {'':<22} {'direct':>8} {'appliance':>10} {'ratio':>6}")
@@ -187,6 +168,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "load").mkdir()
+        (Path(tmp) / "overhead").mkdir()
         load(a, Path(tmp))
         overhead(a, Path(tmp))
 

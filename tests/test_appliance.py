@@ -4,11 +4,8 @@ with the real CLI and the Python client. The scheduler's rule is also checked as
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appliance_helpers import ApplianceProc, wait_file, wait_state
 from conftest import tiny_params, wsc
 from serve_helpers import free_port, have_smollm2, tiny_model_dir
 from waferscale.appliance import ApplianceError, Client
 from waferscale.appliance.scheduler import Pending, schedule
 from waferscale.appliance.store import MIGRATIONS, Store
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 # ---- the scheduler's rule, as a pure function ---------------------------------------------------------------------
@@ -86,80 +82,14 @@ def test_an_older_database_is_migrated_and_keeps_its_jobs(tmp_path: Path) -> Non
 
 
 # ---- the service, for real -------------------------------------------------------------------------------------------
-class Service:
-    """`wsc appliance start` in a subprocess, with users alice (quota 1), bob, carol and the admin."""
-
-    def __init__(self, tmp: Path, systems: int = 2, grace_s: float = 2.0, db: str | None = None) -> None:
-        self.state, self.systems, self.grace_s = tmp / "state", systems, grace_s
-        self.db = ["--db", db] if db else []
-        self.port = free_port()
-        self.address = f"http://127.0.0.1:{self.port}"
-        self.tokens: dict[str, Path] = {}
-        for user, extra in (("alice", ["--quota", "1"]), ("bob", []), ("carol", [])):
-            self.tokens[user] = tmp / f"{user}.token"
-            r = wsc("appliance", "token", "create", user, "--state_dir", str(self.state), "--out",
-                    str(self.tokens[user]), *self.db, *extra)
-            assert r.returncode == 0, r.stderr
-        self.proc: subprocess.Popen | None = None
-        self.start()
-        self.tokens["admin"] = self.state / "admin.token"
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": SRC}
-        self.log = open(self.state.parent / "service.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "waferscale", "appliance", "start", "--systems",
-                                      str(self.systems), "--port", str(self.port), "--state_dir", str(self.state),
-                                      "--grace_s", str(self.grace_s), *self.db], stdout=self.log, stderr=self.log,
-                                     env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.state.parent / "service.log").read_text()
-            try:
-                self.client("bob").pool()
-                return
-            except (ApplianceError, OSError):
-                time.sleep(0.2)
-        raise AssertionError("the appliance did not start")
-
-    def stop(self) -> None:
-        """Stop the service and every job process it started."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        for attempt in (self.state / "jobs").glob("*/attempt-*"):
-            try:
-                os.killpg(json.loads((attempt / "pgid.json").read_text())["pgid"], signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
-
-    def client(self, user: str) -> Client:
-        return Client(self.address, credentials_path=self.tokens[user])
-
-    def cli(self, user: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        env_extra = {"WSC_MGMT_ADDRESS": self.address, "WSC_CREDENTIALS_PATH": str(self.tokens[user])}
-        old = {k: os.environ.get(k) for k in env_extra}
-        os.environ.update(env_extra)
-        try:
-            return wsc(*args, timeout=timeout)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-    def job_pids(self, jid: str) -> dict:
-        attempts = sorted((self.state / "jobs" / jid).glob("attempt-*"))
-        return json.loads((attempts[-1] / "pgid.json").read_text())
+USERS = {"alice": ["--quota", "1"], "bob": [], "carol": []}
 
 
 @pytest.fixture
-def service(tmp_path: Path) -> Iterator[Service]:
-    s = Service(tmp_path)
+def service(tmp_path: Path) -> Iterator[ApplianceProc]:
+    s = ApplianceProc(tmp_path, users=USERS)
     yield s
-    s.stop()  # nothing a test started outlives it
+    s.stop()
 
 
 def gate_script(tmp: Path) -> Path:
@@ -179,24 +109,7 @@ def gate_script(tmp: Path) -> Path:
     return p
 
 
-def wait_file(p: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not p.exists():
-        assert time.monotonic() < deadline, f"no {p}"
-        time.sleep(0.05)
-
-
-def wait_state(c: Client, jid: str, states: tuple[str, ...], timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        j = c.status(jid)
-        if j["state"] in states:
-            return j
-        time.sleep(0.1)
-    raise AssertionError(f"{jid} is still {j['state']} ({j['reason']}), not {states}")
-
-
-def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: Service, tmp_path: Path) -> None:
+def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     a, b, c = (service.client(u) for u in ("alice", "bob", "carol"))
     ja = a.submit_script(script, [str(tmp_path / "a")])
@@ -231,7 +144,7 @@ def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: Se
     assert service.client("admin").pool()["free"] == 2
 
 
-def test_quota_and_priority_order(service: Service, tmp_path: Path) -> None:
+def test_quota_and_priority_order(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     a, b = service.client("alice"), service.client("bob")
     a1 = a.submit_script(script, [str(tmp_path / "a1")])
@@ -252,7 +165,7 @@ def test_quota_and_priority_order(service: Service, tmp_path: Path) -> None:
         wait_state(cl, j["id"], ("SUCCEEDED",))
 
 
-def test_a_failed_job_says_why_and_gives_back_its_systems(service: Service, tmp_path: Path) -> None:
+def test_a_failed_job_says_why_and_gives_back_its_systems(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     b = service.client("bob")
     j = b.submit_script(script, [str(tmp_path / "f")], num_csx=2)
@@ -265,7 +178,7 @@ def test_a_failed_job_says_why_and_gives_back_its_systems(service: Service, tmp_
     assert "state: FAILED: exited with code 3: boom" in r.stdout
 
 
-def test_cancel_is_graceful_then_forced(service: Service, tmp_path: Path) -> None:
+def test_cancel_is_graceful_then_forced(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     stubborn = tmp_path / "stubborn.py"
     stubborn.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n"
@@ -288,7 +201,7 @@ def test_cancel_is_graceful_then_forced(service: Service, tmp_path: Path) -> Non
     assert s["reason"] == "cancelled (killed by SIGKILL)" and time.monotonic() - t0 >= service.grace_s
 
 
-def test_bad_input_is_refused_and_nothing_is_queued(service: Service, tmp_path: Path) -> None:
+def test_bad_input_is_refused_and_nothing_is_queued(service: ApplianceProc, tmp_path: Path) -> None:
     b = service.client("bob")
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(tiny_params(tmp_path, tmp_path / "m")) + "sparsity: {algorithm: nope}\n")
@@ -321,7 +234,7 @@ def test_bad_input_is_refused_and_nothing_is_queued(service: Service, tmp_path: 
     assert r.returncode == 2 and "another appliance service is running" in r.stderr
 
 
-def test_kill_9_of_the_service_loses_nothing(service: Service, tmp_path: Path) -> None:
+def test_kill_9_of_the_service_loses_nothing(service: ApplianceProc, tmp_path: Path) -> None:
     """Running jobs live on and are re-attached; queued ones stay queued in order; no job runs twice."""
     script = gate_script(tmp_path)
     b, c = service.client("bob"), service.client("carol")
@@ -363,7 +276,7 @@ def _run_params(tmp_path: Path, corpus: Path, **run: object) -> Path:
 
 
 @pytest.mark.slow
-def test_a_training_run_through_the_cli_and_the_notebook_client(service: Service, tmp_path: Path,
+def test_a_training_run_through_the_cli_and_the_notebook_client(service: ApplianceProc, tmp_path: Path,
                                                                  corpus: Path) -> None:
     params = _run_params(tmp_path, corpus, max_steps=8, checkpoint_steps=4)
     r = service.cli("bob", "submit", "--params", str(params), "--mode", "train", "--num_csx", "2",
@@ -383,7 +296,7 @@ def test_a_training_run_through_the_cli_and_the_notebook_client(service: Service
 
 
 @pytest.mark.slow
-def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: Service, tmp_path: Path,
+def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: ApplianceProc, tmp_path: Path,
                                                                     corpus: Path) -> None:
     """kill -9 of the service and of the job together: the restarted service re-queues the job in its place and
     the next attempt resumes from the last checkpoint, finishing the run once."""
@@ -409,7 +322,7 @@ def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: Ser
 
 @pytest.mark.slow
 @pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer package (make setup)")
-def test_a_deployment_answers_the_openai_client_by_model_name(service: Service, tmp_path: Path) -> None:
+def test_a_deployment_answers_the_openai_client_by_model_name(service: ApplianceProc, tmp_path: Path) -> None:
     import openai
 
     model = tiny_model_dir(tmp_path)

@@ -10,52 +10,17 @@ with the admin's token, is saved as dashboard.png in the test's tmp dir.
 from __future__ import annotations
 
 import base64
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from serve_helpers import free_port
+from appliance_helpers import ApplianceProc
 from test_playground import CHROMIUM, FLAGS
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install -y chromium)")]
 
 ROOT = Path(__file__).resolve().parents[1]
-WSC = [sys.executable, "-m", "waferscale"]
-
-
-def start_service(state: Path, port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([*WSC, "appliance", "start", "--systems", "2", "--port", str(port), "--state_dir",
-                                 str(state), "--grace_s", "2"], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the appliance exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            token = (state / "admin.token").read_text().strip()
-            if httpx.get(f"http://127.0.0.1:{port}/api/whoami", headers={"authorization": f"Bearer {token}"},
-                         timeout=2).status_code == 200:
-                return proc
-        except (OSError, httpx.HTTPError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the appliance did not come up in 60 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-
-
-def make_token(state: Path, user: str) -> Path:
-    out = state.parent / f"{user}.token"
-    subprocess.run([*WSC, "appliance", "token", "create", user, "--state_dir", str(state), "--out", str(out)],
-                   check=True, capture_output=True, cwd=ROOT)
-    return out
 
 
 def pixel_stddev(page, png: bytes) -> float:
@@ -75,17 +40,11 @@ def pixel_stddev(page, png: bytes) -> float:
 def test_dashboard_shows_pool_queue_log_and_loss(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed "
                                                                   "(pip install playwright; no browser download)")
-    from waferscale.appliance import Client
-
-    state, port = tmp_path / "state", free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_service(state, port, tmp_path / "service.log")
-    admin = Client(base, credentials_path=state / "admin.token")
+    service = ApplianceProc(tmp_path, users={"alice": [], "bob": []})
+    base = service.address
+    admin, alice, bob = (service.client(u) for u in ("admin", "alice", "bob"))
     try:
-        alice_file, bob_file = make_token(state, "alice"), make_token(state, "bob")
-        alice, bob = Client(base, credentials_path=alice_file), Client(base, credentials_path=bob_file)
-        tokens = {name: f.read_text().strip() for name, f in
-                  (("alice", alice_file), ("bob", bob_file), ("admin", state / "admin.token"))}
+        tokens = {name: f.read_text().strip() for name, f in service.tokens.items()}
         run = alice.submit_run(ROOT / "configs" / "gpt2_tiny_shakespeare.yaml", num_csx=1, priority="p1",
                                labels={"team": "lm"}, max_steps=6)
         holder_py = tmp_path / "hold.py"
@@ -176,9 +135,4 @@ def test_dashboard_shows_pool_queue_log_and_loss(tmp_path):
             finally:
                 browser.close()
     finally:
-        for j in admin.jobs():
-            admin.cancel(j["id"])
-        for j in admin.jobs():
-            admin.wait(j["id"], timeout_s=30)
-        proc.terminate()
-        proc.wait(timeout=30)
+        service.stop()

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,9 +66,10 @@ def test_the_store_on_postgresql(postgres: str) -> None:
 
 
 def test_the_service_on_postgresql_survives_a_kill_9(postgres: str, tmp_path: Path) -> None:
-    from test_appliance import Service, gate_script, wait_file, wait_state
+    from appliance_helpers import ApplianceProc, wait_file, wait_state
+    from test_appliance import USERS, gate_script
 
-    s = Service(tmp_path, db=postgres)
+    s = ApplianceProc(tmp_path, users=USERS, db=postgres)
     try:
         script = gate_script(tmp_path)
         b = s.client("bob")

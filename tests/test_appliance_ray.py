@@ -19,9 +19,8 @@ import pytest
 
 pytest.importorskip("ray", reason="the Ray backend needs ray (the test extra installs it)")
 
-from conftest import wsc  # noqa: E402
+from appliance_helpers import ApplianceProc, wait_for, wait_state  # noqa: E402
 from serve_helpers import free_port, have_smollm2, tiny_model_dir  # noqa: E402
-from waferscale.appliance import ApplianceError, Client  # noqa: E402
 from waferscale.appliance.ray_backend import POLL_TIMEOUT_S  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -156,48 +155,15 @@ def cluster() -> Iterator[RayCluster]:
         c.stop()
 
 
-class Service:
-    """`wsc appliance start --backend ray` in a subprocess; user bob and the admin."""
+class Service(ApplianceProc):
+    """`wsc appliance start --backend ray` on the cluster, in a subprocess; user bob and the admin."""
 
     def __init__(self, tmp: Path, cluster: RayCluster, systems: int = 3) -> None:
-        self.tmp, self.cluster, self.systems = tmp, cluster, systems
-        self.state = tmp / "state"
-        self.port = free_port()
-        self.address = f"http://127.0.0.1:{self.port}"
-        self.token = tmp / "bob.token"
-        r = wsc("appliance", "token", "create", "bob", "--state_dir", str(self.state), "--out", str(self.token))
-        assert r.returncode == 0, r.stderr
-        self.start()
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "waferscale", "appliance", "start", "--backend", "ray", "--address",
-                self.cluster.address, "--systems", str(self.systems), "--port", str(self.port), "--state_dir",
-                str(self.state), "--grace_s", "2"]
-
-    def start(self) -> None:
-        self.log = open(self.tmp / "service.log", "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=self.log, env=self.cluster.env)
-        deadline = time.monotonic() + 90
-        while True:
-            assert self.proc.poll() is None, (self.tmp / "service.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the appliance did not start"
-            try:
-                self.client().pool()
-                return
-            except (ApplianceError, OSError):
-                time.sleep(0.2)
-
-    def client(self, user_token: Path | None = None) -> Client:
-        return Client(self.address, credentials_path=user_token or self.token)
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
+        super().__init__(tmp, systems, extra=["--backend", "ray", "--address", cluster.address], env=cluster.env)
 
     def cancel_all(self) -> None:
         """Cancel the jobs still active (the service releases their Ray actors and systems)."""
-        admin = self.client(self.state / "admin.token")
+        admin = self.client("admin")
         for j in admin.jobs():
             admin.cancel(j["id"])
         wait_for(lambda: not admin.jobs(), "the jobs to end", timeout=30)
@@ -205,9 +171,7 @@ class Service:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.cancel_all()
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.log.close()
+        super().stop()
 
 
 @pytest.fixture(scope="module")
@@ -253,20 +217,6 @@ def starts(tmp: Path, name: str) -> list[int]:
         return []
 
 
-def wait_for(cond, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def wait_state(c: Client, jid: str, states: tuple[str, ...], timeout: float = 60) -> dict:
-    return wait_for(lambda: (j := c.status(jid))["state"] in states and j, f"{jid} to be {states}", timeout)
-
-
 def actors(service: Service, jid: str, attempt: int = 1) -> list[dict]:
     return json.loads((service.state / "jobs" / jid / f"attempt-{attempt}" / "actors.json").read_text())
 
@@ -286,7 +236,7 @@ def test_the_pool_must_be_the_clusters_systems(cluster: RayCluster, tmp_path: Pa
 
 
 def test_a_two_system_run_spans_both_nodes(service: Service, tmp_path: Path) -> None:
-    c = service.client()
+    c = service.client("bob")
     job = c.submit_run(ROOT / "configs" / "gpt2_tiny_shakespeare.yaml", num_csx=2, max_steps=2, eval_steps=2)
     j = wait_state(c, job["id"], ("SUCCEEDED", "FAILED", "CANCELLED"), timeout=300)
     log = "".join(c.logs(job["id"]))
@@ -303,11 +253,11 @@ def test_a_two_system_run_spans_both_nodes(service: Service, tmp_path: Path) -> 
 def test_a_deployment_on_a_node_answers_through_the_appliance(service: Service, tmp_path: Path) -> None:
     import openai
 
-    c = service.client()
+    c = service.client("bob")
     job = c.deploy(str(tiny_model_dir(tmp_path)))
     j = wait_state(c, job["id"], ("RUNNING",))
     assert j["state"] == "RUNNING"
-    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.token.read_text().strip(), max_retries=0)
+    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.tokens["bob"].read_text().strip(), max_retries=0)
 
     def answer():
         try:
@@ -323,7 +273,7 @@ def test_a_deployment_on_a_node_answers_through_the_appliance(service: Service, 
 
 
 def test_a_failing_job_fails_with_its_reason_and_a_cancel_stops_one(service: Service, tmp_path: Path) -> None:
-    c = service.client()
+    c = service.client("bob")
     script = gate_script(tmp_path)
     (tmp_path / "bad.gate").write_text("1")
     bad = c.submit_script(script, [str(tmp_path / "bad")])
@@ -342,7 +292,7 @@ def test_a_failing_job_fails_with_its_reason_and_a_cancel_stops_one(service: Ser
 
 
 def test_a_killed_service_reattaches_to_its_running_job(service: Service, tmp_path: Path) -> None:
-    c = service.client()
+    c = service.client("bob")
     script = gate_script(tmp_path)
     job = c.submit_script(script, [str(tmp_path / "live")], num_csx=2)
     wait_for(lambda: starts(tmp_path, "live"), "the job to start")
@@ -360,7 +310,7 @@ def test_a_lost_node_requeues_its_job_within_the_bound(service: Service, cluster
     """A two-system script: its process on one node, the other node only holding a system. That node leaves:
     the job is lost (its process, alive on the first node, is stopped: never two at once), re-queued, and its
     second attempt runs on the nodes left."""
-    c = service.client()
+    c = service.client("bob")
     script = gate_script(tmp_path)
     job = c.submit_script(script, [str(tmp_path / "far"), "--once"], num_csx=2)
     (pid,) = wait_for(lambda: starts(tmp_path, "far"), "the job to start")
