@@ -5,6 +5,7 @@ a real two-system `wsc run` whose ranks land on two nodes), driven through the r
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -29,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Ray's node health check, short so that a node's death is seen fast: GCS declares a node dead after THRESHOLD
 # failed checks, one every PERIOD, each failing after TIMEOUT at most
 HC_PERIOD_MS, HC_TIMEOUT_MS, HC_THRESHOLD = 500, 500, 4
-TICK_S = 0.5  # the service's loop
+from waferscale.appliance.service import Appliance  # noqa: E402
+
+TICK_S = inspect.signature(Appliance).parameters["tick_s"].default  # the service's loop
 LOST_BOUND_S = HC_THRESHOLD * (HC_PERIOD_MS + HC_TIMEOUT_MS) / 1000 + TICK_S + POLL_TIMEOUT_S
 
 

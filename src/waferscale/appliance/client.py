@@ -116,7 +116,7 @@ class Client:
     def pool(self) -> dict[str, Any]:
         return self._call("GET", "/api/pool")
 
-    def wait(self, job_id: str, timeout_s: float | None = None, poll_s: float = 0.5) -> dict[str, Any]:
+    def wait(self, job_id: str, timeout_s: float | None = None, poll_s: float = 0.25) -> dict[str, Any]:
         """The job once it has ended (SUCCEEDED, FAILED or CANCELLED)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -127,7 +127,7 @@ class Client:
                 raise TimeoutError(f"job {job_id} is still {j['state']} after {timeout_s} s: {j['reason']}")
             time.sleep(poll_s)
 
-    def logs(self, job_id: str, follow: bool = False, poll_s: float = 0.5,
+    def logs(self, job_id: str, follow: bool = False, poll_s: float = 0.25,
              reconnect_s: float = 600.0) -> Iterator[str]:
         """The job's output from its start; with `follow`, until it ends, riding out lost connections and
         service restarts for up to `reconnect_s` at a time (it goes on from where it was)."""

@@ -51,7 +51,7 @@ class Appliance:
     """The pool, the store and the launcher, and the loop that moves jobs between them."""
 
     def __init__(self, state_dir: Path, store: Store, launcher: Launcher, systems: int, *, grace_s: float = 10.0,
-                 tick_s: float = 0.5) -> None:
+                 tick_s: float = 0.25) -> None:
         self.state_dir, self.store, self.launcher, self.systems = Path(state_dir), store, launcher, systems
         self.grace_s, self.tick_s = grace_s, tick_s
         self._lock = threading.Lock()
