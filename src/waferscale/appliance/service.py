@@ -222,17 +222,11 @@ def _check_run(spec: dict[str, Any], num_csx: int) -> None:
     if not isinstance(spec.get("params_yaml"), str) or not spec.get("params_name"):
         raise APIError(400, "a run needs params_yaml (the file's text) and params_name", param="spec.params_yaml")
     flags = dict(spec.get("flags") or {}) | {"num_csx": num_csx, "mode": spec.get("mode", "train")}
-    cwd = spec.get("cwd")
-    try:
-        here = os.getcwd()
-        try:  # (data paths in the params are the submitter's, relative to their directory)
-            os.chdir(cwd) if cwd else None
-            prepare_run(spec["params_name"], flags, text=spec["params_yaml"])
-        finally:
-            os.chdir(here)
+    try:  # (no file is read: the params' data paths are checked when the run reads them, in the submitter's cwd)
+        prepare_run(spec["params_name"], flags, text=spec["params_yaml"])
     except UserError as e:
         raise APIError(400, str(e), param="spec.params_yaml", code="invalid_params") from None
-    except (TypeError, OSError) as e:
+    except TypeError as e:
         raise APIError(400, f"invalid run flags: {e}", param="spec.flags", code="invalid_params") from None
 
 

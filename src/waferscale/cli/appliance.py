@@ -30,7 +30,7 @@ def _db_url(a: argparse.Namespace) -> str:
 def cmd_appliance(a: argparse.Namespace) -> int:
     from waferscale.appliance.store import Store
 
-    state = Path(a.state_dir)
+    state = Path(a.state_dir).resolve()
     if a.action == "token":
         store = Store(_db_url(a))
         token = store.create_user(a.user, admin=a.admin, quota=a.quota)
