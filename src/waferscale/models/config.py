@@ -13,7 +13,7 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 
-FAMILIES = ("gpt", "llama")
+FAMILIES = ("gpt", "llama", "mixtral")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "rotary")
@@ -51,6 +51,11 @@ class ModelConfig:
     mlp_bias: bool = True
     dropout: float = 0.0
     init_std: float = 0.02
+    # mixture of experts (Mixtral): n_experts > 0 replaces each block's MLP by n_experts MLPs of the same shape
+    # (the experts), of which a router picks experts_per_token for each token
+    n_experts: int = 0
+    experts_per_token: int = 2
+    router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss in the training loss
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -72,6 +77,12 @@ class ModelConfig:
             bad(f"dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.rope_scaling, dict):  # accept a plain mapping (from YAML / JSON)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.n_experts < 0:
+            bad(f"n_experts must be 0 (a dense MLP) or a positive number of experts, got {self.n_experts}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            bad(f"experts_per_token must be in 1..n_experts ({self.n_experts}), got {self.experts_per_token}")
+        if self.router_aux_loss_coef < 0:
+            bad(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -93,10 +104,7 @@ class ModelConfig:
         attn = d * (q_out + kv_out) + q_out * d
         if self.attn_bias:
             attn += q_out + kv_out + d
-        n_mats = 3 if self.activation == "swiglu" else 2
-        mlp = n_mats * d * self.ffn_dim
-        if self.mlp_bias:
-            mlp += (n_mats - 1) * self.ffn_dim + d
+        mlp = self.mlp_params * max(1, self.n_experts) + d * self.n_experts  # every expert, and the router
         norm = d if self.norm == "rmsnorm" else 2 * d
         return attn + mlp + 2 * norm
 
@@ -109,13 +117,35 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return emb + self.n_layer * self.params_per_block + final_norm + head
 
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one MLP: the block's, or one expert's in a mixture of experts."""
+        n_mats = 3 if self.activation == "swiglu" else 2
+        bias = (n_mats - 1) * self.ffn_dim + self.d_model if self.mlp_bias else 0
+        return n_mats * self.d_model * self.ffn_dim + bias
+
+    @property
+    def idle_params_per_block(self) -> int:
+        """Parameters of a block that a token does not use: the experts the router did not pick (0 if dense)."""
+        return (self.n_experts - self.experts_per_token) * self.mlp_params if self.n_experts else 0
+
+    @property
+    def active_params_per_block(self) -> int:
+        return self.params_per_block - self.idle_params_per_block
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token computes with (a mixture of experts: only its routed experts; else num_params)."""
+        return self.num_params - self.n_layer * self.idle_params_per_block
+
     def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> float:
         """Model FLOPs per token (PaLM appendix B): 6N + 12·L·H·T (training) or a third of it (forward).
 
-        N excludes the embedding lookups (they are gathers, not matmuls) but includes the LM head.
+        N excludes the embedding lookups (they are gathers, not matmuls) but includes the LM head; in a mixture of
+        experts it counts only the experts a token is routed to (and the router).
         """
         t = seq_len or self.max_seq_len
-        n = self.n_layer * self.params_per_block + self.vocab_size * self.d_model
+        n = self.n_layer * self.active_params_per_block + self.vocab_size * self.d_model
         fwd = 2 * n + 4 * self.n_layer * t * self.d_model  # + QK^T and AV over the full window, as PaLM counts
         return 3 * fwd if training else fwd
 

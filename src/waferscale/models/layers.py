@@ -153,6 +153,59 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MoE(nn.Module):
+    """A mixture of experts (Mixtral): a router (linear, no bias) scores the E experts for every token, the top k
+    run on it and their outputs are summed with the softmax of their scores renormalized over the k. Each expert
+    computes only the tokens routed to it (gathered, then added back).
+
+    (B, T, C) -> ((B, T, C), statistics (2, E)): per expert, the mean router probability (with its gradient) and
+    the fraction of tokens routed to it (no gradient), what `load_balancing_loss` reads.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
+                                     for _ in range(cfg.n_experts))
+
+    def _slot_counts(self, chosen: Tensor) -> Tensor:
+        """(E,) how many (token, choice) slots each expert got. A meta tensor has no values: an even split (the
+        memory planner's dry run needs sizes only, and the experts' rows sum to N * k whatever the routing)."""
+        if chosen.is_meta:
+            q, r = divmod(chosen.numel(), self.n_experts)
+            return torch.tensor([q + (e < r) for e in range(self.n_experts)])
+        return torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, C = x.shape
+        h = x.reshape(-1, C)  # (N, C)
+        probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)  # (N, E), fp32 under any autocast
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = weights / weights.sum(-1, keepdim=True)
+        counts = self._slot_counts(chosen)
+        sizes = counts.tolist()
+        slots = chosen.reshape(-1).argsort(stable=True)  # (N * k,) slot ids grouped by expert
+        out = torch.zeros_like(h)
+        for expert, n, idx in zip(self.experts, sizes, slots.split(sizes)):
+            if n:
+                rows = idx // self.top_k  # the tokens of these slots
+                y = expert(h.index_select(0, rows)) * weights.view(-1)[idx, None]  # (n, C)
+                out.index_add_(0, rows, y.to(out.dtype))
+        load = counts.to(probs.device, probs.dtype) / h.shape[0]
+        return out.view(B, T, C), torch.stack((probs.mean(0), load))  # (B, T, C), (2, E)
+
+
+def load_balancing_loss(stats: list[Tensor]) -> Tensor:
+    """The router's load-balancing loss (Switch Transformer, eqs. 4-6) as Mixtral trains with it, transformers'
+    `load_balancing_loss_func`: over every MoE layer's tokens together, E * sum_e f_e * P_e with f_e the fraction
+    of routed (token, choice) slots that went to expert e and P_e its mean router probability. `stats`: each MoE
+    layer's (2, E) statistics (`MoE.forward`); every layer sees the same tokens, so the means over all of them
+    are the means of the layers' means."""
+    p, f = torch.stack(stats).mean(0)  # (E,), (E,)
+    return p.shape[0] * (p * f).sum()
+
+
 class Block(nn.Module):
     """One transformer layer, a streamable unit: (B, T, C) -> (B, T, C)."""
 
@@ -161,11 +214,15 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
+        self.moe = cfg.n_experts > 0
+        self.mlp = MoE(cfg) if self.moe else SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
         x = x + self.drop(self.attn(self.attn_norm(x), start_pos, kv_cache))
+        if self.moe:  # the router's statistics leave beside the activations (see CausalLM.forward_aux)
+            y, stats = self.mlp(self.mlp_norm(x))
+            return x + self.drop(y), stats
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -222,10 +279,26 @@ class CausalLM(nn.Module):
 
     def forward(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None) -> Tensor:
         """idx (B, T) int64 -> logits (B, T, V)."""
+        return self.forward_aux(idx, start_pos, kv_caches)[0]
+
+    def forward_aux(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
+        """(logits (B, T, V), the auxiliary term of the training loss: `aux_loss` of the statistics the units
+        return beside their output, a mixture of experts' router statistics; None when no unit returns any)."""
         x = self.embed(idx, start_pos)
+        stats = []
         for i, block in enumerate(self.blocks):
             x = block(x, start_pos, kv_caches[i] if kv_caches is not None else None)
-        return self.head(x)
+            if isinstance(x, tuple):
+                x, s = x
+                stats.append(s)
+        return self.head(x), (self.aux_loss(stats) if stats else None)
+
+    def aux_loss(self, stats: list[Tensor]) -> Tensor:
+        """The auxiliary training loss from the statistics the units returned, in unit order (the streaming
+        engine calls it with each micro-batch's): the router's weighted load-balancing loss."""
+        return self.config.router_aux_loss_coef * load_balancing_loss(stats)
+
 
     def make_kv_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> list[KVCache]:

@@ -9,13 +9,13 @@ import torch
 
 from waferscale.errors import ConfigError
 
-from waferscale.models import gpt, llama
+from waferscale.models import gpt, llama, mixtral
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM
 
-PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS}
-ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES}
-FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama}
+PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS, **mixtral.PRESETS}
+ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES, **mixtral.ALIASES}
+FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama, "mixtral": mixtral.Mixtral}
 
 # Above this many parameters, `from_name(..., device="auto")` builds on the meta device: shapes and counts
 # without memory. 1 B fp32 parameters = 4 GB, a sixth of this machine's RAM.

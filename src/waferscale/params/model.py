@@ -35,8 +35,45 @@ class PosScalingExtraArgs:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass
+class MoEParams:
+    """Model Zoo's `moe` section (its MoEConfig): every block's MLP becomes `num_experts` experts, of which a
+    learned softmax router picks `top_k` per token, weighted by their renormalized probabilities (Mixtral)."""
+
+    num_experts: int = 0  # 0: a dense MLP
+    top_k: int = 1
+    load_balancing_loss_coef: float = 0.0
+    routing_algorithm: Literal["learned"] = "learned"
+    router_selection_nonlinearity: Literal["softmax"] = "softmax"
+    expert_weighting_nonlinearity: Literal["softmax"] = "softmax"
+    expert_weighting_normalization: bool = True
+    num_shared_experts: int | None = None
+    null_expert_bias: float | None = None
+    probability_before_ffn: bool = False
+
+    IGNORED_KEYS: ClassVar[dict[str, str]] = {
+        "router_fp32": "the router's softmax always runs in fp32",
+        "moe_implementation": "the implementation is the runtime's",
+        "sinkhorn_n_iters": "used by sinkhorn routing only, which is not supported",
+        "gate_initializer": "the router's weights use normal(0, initializer_range)",
+    }
+
+    def __post_init__(self) -> None:
+        if not self.expert_weighting_normalization:
+            raise FieldError("expert_weighting_normalization", "false is not supported: the chosen experts' "
+                             "weights are renormalized to sum to 1 (Mixtral); set true")
+        if self.num_shared_experts:
+            raise FieldError("num_shared_experts", f"{self.num_shared_experts} is not supported: every expert is "
+                             f"routed; set 0")
+        if self.null_expert_bias:
+            raise FieldError("null_expert_bias", f"{self.null_expert_bias} is not supported (no null expert); set 0")
+        if self.probability_before_ffn:
+            raise FieldError("probability_before_ffn", "true is not supported: the router's weights scale the "
+                             "experts' outputs (Mixtral); set false")
+
+
 # Model Zoo model names (trainer layout `model.name`) that say which family, not which preset.
-ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mistral", "falcon", "bloom",
+ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mistral", "mixtral", "falcon", "bloom",
                     "starcoder", "santacoder", "btlm", "jais", "mpt", "qwen2")
 _NONLINEARITY = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu",
                  "swiglu": "swiglu"}
@@ -80,6 +117,7 @@ class ModelParams:
     use_position_embedding: bool = True
     embedding_layer_norm: bool = False
     attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
+    moe: MoEParams | None = None  # a mixture of experts
     # regularization and init
     dropout_rate: float | None = None
     embedding_dropout_rate: float | None = None
@@ -148,7 +186,7 @@ class ModelParams:
             "tie_embeddings": self.share_embedding_weights, "activation": _NONLINEARITY.get(self.nonlinearity or ""),
             "norm": self.norm_type, "norm_eps": self.layer_norm_epsilon, "rope_theta": self.rope_theta,
             "rope_scaling": self._rope_scaling(), "attn_bias": self._attn_bias(), "mlp_bias": self.use_ffn_bias,
-            "dropout": self.dropout_rate, "init_std": self.initializer_range,
+            "dropout": self.dropout_rate, "init_std": self.initializer_range, **self._moe(),
         }
         o = {k: v for k, v in zoo.items() if v is not None}  # overrides of the preset / defaults
 
@@ -162,7 +200,8 @@ class ModelParams:
                                  f"set model.name to a zoo preset such as 'gpt3-1.3b' or 'llama2-70b' to start from")
             o = {"activation": "gelu"} | o  # Model Zoo's default nonlinearity (ModelConfig's is gelu_tanh)
         activation = o.get("activation") or registry.PRESETS[preset].activation  # type: ignore[index]
-        o["family"] = "llama" if activation == "swiglu" else "gpt"
+        experts = o.get("n_experts", registry.PRESETS[preset].n_experts if preset else 0)
+        o["family"] = "mixtral" if experts else "llama" if activation == "swiglu" else "gpt"
         try:
             cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
                 registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
@@ -189,6 +228,16 @@ class ModelParams:
             if value is not None and value != dropout:
                 raise FieldError(key, f"{value} differs from dropout_rate {dropout}; one dropout rate is used "
                                  f"everywhere, set {key} equal to dropout_rate")
+
+    def _moe(self) -> dict[str, int | float]:
+        """ModelConfig's expert fields from the `moe` section (none without it: a preset keeps its own)."""
+        m = self.moe
+        if m is None:
+            return {}
+        if not m.num_experts:
+            return {"n_experts": 0}
+        return {"n_experts": m.num_experts, "experts_per_token": m.top_k,
+                "router_aux_loss_coef": m.load_balancing_loss_coef}
 
     def _attn_bias(self) -> bool | None:
         qkv, out = self.use_projection_bias_in_attention, self.use_ffn_bias_in_attention
@@ -217,7 +266,8 @@ def _explicit(cfg: ModelConfig) -> ModelConfig:
 
 _ZOO_KEY_FOR = {"d_model": "hidden_size", "n_head": "num_heads", "n_kv_head": "num_kv_groups",
                 "n_layer": "num_hidden_layers", "d_ff": "filter_size", "max_seq_len": "max_position_embeddings",
-                "head_dim": "head dim"}
+                "head_dim": "head dim", "n_experts": "moe.num_experts", "experts_per_token": "moe.top_k",
+                "router_aux_loss_coef": "moe.load_balancing_loss_coef"}
 
 
 def _zoo_names(message: str) -> str:
@@ -226,4 +276,4 @@ def _zoo_names(message: str) -> str:
     return re.sub(r"\b(" + "|".join(_ZOO_KEY_FOR) + r")\b", lambda m: _ZOO_KEY_FOR[m.group(1)], message)
 
 
-__all__ = ["ModelParams", "ExtraAttentionParams", "PosScalingExtraArgs", "ZOO_FAMILY_NAMES"]
+__all__ = ["ModelParams", "ExtraAttentionParams", "MoEParams", "PosScalingExtraArgs", "ZOO_FAMILY_NAMES"]

@@ -16,6 +16,11 @@ Schedule of one training step with n units, fetch order 0, 1, ..., n-1, n-2, ...
               gradients in fp32 on the device, hand them to the link (asynchronous) as soon as the unit is done,
               and drop the weights
 
+A unit may return `(output, statistics)`: the output goes on to the next unit, the statistics (a small tensor,
+e.g. a mixture of experts' router load) feed the step's auxiliary loss `aux_fn(statistics of every unit, in unit
+order)`, computed per micro-batch once the forward is done; each unit's backward then adds the gradient of that
+loss with respect to its statistics (exact for any `aux_fn`, even one coupling all units).
+
 The link (`runtime/links.py`: MemoryX in this process, or SwarmX) supplies weights and takes gradients. The
 device holds at most two units' weights, their gradient buffers, the boundary activations and one unit's autograd
 state. With `recompute=False` saved weights are swapped for a key by saved-tensor hooks and re-fetched for the
@@ -117,6 +122,11 @@ class _StreamIn(torch.autograd.Function):
         return (None, None, None, *([None] * len(grads)))
 
 
+def _split(out: Any) -> tuple[Tensor, Tensor | None]:
+    """A unit's output and the statistics it returned beside it for the auxiliary loss (None if none)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
 def _leaf(x: Tensor, u: int) -> Tensor:
     """A unit's input as an autograd leaf: detached from the caller's graph, requiring grad where a gradient
     can flow (activations between units; the model's input only when it asked for one)."""
@@ -131,6 +141,7 @@ class StreamingEngine:
     units        the model's units in execution order (`runtime.units.model_units`)
     takes_input  unit u is called `unit(h, x)` with the model's input x (units split from a traced forward)
     loss_fn      `loss_fn(last unit's output, target)` for the fused `step` and `forward(x, target=...)`
+    aux_fn       `aux_fn(statistics)`: the fused step's auxiliary loss from what units return beside their output
     float_boundaries  under mixed precision, hand fp32 activations from unit to unit (the zoo's LM step)
     track_rng    per unit, whether its recompute replays the RNG its forward saw (default: every unit; dropout
                  may hide anywhere, in a module, a functional call or an attention kernel)
@@ -139,12 +150,14 @@ class StreamingEngine:
     def __init__(self, units: Sequence[nn.Module], layouts: list[UnitLayout], link: Any, *, device: torch.device,
                  half: torch.dtype | None, recompute: bool = True, takes_input: bool = False,
                  loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None, float_boundaries: bool = False,
-                 track_rng: Sequence[bool] | None = None) -> None:
+                 track_rng: Sequence[bool] | None = None,
+                 aux_fn: Callable[[list[Tensor]], Tensor] | None = None) -> None:
         self.units = list(units)
         self.layouts = layouts
         self.n = len(self.units)
         self.link, self.device, self.half, self.recompute = link, device, half, recompute
         self.takes_input, self.loss_fn, self.float_boundaries = takes_input, loss_fn, float_boundaries
+        self.aux_fn = aux_fn
         self.track_rng = list(track_rng) if track_rng is not None else [True] * self.n
         # batch norms count the batches they see: a recomputed forward must not count them twice
         self._norm_stats = [[m for m in unit.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -266,9 +279,10 @@ class StreamingEngine:
             if target is not None:
                 assert self.loss_fn is not None, "a fused step needs the engine's loss_fn"
                 return self.loss_fn(out, target)
+        out, stats = _split(out)
         if self.float_boundaries and self.half and out.is_floating_point():
-            return out.float()
-        return out
+            out = out.float()
+        return out if stats is None else (out, stats)
 
     def _accumulate_weight_grads(self, u: int, grads: tuple[Tensor, ...]) -> None:
         matrices, vectors, fresh = self._acc[u]
@@ -312,12 +326,14 @@ class StreamingEngine:
             f.result()
 
     # ---- a training step's forward over units 0..n-2, every micro-batch ----
-    def _forward_units(self, xs: list[Tensor]) -> tuple[list[list[Tensor]], dict, dict]:
+    def _forward_units(self, xs: list[Tensor]) -> tuple[list[list[Tensor]], dict, dict, dict]:
         """Start the step's fetches, run units 0..n-2 on the micro-batches `xs`; returns (the activations
-        entering each unit, the graphs kept without recompute, the RNG each recompute replays)."""
+        entering each unit, the graphs kept without recompute, the RNG each recompute replays, the statistics
+        units returned beside their output)."""
         acts: list[list[Tensor]] = [xs]
         graphs: dict[tuple[int, int], Any] = {}
         rng: dict[tuple[int, int], Any] = {}
+        stats: dict[tuple[int, int], Tensor] = {}
         self.ledger.alloc("activations", sum(x.nbytes for x in xs))
         self._start_fetches(fetch_order(self.n))
         for u in range(self.n - 1):
@@ -332,21 +348,45 @@ class StreamingEngine:
                         out = self._run(u, dev, inp, None)
                 else:
                     graphs[u, m] = self._run_keeping_graph(u, dev, inp)
-                    out = graphs[u, m][1].detach()
+                    out = graphs[u, m][1]
+                out, s = _split(out)
+                if s is not None:
+                    stats[u, m] = s.detach()
+                out = out.detach()
                 outs.append(out)
                 self.ledger.alloc("activations", out.nbytes)
             acts.append(outs)
             self._span("main", f"forward unit {u}", t0)
             self._release(dev)
             del dev
-        return acts, graphs, rng
+        return acts, graphs, rng, stats
+
+    def _aux_gradients(self, stats: dict[tuple[int, int], Tensor], n_micro: int, divisor: float, scale: float
+                       ) -> tuple[dict[tuple[int, int], Tensor], Tensor]:
+        """Each micro-batch's auxiliary loss `aux_fn(its units' statistics)`: the gradient of sum(aux / divisor) *
+        scale with respect to each unit's statistics (what the unit's backward adds), and that sum, unscaled."""
+        grads: dict[tuple[int, int], Tensor] = {}
+        total = torch.zeros((), device=self.device)
+        if not stats:
+            return grads, total
+        assert self.aux_fn is not None, "units returned statistics, but the engine has no aux_fn"
+        for m in range(n_micro):
+            keys = sorted(k for k in stats if k[1] == m)
+            leaves = [stats[k].requires_grad_(True) for k in keys]
+            with torch.enable_grad():
+                aux = self.aux_fn(leaves) / divisor
+                grads.update(zip(keys, torch.autograd.grad(aux * scale, leaves)))
+            total += aux.detach()
+        return grads, total
 
     # ---- the backward over units `us` (descending), every micro-batch ----
     def _backward_units(self, us: Sequence[int], acts: list[list[Tensor]], graphs: dict, rng: dict,
-                        grad_out: list[Tensor | None], fused: tuple[Sequence[Tensor], float, float] | None = None
-                        ) -> Tensor:
+                        grad_out: list[Tensor | None], fused: tuple[Sequence[Tensor], float, float] | None = None,
+                        aux_grads: dict[tuple[int, int], Tensor] | None = None) -> Tensor:
         """`fused` = (targets, loss divisor, loss scale): the last unit computes the loss (its forward runs here
-        for the first time) and backpropagates it. Returns the sum of the micro-batch losses (0 if not fused)."""
+        for the first time) and backpropagates it. `aux_grads`: per (unit, micro-batch), the gradient of the
+        auxiliary loss with respect to the statistics the unit returns. Returns the sum of the micro-batch
+        losses (0 if not fused)."""
         loss_sum = torch.zeros((), device=self.device)
         for u in us:
             dev = self._next_unit()
@@ -369,7 +409,13 @@ class StreamingEngine:
                         (loss * fused[2] if fused[2] != 1.0 else loss).backward()
                         del loss
                     else:
-                        torch.autograd.backward(out, grad_out[m])
+                        out, stats = _split(out)
+                        g = aux_grads.get((u, m)) if aux_grads else None
+                        if g is None:
+                            torch.autograd.backward(out, grad_out[m])
+                        else:
+                            torch.autograd.backward((out, stats), (grad_out[m], g))
+                        del stats
                 self.ledger.free("saved", sum(count.values()))
                 del out
                 new_grad[m] = self._take_input_grad(leaf)
@@ -415,10 +461,11 @@ class StreamingEngine:
         loss_divisor) * loss_scale are pushed to the link per unit. Returns the (unscaled) loss sum."""
         assert not self.takes_input, "the fused step is for units called unit(h) (a zoo model's units())"
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        acts, graphs, rng = self._forward_units(list(x.split(micro_batch)))
+        acts, graphs, rng, stats = self._forward_units(list(x.split(micro_batch)))
+        aux_grads, aux_sum = self._aux_gradients(stats, len(acts[0]), loss_divisor, loss_scale)
         loss_sum = self._backward_units(range(self.n - 1, -1, -1), acts, graphs, rng, [None] * len(acts[0]),
-                                        (y.split(micro_batch), loss_divisor, loss_scale))
-        return float(loss_sum)
+                                        (y.split(micro_batch), loss_divisor, loss_scale), aux_grads)
+        return float(loss_sum + aux_sum)
 
     # ---- the cstorch path: the caller computes the loss from the last unit's output ----
     def forward_train(self, x: Tensor, inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor, dict[str, Any]]:
@@ -426,7 +473,7 @@ class StreamingEngine:
         what `backward` needs. The last unit's weights stay on the device until `backward` (or the next
         forward, which drops this one's pending backward)."""
         self._inputs = inputs
-        acts, _, rng = self._forward_units([x])  # (the CSX backend always recomputes: no graphs kept)
+        acts, _, rng, _ = self._forward_units([x])  # (the CSX backend always recomputes: no graphs kept)
         u = self.n - 1
         dev = self._next_unit()
         self._bwd_unit = dev
@@ -480,7 +527,7 @@ class StreamingEngine:
             self._start_fetches(list(range(self.n)))
             for u in range(self.n):
                 dev = self._next_unit()
-                x = self._run(u, dev, x, target if u == self.n - 1 else None)
+                x = _split(self._run(u, dev, x, target if u == self.n - 1 else None))[0]
                 self._release(dev)
             return x
         finally:

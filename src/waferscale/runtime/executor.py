@@ -123,7 +123,9 @@ class ResidentExecutor(Executor):
         total = torch.zeros((), device=self.device)
         for xs, ys in zip(x.split(mb), y.split(mb)):  # gradient accumulation: each carries 1/n of the mean loss
             with self._autocast():
-                loss = lm_loss(self.model(xs), ys) / n_micro
+                logits, aux = self.model.forward_aux(xs)  # aux: a mixture of experts' load balancing, per micro-batch
+                loss = lm_loss(logits, ys)
+                loss = (loss if aux is None else loss + aux) / n_micro
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         if self.scaler:

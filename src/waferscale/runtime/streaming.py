@@ -41,11 +41,12 @@ def build_skeleton(cfg: Any, device: torch.device | str = "cpu") -> CausalLM:
 
 def lm_engine(skeleton: CausalLM, link: Any, layouts: list[UnitLayout], *, device: torch.device,
               half: torch.dtype | None, recompute: bool) -> StreamingEngine:
-    """The streaming engine over a zoo LM's units, with the loss fused into the head and fp32 activations
-    between units."""
+    """The streaming engine over a zoo LM's units, with the loss fused into the head (plus the model's auxiliary
+    loss, a mixture of experts' load balancing) and fp32 activations between units."""
     n = len(layouts)
     return StreamingEngine(skeleton.units(), layouts, link, device=device, half=half, recompute=recompute,
-                           loss_fn=lm_loss, float_boundaries=True, track_rng=[skeleton.config.dropout > 0] * n)
+                           loss_fn=lm_loss, float_boundaries=True, track_rng=[skeleton.config.dropout > 0] * n,
+                           aux_fn=skeleton.aux_loss)
 
 
 # ---- memory plan: does one unit fit; do all units' activations fit (no recompute) -------------------------
