@@ -6,6 +6,8 @@ Two HF architectures map onto the zoo:
   weights as (in, out), the transpose of ``nn.Linear``; ``c_attn`` packs q, k, v along the output dimension.
 * ``llama`` (``LlamaForCausalLM``): RMSNorm, rotary (rotate_half layout, as ours), SwiGLU, optional
   llama3 ``rope_scaling``. Parameter names differ from ours only by renaming.
+* ``mixtral`` (``MixtralForCausalLM``): a llama shape whose MLPs are experts: ``block_sparse_moe.gate`` is our
+  ``mlp.router``, ``experts.N.w1`` / ``w3`` / ``w2`` expert N's gate / up / down projections.
 
 Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
 ``pytorch_model.bin`` files are refused, never unpickled.
@@ -30,7 +32,7 @@ from waferscale.models.layers import Attention, CausalLM, rope_inv_freq
 from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -68,11 +70,25 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(**{k: float(rs[k]) for k in keys[:3]}, original_max_position_embeddings=int(rs[keys[3]]))
 
 
+def _mixtral_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Mixtral: Llama's config.json keys (attention, rotary, norms) and the experts'."""
+    if float(hf.get("router_jitter_noise") or 0.0):
+        raise CheckpointError(f"mixtral router_jitter_noise {hf['router_jitter_noise']} is not supported (training "
+                              f"noise on the router's input); only 0")
+    if hf.get("sliding_window"):
+        raise CheckpointError(f"mixtral sliding_window {hf['sliding_window']} is not supported; only null")
+    return config_from_hf({**hf, "model_type": "llama"}).replace(
+        family="mixtral", n_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))  # (transformers' default)
+
+
 def config_from_hf(hf_config: dict) -> ModelConfig:
     """A HF config.json (as a dict) -> ModelConfig. Options we cannot reproduce exactly raise CheckpointError."""
     hf = hf_config
     mt = hf.get("model_type")
     try:
+        if mt == "mixtral":
+            return _mixtral_from_hf(hf)
         if mt == "gpt2":
             act = hf.get("activation_function", "gelu_new")
             if act not in _GPT2_ACT_FROM_HF:
@@ -117,6 +133,17 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
 
 def _hf_model_type(cfg: ModelConfig) -> str:
     """Which HF architecture expresses this config exactly (decided by structure, not by the family label)."""
+    if cfg.n_experts:  # Mixtral: experts on a bias-free Llama shape
+        try:
+            dense = _hf_model_type(cfg.replace(n_experts=0))
+        except CheckpointError:
+            dense = None
+        if dense != "llama" or cfg.attn_bias or cfg.mlp_bias:
+            raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face mixtral: it needs experts on "
+                                  f"a llama shape without biases (rmsnorm, rotary, swiglu; has norm={cfg.norm}, "
+                                  f"position={cfg.position}, activation={cfg.activation}, attn_bias={cfg.attn_bias}, "
+                                  f"mlp_bias={cfg.mlp_bias})")
+        return "mixtral"
     if (cfg.norm, cfg.position) == ("layernorm", "learned") and cfg.activation in _GPT2_ACT_TO_HF \
             and cfg.attn_bias and cfg.mlp_bias:
         return "gpt2"
@@ -132,6 +159,11 @@ def _hf_model_type(cfg: ModelConfig) -> str:
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> a config.json dict that `transformers.AutoConfig` reads (4.x legacy keys and 5.x keys)."""
     mt = _hf_model_type(cfg)
+    if mt == "mixtral":
+        return {**config_to_hf(cfg.replace(family="llama", n_experts=0)), "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral", "num_local_experts": cfg.n_experts,
+                "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
     if mt == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -185,12 +217,20 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
         layers = "model.layers"
         per_layer = [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
                      *((f"attn.{n}_proj", f"self_attn.{n}_proj") for n in "qkvo"),
-                     *((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down"))]
+                     *(_moe_renames(cfg) if cfg.n_experts else
+                       ((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down")))]
     modules += [(f"blocks.{i}.{ours}", f"{layers}.{i}.{theirs}")
                 for i in range(cfg.n_layer) for ours, theirs in per_layer]
     if not cfg.tie_embeddings:
         modules.append(("head.lm_head", "lm_head"))
     return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+
+
+def _moe_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """A Mixtral layer's router and experts: w1 is the gate projection, w3 the up and w2 the down projection."""
+    return [("mlp.router", "block_sparse_moe.gate"),
+            *((f"mlp.experts.{e}.{ours}_proj", f"block_sparse_moe.experts.{e}.{w}")
+              for e in range(cfg.n_experts) for ours, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")))]
 
 
 def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
