@@ -155,9 +155,9 @@ def test_preset_name_with_overrides_and_family_labels() -> None:
 
 @pytest.mark.parametrize("extra, match", [
     ({"position_embedding_type": "fixed"}, "position_embedding_type: expected one of 'learned', 'rotary'"),
-    ({"use_bias_in_output": True}, "use_bias_in_output"),
+    ({"embedding_layer_norm": True}, "embedding_layer_norm"),
     ({"num_heads": 5}, r"hidden_size \(64\) must be divisible by num_heads \(5\)"),
-    ({"position_embedding_type": "rotary", "rotary_dim": 8}, "partial rotary"),
+    ({"position_embedding_type": "rotary", "rotary_dim": 64}, r"rotary_dim must be in 1\.\.head dim"),
     ({"use_projection_bias_in_attention": True, "use_ffn_bias_in_attention": False}, "all on or all off"),
     ({"attention_dropout_rate": 0.2}, "one dropout rate"),
     ({"pos_scaling_type": "linear", "pos_scaling_factor": 2.0}, "only 'llama3'"),

@@ -1,4 +1,4 @@
-"""ModelConfig: the one typed description of every zoo model (GPT and Llama families).
+"""ModelConfig: the one typed description of every zoo model (GPT, Llama and the decoder families beside them).
 
 Derived quantities (head_dim, parameter count, FLOPs per token) are properties so the compiler and the
 runtimes read them from one place.
@@ -13,10 +13,13 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 
-FAMILIES = ("gpt", "llama", "mixtral")
+FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
-POSITIONS = ("learned", "rotary")
+POSITIONS = ("learned", "rotary", "alibi")
+# sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX,
+# Falcon-40B). parallel_shared_norm: one norm feeds both, x += attn(h) + mlp(h), h = norm(x) (GPT-J, Falcon-7B).
+BLOCKS = ("sequential", "parallel", "parallel_shared_norm")
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,15 @@ class ModelConfig:
     position: str = "learned"
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None  # None = head_dim; fewer: only the first rotary_dim dims of each head rotate
+    rotary_interleaved: bool = False  # GPT-J's "rotate every two" pairs (0,1), (2,3).. instead of (i, i + dim/2)
+    sliding_window: int | None = None  # attend to at most this many latest positions (self included); None = all
+    block: str = "sequential"
     tie_embeddings: bool = True
     attn_bias: bool = True  # bias on q/k/v and output projections
     mlp_bias: bool = True
+    norm_bias: bool = True  # LayerNorm's additive bias (RMSNorm has none)
+    lm_head_bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
     # mixture of experts (Mixtral): n_experts > 0 replaces each block's MLP by n_experts MLPs of the same shape
@@ -61,7 +70,8 @@ class ModelConfig:
         def bad(msg: str) -> None:
             raise ConfigError(f"model config {self.name!r}: {msg}")
 
-        for k, allowed in (("family", FAMILIES), ("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
+        for k, allowed in (("family", FAMILIES), ("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS),
+                           ("block", BLOCKS)):
             if getattr(self, k) not in allowed:
                 bad(f"{k} must be one of {allowed}, got {getattr(self, k)!r}")
         for k in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
@@ -71,8 +81,16 @@ class ModelConfig:
             bad(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
             bad(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
-        if self.position == "rotary" and self.head_dim % 2:
-            bad(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.position == "rotary" and self.rotary_dims % 2:
+            bad(f"rotary embeddings need an even rotary_dim, got {self.rotary_dims}")
+        if self.rotary_dim is not None and not 0 < self.rotary_dim <= self.head_dim:
+            bad(f"rotary_dim must be in 1..head_dim ({self.head_dim}), got {self.rotary_dim}")
+        if (self.rotary_dim is not None or self.rotary_interleaved) and self.position != "rotary":
+            bad(f"rotary_dim / rotary_interleaved need position 'rotary', got {self.position!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            bad(f"sliding_window must be a positive number of positions or None, got {self.sliding_window}")
+        if not self.norm_bias and self.norm != "layernorm":
+            bad("norm_bias=False applies to layernorm only (rmsnorm has no bias)")
         if not 0.0 <= self.dropout < 1.0:
             bad(f"dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.rope_scaling, dict):  # accept a plain mapping (from YAML / JSON)
@@ -94,8 +112,17 @@ class ModelConfig:
         return self.d_model // self.n_head
 
     @property
+    def rotary_dims(self) -> int:
+        """How many dims of each head rotate (0 without rotary positions)."""
+        return (self.rotary_dim or self.head_dim) if self.position == "rotary" else 0
+
+    @property
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.d_model if self.norm == "layernorm" and self.norm_bias else self.d_model
 
     @property
     def params_per_block(self) -> int:
@@ -105,17 +132,15 @@ class ModelConfig:
         if self.attn_bias:
             attn += q_out + kv_out + d
         mlp = self.mlp_params * max(1, self.n_experts) + d * self.n_experts  # every expert, and the router
-        norm = d if self.norm == "rmsnorm" else 2 * d
-        return attn + mlp + 2 * norm
+        return attn + mlp + (1 if self.block == "parallel_shared_norm" else 2) * self.norm_params
 
     @property
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         d = self.d_model
         emb = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0)
-        final_norm = d if self.norm == "rmsnorm" else 2 * d
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        return emb + self.n_layer * self.params_per_block + final_norm + head
+        head = (0 if self.tie_embeddings else self.vocab_size * d) + (self.vocab_size if self.lm_head_bias else 0)
+        return emb + self.n_layer * self.params_per_block + self.norm_params + head
 
     @property
     def mlp_params(self) -> int:

@@ -1,13 +1,18 @@
 """Hugging Face checkpoints in and out: config.json <-> ModelConfig, HF parameter names <-> ours.
 
-Two HF architectures map onto the zoo:
+These HF architectures map onto the zoo:
 
 * ``gpt2`` (``GPT2LMHeadModel``): LayerNorm, learned positions, biases everywhere. Its ``Conv1D`` layers store
   weights as (in, out), the transpose of ``nn.Linear``; ``c_attn`` packs q, k, v along the output dimension.
 * ``llama`` (``LlamaForCausalLM``): RMSNorm, rotary (rotate_half layout, as ours), SwiGLU, optional
-  llama3 ``rope_scaling``. Parameter names differ from ours only by renaming.
-* ``mixtral`` (``MixtralForCausalLM``): a llama shape whose MLPs are experts: ``block_sparse_moe.gate`` is our
-  ``mlp.router``, ``experts.N.w1`` / ``w3`` / ``w2`` expert N's gate / up / down projections.
+  llama3 ``rope_scaling``. Parameter names differ from ours only by renaming. ``mistral`` is the same with a
+  ``sliding_window``.
+* ``gptj``: parallel attention + MLP under one LayerNorm, partial rotary in GPT-J's interleaved layout, an LM
+  head with a bias.
+* ``gpt_neox``, ``falcon`` and ``mpt`` fuse q, k, v into one matrix (``query_key_value`` / ``Wqkv``): GPT-NeoX
+  as [q, k, v] per head, Falcon as [its query heads, k, v] per key/value head (multi-query: one group), MPT as
+  plain [q; k; v]. GPT-NeoX has partial rotary and (optionally) a parallel residual, Falcon parallel blocks
+  with one or two norms, MPT ALiBi and bias-free LayerNorms.
 
 Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
 ``pytorch_model.bin`` files are refused, never unpickled.
@@ -28,11 +33,11 @@ from torch import Tensor
 
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig, RopeScaling
-from waferscale.models.layers import Attention, CausalLM, rope_inv_freq
+from waferscale.models.layers import Attention, CausalLM
 from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -70,16 +75,95 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(**{k: float(rs[k]) for k in keys[:3]}, original_max_position_embeddings=int(rs[keys[3]]))
 
 
-def _mixtral_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Mixtral: Llama's config.json keys (attention, rotary, norms) and the experts'."""
-    if float(hf.get("router_jitter_noise") or 0.0):
-        raise CheckpointError(f"mixtral router_jitter_noise {hf['router_jitter_noise']} is not supported (training "
-                              f"noise on the router's input); only 0")
-    if hf.get("sliding_window"):
-        raise CheckpointError(f"mixtral sliding_window {hf['sliding_window']} is not supported; only null")
-    return config_from_hf({**hf, "model_type": "llama"}).replace(
-        family="mixtral", n_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))  # (transformers' default)
+def _act_from_hf(mt: str, act: str) -> str:
+    if act not in _GPT2_ACT_FROM_HF:
+        raise CheckpointError(f"{mt} activation {act!r} is not supported; supported: {sorted(_GPT2_ACT_FROM_HF)}")
+    return _GPT2_ACT_FROM_HF[act]
+
+
+def _rotary_dim(hd: int, rot: int | None) -> int | None:
+    """ModelConfig.rotary_dim: None when the whole head rotates."""
+    return None if rot in (None, hd) else rot
+
+
+def _gptj_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    d, nh = int(hf["n_embd"]), int(hf["n_head"])
+    return ModelConfig(
+        name=_hf_name(hf), family="gptj", vocab_size=int(hf["vocab_size"]), n_layer=int(hf["n_layer"]), n_head=nh,
+        d_model=d, d_ff=int(hf["n_inner"]) if hf.get("n_inner") else None, max_seq_len=int(hf["n_positions"]),
+        norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_act_from_hf("gptj", hf.get("activation_function", "gelu_new")), position="rotary",
+        rotary_dim=_rotary_dim(d // nh, hf.get("rotary_dim")), rotary_interleaved=True, block="parallel_shared_norm",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), attn_bias=False, mlp_bias=True, lm_head_bias=True,
+        dropout=float(hf.get("resid_pdrop", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _gpt_neox_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise CheckpointError(f"gpt_neox rope scaling is not supported; config: {rope or hf.get('rope_scaling')}")
+    pct = float(rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)))
+    return ModelConfig(
+        name=_hf_name(hf), family="gpt_neox", vocab_size=int(hf["vocab_size"]), n_layer=int(hf["num_hidden_layers"]),
+        n_head=nh, d_model=d, d_ff=int(hf["intermediate_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        norm="layernorm", norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+        activation=_act_from_hf("gpt_neox", hf.get("hidden_act", "gelu")), position="rotary",
+        rotary_dim=_rotary_dim(d // nh, int(d // nh * pct)),  # int(), as transformers rounds it
+        rope_theta=float(rope.get("rope_theta", hf.get("rotary_emb_base", hf.get("rope_theta", 10000.0)))),
+        block="parallel" if hf.get("use_parallel_residual", True) else "sequential",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), attn_bias=bool(hf.get("attention_bias", True)),
+        mlp_bias=True, dropout=float(hf.get("hidden_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _falcon_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("alibi"):
+        raise CheckpointError("falcon with alibi=true (Falcon-RW) is not supported; rotary Falcon models are")
+    d = int(hf.get("hidden_size") or hf["n_embed"])
+    nh = int(hf.get("num_attention_heads") or hf["n_head"])
+    new, parallel = bool(hf.get("new_decoder_architecture", False)), bool(hf.get("parallel_attn", True))
+    if new and not parallel:
+        raise CheckpointError("falcon with new_decoder_architecture=true needs parallel_attn=true")
+    # transformers reads num_kv_heads only in the new architecture; the old one is multi-query or multi-head
+    nkv = int(hf.get("num_kv_heads") or hf.get("n_head_kv") or nh) if new else \
+        1 if hf.get("multi_query", True) else nh
+    two_norms = new and (hf.get("num_ln_in_parallel_attn") or 2) == 2
+    theta, scaling = _rope_from_hf(hf)
+    bias = bool(hf.get("bias", False))
+    return ModelConfig(
+        name=_hf_name(hf), family="falcon", vocab_size=int(hf["vocab_size"]),
+        n_layer=int(hf.get("num_hidden_layers") or hf["n_layer"]), n_head=nh, n_kv_head=nkv, d_model=d,
+        d_ff=int(hf.get("ffn_hidden_size") or 4 * d), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_act_from_hf("falcon", hf.get("activation", "gelu")), position="rotary", rope_theta=theta,
+        rope_scaling=scaling, block=("parallel" if two_norms else "parallel_shared_norm") if parallel else "sequential",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=bias, mlp_bias=bias,
+        dropout=float(hf.get("hidden_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+
+
+# MPT attn_config entries transformers' MptAttention reads, and the only values we reproduce
+_MPT_ATTN = {"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False, "softmax_scale": None,
+             "prefix_lm": False, "attn_uses_sequence_id": False, "attn_type": "multihead_attention"}
+
+
+def _mpt_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    attn = hf.get("attn_config") or {}
+    bad = {k: attn[k] for k, v in _MPT_ATTN.items() if k in attn and attn[k] != v}
+    if bad:
+        raise CheckpointError(f"mpt attn_config {bad} is not supported; supported: {_MPT_ATTN}")
+    if not hf.get("no_bias", True) or hf.get("logit_scale") is not None or hf.get("expansion_ratio", 4) != 4:
+        raise CheckpointError("mpt with no_bias=false, a logit_scale or expansion_ratio != 4 is not supported "
+                              "(transformers' MPT has no biases, no logit scale and a 4x MLP)")
+    d = int(hf["d_model"])
+    return ModelConfig(
+        name=_hf_name(hf), family="mpt", vocab_size=int(hf["vocab_size"]), n_layer=int(hf["n_layers"]),
+        n_head=int(hf["n_heads"]), d_model=d, d_ff=4 * d, max_seq_len=int(hf.get("max_seq_len", 2048)),
+        norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), norm_bias=False, activation="gelu",
+        position="alibi", tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=False, mlp_bias=False,
+        dropout=float(hf.get("resid_pdrop", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+
+
+_FROM_HF = {"gptj": _gptj_from_hf, "gpt_neox": _gpt_neox_from_hf, "falcon": _falcon_from_hf, "mpt": _mpt_from_hf}
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -87,8 +171,6 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     hf = hf_config
     mt = hf.get("model_type")
     try:
-        if mt == "mixtral":
-            return _mixtral_from_hf(hf)
         if mt == "gpt2":
             act = hf.get("activation_function", "gelu_new")
             if act not in _GPT2_ACT_FROM_HF:
@@ -105,24 +187,27 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
                 activation=_GPT2_ACT_FROM_HF[act], position="learned",
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)), attn_bias=True, mlp_bias=True,
                 dropout=float(hf.get("resid_pdrop", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
-        if mt == "llama":
+        if mt in ("llama", "mistral"):
             if hf.get("hidden_act", "silu") != "silu":
-                raise CheckpointError(f"llama hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+                raise CheckpointError(f"{mt} hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
             d, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             if hf.get("head_dim") not in (None, d // nh):
-                raise CheckpointError(f"llama head_dim {hf['head_dim']} != hidden_size / num_attention_heads "
+                raise CheckpointError(f"{mt} head_dim {hf['head_dim']} != hidden_size / num_attention_heads "
                                       f"({d // nh}); decoupled head sizes are not supported")
             theta, scaling = _rope_from_hf(hf)
             nkv = hf.get("num_key_value_heads")
             return ModelConfig(
-                name=_hf_name(hf), family="llama", vocab_size=int(hf["vocab_size"]),
+                name=_hf_name(hf), family=mt, vocab_size=int(hf["vocab_size"]),
                 n_layer=int(hf["num_hidden_layers"]), n_head=nh, n_kv_head=int(nkv) if nkv else None, d_model=d,
                 d_ff=int(hf["intermediate_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
                 norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
                 position="rotary", rope_theta=theta, rope_scaling=scaling,
+                sliding_window=int(hf["sliding_window"]) if mt == "mistral" and hf.get("sliding_window") else None,
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attn_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
                 dropout=float(hf.get("attention_dropout", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+        if mt in _FROM_HF:
+            return _FROM_HF[mt](hf)
     except KeyError as e:
         raise CheckpointError(f"{mt} config.json lacks the key {e.args[0]!r}") from None
     except ValueError as e:  # ModelConfig validation
@@ -131,39 +216,124 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
                           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def _family_needs(cfg: ModelConfig) -> dict[str, Any]:
+    """What transformers' architecture of `cfg.family` can express: ModelConfig attribute -> required value."""
+    plain = dict(norm="layernorm", norm_bias=True, lm_head_bias=False, sliding_window=None, rotary_interleaved=False,
+                 rotary_dims=cfg.head_dim, position="rotary", kv_heads=cfg.n_head, rope_scaling=None)
+    return {
+        "gptj": {**plain, "rotary_dims": cfg.rotary_dims, "rotary_interleaved": True, "block": "parallel_shared_norm",
+                 "attn_bias": False, "mlp_bias": True, "lm_head_bias": True, "rope_theta": 10000.0},
+        "gpt_neox": {**plain, "rotary_dims": cfg.rotary_dims, "mlp_bias": True,
+                     "block": cfg.block if cfg.block != "parallel_shared_norm" else "parallel or sequential"},
+        "falcon": {**plain, "kv_heads": cfg.kv_heads, "rope_scaling": cfg.rope_scaling, "mlp_bias": cfg.attn_bias},
+        "mpt": {**plain, "norm_bias": False, "position": "alibi", "rotary_dims": 0, "block": "sequential",
+                "attn_bias": False, "mlp_bias": False, "activation": "gelu", "ffn_dim": 4 * cfg.d_model},
+        "mistral": {**plain, "norm": "rmsnorm", "kv_heads": cfg.kv_heads, "sliding_window": cfg.sliding_window,
+                    "activation": "swiglu", "block": "sequential", "attn_bias": False, "mlp_bias": False,
+                    "rope_scaling": cfg.rope_scaling},
+    }[cfg.family]
+
+
 def _hf_model_type(cfg: ModelConfig) -> str:
-    """Which HF architecture expresses this config exactly (decided by structure, not by the family label)."""
-    if cfg.n_experts:  # Mixtral: experts on a bias-free Llama shape
-        try:
-            dense = _hf_model_type(cfg.replace(n_experts=0))
-        except CheckpointError:
-            dense = None
-        if dense != "llama" or cfg.attn_bias or cfg.mlp_bias:
-            raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face mixtral: it needs experts on "
-                                  f"a llama shape without biases (rmsnorm, rotary, swiglu; has norm={cfg.norm}, "
-                                  f"position={cfg.position}, activation={cfg.activation}, attn_bias={cfg.attn_bias}, "
-                                  f"mlp_bias={cfg.mlp_bias})")
-        return "mixtral"
-    if (cfg.norm, cfg.position) == ("layernorm", "learned") and cfg.activation in _GPT2_ACT_TO_HF \
+    """Which HF architecture expresses this config exactly: the family's own for GPT-J, GPT-NeoX, Falcon, MPT and
+    Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes)."""
+    if cfg.family in _FAMILY_TYPES:
+        needs = _family_needs(cfg)
+        if cfg.family in ("gptj", "gpt_neox", "falcon") and cfg.activation not in _GPT2_ACT_TO_HF:
+            needs["activation"] = " or ".join(_GPT2_ACT_TO_HF)
+        off = [f"{k}={v!r} (has {getattr(cfg, k)!r})" for k, v in needs.items() if getattr(cfg, k) != v]
+        if cfg.family == "falcon" and cfg.block == "sequential" and cfg.kv_heads not in (1, cfg.n_head):
+            off.append(f"grouped-query attention ({cfg.kv_heads} kv heads) with parallel blocks (has sequential)")
+        if off:
+            raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face {cfg.family}: it needs "
+                                  + "; ".join(off))
+        return cfg.family
+    plain = (cfg.block, cfg.rotary_dims in (0, cfg.head_dim), cfg.rotary_interleaved, cfg.norm_bias,
+             cfg.lm_head_bias, cfg.sliding_window) == ("sequential", True, False, True, False, None)
+    if plain and (cfg.norm, cfg.position) == ("layernorm", "learned") and cfg.activation in _GPT2_ACT_TO_HF \
             and cfg.attn_bias and cfg.mlp_bias:
         return "gpt2"
-    if (cfg.norm, cfg.position, cfg.activation) == ("rmsnorm", "rotary", "swiglu"):
+    if plain and (cfg.norm, cfg.position, cfg.activation) == ("rmsnorm", "rotary", "swiglu"):
         return "llama"
     raise CheckpointError(
-        f"model {cfg.name!r} (norm={cfg.norm}, position={cfg.position}, activation={cfg.activation}, "
-        f"attn_bias={cfg.attn_bias}, mlp_bias={cfg.mlp_bias}) has no Hugging Face equivalent; exportable are "
-        "GPT-2 shapes (layernorm, learned positions, gelu/gelu_tanh/relu, biases) and Llama shapes "
-        "(rmsnorm, rotary, swiglu)")
+        f"model {cfg.name!r} (family={cfg.family}, norm={cfg.norm}, position={cfg.position}, "
+        f"activation={cfg.activation}, block={cfg.block}, attn_bias={cfg.attn_bias}, mlp_bias={cfg.mlp_bias}) has "
+        "no Hugging Face equivalent; exportable are GPT-2 shapes (layernorm, learned positions, gelu/gelu_tanh/relu, "
+        "biases), Llama shapes (rmsnorm, rotary, swiglu) and the families " + ", ".join(_FAMILY_TYPES))
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """rope_theta / rope_scaling (transformers 4.x) and rope_parameters (5.x)."""
+    scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    rope = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": rope}
+
+
+def _gptj_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+        "n_inner": cfg.d_ff, "rotary_dim": cfg.rotary_dims, "activation_function": _GPT2_ACT_TO_HF[cfg.activation],
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "waferscale_name": cfg.name,
+    }
+
+
+def _gpt_neox_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    pct = cfg.rotary_dims / cfg.head_dim
+    if int(cfg.head_dim * pct) != cfg.rotary_dims:
+        raise CheckpointError(f"model {cfg.name!r}: rotary_dim {cfg.rotary_dims} is not a fraction of head_dim "
+                              f"{cfg.head_dim} that transformers' GPT-NeoX (int(head_dim * rotary_pct)) reproduces")
+    return {
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "hidden_act": _GPT2_ACT_TO_HF[cfg.activation],
+        "rotary_pct": pct, "rotary_emb_base": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": pct},
+        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "layer_norm_eps": cfg.norm_eps, "use_parallel_residual": cfg.block == "parallel",
+        "attention_bias": cfg.attn_bias, "attention_dropout": cfg.dropout, "hidden_dropout": cfg.dropout,
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "waferscale_name": cfg.name,
+    }
+
+
+def _falcon_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    # The old architecture holds multi-head or multi-query attention with one norm; anything else is the new one.
+    old = cfg.block != "parallel" and cfg.kv_heads in (1, cfg.n_head)
+    return {
+        "architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "ffn_hidden_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_kv_heads": cfg.kv_heads, "new_decoder_architecture": not old,
+        "multi_query": old and cfg.kv_heads == 1, "parallel_attn": cfg.block != "sequential",
+        "num_ln_in_parallel_attn": None if old else 2 if cfg.block == "parallel" else 1, "alibi": False,
+        "bias": cfg.attn_bias, "activation": _GPT2_ACT_TO_HF[cfg.activation], "layer_norm_epsilon": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, **_rope_to_hf(cfg), "hidden_dropout": cfg.dropout,
+        "attention_dropout": cfg.dropout, "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "waferscale_name": cfg.name,
+    }
+
+
+def _mpt_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["MptForCausalLM"], "model_type": "mpt", "vocab_size": cfg.vocab_size,
+        "d_model": cfg.d_model, "n_heads": cfg.n_head, "n_layers": cfg.n_layer, "expansion_ratio": 4,
+        "max_seq_len": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps, "no_bias": True, "learned_pos_emb": False,
+        # transformers 5 types attn_pdrop as int: a float 0.0 fails its validation, so no dropout is written 0
+        "attn_config": {**_MPT_ATTN, "attn_pdrop": cfg.dropout or 0}, "resid_pdrop": cfg.dropout,
+        "emb_pdrop": cfg.dropout,
+        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+        "waferscale_name": cfg.name,
+    }
+
+
+_FAMILY_TYPES = {"gptj": _gptj_to_hf, "gpt_neox": _gpt_neox_to_hf, "falcon": _falcon_to_hf, "mpt": _mpt_to_hf,
+                 "mistral": None}  # mistral: the llama config and a sliding window
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> a config.json dict that `transformers.AutoConfig` reads (4.x legacy keys and 5.x keys)."""
     mt = _hf_model_type(cfg)
-    if mt == "mixtral":
-        return {**config_to_hf(cfg.replace(family="llama", n_experts=0)), "architectures": ["MixtralForCausalLM"],
-                "model_type": "mixtral", "num_local_experts": cfg.n_experts,
-                "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
-                "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
     if mt == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -177,6 +347,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "bos_token_id": 50256 if cfg.vocab_size == 50257 else None,
             "eos_token_id": 50256 if cfg.vocab_size == 50257 else None,
         }
+    if _FAMILY_TYPES.get(mt):
+        return _FAMILY_TYPES[mt](cfg)
+    if mt == "mistral":
+        return {**config_to_hf(cfg.replace(family="llama", sliding_window=None)),
+                "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": cfg.sliding_window}
     scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     rope = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     return {
@@ -204,33 +379,74 @@ def _conv1d(hf_name: str, t: Tensor) -> Tensor:
 
 
 def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(our name, HF name) of every tensor but GPT-2's packed c_attn, biases included whether the model has them
-    or not; `lm_head` only when it is not tied (HF does not save a tied head)."""
-    if _hf_model_type(cfg) == "gpt2":
+    """(our name, HF name) of every tensor but the packed q/k/v (GPT-2, GPT-NeoX, Falcon, MPT), biases included
+    whether the model has them or not; `lm_head` only when it is not tied (HF does not save a tied head) but its
+    bias (GPT-J's) either way."""
+    mt, head = _hf_model_type(cfg), "lm_head"
+    if mt == "gpt2":
         modules = [("embed.tok", "transformer.wte"), ("embed.pos", "transformer.wpe"),
                    ("head.norm", "transformer.ln_f")]
         layers = "transformer.h"
         per_layer = [("attn_norm", "ln_1"), ("mlp_norm", "ln_2"), ("attn.o_proj", "attn.c_proj"),
                      ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")]
+    elif mt in _LAYOUTS:
+        emb, final_norm, head, layers, per_layer = _LAYOUTS[mt]
+        modules = [("embed.tok", emb), ("head.norm", final_norm)]
+        per_layer = [*_FALCON_NORMS[cfg.block], *per_layer] if mt == "falcon" else per_layer
     else:
         modules = [("embed.tok", "model.embed_tokens"), ("head.norm", "model.norm")]
         layers = "model.layers"
         per_layer = [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
                      *((f"attn.{n}_proj", f"self_attn.{n}_proj") for n in "qkvo"),
-                     *(_moe_renames(cfg) if cfg.n_experts else
-                       ((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down")))]
+                     *((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down"))]
     modules += [(f"blocks.{i}.{ours}", f"{layers}.{i}.{theirs}")
                 for i in range(cfg.n_layer) for ours, theirs in per_layer]
     if not cfg.tie_embeddings:
-        modules.append(("head.lm_head", "lm_head"))
-    return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+        modules.append(("head.lm_head", head))
+    pairs = [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+    return pairs if not cfg.tie_embeddings else [*pairs, ("head.lm_head.bias", f"{head}.bias")]
 
 
-def _moe_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """A Mixtral layer's router and experts: w1 is the gate projection, w3 the up and w2 the down projection."""
-    return [("mlp.router", "block_sparse_moe.gate"),
-            *((f"mlp.experts.{e}.{ours}_proj", f"block_sparse_moe.experts.{e}.{w}")
-              for e in range(cfg.n_experts) for ours, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")))]
+# model type -> (token embedding, final norm, LM head, layer list, per-layer (ours, theirs) module names)
+_LAYOUTS: dict[str, tuple[str, str, str, str, list[tuple[str, str]]]] = {
+    "gptj": ("transformer.wte", "transformer.ln_f", "lm_head", "transformer.h", [
+        ("attn_norm", "ln_1"), *((f"attn.{n}_proj",) * 2 for n in "qkv"), ("attn.o_proj", "attn.out_proj"),
+        ("mlp.up_proj", "mlp.fc_in"), ("mlp.down_proj", "mlp.fc_out")]),
+    "gpt_neox": ("gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out", "gpt_neox.layers", [
+        ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"), ("attn.o_proj", "attention.dense"),
+        ("mlp.up_proj", "mlp.dense_h_to_4h"), ("mlp.down_proj", "mlp.dense_4h_to_h")]),
+    "falcon": ("transformer.word_embeddings", "transformer.ln_f", "lm_head", "transformer.h", [
+        ("attn.o_proj", "self_attention.dense"), ("mlp.up_proj", "mlp.dense_h_to_4h"),
+        ("mlp.down_proj", "mlp.dense_4h_to_h")]),
+    "mpt": ("transformer.wte", "transformer.norm_f", "lm_head", "transformer.blocks", [
+        ("attn_norm", "norm_1"), ("mlp_norm", "norm_2"), ("attn.o_proj", "attn.out_proj"),
+        ("mlp.up_proj", "ffn.up_proj"), ("mlp.down_proj", "ffn.down_proj")]),
+}
+_FALCON_NORMS = {"sequential": [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")],
+                 "parallel": [("attn_norm", "ln_attn"), ("mlp_norm", "ln_mlp")],
+                 "parallel_shared_norm": [("attn_norm", "input_layernorm")]}
+_FUSED_QKV = {"gpt_neox": "attention.query_key_value", "falcon": "self_attention.query_key_value",
+              "mpt": "attn.Wqkv"}
+
+
+def _qkv_groups(cfg: ModelConfig, mt: str) -> int:
+    """How many [q heads, k, v] runs the fused matrix holds: one per head (GPT-NeoX), per kv head (Falcon), or
+    one (MPT: [q; k; v])."""
+    return {"gpt_neox": cfg.n_head, "falcon": cfg.kv_heads, "mpt": 1}[mt]
+
+
+def _join_qkv(q: Tensor, k: Tensor, v: Tensor, groups: int) -> Tensor:
+    """q (nh*hd, ...), k and v (nkv*hd, ...) -> the fused rows ((nh + 2 nkv) hd, ...), `groups` runs of
+    [their query rows, key rows, value rows]."""
+    rest = q.shape[1:]
+    return torch.cat([t.reshape(groups, -1, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(t: Tensor, cfg: ModelConfig, groups: int) -> list[Tensor]:
+    """Inverse of _join_qkv: the fused rows -> [q (nh*hd, ...), k (nkv*hd, ...), v (nkv*hd, ...)]."""
+    rest = t.shape[1:]
+    sizes = [n * cfg.head_dim // groups for n in (cfg.n_head, cfg.kv_heads, cfg.kv_heads)]
+    return [x.reshape(-1, *rest).contiguous() for x in t.reshape(groups, -1, *rest).split(sizes, dim=1)]
 
 
 def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -238,8 +454,16 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
     With tied embeddings `lm_head.weight` is omitted, as HF saves it.
     """
-    out = {theirs: _conv1d(theirs, sd[ours]) for ours, theirs in _renames(cfg) if ours in sd}
-    if _hf_model_type(cfg) == "gpt2":
+    mt = _hf_model_type(cfg)
+    out = {theirs: _conv1d(theirs, sd[ours]) if mt == "gpt2" else sd[ours] for ours, theirs in _renames(cfg)
+           if ours in sd}
+    if mt in _FUSED_QKV:
+        for i, p in ((i, p) for i in range(cfg.n_layer) for p in ("weight", "bias")):
+            b = f"blocks.{i}.attn."
+            if f"{b}q_proj.{p}" in sd:
+                out[f"{_LAYOUTS[mt][3]}.{i}.{_FUSED_QKV[mt]}.{p}"] = _join_qkv(
+                    *(sd[f"{b}{n}_proj.{p}"] for n in "qkv"), _qkv_groups(cfg, mt))
+    if mt == "gpt2":
         for i in range(cfg.n_layer):
             b, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
             out[h + "weight"] = _t(torch.cat([sd[f"{b}{n}_proj.weight"] for n in "qkv"]))  # 3 x (C, C) -> (C, 3C)
@@ -249,11 +473,15 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None:
     """Full `*ForCausalLM` name for `key`, or None for entries HF itself ignores (buffers, tied head)."""
-    root = "transformer." if model_type == "gpt2" else "model."
-    if not key.startswith((root, "lm_head.")):
-        key = root + key  # saved from the bare GPT2Model / LlamaModel
-    ignored = (model_type == "gpt2" and re.search(r"\.attn\.(masked_)?bias$", key)  # old GPT-2 causal masks
-               or key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and cfg.tie_embeddings))
+    root = "model." if model_type in ("llama", "mistral") else \
+        "gpt_neox." if model_type == "gpt_neox" else "transformer."
+    head = _LAYOUTS[model_type][2] if model_type in _LAYOUTS else "lm_head"
+    if model_type == "gpt_neox" and key.startswith("lm_head."):
+        key = "embed_out." + key.removeprefix("lm_head.")  # transformers>=5 names GPT-NeoX's head lm_head
+    if not key.startswith((root, f"{head}.")):
+        key = root + key  # saved from the bare model (GPT2Model, LlamaModel, ...)
+    ignored = (re.search(r"\.(attn|attention)\.(masked_)?bias$", key)  # causal masks of old GPT-2/J/NeoX files
+               or key.endswith("rotary_emb.inv_freq") or (key == f"{head}.weight" and cfg.tie_embeddings))
     return None if ignored else key
 
 
@@ -286,7 +514,14 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
     mt = _hf_model_type(cfg)
     norm = {nk: v for k, v in sd.items() if (nk := _normalize_hf_key(k, mt, cfg)) is not None}
     _check_against(norm, state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg), cfg, where)
-    out = {ours: _conv1d(theirs, norm[theirs]) for ours, theirs in _renames(cfg) if theirs in norm}
+    out = {ours: _conv1d(theirs, norm[theirs]) if mt == "gpt2" else norm[theirs] for ours, theirs in _renames(cfg)
+           if theirs in norm}
+    if mt in _FUSED_QKV:
+        for i, p in ((i, p) for i in range(cfg.n_layer) for p in ("weight", "bias")):
+            fused = norm.get(f"{_LAYOUTS[mt][3]}.{i}.{_FUSED_QKV[mt]}.{p}")
+            if fused is not None:
+                for n, t in zip("qkv", _split_qkv(fused, cfg, _qkv_groups(cfg, mt))):
+                    out[f"blocks.{i}.attn.{n}_proj.{p}"] = t
     if mt == "gpt2":
         for i in range(cfg.n_layer):
             b, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
@@ -316,8 +551,8 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
     if cfg.tie_embeddings:  # assign=True replaced the two references separately
         model.head.lm_head.weight = model.embed.tok.weight
     for m in model.modules():  # non-persistent buffers are computed, not stored
-        if isinstance(m, Attention) and m.rotary:
-            m.inv_freq = rope_inv_freq(m.hd, cfg.rope_theta, cfg.rope_scaling, device=device)
+        if isinstance(m, Attention):
+            m.init_buffers(device)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise RuntimeError(f"model_from_state_dict left tensors on the meta device: {still_meta[:5]}")

@@ -1,7 +1,8 @@
-"""Building blocks shared by the GPT and Llama families: norms, rotary embeddings, attention, MLPs, the block.
+"""Building blocks shared by every decoder family: norms, rotary embeddings, ALiBi, attention, MLPs, the block.
 
-Every block is pre-norm: x = x + attn(norm(x)); x = x + mlp(norm(x)). Shapes: B batch, T time, C d_model,
-nh query heads, nkv key/value heads, hd head_dim.
+Every block is pre-norm: x = x + attn(norm(x)); x = x + mlp(norm(x)), or with parallel attention and MLP
+(`cfg.block`) x = x + attn(norm1(x)) + mlp(norm2(x)). Shapes: B batch, T time, C d_model, nh query heads,
+nkv key/value heads, hd head_dim, S key positions.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
 
 
-# ---- rotary position embeddings (Hugging Face "rotate_half" layout) ------------------------------------
+# ---- rotary position embeddings (Hugging Face "rotate_half" layout, or GPT-J's interleaved pairs) -----------
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, device=None) -> Tensor:
     """(hd/2,) inverse frequencies; with Llama-3.1 scaling, low frequencies are divided by `factor`."""
@@ -52,19 +53,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, devi
     return scaled.float()
 
 
-def rope_cos_sin(inv_freq: Tensor, start: int, length: int) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (T, hd) for positions start .. start+T-1."""
+def rope_cos_sin(inv_freq: Tensor, start: int, length: int, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (T, hd) for positions start .. start+T-1 (hd = 2 * len(inv_freq), the rotated dims)."""
     pos = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)  # (T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)  # (T, hd)
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, n, T, hd); cos/sin: (T, hd)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """x: (B, n, T, hd); cos/sin: (T, hd). Pairs (i, i + hd/2) rotate together, or (2i, 2i+1) if interleaved."""
+    if interleaved:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """(nh,) ALiBi slopes (Press et al. 2022): 2^(-8i/n), i = 1..n, for n = 2^k heads; other head counts take the
+    slopes of the power of two below, then the ones between them from the power above (as MPT and BLOOM)."""
+    n = 2 ** math.ceil(math.log2(n_head))
+    slopes = 2.0 ** (-8.0 * torch.arange(1, n + 1, dtype=torch.float64) / n)
+    if n != n_head:
+        slopes = torch.cat((slopes[1::2], slopes[::2]))[:n_head]
+    return slopes.float()
 
 
 # ---- KV cache ------------------------------------------------------------------------------------------
@@ -93,16 +107,50 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.n_head, self.n_kv, self.hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, self.n_head * self.hd, bias=cfg.attn_bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.attn_bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.hd, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.d_model, bias=cfg.attn_bias)
         self.dropout = cfg.dropout
-        self.rotary = cfg.position == "rotary"
+        self.rotary, self.rot_dim, self.interleaved = cfg.position == "rotary", cfg.rotary_dims, cfg.rotary_interleaved
+        self.alibi, self.window = cfg.position == "alibi", cfg.sliding_window
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """The non-persistent buffers (rotary frequencies, ALiBi slopes), computed on the CPU, moved to `device`."""
+        cfg = self.cfg
         if self.rotary:
-            self.register_buffer("inv_freq", rope_inv_freq(self.hd, cfg.rope_theta, cfg.rope_scaling),
-                                 persistent=False)
+            inv = rope_inv_freq(self.rot_dim, cfg.rope_theta, cfg.rope_scaling)
+            self.register_buffer("inv_freq", inv.to(device) if device is not None else inv, persistent=False)
+        if self.alibi:
+            slopes = alibi_slopes(self.n_head)
+            self.register_buffer("slopes", slopes.to(device) if device is not None else slopes, persistent=False)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.rot_dim == self.hd:
+            return apply_rope(x, cos, sin, self.interleaved)
+        rot, keep = x.split((self.rot_dim, self.hd - self.rot_dim), dim=-1)  # partial rotary: the rest pass through
+        return torch.cat((apply_rope(rot, cos, sin, self.interleaved), keep), dim=-1)
+
+    def _mask(self, start_pos: int, T: int, S: int, k_start: int, dtype: torch.dtype,
+              device: torch.device) -> tuple[Tensor | None, bool]:
+        """(attn_mask, is_causal) for T queries at start_pos.. over S keys at k_start.."""
+        if not (self.alibi or self.window):
+            if S == T:
+                return None, True
+            qpos = torch.arange(start_pos, start_pos + T, device=device)[:, None]  # queries sit later in the keys
+            return qpos >= torch.arange(S, device=device)[None, :], False  # (T, S)
+        rel = (torch.arange(k_start, k_start + S, device=device)[None, :]
+               - torch.arange(start_pos, start_pos + T, device=device)[:, None])  # (T, S) key - query position
+        allowed = rel <= 0
+        if self.window:
+            allowed &= rel > -self.window
+        if not self.alibi:
+            return allowed, False
+        bias = self.slopes[:, None, None] * rel.float()  # (nh, T, S): linear in distance, 0 on the diagonal
+        return bias.masked_fill(~allowed, float("-inf")).to(dtype), False
 
     def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
         B, T, C = x.shape
@@ -110,16 +158,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         if self.rotary:
-            cos, sin = rope_cos_sin(self.inv_freq, start_pos, T)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, sin = rope_cos_sin(self.inv_freq, start_pos, T, self.interleaved)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(start_pos, k, v)  # (B, nkv, start_pos+T, hd)
-        S = k.shape[2]
-        if S == T:
-            mask, causal = None, True
-        else:  # queries sit at positions start_pos.. of a longer key sequence
-            qpos = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
-            mask, causal = qpos >= torch.arange(S, device=x.device)[None, :], False  # (T, S)
+        first = start_pos + T - k.shape[2]  # position of key 0: 0 with a cache, start_pos without
+        if self.window:  # keys older than the first query's window are seen by no query: leave them out
+            drop = max(0, start_pos + 1 - self.window - first)
+            k, v, first = k[:, :, drop:], v[:, :, drop:], first + drop  # (B, nkv, S, hd)
+        mask, causal = self._mask(start_pos, T, k.shape[2], first, q.dtype, x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv != self.n_head)  # (B, nh, T, hd)
@@ -211,14 +258,19 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.parallel = cfg.block != "sequential"
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
+        self.mlp_norm = None if cfg.block == "parallel_shared_norm" else make_norm(cfg)
         self.moe = cfg.n_experts > 0
         self.mlp = MoE(cfg) if self.moe else SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
+        if self.parallel:  # attention and MLP both read the block's input
+            h = self.attn_norm(x)
+            m = h if self.mlp_norm is None else self.mlp_norm(x)
+            return x + self.drop(self.attn(h, start_pos, kv_cache)) + self.drop(self.mlp(m))
         x = x + self.drop(self.attn(self.attn_norm(x), start_pos, kv_cache))
         if self.moe:  # the router's statistics leave beside the activations (see CausalLM.forward_aux)
             y, stats = self.mlp(self.mlp_norm(x))
@@ -229,7 +281,7 @@ class Block(nn.Module):
 # ---- the three kinds of streamable unit and the model that chains them ---------------------------------
 
 class Embedding(nn.Module):
-    """Unit 0: token ids (B, T) -> activations (B, T, C); learned positions for the GPT family."""
+    """Unit 0: token ids (B, T) -> activations (B, T, C); learned positions where the config has them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -254,7 +306,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))
@@ -299,7 +351,6 @@ class CausalLM(nn.Module):
         engine calls it with each micro-batch's): the router's weighted load-balancing loss."""
         return self.config.router_aux_loss_coef * load_balancing_loss(stats)
 
-
     def make_kv_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> list[KVCache]:
         cfg = self.config
@@ -323,12 +374,10 @@ class CausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def init_buffers(self, device: torch.device | str = "cpu") -> None:
-        """Compute the non-persistent buffers (rotary frequencies) on the CPU and move them to `device`: a model
-        built on the meta device gets real ones."""
-        cfg = self.config
+        """Compute the non-persistent buffers (rotary frequencies, ALiBi slopes) on the CPU and move them to
+        `device`: a model built on the meta device gets real ones."""
         for block in self.blocks:
-            if block.attn.rotary:
-                block.attn.inv_freq = rope_inv_freq(block.attn.hd, cfg.rope_theta, cfg.rope_scaling).to(device)
+            block.attn.init_buffers(device)
 
 
 def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

@@ -9,13 +9,18 @@ import torch
 
 from waferscale.errors import ConfigError
 
-from waferscale.models import gpt, llama, mixtral
+from waferscale.models import falcon, gpt, gpt_neox, gptj, llama, mistral, mixtral, mpt
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM
 
-PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS, **mixtral.PRESETS}
-ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES, **mixtral.ALIASES}
-FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama, "mixtral": mixtral.Mixtral}
+_DECODERS = (gptj, gpt_neox, falcon, mpt, mistral)
+PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS, **mixtral.PRESETS,
+                                   **{k: v for m in _DECODERS for k, v in m.PRESETS.items()}}
+ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES, **mixtral.ALIASES,
+                           **{k: v for m in _DECODERS for k, v in m.ALIASES.items()}}
+FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama, "mixtral": mixtral.Mixtral,
+                                             "gptj": gptj.GPTJ, "gpt_neox": gpt_neox.GPTNeoX, "falcon": falcon.Falcon,
+                                             "mpt": mpt.MPT, "mistral": mistral.Mistral}
 
 # Above this many parameters, `from_name(..., device="auto")` builds on the meta device: shapes and counts
 # without memory. 1 B fp32 parameters = 4 GB, a sixth of this machine's RAM.

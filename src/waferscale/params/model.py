@@ -8,6 +8,12 @@ Our extensions to the Model Zoo keys (all optional):
                           ('smollm2-135m-instruct'), a Hugging Face model dir, or a .gguf file
     model.rope_scaling    {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
                           (same meaning as Model Zoo's pos_scaling_type: llama3 + pos_scaling_*)
+
+Model Zoo runs GPT-J, GPT-NeoX and Falcon as one model (`name: gptj` or `falcon`): parallel attention + MLP
+blocks, with one LayerNorm or, under `use_untied_layer_norm: true`, one per branch. Which of our families a
+config is follows from its structure: ALiBi -> MPT; parallel blocks -> Falcon (named so, or grouped-query),
+else GPT-NeoX (two norms) or GPT-J (one norm, rotating GPT-J's interleaved pairs); a sliding window on a SwiGLU
+model -> Mistral.
 """
 
 from __future__ import annotations
@@ -99,13 +105,13 @@ class ModelParams:
     max_position_embeddings: int | None = None
     extra_attention_params: ExtraAttentionParams | None = None
     # structure
-    position_embedding_type: Literal["learned", "rotary"] | None = None
+    position_embedding_type: Literal["learned", "rotary", "alibi"] | None = None
     share_embedding_weights: bool | None = None
     nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu", "swiglu"] | None = None
-    norm_type: Literal["layernorm", "rmsnorm"] | None = None
+    norm_type: Literal["layernorm", "rmsnorm", "biasless-layernorm"] | None = None
     layer_norm_epsilon: float | None = None
     rope_theta: float | None = None
-    rotary_dim: int | None = None  # must equal the head dim (partial rotary is not supported)
+    rotary_dim: int | None = None  # dims of each head that rotate (fewer than the head dim: partial rotary)
     rope_scaling: RopeScaling | None = None
     pos_scaling_type: Literal["llama3", "linear"] | None = None
     pos_scaling_factor: float | None = None
@@ -113,7 +119,9 @@ class ModelParams:
     use_projection_bias_in_attention: bool | None = None  # q/k/v biases
     use_ffn_bias_in_attention: bool | None = None  # attention output-projection bias
     use_ffn_bias: bool | None = None
-    use_bias_in_output: bool = False
+    use_bias_in_output: bool | None = None  # a bias on the LM head (GPT-J)
+    use_untied_layer_norm: bool | None = None  # set: parallel attention + MLP, each with its own norm if true
+    attention_sliding_window_length: int | None = None  # attend to this many latest positions (Mistral)
     use_position_embedding: bool = True
     embedding_layer_norm: bool = False
     attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
@@ -121,6 +129,7 @@ class ModelParams:
     # regularization and init
     dropout_rate: float | None = None
     embedding_dropout_rate: float | None = None
+    residual_dropout_rate: float | None = None  # the GPT-J model's name for dropout_rate
     attention_dropout_rate: float | None = None
     initializer_range: float | None = None
     # loss and precision
@@ -184,9 +193,13 @@ class ModelParams:
             "n_head": self.num_heads, "n_kv_head": kv, "d_ff": self.filter_size,
             "max_seq_len": self.max_position_embeddings, "position": self.position_embedding_type,
             "tie_embeddings": self.share_embedding_weights, "activation": _NONLINEARITY.get(self.nonlinearity or ""),
-            "norm": self.norm_type, "norm_eps": self.layer_norm_epsilon, "rope_theta": self.rope_theta,
+            "norm": "layernorm" if self.norm_type == "biasless-layernorm" else self.norm_type,
+            "norm_bias": False if self.norm_type == "biasless-layernorm" else None,
+            "norm_eps": self.layer_norm_epsilon, "rope_theta": self.rope_theta,
             "rope_scaling": self._rope_scaling(), "attn_bias": self._attn_bias(), "mlp_bias": self.use_ffn_bias,
-            "dropout": self.dropout_rate, "init_std": self.initializer_range, **self._moe(),
+            "dropout": self._dropout(), "init_std": self.initializer_range, **self._moe(),
+            "lm_head_bias": self.use_bias_in_output, "block": self._block(),
+            "sliding_window": self.attention_sliding_window_length,
         }
         o = {k: v for k, v in zoo.items() if v is not None}  # overrides of the preset / defaults
 
@@ -205,26 +218,52 @@ class ModelParams:
         try:
             cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
                 registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
+            cfg = self._decoder_shape(cfg)
         except ValueError as e:  # ModelConfig's own shape checks, in Model Zoo's key names
             raise FieldError("", _zoo_names(str(e))) from None
         if preset is None and self.name is None:  # name an explicit shape after the preset it equals, if any
             cfg = next((p for p in registry.PRESETS.values() if _explicit(cfg.replace(name=p.name)) == _explicit(p)),
                        cfg)
-        if self.rotary_dim is not None and cfg.position == "rotary" and self.rotary_dim != cfg.head_dim:
-            raise FieldError("rotary_dim", f"{self.rotary_dim} differs from the head dim {cfg.head_dim} "
-                             f"(hidden_size / num_heads); partial rotary embeddings are not supported")
         return cfg
 
+    def _block(self) -> str | None:
+        """ModelConfig.block: Model Zoo's GPT-J model (named, or told by use_untied_layer_norm) is parallel."""
+        label = (self.name or "").lower()
+        if self.use_untied_layer_norm is not None:
+            return "parallel" if self.use_untied_layer_norm else "parallel_shared_norm"
+        if label in ("gptj", "falcon"):
+            return "parallel_shared_norm"
+        return "parallel" if label in ("gpt-neox", "gpt_neox") else None
+
+    def _decoder_shape(self, cfg: ModelConfig) -> ModelConfig:
+        """Partial rotary, then the decoder family the structure describes (the module docstring's rule)."""
+        if self.rotary_dim is not None and cfg.position == "rotary":
+            cfg = cfg.replace(rotary_dim=None if self.rotary_dim == cfg.head_dim else self.rotary_dim)
+        if cfg.family not in ("gpt", "llama"):  # experts decided it (mixtral)
+            return cfg
+        if cfg.position == "alibi":
+            return cfg.replace(family="mpt")
+        if cfg.block != "sequential":
+            if (self.name or "").lower() == "falcon" or cfg.kv_heads < cfg.n_head:
+                return cfg.replace(family="falcon")
+            if cfg.block == "parallel":
+                return cfg.replace(family="gpt_neox")
+            return cfg.replace(family="gptj", rotary_interleaved=cfg.position == "rotary")
+        if cfg.sliding_window and cfg.activation == "swiglu":
+            return cfg.replace(family="mistral")
+        return cfg
+
+    def _dropout(self) -> float | None:
+        return self.dropout_rate if self.dropout_rate is not None else self.residual_dropout_rate
+
     def _refuse_unsupported(self) -> None:
-        if self.use_bias_in_output:
-            raise FieldError("use_bias_in_output", "true is not supported (the LM head has no bias); set false")
         if not self.use_position_embedding:
             raise FieldError("use_position_embedding", "false is not supported; use position_embedding_type "
                              "learned or rotary")
         if self.embedding_layer_norm:
             raise FieldError("embedding_layer_norm", "true is not supported; set false")
-        for key in ("embedding_dropout_rate", "attention_dropout_rate"):
-            value, dropout = getattr(self, key), self.dropout_rate or 0.0
+        for key in ("embedding_dropout_rate", "attention_dropout_rate", "residual_dropout_rate"):
+            value, dropout = getattr(self, key), self._dropout() or 0.0
             if value is not None and value != dropout:
                 raise FieldError(key, f"{value} differs from dropout_rate {dropout}; one dropout rate is used "
                                  f"everywhere, set {key} equal to dropout_rate")

@@ -170,7 +170,7 @@ class RunConfig:
         "log_summaries": "metrics.jsonl always has loss, lr and grad norm",
         "enable_distributed": "distributed runs follow num_csx",
         **dict.fromkeys(("python_paths", "mount_dirs", "credentials_path", "mgmt_address", "job_labels",
-                         "num_workers_per_csx"), "appliance-mode setting"),
+                         "num_workers_per_csx", "execute_crd_memory_gi"), "appliance-mode setting"),
     }
 
     def __post_init__(self) -> None:
