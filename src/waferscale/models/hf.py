@@ -13,6 +13,8 @@ These HF architectures map onto the zoo:
   as [q, k, v] per head, Falcon as [its query heads, k, v] per key/value head (multi-query: one group), MPT as
   plain [q; k; v]. GPT-NeoX has partial rotary and (optionally) a parallel residual, Falcon parallel blocks
   with one or two norms, MPT ALiBi and bias-free LayerNorms.
+* ``mixtral`` (``MixtralForCausalLM``): a mistral whose MLPs are experts: ``block_sparse_moe.gate`` is our
+  ``mlp.router``, ``experts.N.w1`` / ``w3`` / ``w2`` expert N's gate / up / down projections.
 
 Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
 ``pytorch_model.bin`` files are refused, never unpickled.
@@ -37,7 +39,7 @@ from waferscale.models.layers import Attention, CausalLM
 from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -166,11 +168,23 @@ def _mpt_from_hf(hf: dict[str, Any]) -> ModelConfig:
 _FROM_HF = {"gptj": _gptj_from_hf, "gpt_neox": _gpt_neox_from_hf, "falcon": _falcon_from_hf, "mpt": _mpt_from_hf}
 
 
+def _mixtral_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Mixtral: Mistral's config.json (attention, rotary, norms, sliding window) and the experts'."""
+    if float(hf.get("router_jitter_noise") or 0.0):
+        raise CheckpointError(f"mixtral router_jitter_noise {hf['router_jitter_noise']} is not supported (training "
+                              f"noise on the router's input); only 0")
+    return config_from_hf({**hf, "model_type": "mistral"}).replace(
+        family="mixtral", n_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))  # (transformers' default)
+
+
 def config_from_hf(hf_config: dict) -> ModelConfig:
     """A HF config.json (as a dict) -> ModelConfig. Options we cannot reproduce exactly raise CheckpointError."""
     hf = hf_config
     mt = hf.get("model_type")
     try:
+        if mt == "mixtral":
+            return _mixtral_from_hf(hf)
         if mt == "gpt2":
             act = hf.get("activation_function", "gelu_new")
             if act not in _GPT2_ACT_FROM_HF:
@@ -236,7 +250,15 @@ def _family_needs(cfg: ModelConfig) -> dict[str, Any]:
 
 def _hf_model_type(cfg: ModelConfig) -> str:
     """Which HF architecture expresses this config exactly: the family's own for GPT-J, GPT-NeoX, Falcon, MPT and
-    Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes)."""
+    Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes); Mixtral for experts on a
+    Mistral shape."""
+    if cfg.n_experts:
+        try:
+            _hf_model_type(cfg.replace(family="mistral", n_experts=0))
+        except CheckpointError as e:
+            raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face mixtral (experts on a mistral "
+                                  f"shape): {str(e).partition(': ')[2]}") from None
+        return "mixtral"
     if cfg.family in _FAMILY_TYPES:
         needs = _family_needs(cfg)
         if cfg.family in ("gptj", "gpt_neox", "falcon") and cfg.activation not in _GPT2_ACT_TO_HF:
@@ -334,6 +356,11 @@ _FAMILY_TYPES = {"gptj": _gptj_to_hf, "gpt_neox": _gpt_neox_to_hf, "falcon": _fa
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> a config.json dict that `transformers.AutoConfig` reads (4.x legacy keys and 5.x keys)."""
     mt = _hf_model_type(cfg)
+    if mt == "mixtral":
+        return {**config_to_hf(cfg.replace(family="mistral", n_experts=0)), "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral", "num_local_experts": cfg.n_experts,
+                "num_experts_per_tok": cfg.experts_per_token, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "router_jitter_noise": 0.0, "output_router_logits": False}
     if mt == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -398,13 +425,21 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
         layers = "model.layers"
         per_layer = [("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
                      *((f"attn.{n}_proj", f"self_attn.{n}_proj") for n in "qkvo"),
-                     *((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down"))]
+                     *(_moe_renames(cfg) if cfg.n_experts else
+                       ((f"mlp.{n}_proj",) * 2 for n in ("gate", "up", "down")))]
     modules += [(f"blocks.{i}.{ours}", f"{layers}.{i}.{theirs}")
                 for i in range(cfg.n_layer) for ours, theirs in per_layer]
     if not cfg.tie_embeddings:
         modules.append(("head.lm_head", head))
     pairs = [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
     return pairs if not cfg.tie_embeddings else [*pairs, ("head.lm_head.bias", f"{head}.bias")]
+
+
+def _moe_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """A Mixtral layer's router and experts: w1 is the gate projection, w3 the up and w2 the down projection."""
+    return [("mlp.router", "block_sparse_moe.gate"),
+            *((f"mlp.experts.{e}.{ours}_proj", f"block_sparse_moe.experts.{e}.{w}")
+              for e in range(cfg.n_experts) for ours, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")))]
 
 
 # model type -> (token embedding, final norm, LM head, layer list, per-layer (ours, theirs) module names)
@@ -473,7 +508,7 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
 
 def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None:
     """Full `*ForCausalLM` name for `key`, or None for entries HF itself ignores (buffers, tied head)."""
-    root = "model." if model_type in ("llama", "mistral") else \
+    root = "model." if model_type in ("llama", "mistral", "mixtral") else \
         "gpt_neox." if model_type == "gpt_neox" else "transformer."
     head = _LAYOUTS[model_type][2] if model_type in _LAYOUTS else "lm_head"
     if model_type == "gpt_neox" and key.startswith("lm_head."):
