@@ -129,9 +129,10 @@ def test_kv_cache_decode_matches_transformers(key: str) -> None:
     assert max(diffs) <= 1e-4, f"{key}: max |logit difference| per step {diffs}"
 
 
-@pytest.mark.parametrize("key, change", [("gptj", dict(rotary_interleaved=False)), ("gpt_neox-parallel",
-                         dict(rotary_dim=None)), ("gpt_neox-parallel", dict(block="sequential")),
-                         ("mistral", dict(sliding_window=None)), ("falcon-40b-like", dict(block="parallel_shared_norm"))])
+@pytest.mark.parametrize("key, change", [
+    ("gptj", dict(rotary_interleaved=False)), ("gpt_neox-parallel", dict(rotary_dim=None)),
+    ("gpt_neox-parallel", dict(block="sequential")), ("mistral", dict(sliding_window=None)),
+    ("falcon-40b-like", dict(block="parallel_shared_norm"))])
 def test_parity_is_sensitive_to_each_knob(key: str, change: dict) -> None:
     """Guard against vacuous passes: loading the same weights with one knob changed moves the logits."""
     cfg, other = CONFIGS[key], CONFIGS[key].replace(**change)

@@ -108,7 +108,8 @@ def _gpt_neox_from_hf(hf: dict[str, Any]) -> ModelConfig:
     pct = float(rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)))
     return ModelConfig(
         name=_hf_name(hf), family="gpt_neox", vocab_size=int(hf["vocab_size"]), n_layer=int(hf["num_hidden_layers"]),
-        n_head=nh, d_model=d, d_ff=int(hf["intermediate_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        n_head=nh, d_model=d, d_ff=int(hf["intermediate_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         norm="layernorm", norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
         activation=_act_from_hf("gpt_neox", hf.get("hidden_act", "gelu")), position="rotary",
         rotary_dim=_rotary_dim(d // nh, int(d // nh * pct)),  # int(), as transformers rounds it
