@@ -4,6 +4,7 @@ stream frees its KV blocks; a prompt that cannot run is one ConfigError."""
 
 from __future__ import annotations
 
+import re
 import string
 
 import pytest
@@ -55,3 +56,12 @@ def test_context_cuts_max_tokens_and_abandoned_streams_free_blocks() -> None:
         llm.stream("a" * ctx, SamplingParams(max_tokens=5))
     with pytest.raises(ConfigError, match="empty"):
         llm.stream("", SamplingParams(max_tokens=5))
+
+
+@pytest.mark.parametrize("name, missing", [("gptj-tiny", "interleaved rotary"), ("gpt-neox-tiny", "partial rotary"),
+                                           ("falcon-tiny", "parallel attention + MLP"), ("mpt-tiny", "alibi"),
+                                           ("mistral-tiny", "sliding-window"), ("mixtral-tiny", "mixture-of-experts")])
+def test_a_family_the_engine_cannot_run_is_refused_by_name(name: str, missing: str) -> None:
+    """Never served wrong: each architecture feature the serving engine lacks is named."""
+    with pytest.raises(ConfigError, match=f"cannot serve '{name}'.*{re.escape(missing)}"):
+        LLM(from_name(name).eval(), TOK)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from waferscale.errors import ConfigError
+from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM, RMSNorm, SwiGLU, rope_cos_sin
 from waferscale.serve import kernels
 from waferscale.serve.kv import KVPool
@@ -320,6 +322,25 @@ def _rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
     torch.addcmul(x * cos, flipped, sin_signed, out=x)
 
 
+def check_servable(cfg: ModelConfig) -> None:
+    """The serving engine runs sequential pre-norm blocks with full rotary or learned positions and dense MLPs
+    (GPT, Llama); a model with anything else is refused by name, never served wrong."""
+    missing = [what for what, has in (
+        ("partial rotary (rotary_dim)", cfg.rotary_dim not in (None, cfg.head_dim)),
+        ("interleaved rotary (GPT-J)", cfg.rotary_interleaved),
+        (f"{cfg.block} attention + MLP blocks", cfg.block != "sequential"),
+        (f"{cfg.position} positions", cfg.position not in ("rotary", "learned")),
+        ("sliding-window attention", cfg.sliding_window is not None),
+        ("bias-free LayerNorm", not cfg.norm_bias),
+        ("an LM head bias", cfg.lm_head_bias),
+        ("mixture-of-experts MLPs", cfg.n_experts > 0),
+    ) if has]
+    if missing:
+        raise ConfigError(f"wsc serve / generate cannot serve {cfg.name!r} ({cfg.family}) yet: the serving engine "
+                          f"has no {', no '.join(missing)} (it serves the GPT and Llama families; train, evaluate "
+                          f"and compile this model with wsc run / compile)")
+
+
 class ModelRunner:
     """Runs layers [lo, hi) of `model` (plus its embedding / head when asked) over paged KV."""
 
@@ -328,6 +349,7 @@ class ModelRunner:
                  fast_linear: bool | None = None, threads: int | None = None,
                  decode_threads: int | None = None) -> None:
         cfg = model.config
+        check_servable(cfg)
         self.threads = max(1, threads or 1)
         self.cfg, self.lo, self.hi = cfg, lo, hi
         self.has_embed, self.has_head = has_embed, has_head
