@@ -260,8 +260,8 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_configs_are_checkpoint_errors() -> None:
-    with pytest.raises(CheckpointError, match="unsupported model_type 'bert'"):
-        hf.config_from_hf({"model_type": "bert"})
+    with pytest.raises(CheckpointError, match="unsupported model_type 'xlnet'"):
+        hf.config_from_hf({"model_type": "xlnet"})
     llama = hf.config_to_hf(CONFIGS["llama-gqa-tied"])
     with pytest.raises(CheckpointError, match="'yarn'"):
         hf.config_from_hf({**llama, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})

@@ -17,7 +17,7 @@ def test_every_preset_builds_on_meta_with_its_parameter_count(name: str) -> None
     assert isinstance(model, CausalLM)
     assert all(p.is_meta for p in model.parameters())
     assert model.num_params() == cfg.num_params
-    assert [type(u).__name__ for u in model.units()] == ["Embedding", *["Block"] * cfg.n_layer, "Head"]
+    assert [type(u) for u in model.units()] == [model.embedding_cls, *[model.block_cls] * cfg.n_layer, model.head_cls]
 
 
 @pytest.mark.parametrize("name", [n for n, c in sorted(registry.PRESETS.items())

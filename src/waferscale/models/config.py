@@ -13,13 +13,15 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 
-FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral")
+FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta")
+ENCODERS = ("bert", "roberta")  # bidirectional attention, post-norm blocks, a masked-LM head
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "rotary", "alibi")
 # sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX,
 # Falcon-40B). parallel_shared_norm: one norm feeds both, x += attn(h) + mlp(h), h = norm(x) (GPT-J, Falcon-7B).
-BLOCKS = ("sequential", "parallel", "parallel_shared_norm")
+# post_norm (BERT, RoBERTa): x = norm1(x + attn(x)); x = norm2(x + mlp(x)).
+BLOCKS = ("sequential", "parallel", "parallel_shared_norm", "post_norm")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class ModelConfig:
     n_experts: int = 0
     experts_per_token: int = 2
     router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss in the training loss
+    # encoders (BERT, RoBERTa): segment embeddings, RoBERTa's padding token (its positions count from it, as
+    # fairseq numbered them) and BERT's next-sentence head (pooler + 2-way classifier)
+    type_vocab_size: int = 0  # 0 = no token type embeddings
+    pad_token_id: int | None = None
+    nsp_head: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -101,8 +108,27 @@ class ModelConfig:
             bad(f"experts_per_token must be in 1..n_experts ({self.n_experts}), got {self.experts_per_token}")
         if self.router_aux_loss_coef < 0:
             bad(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.is_encoder != (self.block == "post_norm"):
+            bad(f"family {self.family!r} needs block 'post_norm' if and only if it is an encoder {ENCODERS}, "
+                f"got block {self.block!r}")
+        if self.is_encoder and (self.position != "learned" or self.n_experts or self.sliding_window
+                                or self.activation == "swiglu"):
+            bad("encoders have learned positions, a two-matrix MLP, no experts and no sliding window")
+        if (self.type_vocab_size or self.nsp_head) and not self.is_encoder:
+            bad(f"type_vocab_size / nsp_head belong to the encoder families {ENCODERS}")
+        if self.family == "roberta" and self.pad_token_id is None:
+            bad("roberta needs pad_token_id (its positions start after it)")
 
     # ---- derived -------------------------------------------------------------------------------
+    @property
+    def is_encoder(self) -> bool:
+        return self.family in ENCODERS
+
+    @property
+    def position_offset(self) -> int:
+        """Index of position 0 in the position table: RoBERTa's are numbered after its padding token."""
+        return self.pad_token_id + 1 if self.family == "roberta" else 0
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
@@ -138,8 +164,11 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         d = self.d_model
-        emb = self.vocab_size * d + (self.max_seq_len * d if self.position == "learned" else 0)
+        emb = self.vocab_size * d + ((self.max_seq_len + self.position_offset) * d if self.position == "learned" else 0)
         head = (0 if self.tie_embeddings else self.vocab_size * d) + (self.vocab_size if self.lm_head_bias else 0)
+        if self.is_encoder:  # segments and the embedding norm; the MLM head's transform (dense + norm); the NSP head
+            emb += self.type_vocab_size * d + self.norm_params
+            head += d * d + d + (d * d + d + 2 * d + 2 if self.nsp_head else 0)
         return emb + self.n_layer * self.params_per_block + self.norm_params + head
 
     @property

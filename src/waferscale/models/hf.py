@@ -15,6 +15,10 @@ These HF architectures map onto the zoo:
   with one or two norms, MPT ALiBi and bias-free LayerNorms.
 * ``mixtral`` (``MixtralForCausalLM``): a mistral whose MLPs are experts: ``block_sparse_moe.gate`` is our
   ``mlp.router``, ``experts.N.w1`` / ``w3`` / ``w2`` expert N's gate / up / down projections.
+* ``bert`` (``BertForPreTraining``, ``BertForMaskedLM``) and ``roberta`` (``RobertaForMaskedLM``): encoders with
+  the masked-LM head (``cls.predictions`` / ``lm_head``) and, for BERT, the pooler and next-sentence classifier
+  where the checkpoint holds them. RoBERTa's position table starts after its padding token (``pad_token_id + 1``
+  rows ahead), so ``max_position_embeddings`` is our ``max_seq_len`` plus those rows.
 
 Weights are read from safetensors only (one file or shards named by ``model.safetensors.index.json``); pickled
 ``pytorch_model.bin`` files are refused, never unpickled.
@@ -39,7 +43,8 @@ from waferscale.models.layers import Attention, CausalLM
 from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert",
+                         "roberta")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -166,7 +171,101 @@ def _mpt_from_hf(hf: dict[str, Any]) -> ModelConfig:
         dropout=float(hf.get("resid_pdrop", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
 
 
-_FROM_HF = {"gptj": _gptj_from_hf, "gpt_neox": _gpt_neox_from_hf, "falcon": _falcon_from_hf, "mpt": _mpt_from_hf}
+# BERT / RoBERTa config.json entries that change the computation, and the only values we reproduce
+_ENCODER_FIXED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
+
+
+def _encoder_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    mt = hf["model_type"]
+    bad = {k: hf[k] for k, v in _ENCODER_FIXED.items() if k in hf and hf[k] != v}
+    if bad:
+        raise CheckpointError(f"{mt} {bad} is not supported; supported: {_ENCODER_FIXED}")
+    act = hf.get("hidden_act", "gelu")
+    if mt == "roberta" and act != "gelu":  # RobertaLMHead applies exact GELU whatever hidden_act says
+        raise CheckpointError(f"roberta hidden_act {act!r} is not supported (only 'gelu')")
+    pad = int(hf.get("pad_token_id", 1 if mt == "roberta" else 0))
+    offset = pad + 1 if mt == "roberta" else 0
+    return ModelConfig(
+        name=_hf_name(hf), family=mt, vocab_size=int(hf["vocab_size"]), n_layer=int(hf["num_hidden_layers"]),
+        n_head=int(hf["num_attention_heads"]), d_model=int(hf["hidden_size"]), d_ff=int(hf["intermediate_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 512)) - offset, norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=_act_from_hf(mt, act), position="learned",
+        block="post_norm", tie_embeddings=bool(hf.get("tie_word_embeddings", True)), lm_head_bias=True,
+        type_vocab_size=int(hf.get("type_vocab_size", 2)), pad_token_id=pad,
+        nsp_head="BertForPreTraining" in (hf.get("architectures") or ()),
+        dropout=float(hf.get("hidden_dropout_prob", 0.0)), init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _encoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    off = [f"{k}={v!r} (has {getattr(cfg, k)!r})" for k, v in dict(
+        norm="layernorm", norm_bias=True, attn_bias=True, mlp_bias=True, lm_head_bias=True).items()
+        if getattr(cfg, k) != v]
+    if cfg.activation not in _GPT2_ACT_TO_HF or cfg.family == "roberta" and cfg.activation != "gelu":
+        off.append(f"activation {'gelu' if cfg.family == 'roberta' else ' or '.join(_GPT2_ACT_TO_HF)} "
+                   f"(has {cfg.activation!r})")
+    if cfg.type_vocab_size < 1:
+        off.append("type_vocab_size >= 1 (transformers' encoders always have token type embeddings)")
+    if cfg.family == "roberta" and cfg.nsp_head:
+        off.append("no next-sentence head (RobertaForMaskedLM has none)")
+    if off:
+        raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face {cfg.family}: it needs "
+                              + "; ".join(off))
+    arch = "RobertaForMaskedLM" if cfg.family == "roberta" else \
+        "BertForPreTraining" if cfg.nsp_head else "BertForMaskedLM"
+    return {
+        "architectures": [arch], "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "intermediate_size": cfg.ffn_dim,
+        "hidden_act": _GPT2_ACT_TO_HF[cfg.activation], "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.dropout, "max_position_embeddings": cfg.max_seq_len + cfg.position_offset,
+        "type_vocab_size": cfg.type_vocab_size, "initializer_range": cfg.init_std, "layer_norm_eps": cfg.norm_eps,
+        "pad_token_id": cfg.pad_token_id, **_ENCODER_FIXED, "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": False, "waferscale_name": cfg.name,
+    }
+
+
+def _encoder_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) of every encoder tensor (see `_renames`)."""
+    root = cfg.family  # "bert." / "roberta."
+    head, norm = ("lm_head", "lm_head.layer_norm") if cfg.family == "roberta" else \
+        ("cls.predictions", "cls.predictions.transform.LayerNorm")
+    emb = f"{root}.embeddings"
+    modules = [("embed.tok", f"{emb}.word_embeddings"), ("embed.pos", f"{emb}.position_embeddings"),
+               ("embed.segment", f"{emb}.token_type_embeddings"), ("embed.norm", f"{emb}.LayerNorm"),
+               ("head.dense", "lm_head.dense" if cfg.family == "roberta" else "cls.predictions.transform.dense"),
+               ("head.norm", norm), ("head.pooler", f"{root}.pooler.dense"), ("head.nsp", "cls.seq_relationship")]
+    per_layer = [*((f"attn.{n}_proj", f"attention.self.{hf}") for n, hf in zip("qkv", ("query", "key", "value"))),
+                 ("attn.o_proj", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
+                 ("mlp.up_proj", "intermediate.dense"), ("mlp.down_proj", "output.dense"),
+                 ("mlp_norm", "output.LayerNorm")]
+    modules += [(f"blocks.{i}.{ours}", f"{root}.encoder.layer.{i}.{theirs}")
+                for i in range(cfg.n_layer) for ours, theirs in per_layer]
+    if not cfg.tie_embeddings:
+        modules.append(("head.lm_head", f"{head}.decoder"))
+    pairs = [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+    return [(o, t) for o, t in pairs if o != "head.lm_head.bias"] + [("head.lm_head.bias", f"{head}.bias")]
+
+
+def _decoder_bias_name(cfg: ModelConfig) -> str:
+    """The MLM decoder's own bias: transformers computes with it and ties it to the head's `bias` only with tied
+    embeddings (5.x). Read in preference to `bias`, written beside it when untied."""
+    return "lm_head.decoder.bias" if cfg.family == "roberta" else "cls.predictions.decoder.bias"
+
+
+def _normalize_encoder_key(key: str, cfg: ModelConfig) -> str | None:
+    """Full `BertForPreTraining` / `RobertaForMaskedLM` name of `key`, or None for what needs no loading: the
+    buffers of position and token type ids, the decoder's bias (transformers ties it to the head's `bias`), a
+    tied decoder, and a BertForPreTraining checkpoint's next-sentence head where the config has none."""
+    root, head = f"{cfg.family}.", "lm_head." if cfg.family == "roberta" else "cls."
+    if not key.startswith((root, head)):
+        key = root + key  # saved from the bare model (BertModel, RobertaModel)
+    ignored = (key.endswith(("embeddings.position_ids", "embeddings.token_type_ids", "decoder.bias"))
+               or key.endswith("decoder.weight") and cfg.tie_embeddings
+               or not cfg.nsp_head and (key.startswith((f"{root}pooler.", "cls.seq_relationship."))))
+    return None if ignored else key
+
+
+_FROM_HF = {"gptj": _gptj_from_hf, "gpt_neox": _gpt_neox_from_hf, "falcon": _falcon_from_hf, "mpt": _mpt_from_hf,
+            "bert": _encoder_from_hf, "roberta": _encoder_from_hf}
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -253,6 +352,8 @@ def _hf_model_type(cfg: ModelConfig) -> str:
     """Which HF architecture expresses this config exactly: the family's own for GPT-J, GPT-NeoX, Falcon, MPT and
     Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes); Mixtral for experts on a
     Mistral shape."""
+    if cfg.is_encoder:
+        return cfg.family
     if cfg.n_experts:
         try:
             _hf_model_type(cfg.replace(family="mistral", n_experts=0))
@@ -357,6 +458,8 @@ _FAMILY_TYPES = {"gptj": _gptj_to_hf, "gpt_neox": _gpt_neox_to_hf, "falcon": _fa
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> a config.json dict that `transformers.AutoConfig` reads (4.x legacy keys and 5.x keys)."""
     mt = _hf_model_type(cfg)
+    if cfg.is_encoder:
+        return _encoder_to_hf(cfg)
     if mt == "mixtral":
         return {**config_to_hf(cfg.replace(family="mistral", n_experts=0)), "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral", "num_local_experts": cfg.n_experts,
@@ -410,6 +513,8 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(our name, HF name) of every tensor but the packed q/k/v (GPT-2, GPT-NeoX, Falcon, MPT), biases included
     whether the model has them or not; `lm_head` only when it is not tied (HF does not save a tied head) but its
     bias (GPT-J's) either way."""
+    if cfg.is_encoder:
+        return _encoder_renames(cfg)
     mt, head = _hf_model_type(cfg), "lm_head"
     if mt == "gpt2":
         modules = [("embed.tok", "transformer.wte"), ("embed.pos", "transformer.wpe"),
@@ -504,11 +609,15 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
             b, h = f"blocks.{i}.attn.", f"transformer.h.{i}.attn.c_attn."
             out[h + "weight"] = _t(torch.cat([sd[f"{b}{n}_proj.weight"] for n in "qkv"]))  # 3 x (C, C) -> (C, 3C)
             out[h + "bias"] = torch.cat([sd[f"{b}{n}_proj.bias"] for n in "qkv"])  # (3C,)
+    if cfg.is_encoder and not cfg.tie_embeddings and "head.lm_head.bias" in sd:
+        out[_decoder_bias_name(cfg)] = sd["head.lm_head.bias"].clone()  # (see _decoder_bias_name)
     return out
 
 
 def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None:
     """Full `*ForCausalLM` name for `key`, or None for entries HF itself ignores (buffers, tied head)."""
+    if cfg.is_encoder:
+        return _normalize_encoder_key(key, cfg)
     root = "model." if model_type in ("llama", "mistral", "mixtral") else \
         "gpt_neox." if model_type == "gpt_neox" else "transformer."
     head = _LAYOUTS[model_type][2] if model_type in _LAYOUTS else "lm_head"
@@ -549,7 +658,8 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
     """
     mt = _hf_model_type(cfg)
     norm = {nk: v for k, v in sd.items() if (nk := _normalize_hf_key(k, mt, cfg)) is not None}
-    _check_against(norm, state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg), cfg, where)
+    expected = state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg)
+    _check_against(norm, {k: v for k, v in expected.items() if _normalize_hf_key(k, mt, cfg) is not None}, cfg, where)
     out = {ours: _conv1d(theirs, norm[theirs]) if mt == "gpt2" else norm[theirs] for ours, theirs in _renames(cfg)
            if theirs in norm}
     if mt in _FUSED_QKV:
@@ -564,6 +674,8 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
             qkv_w, qkv_b = _t(norm[h + "weight"]), norm[h + "bias"]  # (3C, C), (3C,)
             for n, w, bias in zip("qkv", qkv_w.chunk(3), qkv_b.chunk(3)):
                 out[f"{b}{n}_proj.weight"], out[f"{b}{n}_proj.bias"] = w.contiguous(), bias.contiguous()  # (C, C), (C,)
+    if cfg.is_encoder and _decoder_bias_name(cfg) in sd:
+        out["head.lm_head.bias"] = sd[_decoder_bias_name(cfg)]
     if cfg.tie_embeddings:
         out["head.lm_head.weight"] = out["embed.tok.weight"]
     return out
@@ -646,6 +758,8 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Tensor]
         if dup:
             raise CheckpointError(f"{f}: tensor(s) {dup[:5]} also appear in another shard")
         sd.update(part)
+    if cfg.family == "bert" and not cfg.nsp_head and any(k.endswith("seq_relationship.weight") for k in sd):
+        cfg = cfg.replace(nsp_head=True)  # e.g. bert-base-uncased: "BertForMaskedLM" with its pre-training heads
     return cfg, sd
 
 

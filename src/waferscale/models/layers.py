@@ -315,12 +315,15 @@ class Head(nn.Module):
 class CausalLM(nn.Module):
     """embedding -> blocks -> head. `units()` lists them in order for runtimes that run unit by unit."""
 
+    # the modules of the three kinds of unit (an encoder family builds its own)
+    embedding_cls, block_cls, head_cls = Embedding, Block, Head
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.head = Head(cfg)
+        self.embed = self.embedding_cls(cfg)
+        self.blocks = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.n_layer))
+        self.head = self.head_cls(cfg)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.tok.weight
         if not self.head.lm_head.weight.is_meta:
