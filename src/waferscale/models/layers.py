@@ -332,14 +332,11 @@ class CausalLM(nn.Module):
     def units(self) -> list[nn.Module]:
         return [self.embed, *self.blocks, self.head]
 
-    def forward(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None) -> Tensor:
-        """idx (B, T) int64 -> logits (B, T, V)."""
-        return self.forward_aux(idx, start_pos, kv_caches)[0]
-
-    def forward_aux(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None
-                    ) -> tuple[Tensor, Tensor | None]:
-        """(logits (B, T, V), the auxiliary term of the training loss: `aux_loss` of the statistics the units
-        return beside their output, a mixture of experts' router statistics; None when no unit returns any)."""
+    def forward(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None,
+                with_aux: bool = False) -> Tensor | tuple[Tensor, Tensor | None]:
+        """idx (B, T) int64 -> logits (B, T, V); `with_aux`: (logits, the auxiliary term of the training loss:
+        `aux_loss` of the statistics the units return beside their output, a mixture of experts' router
+        statistics; None when no unit returns any)."""
         x = self.embed(idx, start_pos)
         stats = []
         for i, block in enumerate(self.blocks):
@@ -347,7 +344,14 @@ class CausalLM(nn.Module):
             if isinstance(x, tuple):
                 x, s = x
                 stats.append(s)
-        return self.head(x), (self.aux_loss(stats) if stats else None)
+        logits = self.head(x)
+        return (logits, self.aux_loss(stats) if stats else None) if with_aux else logits
+
+    def forward_aux(self, idx: Tensor, start_pos: int = 0, kv_caches: list[KVCache] | None = None
+                    ) -> tuple[Tensor, Tensor | None]:
+        """(logits, auxiliary loss) through the module's call, so its forward hooks (a sparsity algorithm's
+        pruning) run as they do for `model(idx)`."""
+        return self(idx, start_pos, kv_caches, with_aux=True)
 
     def aux_loss(self, stats: list[Tensor]) -> Tensor:
         """The auxiliary training loss from the statistics the units returned, in unit order (the streaming
