@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_params
 from waferscale.errors import CheckpointError, ConfigError
+from waferscale.params import params_from_dict
 from waferscale.models import hf
 from waferscale.models.bert import BERT
 from waferscale.models.config import ModelConfig
 from waferscale.models.registry import PRESETS, build
+from waferscale.zoo.runner import RunOptions, run
 
 transformers = pytest.importorskip("transformers")
 
@@ -205,3 +208,14 @@ def test_preset_parameter_counts(name: str) -> None:
     with torch.device("meta"):
         theirs = getattr(transformers, arch)(getattr(transformers, conf)(**kw))
     assert cfg.num_params == sum(p.numel() for p in theirs.parameters())
+
+
+def test_model_zoo_section_keeps_an_encoder_preset_and_training_is_refused(corpus: Path, tmp_path: Path) -> None:
+    """A Model Zoo section naming an encoder preset describes that encoder; `wsc run` refuses to train it with
+    next-token targets (its masked-LM objective is not there yet) rather than train the wrong objective."""
+    d = tiny_params(corpus, tmp_path)
+    d["model"]["name"] = "bert-tiny"
+    params = params_from_dict(d, source="test")
+    assert params.model.to_model_config() == PRESETS["bert-tiny"].replace(vocab_size=64, max_seq_len=32)
+    with pytest.raises(ConfigError, match="encoder.*masked-LM objective"):
+        run(params, RunOptions(model_dir=tmp_path / "run", progress=False))

@@ -161,8 +161,9 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _encoder("bert-large", **_BERT, n_layer=24, d_model=1024, n_head=16),  # 340 M
     _encoder("roberta-base", **_ROBERTA, n_layer=12, d_model=768, n_head=12),  # 125 M
     _encoder("roberta-large", **_ROBERTA, n_layer=24, d_model=1024, n_head=16),  # 355 M
-    # tiny shapes for tests
-    _encoder("bert-tiny", **{**_BERT, "vocab": 256}, n_layer=2, d_model=32, n_head=4, ctx=64),
+    # tiny shapes for tests; bert-tiny is BertForMaskedLM's shape (no next-sentence head: the masked-LM objective
+    # would leave it without gradients)
+    _encoder("bert-tiny", **{**_BERT, "vocab": 256, "nsp_head": False}, n_layer=2, d_model=32, n_head=4, ctx=64),
     _encoder("roberta-tiny", **{**_ROBERTA, "vocab": 256}, n_layer=2, d_model=32, n_head=4, ctx=64),
 ]}
 

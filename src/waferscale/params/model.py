@@ -215,6 +215,8 @@ class ModelParams:
         activation = o.get("activation") or registry.PRESETS[preset].activation  # type: ignore[index]
         experts = o.get("n_experts", registry.PRESETS[preset].n_experts if preset else 0)
         o["family"] = "mixtral" if experts else "llama" if activation == "swiglu" else "gpt"
+        if preset and registry.PRESETS[preset].is_encoder:  # an encoder preset stays one (its structure differs)
+            o["family"] = registry.PRESETS[preset].family
         try:
             cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
                 registry.config_from_name(self.name, **o)  # type: ignore[arg-type]

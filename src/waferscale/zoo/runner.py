@@ -173,6 +173,9 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tu
     inp, opt, rc = params.train_input, params.optimizer, params.runconfig
     model = build_model(params) if params.model.pretrained else None
     cfg = model.config if model is not None else params.model.to_model_config()
+    if cfg.is_encoder:  # next-token targets: a bidirectional model would read each answer in its input
+        raise ConfigError(f"model {cfg.name!r} is an encoder ({cfg.family}); it trains on the masked-LM objective, "
+                          "which `wsc run` does not have yet (it trains next-token prediction, for decoders)")
     device_mb = opts.device_memory_mb if opts.device_memory_mb is not None else rc.device_memory_mb
     ram_mb = opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else rc.memoryx_ram_mb
     budget = int(device_mb * 2**20) if device_mb is not None else None
