@@ -4,6 +4,7 @@ to transformers, preset parameter counts."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -210,12 +211,13 @@ def test_preset_parameter_counts(name: str) -> None:
     assert cfg.num_params == sum(p.numel() for p in theirs.parameters())
 
 
-def test_model_zoo_section_keeps_an_encoder_preset_and_training_is_refused(corpus: Path, tmp_path: Path) -> None:
-    """A Model Zoo section naming an encoder preset describes that encoder; `wsc run` refuses to train it with
-    next-token targets (its masked-LM objective is not there yet) rather than train the wrong objective."""
+def test_model_zoo_section_keeps_an_encoder_preset_and_trains_masked_lm(corpus: Path, tmp_path: Path) -> None:
+    """A Model Zoo section naming an encoder preset describes that encoder, and `wsc run` trains it on the
+    masked-LM objective (tests/test_masked_lm.py checks the objective itself)."""
     d = tiny_params(corpus, tmp_path)
     d["model"]["name"] = "bert-tiny"
+    d["runconfig"]["max_steps"] = 2
     params = params_from_dict(d, source="test")
     assert params.model.to_model_config() == PRESETS["bert-tiny"].replace(vocab_size=64, max_seq_len=32)
-    with pytest.raises(ConfigError, match="encoder.*masked-LM objective"):
-        run(params, RunOptions(model_dir=tmp_path / "run", progress=False))
+    summary = run(params, RunOptions(model_dir=tmp_path / "run", progress=False), out=io.StringIO())
+    assert summary["model"] == "bert-tiny" and summary["final_step"] == 2

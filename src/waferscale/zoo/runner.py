@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
-from waferscale.data import BatchLoader, build_token_splits, eval_batches, load_tokenizer, read_documents
+from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
+                             read_documents, tokenizer_with_mask)
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.runtime import checkpoint as ckpt
@@ -104,12 +105,17 @@ class Data:
     train: np.ndarray
     val: np.ndarray
     seq_len: int
+    masker: Masker | None = None  # the objective: None, next-token prediction (decoders); a Masker, masked LM
 
 
 def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
+    """The token splits and the objective the model's family trains on: encoders read every position, so they
+    predict masked tokens (dynamic masking from the run's seed); decoders predict the next token."""
     inp = params.train_input
     docs = read_documents(inp.data_dir)
     tok = load_tokenizer(inp.tokenizer, text_for_char="".join(docs))
+    if cfg.is_encoder:
+        tok = tokenizer_with_mask(tok)
     if tok.vocab_size > cfg.vocab_size:
         raise DataError(f"the {inp.tokenizer!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.vocab_size}; set model.vocab_size to at least {tok.vocab_size}")
@@ -123,7 +129,8 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"train_input.max_sequence_length {seq_len} exceeds the model's max_position_embeddings "
                           f"{cfg.max_seq_len}; lower it or raise model.max_position_embeddings")
-    return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len)
+    masker = Masker(tok.mask_id, tok.vocab_size, seed=params.runconfig.seed) if cfg.is_encoder else None
+    return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len, masker=masker)
 
 
 def build_model(params: Params) -> CausalLM:
@@ -151,6 +158,8 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
     if not batches:
         raise DataError(f"the validation split has {len(data.val)} tokens, fewer than one batch of "
                         f"{batch_size}x{data.seq_len + 1}; lower batch_size/max_sequence_length or raise val_fraction")
+    if data.masker is not None:
+        batches = data.masker.eval_batches(batches)
     losses = [executor.eval_loss(x, y) for x, y in batches]
     return float(np.mean(losses)), len(batches)
 
@@ -173,9 +182,6 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tu
     inp, opt, rc = params.train_input, params.optimizer, params.runconfig
     model = build_model(params) if params.model.pretrained else None
     cfg = model.config if model is not None else params.model.to_model_config()
-    if cfg.is_encoder:  # next-token targets: a bidirectional model would read each answer in its input
-        raise ConfigError(f"model {cfg.name!r} is an encoder ({cfg.family}); it trains on the masked-LM objective, "
-                          "which `wsc run` does not have yet (it trains next-token prediction, for decoders)")
     device_mb = opts.device_memory_mb if opts.device_memory_mb is not None else rc.device_memory_mb
     ram_mb = opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else rc.memoryx_ram_mb
     budget = int(device_mb * 2**20) if device_mb is not None else None
@@ -209,7 +215,10 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
                         f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
-    loader = BatchLoader(data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
+    loader: BatchLoader | MaskedBatches = BatchLoader(data.train, inp.batch_size, data.seq_len,
+                                                     seed=inp.shuffle_seed, shuffle=inp.shuffle)
+    if data.masker is not None:
+        loader = MaskedBatches(loader, data.masker)
 
     # resume: an explicit checkpoint, else the latest one in model_dir
     start_step = 0

@@ -20,14 +20,16 @@ CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer(ABC):
-    """Base class. Subclasses set the four attributes and implement `encode`/`decode`/`_tokenizer_json`.
+    """Base class. Subclasses set the attributes and implement `encode`/`decode`/`_tokenizer_json`.
 
-    Ids are ints in [0, vocab_size). `eos_id`/`bos_id` are None when the vocabulary has no such token.
+    Ids are ints in [0, vocab_size). `eos_id`/`bos_id`/`mask_id` are None when the vocabulary has no such token
+    (the mask token is what a masked-LM encoder reads in place of the tokens it predicts).
     """
 
     vocab_size: int
     eos_id: int | None = None
     bos_id: int | None = None
+    mask_id: int | None = None
     chat_template: str | None = None
 
     # ---- text <-> ids -------------------------------------------------------------------------------------
@@ -61,6 +63,10 @@ class Tokenizer(ABC):
     def bos_token(self) -> str | None:
         return None if self.bos_id is None else self.id_to_token(self.bos_id)
 
+    @property
+    def mask_token(self) -> str | None:
+        return None if self.mask_id is None else self.id_to_token(self.mask_id)
+
     # ---- chat ---------------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the tokenizer's Jinja chat template.
@@ -85,14 +91,15 @@ class Tokenizer(ABC):
 
     # ---- persistence / identity ---------------------------------------------------------------------------
     def save(self, directory: Path | str) -> None:
-        """Write `tokenizer.json` (+ `tokenizer_config.json` when there is a template or bos/eos) into `directory`."""
+        """Write `tokenizer.json` (+ `tokenizer_config.json` when there is a template or bos/eos/mask) into
+        `directory`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(directory / TOKENIZER_FILE, self._tokenizer_json())
         config: dict[str, Any] = {}
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        for which, token_id in (("eos", self.eos_id), ("bos", self.bos_id)):
+        for which, token_id in (("eos", self.eos_id), ("bos", self.bos_id), ("mask", self.mask_id)):
             if token_id is not None:
                 config[f"{which}_token"], config[f"{which}_token_id"] = self.id_to_token(token_id), token_id
         if config:

@@ -1,5 +1,6 @@
 """`HFTokenizer`: a Hugging Face `tokenizers.Tokenizer` (BPE, WordPiece, ...) from `tokenizer.json`, with
-bos/eos and the chat template from `tokenizer_config.json` (or `chat_template.jinja`) beside it."""
+bos/eos/mask and the chat template from `tokenizer_config.json` (or `chat_template.jinja`) beside it; without a
+configured mask token, the vocabulary's "[MASK]" (BERT's) or "<mask>" (RoBERTa's) is the mask token."""
 
 from __future__ import annotations
 
@@ -10,23 +11,27 @@ from typing import Any
 from waferscale.data.tokenizer.base import CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 from waferscale.errors import DataError
 
-__all__ = ["HFTokenizer"]
+__all__ = ["HFTokenizer", "MASK_TOKENS"]
+
+MASK_TOKENS = ("[MASK]", "<mask>")  # BERT's WordPiece and RoBERTa's byte-level BPE mask tokens
 
 
 class HFTokenizer(Tokenizer):
     def __init__(self, tokenizer: Any, eos_id: int | None = None, bos_id: int | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, mask_id: int | None = None) -> None:
         self.tk = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
+        if mask_id is None:
+            mask_id = next((i for t in MASK_TOKENS if (i := tokenizer.token_to_id(t)) is not None), None)
+        for name, value in (("eos_id", eos_id), ("bos_id", bos_id), ("mask_id", mask_id)):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise DataError(f"{name}={value} is outside the tokenizer vocabulary [0, {self.vocab_size})")
-        self.eos_id, self.bos_id, self.chat_template = eos_id, bos_id, chat_template
+        self.eos_id, self.bos_id, self.mask_id, self.chat_template = eos_id, bos_id, mask_id, chat_template
 
     @classmethod
     def from_file(cls, path: Path | str) -> HFTokenizer:
         """Load `tokenizer.json`, or a directory holding it; `tokenizer_config.json` beside it adds
-        `chat_template` and the bos/eos tokens."""
+        `chat_template` and the bos/eos/mask tokens."""
         from tokenizers import Tokenizer as _TK
 
         path = Path(path)
@@ -40,13 +45,14 @@ class HFTokenizer(Tokenizer):
         config = _read_tokenizer_config(file.parent / CONFIG_FILE)
         eos_id = _special_id(tk, config, "eos", file.parent)
         bos_id = _special_id(tk, config, "bos", file.parent)
+        mask_id = _special_id(tk, config, "mask", file.parent)
         template = config.get("chat_template")
         if isinstance(template, list):  # HF allows [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         if template is None and (file.parent / "chat_template.jinja").is_file():
             template = (file.parent / "chat_template.jinja").read_text(encoding="utf-8")
-        return cls(tk, eos_id=eos_id, bos_id=bos_id, chat_template=template)
+        return cls(tk, eos_id=eos_id, bos_id=bos_id, chat_template=template, mask_id=mask_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids for `text`. No BOS/EOS is added (add_special_tokens=False) unless asked; special-token strings
