@@ -8,6 +8,7 @@ followed by dense fine-tuning (SPDF) against dense-only at equal total steps. Va
     set      75%; every 25 steps until 3/4 of the run, drop the smallest of a cosine-decaying fraction (0.3 at
              first) of the kept weights and regrow as many at random
     rigl     the same, regrowing where the dense gradient is largest
+    rigl_in  RigL with each input column keeping the same share (balance_in_groups = hidden size)
     spdf     static 75% for 3/4 of the steps, then the same weights dense (the masks dropped) to the end
 
     python bench/sparse_quality.py [--steps 300]
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import yaml
+from safetensors.torch import load_file
 
 from waferscale.params import params_from_dict
 from waferscale.zoo.runner import RunOptions, run
@@ -30,7 +32,7 @@ from waferscale.zoo.runner import RunOptions, run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sparsity_sections(steps: int) -> dict[str, dict | None]:
+def sparsity_sections(steps: int, hidden: int) -> dict[str, dict | None]:
     stop = steps * 3 // 4
     drop = {"type": "cosine", "init": 0.3, "half_period": stop}
     return {
@@ -41,6 +43,8 @@ def sparsity_sections(steps: int) -> dict[str, dict | None]:
         "set": {"algorithm": "set", "sparsity": 0.75, "update": {"freq": 25, "stop": stop}, "drop_fraction": drop},
         "rigl": {"algorithm": "rigl", "sparsity": 0.75, "update": {"freq": 25, "stop": stop},
                  "drop_fraction": drop},
+        "rigl_in": {"algorithm": "rigl", "sparsity": 0.75, "update": {"freq": 25, "stop": stop},
+                    "drop_fraction": drop, "balance_in_groups": hidden},
     }
 
 
@@ -55,14 +59,24 @@ def train(base: dict, steps: int, model_dir: Path, sparsity: dict | None) -> dic
                out=io.StringIO())
 
 
+def column_balance(model_dir: Path, step: int) -> float | None:
+    """How unevenly the kept weights spread over input columns: the coefficient of variation of kept weights per
+    column, averaged over the masked matrices of the final checkpoint (None for a dense run). Gradient regrowth
+    (RigL) piles weights where the inputs are large: dL/dW[i, j] sums the output error times input j."""
+    sd = load_file(str(model_dir / f"checkpoint_{step}.safetensors"))
+    cvs = [(c.std() / c.mean()).item() for k, m in sd.items() if k.endswith("_mask") for c in [m.float().sum(0)]]
+    return sum(cvs) / len(cvs) if cvs else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--runs", nargs="+", choices=["dense", "static", "gmp", "set", "rigl", "spdf"],
-                    default=["dense", "static", "gmp", "set", "rigl", "spdf"], help="which runs (default: all)")
+    ap.add_argument("--runs", nargs="+", choices=["dense", "static", "gmp", "set", "rigl", "rigl_in", "spdf"],
+                    default=["dense", "static", "gmp", "set", "rigl", "rigl_in", "spdf"],
+                    help="which runs (default: all)")
     a = ap.parse_args()
     base = yaml.safe_load((ROOT / "configs" / "gpt2_tiny_shakespeare.yaml").read_text())
-    sections = sparsity_sections(a.steps)
+    sections = sparsity_sections(a.steps, base["model"]["hidden_size"])
     print(f"gpt-mini on Shakespeare, {a.steps} steps of {base['train_input']['batch_size']}x"
           f"{base['train_input']['max_sequence_length']} characters, validation loss over "
           f"{base['runconfig']['eval_steps']} batches")
@@ -74,8 +88,10 @@ def main() -> None:
             t0 = time.perf_counter()
             s = train(base, a.steps, Path(tmp) / name, section)
             results[name] = s["eval_loss"]
+            cv = column_balance(Path(tmp) / name, a.steps)
             print(f"  {name:<7} val loss {s['eval_loss']:.4f}   train loss {s['final_loss']:.4f}   "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                  + (f"kept weights per input column: CV {cv:.3f}   " if cv is not None else "")
+                  + f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if "spdf" in a.runs:
             spdf = Path(tmp) / "spdf"
             train(base, a.steps * 3 // 4, spdf, sections["static"])  # sparse pre-training
@@ -84,7 +100,8 @@ def main() -> None:
     ref, ref_name = (results["dense"], "dense") if "dense" in results else (results[a.runs[0]], a.runs[0])
     print(f"\n{'run':<22} {'val loss':>8} {'vs ' + ref_name:>9}")
     for name, label in (("dense", "dense"), ("static", "static 75%"), ("gmp", "GMP -> 75%"), ("set", "SET 75%"),
-                        ("rigl", "RigL 75%"), ("spdf", "SPDF (75% then dense)")):
+                        ("rigl", "RigL 75%"), ("rigl_in", "RigL 75%, per column"),
+                        ("spdf", "SPDF (75% then dense)")):
         if name in results:
             print(f"{label:<22} {results[name]:>8.4f} {results[name] - ref:>+9.4f}")
 
