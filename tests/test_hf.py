@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
 from waferscale.errors import CheckpointError
 from waferscale.models import hf
 from waferscale.models.config import ModelConfig, RopeScaling
-from waferscale.models.layers import CausalLM
 from waferscale.models.registry import build
 
 transformers = pytest.importorskip("transformers")
@@ -57,30 +57,9 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     return model
 
 
-def _ours(cfg: ModelConfig, seed: int = 0) -> CausalLM:
-    torch.manual_seed(seed)
-    model = build(cfg, device="cpu").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def _ids(cfg: ModelConfig, T: int = 40) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
 @pytest.mark.parametrize("key", sorted(CONFIGS))
 def test_config_round_trip(key: str) -> None:
-    cfg = CONFIGS[key]
-    hf_dict = hf.config_to_hf(cfg)
-    assert hf.config_from_hf(hf_dict) == cfg
-    # ... and through transformers' own config class (what a HF checkpoint's config.json holds)
-    assert hf.config_from_hf(transformers.AutoConfig.for_model(**hf_dict).to_dict()) == cfg
+    assert_config_round_trips(CONFIGS[key])
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
@@ -88,9 +67,9 @@ def test_logits_match_transformers(key: str) -> None:
     cfg = CONFIGS[key]
     theirs = _hf_model(cfg)
     ours = hf.model_from_state_dict(cfg, hf.state_dict_from_hf(theirs.state_dict(), cfg))
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        diff = _max_diff(ours(x), theirs(x).logits)
+        diff = max_diff(ours(x), theirs(x).logits)
     assert diff <= 1e-4, f"{key}: max |logit difference| {diff}"
 
 
@@ -100,9 +79,9 @@ def test_parity_test_is_sensitive_to_rope_scaling() -> None:
     theirs = _hf_model(cfg)
     plain = cfg.replace(rope_scaling=None)
     ours = hf.model_from_state_dict(plain, hf.state_dict_from_hf(theirs.state_dict(), plain))
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) > 1e-2
+        assert max_diff(ours(x), theirs(x).logits) > 1e-2
 
 
 def test_gpt2_bare_model_names_and_mask_buffers_are_accepted() -> None:
@@ -112,14 +91,14 @@ def test_gpt2_bare_model_names_and_mask_buffers_are_accepted() -> None:
     sd = {k.removeprefix("transformer."): v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}
     sd["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
     ours = hf.model_from_state_dict(cfg, hf.state_dict_from_hf(sd, cfg))
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) <= 1e-4
+        assert max_diff(ours(x), theirs(x).logits) <= 1e-4
 
 
 def test_state_dict_round_trip_is_exact() -> None:
     for cfg in CONFIGS.values():
-        ours = _ours(cfg)
+        ours = perturbed(cfg)
         back = hf.state_dict_from_hf(hf.state_dict_to_hf(ours.state_dict(), cfg), cfg)
         sd = ours.state_dict()
         assert back.keys() == sd.keys()
@@ -128,9 +107,9 @@ def test_state_dict_round_trip_is_exact() -> None:
 
 
 def test_tied_head_is_not_written() -> None:
-    assert "lm_head.weight" not in hf.state_dict_to_hf(_ours(CONFIGS["gpt2-tied"]).state_dict(),
+    assert "lm_head.weight" not in hf.state_dict_to_hf(perturbed(CONFIGS["gpt2-tied"]).state_dict(),
                                                         CONFIGS["gpt2-tied"])
-    assert "lm_head.weight" in hf.state_dict_to_hf(_ours(CONFIGS["llama-mha-untied"]).state_dict(),
+    assert "lm_head.weight" in hf.state_dict_to_hf(perturbed(CONFIGS["llama-mha-untied"]).state_dict(),
                                                     CONFIGS["llama-mha-untied"])
 
 
@@ -139,20 +118,20 @@ def test_tied_head_is_not_written() -> None:
 @pytest.mark.parametrize("key", ["gpt2-tied", "gpt2-untied-gelu-dff", "llama-gqa-tied", "llama-mqa-llama3-rope"])
 def test_export_loads_in_transformers(key: str, tmp_path: Path) -> None:
     cfg = CONFIGS[key]
-    ours = _ours(cfg)
+    ours = perturbed(cfg)
     out = tmp_path / "export"
     hf.save_hf_dir(ours, out)
     assert {p.name for p in out.iterdir()} == {"config.json", "generation_config.json", "model.safetensors"}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) <= 1e-4
+        assert max_diff(ours(x), theirs(x).logits) <= 1e-4
     # ... and back into ours, the same model (tie restored, no lm_head stored when tied)
     again = hf.load_hf_dir(out)
     assert again.config == cfg
     assert (again.head.lm_head.weight is again.embed.tok.weight) == cfg.tie_embeddings
     with torch.no_grad():
-        assert _max_diff(ours(x), again(x)) == 0.0
+        assert max_diff(ours(x), again(x)) == 0.0
 
 
 def test_export_writes_tokenizer_and_special_ids(tmp_path: Path) -> None:
@@ -162,7 +141,7 @@ def test_export_writes_tokenizer_and_special_ids(tmp_path: Path) -> None:
         def save(self, directory: str) -> None:
             (Path(directory) / "tokenizer.json").write_text("{}")
 
-    hf.save_hf_dir(_ours(CONFIGS["llama-gqa-tied"]), tmp_path / "m", tokenizer=FakeTokenizer())
+    hf.save_hf_dir(perturbed(CONFIGS["llama-gqa-tied"]), tmp_path / "m", tokenizer=FakeTokenizer())
     assert (tmp_path / "m" / "tokenizer.json").is_file()
     conf = json.loads((tmp_path / "m" / "config.json").read_text())
     gen = json.loads((tmp_path / "m" / "generation_config.json").read_text())
@@ -175,7 +154,7 @@ def test_failed_export_leaves_nothing_behind(tmp_path: Path) -> None:
             raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        hf.save_hf_dir(_ours(CONFIGS["gpt2-tied"]), tmp_path / "m", tokenizer=BrokenTokenizer())
+        hf.save_hf_dir(perturbed(CONFIGS["gpt2-tied"]), tmp_path / "m", tokenizer=BrokenTokenizer())
     assert list(tmp_path.iterdir()) == []  # neither the target nor a temp dir
 
 
@@ -185,13 +164,13 @@ def test_export_over_an_earlier_sharded_save_replaces_it(tmp_path: Path) -> None
     _hf_model(cfg).save_pretrained(out, max_shard_size="20KB")
     assert (out / hf.INDEX_NAME).is_file()
     (out / "notes.txt").write_text("mine")
-    ours = _ours(cfg, seed=5)
+    ours = perturbed(cfg, seed=5)
     hf.save_hf_dir(ours, out)
     assert not (out / hf.INDEX_NAME).exists() and [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
     assert (out / "notes.txt").read_text() == "mine"  # files that are not ours are left alone
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), hf.load_hf_dir(out)(x)) == 0.0
+        assert max_diff(ours(x), hf.load_hf_dir(out)(x)) == 0.0
 
 
 def test_meta_model_cannot_be_exported(tmp_path: Path) -> None:
@@ -219,9 +198,9 @@ def test_hf_saved_dir_loads(key: str, shard: str | None, tmp_path: Path) -> None
         assert len(list(tmp_path.glob("*.safetensors"))) > 1
     ours = hf.load_hf_dir(tmp_path)
     assert ours.config == cfg and not ours.training
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) <= 1e-4
+        assert max_diff(ours(x), theirs(x).logits) <= 1e-4
 
 
 def test_load_hf_dir_dtype(tmp_path: Path) -> None:
@@ -285,7 +264,7 @@ def test_pickles_are_never_loaded(tmp_path: Path) -> None:
 
 
 def test_truncated_safetensors_is_a_checkpoint_error(tmp_path: Path) -> None:
-    hf.save_hf_dir(_ours(CONFIGS["gpt2-tied"]), tmp_path / "m")
+    hf.save_hf_dir(perturbed(CONFIGS["gpt2-tied"]), tmp_path / "m")
     f = tmp_path / "m" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="truncated"):
@@ -303,10 +282,10 @@ def test_load_pretrained_dispatches_to_hf_dirs(tmp_path: Path) -> None:
     from waferscale.models.pretrained import load_pretrained
 
     cfg = CONFIGS["gpt2-tied"]
-    ours = _ours(cfg)
+    ours = perturbed(cfg)
     hf.save_hf_dir(ours, tmp_path / "m")
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(load_pretrained(tmp_path / "m")(x), ours(x)) == 0.0
+        assert max_diff(load_pretrained(tmp_path / "m")(x), ours(x)) == 0.0
     with pytest.raises(CheckpointError, match="neither a pretrained model name"):
         load_pretrained(tmp_path / "missing")

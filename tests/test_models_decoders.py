@@ -16,10 +16,11 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
+from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
 from waferscale.errors import CheckpointError
 from waferscale.models import hf, registry
 from waferscale.models.config import ModelConfig
-from waferscale.models.layers import CausalLM, alibi_slopes
+from waferscale.models.layers import alibi_slopes
 from waferscale.params import params_from_dict
 from waferscale.zoo.runner import RunOptions, run
 
@@ -71,23 +72,6 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     return model
 
 
-def _ours(cfg: ModelConfig, seed: int = 0) -> CausalLM:
-    torch.manual_seed(seed)
-    model = registry.build(cfg, device="cpu").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def _ids(cfg: ModelConfig, T: int = 40) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
 def _loaded(cfg: ModelConfig):
     theirs = _hf_model(cfg)
     return theirs, hf.model_from_state_dict(cfg, hf.state_dict_from_hf(theirs.state_dict(), cfg))
@@ -97,19 +81,16 @@ def _loaded(cfg: ModelConfig):
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
 def test_config_round_trip(key: str) -> None:
-    cfg = CONFIGS[key]
-    hf_dict = hf.config_to_hf(cfg)
-    assert hf.config_from_hf(hf_dict) == cfg
-    assert hf.config_from_hf(transformers.AutoConfig.for_model(**hf_dict).to_dict()) == cfg
+    assert_config_round_trips(CONFIGS[key])
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
 def test_logits_match_transformers(key: str) -> None:
     cfg = CONFIGS[key]
     theirs, ours = _loaded(cfg)
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        diff = _max_diff(ours(x), theirs(x).logits)
+        diff = max_diff(ours(x), theirs(x).logits)
     assert diff <= 1e-4, f"{key}: max |logit difference| {diff}"
 
 
@@ -118,14 +99,14 @@ def test_kv_cache_decode_matches_transformers(key: str) -> None:
     """A 12-token prefill then 6 single-token steps through each side's KV cache (past Mistral's window of 8)."""
     cfg = CONFIGS[key]
     theirs, ours = _loaded(cfg)
-    x = _ids(cfg, 18)
+    x = ids(cfg, 18)
     caches = ours.make_kv_caches(2, cfg.max_seq_len)
     with torch.no_grad():
         out = theirs(x[:, :12], use_cache=True)
-        diffs = [_max_diff(ours(x[:, :12], 0, caches), out.logits)]
+        diffs = [max_diff(ours(x[:, :12], 0, caches), out.logits)]
         for t in range(12, 18):
             out = theirs(x[:, t:t + 1], cache=out.cache, use_cache=True)
-            diffs.append(_max_diff(ours(x[:, t:t + 1], t, caches), out.logits))
+            diffs.append(max_diff(ours(x[:, t:t + 1], t, caches), out.logits))
     assert max(diffs) <= 1e-4, f"{key}: max |logit difference| per step {diffs}"
 
 
@@ -140,9 +121,9 @@ def test_parity_is_sensitive_to_each_knob(key: str, change: dict) -> None:
     sd = hf.state_dict_from_hf(theirs.state_dict(), cfg)
     if other.block == "parallel_shared_norm":
         sd = {k: v for k, v in sd.items() if ".mlp_norm." not in k}
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(hf.model_from_state_dict(other, sd)(x), theirs(x).logits) > 1e-2
+        assert max_diff(hf.model_from_state_dict(other, sd)(x), theirs(x).logits) > 1e-2
 
 
 @pytest.mark.parametrize("interleave, same", [(True, True), (False, False)])
@@ -158,16 +139,16 @@ def test_falcon_query_groups_share_their_kv_head(interleave: bool, same: bool) -
             w = w.repeat_interleave(2, dim=0) if interleave else w.repeat(2, 1, 1)  # (nh, hd, C)
             sd[f"blocks.{i}.attn.{n}_proj.weight"] = w.reshape(-1, cfg.d_model)
     ours = hf.model_from_state_dict(cfg.replace(n_kv_head=cfg.n_head), sd)
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert (_max_diff(ours(x), theirs(x).logits) <= 1e-4) == same
+        assert (max_diff(ours(x), theirs(x).logits) <= 1e-4) == same
 
 
 def test_sliding_window_mask_and_alibi_slopes() -> None:
     """Mistral's window hides keys older than `sliding_window` positions; ALiBi slopes are the paper's (6 heads:
     the 4-head slopes 2^-2i, then the 8-head slopes between them)."""
-    one_layer = _ours(CONFIGS["mistral"].replace(n_layer=1))  # window 8
-    x = _ids(one_layer.config, 20)
+    one_layer = perturbed(CONFIGS["mistral"].replace(n_layer=1))  # window 8
+    x = ids(one_layer.config, 20)
     y = x.clone()
     y[:, 11] = (y[:, 11] + 1) % one_layer.config.vocab_size
     with torch.no_grad():  # position 19 sees positions 12..19 only, position 12 sees 5..12
@@ -179,7 +160,7 @@ def test_sliding_window_mask_and_alibi_slopes() -> None:
 
 def test_state_dict_round_trip_is_exact() -> None:
     for cfg in CONFIGS.values():
-        ours = _ours(cfg)
+        ours = perturbed(cfg)
         back = hf.state_dict_from_hf(hf.state_dict_to_hf(ours.state_dict(), cfg), cfg)
         sd = ours.state_dict()
         assert back.keys() == sd.keys()
@@ -190,16 +171,16 @@ def test_state_dict_round_trip_is_exact() -> None:
 @pytest.mark.parametrize("key", EXPORTED)
 def test_export_loads_in_transformers(key: str, tmp_path: Path) -> None:
     cfg = CONFIGS[key]
-    ours = _ours(cfg)
+    ours = perturbed(cfg)
     hf.save_hf_dir(ours, tmp_path / "export")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").float().eval()
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) <= 1e-4
+        assert max_diff(ours(x), theirs(x).logits) <= 1e-4
     again = hf.load_hf_dir(tmp_path / "export")
     assert again.config == cfg
     with torch.no_grad():
-        assert _max_diff(ours(x), again(x)) == 0.0
+        assert max_diff(ours(x), again(x)) == 0.0
 
 
 def test_gpt_neox_head_under_either_name() -> None:
@@ -207,11 +188,11 @@ def test_gpt_neox_head_under_either_name() -> None:
     cfg = CONFIGS["gpt_neox-parallel"]
     theirs = _hf_model(cfg)
     sd = theirs.state_dict()
-    assert "lm_head.weight" in sd and "embed_out.weight" in hf.state_dict_to_hf(_ours(cfg).state_dict(), cfg)
+    assert "lm_head.weight" in sd and "embed_out.weight" in hf.state_dict_to_hf(perturbed(cfg).state_dict(), cfg)
     ours = hf.model_from_state_dict(cfg, hf.state_dict_from_hf(sd, cfg))
-    x = _ids(cfg)
+    x = ids(cfg)
     with torch.no_grad():
-        assert _max_diff(ours(x), theirs(x).logits) <= 1e-4
+        assert max_diff(ours(x), theirs(x).logits) <= 1e-4
 
 
 def test_unsupported_inputs_are_named() -> None:
