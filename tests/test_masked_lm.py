@@ -178,3 +178,43 @@ def test_bert_on_two_systems_equals_one(corpus: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["executor"] == "swarmx"
     _same_training(tmp_path / "one", tmp_path / "two")
+
+
+# ---- parameters without gradients: BERT's next-sentence head under the masked-LM objective ---------------------
+
+def _bert_with_nsp_head(tmp_path: Path) -> Path:
+    """A tiny BertForPreTraining directory: masked-LM training gives its next-sentence head no gradient."""
+    from waferscale.models import hf
+
+    torch.manual_seed(0)
+    model = build(PRESETS["bert-tiny"].replace(vocab_size=64, max_seq_len=32, nsp_head=True, dropout=0.0))
+    hf.save_hf_dir(model, tmp_path / "bert-nsp")
+    return tmp_path / "bert-nsp"
+
+
+@pytest.mark.parametrize("systems", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_parameters_without_gradients_are_left_alone_when_streamed(corpus: Path, tmp_path: Path, systems: int) -> None:
+    """Resident AdamW skips a parameter whose gradient is None; streaming (MemoryX steps a unit's parameters as
+    one flat tensor) and SwarmX must too: no weight decay on the next-sentence head, the same weights."""
+    pretrained = _bert_with_nsp_head(tmp_path)
+    d = _params(corpus, tmp_path / "unused")
+    d["model"]["pretrained"] = str(pretrained)
+    run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / "r", execution="resident",
+                                                       progress=False), out=io.StringIO())
+    if systems == 1:
+        run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / "s", execution="streaming",
+                                                           progress=False), out=io.StringIO())
+    else:
+        p = tmp_path / "p.yaml"
+        p.write_text(yaml.safe_dump(d))
+        r = subprocess.run([sys.executable, "-m", "waferscale", "run", "-p", str(p), "-o", str(tmp_path / "s"),
+                            "--no_progress", "--num_csx", "2"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    start = load_file(str(pretrained / "model.safetensors"))
+    nsp = {k: v for k, v in load_file(str(tmp_path / "r" / "checkpoint_4.safetensors")).items()
+           if k.startswith(("head.nsp", "head.pooler"))}
+    assert len(nsp) == 4
+    hf_names = {"head.nsp.weight": "cls.seq_relationship.weight", "head.nsp.bias": "cls.seq_relationship.bias",
+                "head.pooler.weight": "bert.pooler.dense.weight", "head.pooler.bias": "bert.pooler.dense.bias"}
+    assert all(torch.equal(v, start[hf_names[k]]) for k, v in nsp.items())  # resident: never stepped
+    _same_training(tmp_path / "r", tmp_path / "s")  # streamed: the same, the head included

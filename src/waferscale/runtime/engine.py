@@ -114,6 +114,7 @@ class _StreamIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, engine: "StreamingEngine", u: int, anchor: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
         ctx.engine, ctx.u = engine, u
+        ctx.set_materialize_grads(False)  # a weight the unit did not use gets None, not zeros: it had no gradient
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
@@ -306,14 +307,15 @@ class StreamingEngine:
         return acc_bytes
 
     def _push_gradients(self, u: int, acc_bytes: int) -> None:
-        """Unit u's gradients are complete: zero what got none (as autograd would), hand them to the link."""
+        """Unit u's gradients are complete: zero what got none and hand them to the link, naming the entries that
+        got none (a resident optimizer leaves a parameter without a gradient alone, and so must MemoryX)."""
         matrices, vectors, fresh = self._acc.pop(u)
         lay = self.layouts[u]
         for i in fresh:
             e = lay.entries[i]
             (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].zero_()
         t1 = time.perf_counter()
-        fut = self.link.push(u, matrices, vectors)
+        fut = self.link.push(u, matrices, vectors, absent=frozenset(fresh))
         fut.add_done_callback(lambda _f, b=acc_bytes: self.ledger.free("gradients", b))
         self._pushes.append(fut)
         self.stats["bytes_out"] += acc_bytes

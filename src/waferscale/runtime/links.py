@@ -84,12 +84,13 @@ class LocalLink(_Counted):
         self.h2d.synchronize()
         return matrices, vectors
 
-    def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+    def push(self, u: int, matrices: Tensor, vectors: Tensor, absent: frozenset[int] = frozenset()) -> Future:
+        """Unit u's gradients to MemoryX; `absent`: its entries that got no gradient (zeros in the payload)."""
         index = self.mx.unit_masks.index.get(u) if not self.mx.dense_grads() else None
         if not self.cuda:  # MemoryX takes the device's gradients as they are and zeroes the masked ones
             self.stats["bytes_reduced"] += (self.mx.unit_masks.grad_nbytes(u) if index is not None
                                             else matrices.nbytes + vectors.nbytes)
-            return self.mx.push_grads(u, matrices, vectors)
+            return self.mx.push_grads(u, matrices, vectors, absent)
         if index is not None:  # the kept gradients only
             matrices = matrices.index_select(0, index.to(matrices.device, non_blocking=True))
         self.stats["bytes_reduced"] += matrices.nbytes + vectors.nbytes
@@ -108,7 +109,7 @@ class LocalLink(_Counted):
 
         def hand_over() -> None:
             done.synchronize()
-            self.mx.push_grads(u, hm, hv).result()
+            self.mx.push_grads(u, hm, hv, absent).result()
 
         return self._writer.submit(hand_over)
 
@@ -203,25 +204,29 @@ class SwarmLink(_Counted):
             return matrices.to(self.device), vectors.to(self.device)
         return matrices, vectors
 
-    def push(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+    def push(self, u: int, matrices: Tensor, vectors: Tensor, absent: frozenset[int] = frozenset()) -> Future:
+        """Unit u's gradients into the reduce; `absent`: its entries that got no gradient on this rank."""
         index = self._grad_index(u)
         if index is not None:
             matrices = matrices.index_select(0, index.to(matrices.device))
-        return self._lane.submit(self._send, u, lambda: (matrices.cpu(), vectors.cpu()))
+        got = torch.tensor([i not in absent for i in range(len(self.layouts[u].entries))], dtype=torch.float32)
+        return self._lane.submit(self._send, u, lambda: (matrices.cpu(), vectors.cpu(), got))
 
     def push_zeros(self, u: int) -> Future:
         """Rank 0's share of unit u's reduce when it computes no gradients itself (the zoo's MemoryX rank); the
         zeros are made when the reduce runs, one unit at a time."""
         lay, index = self.layouts[u], self._grad_index(u)
         n = index.numel() if index is not None else lay.n_matrices
-        return self._lane.submit(self._send, u, lambda: (torch.zeros(n), torch.zeros(lay.n_vectors)))
+        return self._lane.submit(self._send, u, lambda: (torch.zeros(n), torch.zeros(lay.n_vectors),
+                                                         torch.zeros(len(lay.entries))))
 
     def _send(self, u: int, make: Any) -> None:
         """Unit u's reduce (on this link's lane, in push order); rank 0 hands the sum to MemoryX, whose own lane
-        accumulates it while the next unit's reduce runs (MemoryX.end_backward waits for it)."""
-        m, v = make()
+        accumulates it while the next unit's reduce runs (MemoryX.end_backward waits for it). Beside the
+        gradients, per entry the number of ranks that computed one: an entry none did is absent."""
+        m, v, got = make()
         try:
-            for t in (m, v):
+            for t in (m, v, got):
                 if t.numel():
                     dist.reduce(t, 0, op=dist.ReduceOp.SUM, group=self.cluster.g_grads)
         except RuntimeError as e:
@@ -231,7 +236,7 @@ class SwarmLink(_Counted):
             if self.mean:
                 m.div_(self.cluster.world)
                 v.div_(self.cluster.world)
-            self.mx.push_grads(u, m, v)
+            self.mx.push_grads(u, m, v, frozenset(torch.nonzero(got == 0).flatten().tolist()))
 
     def close(self) -> None:
         self._lane.close(0 if self.cluster.failure is not None else 10.0)

@@ -350,18 +350,21 @@ class MemoryX:
         self.sync_masks()
         self._lr = float(lr)
         self._written: set[int] = set()  # global indices of the gradients written this step
+        self._got: set[int] = set()  # global indices of the parameters that got a gradient this step
         self._sqnorms: dict[int, Tensor] = {}  # param_order -> norm
         self._finite = True
         self._grad_futs: list[Future] = []
 
-    def push_grads(self, u: int, matrices: Tensor, vectors: Tensor) -> Future:
+    def push_grads(self, u: int, matrices: Tensor, vectors: Tensor, absent: frozenset[int] = frozenset()) -> Future:
         """Hand over unit u's gradients (fp32, payload layout; host tensors MemoryX may keep until done).
+        `absent`: indices of unit u's entries that got no gradient (zeros here): a parameter that gets none from
+        any unit this step is not updated, as a resident optimizer skips a parameter whose grad is None.
         Asynchronous: accumulation (and, in the eager policy, the update) runs on MemoryX's lane."""
-        fut = self._lane.submit(self._accumulate, u, matrices, vectors, self._lr)
+        fut = self._lane.submit(self._accumulate, u, matrices, vectors, self._lr, absent)
         self._grad_futs.append(fut)
         return fut
 
-    def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float) -> None:
+    def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float, absent: frozenset[int]) -> None:
         """Unit u's gradients into its (and its weights' owners') gradient slots. A unit with masked matrices
         sends the kept values only, or, when the algorithm needs them, dense gradients, which are kept for it
         and then masked."""
@@ -374,7 +377,9 @@ class MemoryX:
             self._keep_dense_grads(lay, matrices, vectors)
         grads = {o: self.stores[o].open("grad") for o in {e.owner for e in lay.entries}}
         with torch.no_grad():
-            for e in lay.entries:
+            for i, e in enumerate(lay.entries):
+                if i not in absent:
+                    self._got.add(e.global_index)
                 src = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel]
                 dst = grads[e.owner][e.offset:e.offset + e.numel]
                 mask = self._masks.get(e.name) if not (e.matrix and kept_values) else None
@@ -397,7 +402,7 @@ class MemoryX:
         with self._stats_lock:
             self._stats["grad_writeback_s"] += time.perf_counter() - t0
         if self.policy == "eager":
-            self._update(u, lr, 1.0, 1.0)
+            self._update(u, lr, 1.0, 1.0, self._got)
 
     def end_backward(self) -> tuple[float | None, bool]:
         """After the last push_grads of the step: (grad_norm or None, skipped). Schedules the deferred updates."""
@@ -426,7 +431,8 @@ class MemoryX:
         if not skipped:
             lr = self._lr
             for u in range(self.n_units):  # forward order: the next step's fetches wait on these one by one
-                self._update_done[u] = self._lane.submit(self._update, u, lr, coef, inv_scale)
+                # (this step's set of parameters with gradients: the next begin_step starts another)
+                self._update_done[u] = self._lane.submit(self._update, u, lr, coef, inv_scale, self._got)
         self._sparsity_step(finite=not skipped)
         return norm, skipped
 
@@ -451,7 +457,7 @@ class MemoryX:
                 g = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].view(e.shape)
                 dense[e.name] = dense[e.name] + g if e.name in dense else g.clone()
 
-    def _update(self, u: int, lr: float, coef: float, inv_scale: float) -> None:
+    def _update(self, u: int, lr: float, coef: float, inv_scale: float, got: set[int]) -> None:
         opt = self.optimizers[u]
         if opt is None:
             return
@@ -463,8 +469,19 @@ class MemoryX:
                 torch._foreach_mul_(grads, inv_scale)
             if self.max_gradient_norm:
                 torch._foreach_mul_(grads, coef)
+            # the optimizer steps the unit's parameters as one flat tensor: those without a gradient this step
+            # get their weights and state back afterwards (weight decay and moment decay must not touch them;
+            # before the first update the state is not in slots yet, and a zero gradient leaves it zero; the step
+            # count is the unit's, so a parameter absent on some steps only is bias-corrected by the unit's count)
+            kept = []
+            for e in self.layouts[u].owned:
+                if e.global_index not in got:
+                    kept += [(t[e.offset:e.offset + e.numel], t[e.offset:e.offset + e.numel].clone())
+                             for k, t in slots.items() if k != "grad"]
             set_lr(opt, lr)
             opt.step()
+            for region, before in kept:
+                region.copy_(before)
             for e in self.layouts[u].owned:
                 if e.name in self._masks:
                     slots["param"][e.offset:e.offset + e.numel].mul_(self._masks[e.name].reshape(-1))
