@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance_helpers import ApplianceProc, wait_file, wait_state
+from appliance_helpers import ApplianceProc, wait_file, wait_for, wait_state
 from conftest import tiny_params, wsc
 from serve_helpers import free_port, have_smollm2, tiny_model_dir
 from waferscale.appliance import ApplianceError, Client
@@ -246,9 +246,10 @@ def test_kill_9_of_the_service_loses_nothing(service: ApplianceProc, tmp_path: P
     wait_file(tmp_path / "r1.starts")
     pids = service.job_pids(r1["id"])
     followed: list[str] = []  # `logs -f` rides out the restart
-    follower = threading.Thread(target=lambda: followed.extend(b.logs(r1["id"], follow=True, poll_s=0.1)))
+    follower = threading.Thread(target=lambda: [followed.append(t) for t in b.logs(r1["id"], follow=True,
+                                                                                   poll_s=0.1)])
     follower.start()
-    time.sleep(0.5)
+    wait_for(lambda: followed, "logs -f to show the job's first line")
     service.kill9()
     os.kill(pids["pgid"], 0)  # the job lives on without the service
     service.start()
@@ -257,8 +258,6 @@ def test_kill_9_of_the_service_loses_nothing(service: ApplianceProc, tmp_path: P
     assert b.submit_script(script, [str(tmp_path / "q0")], client_id="q0")["id"] == q[0]["id"]  # idempotent
     for n in ("r1", "r2", "q0", "q1", "q2"):
         (tmp_path / f"{n}.gate").write_text("0")
-        if n.startswith("q"):
-            time.sleep(0.3)
     done = [wait_state(b, x["id"], ("SUCCEEDED",)) for x in q]
     follower.join(timeout=60)
     assert not follower.is_alive() and "".join(followed) == (service.state / "jobs" / r1["id"] / "log").read_text()
@@ -304,9 +303,7 @@ def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: App
     b = service.client("bob")
     j = b.submit_run(params, num_csx=1)
     model_dir = service.state / "jobs" / j["id"] / "model_dir"
-    deadline = time.monotonic() + 120
-    while not list(model_dir.glob("checkpoint_*")) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: list(model_dir.glob("checkpoint_*.json")), "the run's first checkpoint", timeout=120)
     pids = service.job_pids(j["id"])
     service.kill9()
     os.killpg(pids["pgid"], signal.SIGKILL)
@@ -336,15 +333,16 @@ def test_a_deployment_answers_the_openai_client_by_model_name(service: Appliance
     wait_state(c, jid, ("RUNNING",))
     oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.tokens["bob"].read_text().strip(),
                        max_retries=0)
-    deadline = time.monotonic() + 180
-    while True:  # the server loads its model first (503 until then)
+
+    def answer():
         try:
-            out = oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=8, temperature=0)
-            break
-        except openai.APIStatusError as err:
-            assert err.status_code == 503 and time.monotonic() < deadline, err
-            time.sleep(0.5)
+            return oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, temperature=0)
+        except openai.APIStatusError as err:  # 503 while its server loads the model
+            assert err.status_code == 503, err
+            return None
+
+    out = wait_for(answer, "the deployment to answer", timeout=180)
     assert out.choices[0].message.content and out.usage.completion_tokens == 8
     assert [m.id for m in oa.models.list().data] == ["tiny-chat"]
     chunks = list(oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],

@@ -10,6 +10,7 @@ under shim.py, and `ray_backend.RayLauncher` places it on a Ray cluster.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -132,11 +133,11 @@ class LocalLauncher(Launcher):
             return Status("lost", why="its processes ended without a word (killed with their keeper)")
 
     def signal(self, handle: dict[str, Any], force: bool) -> None:
-        try:
-            pgid = json.loads((Path(handle["dir"]) / "pgid.json").read_text())["pgid"]
-            os.killpg(pgid, signal.SIGKILL if force else signal.SIGTERM)
-        except (OSError, ValueError, KeyError):
-            pass  # not started yet (the next call finds it) or already gone
+        record = Path(handle["dir"]) / "pgid.json"
+        if not record.is_file():
+            return  # not started yet: the next call finds it
+        with contextlib.suppress(ProcessLookupError):  # (already gone)
+            os.killpg(json.loads(record.read_text())["pgid"], signal.SIGKILL if force else signal.SIGTERM)
 
 
 def _locked(path: Path) -> bool:

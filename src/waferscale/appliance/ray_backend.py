@@ -52,6 +52,7 @@ head node's environment: `RAY_health_check_period_ms=1000 RAY_health_check_failu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -225,10 +226,8 @@ class RayLauncher(Launcher):
             if actor is not None:
                 ray.kill(actor)
             self._actors.pop(_actor_name(handle, i), None)
-        try:
+        with contextlib.suppress(ValueError):  # (never made, or already removed)
             remove_placement_group(get_placement_group(handle["name"]))
-        except ValueError:
-            pass  # never made, or already removed
 
 
 def _actor_name(handle: dict[str, Any], i: int) -> str:

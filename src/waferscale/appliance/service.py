@@ -326,16 +326,11 @@ def create_app(app_: Appliance) -> FastAPI:
     async def metrics(jid: str, request: Request) -> dict[str, Any]:
         j = app_.visible(who(request), jid)
         path = Path(j.spec.get("model_dir") or app_.job_dir(jid) / "model_dir") / "metrics.jsonl"
-        rows = []
-        try:
-            for line in path.read_text().splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    pass  # (a line being written)
-        except OSError:
-            pass
-        return {"object": "list", "data": rows}
+        text = path.read_text() if path.is_file() else ""  # (no file: the run has not logged a step yet)
+        lines = text.splitlines()
+        if lines and not text.endswith("\n"):
+            lines.pop()  # the line being written
+        return {"object": "list", "data": [json.loads(line) for line in lines if line.strip()]}
 
     @app.post("/api/jobs/{jid}/cancel")
     async def cancel(jid: str, request: Request) -> dict[str, Any]:
