@@ -213,6 +213,9 @@ def test_bad_input_is_refused_and_nothing_is_queued(service: ApplianceProc, tmp_
     with pytest.raises(ApplianceError) as e:
         b.submit_script(gate_script(tmp_path), num_csx=3)
     assert e.value.status == 400 and "more than the pool's 2 systems" in str(e.value)
+    with pytest.raises(ApplianceError) as e:  # alice's quota is 1 system: a 2-system job could never start
+        service.client("alice").submit_script(gate_script(tmp_path), num_csx=2)
+    assert e.value.status == 400 and e.value.code == "over_quota" and "quota of 1 system" in str(e.value)
     r = service.cli("bob", "submit", "--script", str(tmp_path / "gated.py"), "--job_priority", "p9")
     assert r.returncode == 2 and "p9" in r.stderr
     with pytest.raises(ApplianceError) as e:

@@ -159,6 +159,10 @@ class Appliance:
         if req.num_csx > self.systems:
             raise APIError(400, f"num_csx {req.num_csx} is more than the pool's {self.systems} systems; ask for "
                                 f"at most {self.systems}", param="num_csx", code="pool_too_small")
+        if user.quota is not None and req.num_csx > user.quota:  # (it would wait for ever)
+            raise APIError(400, f"num_csx {req.num_csx} is more than your quota of {user.quota} system"
+                                f"{'s' if user.quota != 1 else ''} at once; ask for at most {user.quota}, or ask an "
+                                f"admin for a larger quota", param="num_csx", code="over_quota")
         spec = dict(req.spec)
         if req.kind == "run":
             _check_run(spec, req.num_csx)
