@@ -83,28 +83,39 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
     d, ffn = cfg.d_model, cfg.ffn_dim
     kinds = ["embed"] + ["block"] * cfg.n_layer + ["head"]
     names = unit_names(cfg.n_layer)
+    act = ffn * (2 if cfg.activation == "swiglu" else 1)
     out: list[Unit] = []
     for i, (mod, kind, name) in enumerate(zip(units, kinds, names)):
-        params = sum(p.numel() for p in mod.parameters() if owner[id(p)] == i)
+        experts = list(mod.mlp.experts) if kind == "block" and cfg.n_experts else []
+        own = {id(p) for e in experts for p in e.parameters()}  # an expert's weights are its own unit's
+        params = sum(p.numel() for p in mod.parameters() if owner[id(p)] == i and id(p) not in own)
         shared = [p for p in mod.parameters() if owner[id(p)] != i]
         tied = names[owner[id(shared[0])]] if shared else None
         tied_params = sum(p.numel() for p in shared)
-        mms = tuple(mm for mm, _ in _matmul_members(mod))
+        mms = tuple(mm for mm, _ in _matmul_members(mod, skip="mlp.experts." if experts else None))
         if kind == "embed":
             out.append(Unit(name, kind, params, (), d_in=1, d_out=d, tied_to=tied, tied_params=tied_params,
                             elementwise_flops_per_token=d if cfg.position == "learned" else 0))
         elif kind == "block":
-            act = ffn * (2 if cfg.activation == "swiglu" else 1)
+            moe = dict(n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token) if experts else {}
             out.append(Unit(name, kind, params, mms, d_in=d, d_out=d, n_heads=cfg.n_head, head_dim=cfg.head_dim,
                             kv_heads=cfg.kv_heads, norm_width=d, n_norms=2,
-                            elementwise_flops_per_token=2 * d + act,
+                            # an MoE block's FFN activation is its experts' (the block adds the k weighted outputs)
+                            elementwise_flops_per_token=2 * d + (cfg.experts_per_token * d if experts else act),
                             # kept for backward: norm inputs, attention output, residual (4d), every matmul
                             # output, the activation output; attention scores recomputed (flash-style)
-                            train_act_elems_per_token=4 * d + sum(m.m for m in mms) + ffn))
+                            train_act_elems_per_token=4 * d + sum(m.m for m in mms) + (0 if experts else ffn),
+                            **moe))
+            for e, expert in enumerate(experts):  # each expert a unit: its own region, the tokens routed to it
+                emms = tuple(mm for mm, _ in _matmul_members(expert))
+                out.append(Unit(f"{name}.expert{e}", "expert", sum(p.numel() for p in expert.parameters()), emms,
+                                d_in=d, d_out=d, elementwise_flops_per_token=act,
+                                train_act_elems_per_token=d + sum(m.m for m in emms) + ffn, expert_of=name, **moe))
         else:
             out.append(Unit(name, kind, params, mms, d_in=d, d_out=cfg.vocab_size, norm_width=d, n_norms=1,
                             train_act_elems_per_token=2 * d + cfg.vocab_size))
-    return Graph(name=cfg.name, source=source, units=tuple(out), dtype=dtype, max_seq_len=cfg.max_seq_len)
+    return Graph(name=cfg.name, source=source, units=tuple(out), dtype=dtype, max_seq_len=cfg.max_seq_len,
+                 arch="encoder" if cfg.is_encoder else "decoder")
 
 
 def unit_names(n_layer: int) -> list[str]:
@@ -112,13 +123,13 @@ def unit_names(n_layer: int) -> list[str]:
     return ["embed"] + [f"block{i}" for i in range(n_layer)] + ["head"]
 
 
-def _matmul_members(mod: nn.Module) -> list[tuple[MatMul, list[nn.Linear]]]:
-    """nn.Linear layers of a unit; q/k/v and gate/up (same input) fused into one GEMV as a compiler would:
-    each matrix with the layers it fuses."""
+def _matmul_members(mod: nn.Module, skip: str | None = None) -> list[tuple[MatMul, list[nn.Linear]]]:
+    """nn.Linear layers of a unit (but those under the prefix `skip`); q/k/v and gate/up (same input) fused
+    into one GEMV as a compiler would: each matrix with the layers it fuses."""
     groups: "OrderedDict[str, list[nn.Linear]]" = OrderedDict()
     leaves: dict[str, str] = {}  # the leaf name of a group's first layer (a group of one keeps its own name)
     for qual, m in mod.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and not (skip and qual.startswith(skip)):
             parent, _, leaf = qual.rpartition(".")
             key = f"{parent}.{_FUSE.get(leaf, leaf)}" if parent else _FUSE.get(leaf, leaf)
             groups.setdefault(key, []).append(m)

@@ -17,8 +17,8 @@ _LABEL_BOX = dict(boxstyle="round,pad=0.15", facecolor="white", alpha=0.75, line
 
 
 def _short(name: str) -> str:
-    if name.startswith("block"):
-        return "L" + name[5:]
+    if name.startswith("block"):  # block7 -> L7, block7.expert3 -> L7e3
+        return "L" + name[5:].replace(".expert", "e")
     return {"embed": "emb", "head": "head"}.get(name, name[:10])
 
 
@@ -46,6 +46,10 @@ def figure(plan: Plan):
     dead = _dead_cores(plan)
     sparse = "sparsity" in plan.extra
     density = [unit_density(u) for u in plan.graph["units"]]
+    index = {u["name"]: i for i, u in enumerate(plan.graph["units"])}
+    # an expert takes its block's color, hatched: a region of its own, computing only the tokens routed to it
+    hue = [index.get(u.get("expert_of"), i) for i, u in enumerate(plan.graph["units"])]
+    experts = any(u.get("expert_of") for u in plan.graph["units"])
     for s in range(nrows * ncols):
         ax = axes[s // ncols][s % ncols]
         if s >= n:
@@ -57,10 +61,11 @@ def figure(plan: Plan):
         regs = by_sys.get(s, [])
         big = [r for r in regs if r.area >= 0.002 * rows * cols]
         for r in regs:
-            color = "#9ecae1" if r.unit < 0 else cmap(0.08 + 0.84 * r.unit / max(1, n_units - 1))
+            color = "#9ecae1" if r.unit < 0 else cmap(0.08 + 0.84 * hue[r.unit] / max(1, n_units - 1))
             shade = 0.9 if r.unit < 0 or not sparse else 0.2 + 0.7 * density[r.unit]  # paler = sparser
             ax.add_patch(Rectangle((r.col, r.row), r.cols, r.rows, facecolor=color, edgecolor="black",
-                                   lw=0.6 if len(regs) < 200 else 0.2, alpha=shade))
+                                   lw=0.6 if len(regs) < 200 else 0.2, alpha=shade,
+                                   hatch="////" if r.unit >= 0 and hue[r.unit] != r.unit else None))
         # label every region that has room; the rest are named by their neighbours' numbering
         for r in regs:
             fs = min(9.0, 0.9 * 72 * 4.6 * min(r.cols / cols, r.rows / rows * aspect) / max(2, len(_short(r.name))) * 1.6)
@@ -103,6 +108,10 @@ def figure(plan: Plan):
                 f"bottleneck: {plan.bottleneck}")
     if sparse:
         line += "\nsparse regions: weight density under the name, paler = sparser"
+    if experts:
+        moe = p.get("moe", {})
+        line += (f"\nhatched: expert regions (Liej = layer i's expert j; all resident, each token routed to "
+                 f"{moe.get('experts_per_token', 'k')} of {moe.get('experts_per_layer', 'E')} per layer)")
     fig.suptitle(f"{plan.model} on {plan.systems} x {plan.target} — {plan.strategy.replace('_', ' ')}"
                  f" ({plan.replicas} cop{'y' if plan.replicas == 1 else 'ies'}, {plan.pes_used:,} PEs)\n{line}",
                  fontsize=9)

@@ -20,12 +20,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from waferscale.compiler import moe
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Graph, Unit
-from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, crossing_time, decode_latency,
-                                          handoff, place_pipelines, with_detours)
-from waferscale.compiler.placement import Rect, grid_boxes, split_contiguous
+from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, chain, crossing_time, decode_latency,
+                                          depth, handoff, occupancy, place_pipelines, split_groups, with_detours)
+from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
@@ -73,7 +74,8 @@ class _Choice:
     def project(cls, ctx: CompileContext, units: list[Unit], pipes: list[Layout], k: int, users_r: int,
                 copies: int, users: int | None, b: int) -> "_Choice":
         lat, breakdown = decode_latency(ctx, units, pipes[0], b)
-        stage_max = max(max(t.s for t in pipes[0].stage_times), crossing_time(ctx, units, pipes[0], b))
+        busy = occupancy(units, pipes[0], users_r) if ctx.g.moe else [t.s for t in pipes[0].stage_times]
+        stage_max = max(max(busy), crossing_time(ctx, units, pipes[0], b))
         agg = min((users or users_r * copies) / lat, copies / stage_max)  # users spread over the copies
         return cls(k, pipes, users_r, copies, lat, breakdown, stage_max, agg)
 
@@ -132,7 +134,7 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
     g, spec = ctx.g, ctx.spec
     units, mem1, wb, kv_tok, C = ctx.g.units, fp.mem(1), fp.weights, fp.kv_per_token_total, fp.context
     wpp = next((n for n in range(max(1, math.ceil(sum(mem1) / cap_w)), min(len(units), ctx.systems + 64) + 1)
-                if split_contiguous(mem1, n, cap_w)), None)
+                if split_groups(units, mem1, n, cap_w)), None)
     if wpp is None or wpp > ctx.systems:
         need = wpp or math.ceil(sum(mem1) / cap_w)
         raise ConfigError(
@@ -141,9 +143,11 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
             f"({min(w.usable_pes for w in ctx.wafers):,} PEs x {cap_pe:,} B after a "
             f"{PROGRAM_RESERVE_BYTES_PER_PE // 1024} KiB/PE program reserve); it needs at least {need} systems "
             f"(--systems {need}); streaming weights from MemoryX for decode would be I/O-bound (WSE.md), so "
-            f"inference keeps them on-wafer")
+            f"inference keeps them on-wafer" + (f". Why so many: {_moe_why(g)}" if g.moe else ""))
     sys_reps = ctx.systems // wpp
     b = g.dtype_bytes
+    if g.moe:
+        ctx.say(_moe_why(g) + (f"; {wpp} systems hold them" if wpp > 1 else ""))
     if wpp > 1:
         ctx.say(f"multi-wafer pipeline: {gb(sum(wb))} of weights + KV cache exceed one {spec.name} "
                 f"({gb(cap_w)} for data), so the layers are split over {wpp} wafers, balanced by bytes; only "
@@ -187,9 +191,9 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
         R_total = sys_reps * k
         box_cap = boxes[0].area * cap_pe
         pipes = None
-        for users_r in _users_to_try(fp, users, R_total, box_cap, wpp, len(units)):
+        for users_r in _users_to_try(fp, users, R_total, box_cap, wpp, depth(units)):
             mem = fp.mem(users_r)  # the most users (up to one per stage) whose KV cache still places
-            runs_k = split_contiguous(mem, wpp, cap_w) if k == 1 else [(0, len(units))]
+            runs_k = split_groups(units, mem, wpp, cap_w) if k == 1 else [(0, len(units))]
             if runs_k is None:
                 continue
             pipes = place_pipelines(ctx, units, mem, runs_k, boxes, sys_reps, wpp, stage_time)
@@ -220,11 +224,16 @@ def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _
     elif kmax > 1:
         ctx.say(f"one copy: more replicas (up to {kmax} fit in memory) project no higher aggregate throughput")
     p0 = c.pipes[0]
-    S = len(units)
-    ctx.say(f"pipelined: {S} stages (embedding, {g.n_blocks} blocks, head) as rectangles in a snake of bands, "
+    S = depth(units)
+    n_exp = sum(bool(u.expert_of) for u in units)
+    ctx.say(f"pipelined: {S} stages (embedding, {g.n_blocks} blocks"
+            + (f" each followed by its experts ({n_exp} expert regions)" if n_exp else "")
+            + f", head) as rectangles in a snake of bands, "
             f"each sized by its bytes then by its FLOPs (balanced: slowest stage {c.stage_max * 1e6:.2f} us, "
             f"fastest {min(t.s for t in p0.stage_times) * 1e6:.2f} us); consecutive stages share an edge, one hop "
             f"apart")
+    if n_exp:
+        _explain_moe(ctx, units, c, b)
     if units[0].tied_to:
         ctx.say(f"tied embedding: the embedding region keeps its own copy of the {units[0].tied_params:,}-parameter "
                 f"matrix so the lookup is local ({gb(units[0].tied_params * b)})")
@@ -241,7 +250,7 @@ def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, 
     """The plan's strategy, workload, regions and projection for the chosen placement."""
     C, kv_tok = fp.context, fp.kv_per_token_total
     total_users = users or c.users_r * c.copies
-    ttft, chunk, pre_tps = _prefill(ctx, units, c.pipes[0], b, P)
+    ttft, chunk, pre_tps = (_prefill_moe if ctx.g.moe else _prefill)(ctx, units, c.pipes[0], b, P)
     proj = {
         "decode_latency_s_per_token": c.lat,
         "decode_tokens_per_s_per_user": 1 / c.lat,
@@ -261,6 +270,8 @@ def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, 
         "aggregate_bottleneck": _aggregate_bottleneck(ctx, units, c, b),
         "stage_times_s": [t.s for t in c.pipes[0].stage_times],
     }
+    if ctx.g.moe:
+        proj["moe"] = _moe_projection(ctx, units, c, b)
     regions = [r for pipe in c.pipes for r in pipe.regions]
     strategy = "multi_wafer_pipelined" if wpp > 1 else ("replicated" if c.copies > 1 else "pipelined")
     return {"strategy": strategy, "replicas": c.copies, "wafers_per_pipeline": wpp, "fits_in_sram": True,
@@ -273,7 +284,11 @@ def _aggregate_bottleneck(ctx: CompileContext, units: list[Unit], c: _Choice, b:
     slowest stage's own bottleneck."""
     if c.users_r / c.lat < 1 / c.stage_max:
         return "too few users to fill the pipeline (latency-bound)"
-    slow = max(c.pipes[0].stage_times, key=lambda t: t.s)
+    busy = occupancy(units, c.pipes[0], c.users_r) if ctx.g.moe else [t.s for t in c.pipes[0].stage_times]
+    slow = c.pipes[0].stage_times[busy.index(max(busy))]
+    if ctx.g.moe and units[c.pipes[0].regions[busy.index(max(busy))].unit].expert_of and \
+            crossing_time(ctx, units, c.pipes[0], b) < max(busy):
+        return f"the most loaded expert ({slow.bottleneck()} of its region; routing imbalance)"
     if crossing_time(ctx, units, c.pipes[0], b) >= slow.s:
         return "I/O"
     return slow.bottleneck()
@@ -293,6 +308,93 @@ def _prefill(ctx: CompileContext, units: list[Unit], pipe: Layout, b: int, P: in
         slow = max([t.s for t in times] + [h.s for h in hands if h.parts.get("I/O")])
         ttft = sum(t.s for t in times) + sum(h.s for h in hands) + (math.ceil(P / c) - 1) * slow + \
             pj.io_time(spec, 4 * P).s
+        if best is None or ttft < best[0]:
+            best = (ttft, c, c / slow)
+    return best
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------------------
+
+def _moe_why(g: Graph) -> str:
+    """Why a mixture of experts needs the SRAM it needs: every expert is resident, a token uses only k."""
+    blocks = [u for u in g.units if u.n_experts and not u.expert_of]
+    u = blocks[0]
+    expert = next(x for x in g.units if x.expert_of)
+    return (f"mixture of experts: {len(blocks)} layers x {u.n_experts} experts of {expert.params / 1e6:,.0f} M "
+            f"parameters, each expert in a region of its own; a token is routed to {u.experts_per_token} per layer "
+            f"and computes with {g.active_params / 1e9:.3g} B of the {g.params / 1e9:.3g} B parameters, but all "
+            f"experts' weights ({gb(g.params * g.dtype_bytes)} at {g.dtype}) must stay resident: an idle expert is "
+            f"the next token's")
+
+
+def _moe_layers(units: list[Unit], pipe: Layout) -> list[tuple[int, list[int], int | None]]:
+    """Per MoE layer of a placed copy: (the block's position in pipe.regions, its experts', the next stage's)."""
+    regs = pipe.regions
+    out = []
+    for i, r in enumerate(regs):
+        if units[r.unit].n_experts and not units[r.unit].expert_of:
+            j = i + 1
+            while j < len(regs) and units[regs[j].unit].expert_of:
+                j += 1
+            out.append((i, list(range(i + 1, j)), j if j < len(regs) else None))
+    return out
+
+
+def _moe_projection(ctx: CompileContext, units: list[Unit], c: _Choice, b: int) -> dict:
+    """The routing figures of the chosen placement: active parameters and weight bytes per token, the traffic
+    a token's routing adds per layer (bytes and hops), and the load imbalance at the users in flight."""
+    g, pipe = ctx.g, c.pipes[0]
+    layers = _moe_layers(units, pipe)
+    regs = pipe.regions
+    tr = [moe.traffic(ctx.spec, regs[i], [regs[e] for e in es], regs[n] if n is not None else None,
+                      units[regs[i].unit].d_out, b, units[regs[i].unit].experts_per_token) for i, es, n in layers]
+    u = units[regs[layers[0][0]].unit]
+    E, k, B = u.n_experts, u.experts_per_token, c.users_r
+    return {"experts_per_layer": E, "experts_per_token": k, "moe_layers": len(layers),
+            "params": g.params, "active_params": g.active_params,
+            "weight_bytes_resident": g.params * b, "weight_bytes_read_per_token": g.active_params * b,
+            "routing_bytes_per_token": sum(t["bytes_per_token"] for t in tr),
+            "routing_mean_hops": sum(t["mean_hops"] for t in tr) / len(tr),
+            "routing_max_hops": max(t["max_hops"] for t in tr),
+            "tokens_in_flight_per_copy": B, "expected_max_expert_load": moe.expected_max_load(B, E, k),
+            "mean_expert_load": B * k / E, "load_imbalance": moe.imbalance(B, E, k),
+            "load_assumption": "uniform routing: each token picks k distinct experts, every k-subset equally likely "
+                               f"(expected max load over {moe.LOAD_SAMPLES} seeded draws of the batch's routing)"}
+
+
+def _explain_moe(ctx: CompileContext, units: list[Unit], c: _Choice, b: int) -> None:
+    m = _moe_projection(ctx, units, c, b)
+    E, k, B = m["experts_per_layer"], m["experts_per_token"], m["tokens_in_flight_per_copy"]
+    ctx.say(f"routing: each token's activations ({units[0].d_out * b:,} B) go from its block's region to the "
+            f"{k} of {E} expert regions its router picks and the outputs come back to the next block: "
+            f"{m['routing_bytes_per_token'] / 1e3:,.0f} kB per token over {m['moe_layers']} layers, "
+            f"{m['routing_mean_hops']:.0f} hops per routed path on average (at most {m['routing_max_hops']}); a "
+            f"token waits for the slower of its {k} experts (expected over the uniformly routed {k}-subsets)")
+    ctx.say(f"load imbalance: with {B} token(s) in flight per copy, the most loaded expert of a layer gets "
+            f"{m['expected_max_expert_load']:.2f} of them on average against a mean of {m['mean_expert_load']:.2f} "
+            f"(x{m['load_imbalance']:.2f}; uniform routing, {moe.LOAD_SAMPLES} seeded draws), so each expert "
+            f"region's time per token in flight is its time x {m['expected_max_expert_load'] / max(1, B):.3f}; "
+            f"weights read per token {m['weight_bytes_read_per_token'] / 1e9:.1f} GB (active) of "
+            f"{m['weight_bytes_resident'] / 1e9:.1f} GB resident")
+
+
+def _prefill_moe(ctx: CompileContext, units: list[Unit], pipe: Layout, b: int, P: int) -> tuple[float, int, float]:
+    """`_prefill` for a mixture of experts: a chunk of c tokens reaches each expert as the expected most loaded
+    expert's share (`moe.expected_max_load`), the layer's experts run in parallel and the chunk waits for the
+    slowest; the chunk's hand-offs and routed activations cross the fabric as in `pipeline.chain`."""
+    spec, g = ctx.spec, ctx.g
+    u = next(x for x in units if x.expert_of)
+    best = None
+    for c in sorted({min(P, 2 ** i) for i in range(0, 20)}):
+        routed = math.ceil(moe.expected_max_load(c, u.n_experts, u.experts_per_token))
+        times = [pj.unit_time(spec, units[r.unit], r.rows, r.cols, n_tokens=routed if units[r.unit].expert_of else c,
+                              attn_ctx=max(1, P // 2), dtype=g.dtype, decode=False,
+                              mesh=ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols)) for r in pipe.regions]
+        through = chain(ctx, units, pipe.regions, times, b, tokens=c, routed=routed)
+        hands = [handoff(ctx, a, n, units[a.unit].d_out * c, b) for a, n in zip(pipe.regions, pipe.regions[1:])
+                 if a.system != n.system]
+        slow = max([t.s for t in times] + [h.s for h in hands])
+        ttft = through.s + (math.ceil(P / c) - 1) * slow + pj.io_time(spec, 4 * P).s
         if best is None or ttft < best[0]:
             best = (ttft, c, c / slow)
     return best

@@ -13,6 +13,7 @@ from typing import Any
 
 from waferscale.fabric.pe import DTYPE_BYTES
 
+ARCHS = ("decoder", "encoder")
 FFN_DOWN = ("down_proj", "fc2", "c_proj", "w2")  # names of the matrix whose input is the FFN activation
 
 
@@ -89,11 +90,25 @@ class Unit:
     train_act_elems_per_token: int = 0  # activations a layer keeps for backward (elements per token)
     tied_to: str | None = None  # the unit owning a matrix this unit also uses (tied embeddings)
     tied_params: int = 0  # size of that shared matrix
+    # mixture of experts: a block whose router picks `experts_per_token` of its `n_experts` experts for every
+    # token carries both counts; each expert is a unit of its own (kind "expert", `expert_of` = the block's name,
+    # the same counts), placed in its own region. Per-token figures of an expert are for a token routed to it.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.params < 0:
             raise ValueError(f"unit {self.name!r}: params must be >= 0, got {self.params}")
         object.__setattr__(self, "matmuls", tuple(m if isinstance(m, MatMul) else MatMul(**m) for m in self.matmuls))
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"unit {self.name!r}: experts_per_token must be in 1..{self.n_experts}, "
+                             f"got {self.experts_per_token}")
+
+    @property
+    def token_share(self) -> float:
+        """The fraction of tokens this unit computes: k/E for an expert under uniform routing, else 1."""
+        return self.experts_per_token / self.n_experts if self.expert_of else 1.0
 
     @property
     def matmul_flops_per_token(self) -> int:
@@ -145,6 +160,9 @@ class Unit:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["matmuls"] = [m.to_dict() for m in self.matmuls]
+        for name in ("n_experts", "experts_per_token", "expert_of"):  # dense graphs serialize as they always have
+            if not d[name]:
+                del d[name]
         return d
 
 @dataclass(frozen=True)
@@ -157,10 +175,13 @@ class Graph:
     dtype: str = "fp16"
     max_seq_len: int = 2048
     defaults: dict[str, Any] = field(default_factory=dict)  # batch_size, seq_len, num_csx from a params YAML
+    arch: str = "decoder"  # "decoder" (causal, KV cache) | "encoder" (bidirectional, no decode)
 
     def __post_init__(self) -> None:
         if not self.units:
             raise ValueError(f"graph {self.name!r} has no units")
+        if self.arch not in ARCHS:
+            raise ValueError(f"graph arch must be one of {ARCHS}, got {self.arch!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"graph dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         object.__setattr__(self, "units", tuple(u if isinstance(u, Unit) else Unit(**u) for u in self.units))
@@ -185,14 +206,36 @@ class Graph:
         """Model FLOPs per token as PaLM counts them (matmuls + attention over the full window; element-wise
         work excluded), x3 for training (forward + backward). `nonzero`: only the multiply-adds of non-zero
         weights and activations (what a sparse model's MFU counts)."""
-        fwd = sum((u.nonzero_matmul_flops_per_token if nonzero else u.matmul_flops_per_token)
-                  + u.attn_flops_per_token(seq_len) for u in self.units)
+        fwd = sum(((u.nonzero_matmul_flops_per_token if nonzero else u.matmul_flops_per_token) * u.token_share
+                   if u.expert_of else (u.nonzero_matmul_flops_per_token if nonzero else u.matmul_flops_per_token))
+                  + u.attn_flops_per_token(seq_len) for u in self.units)  # an expert: the tokens routed to it
         return 3 * fwd if training else fwd
+
+    @property
+    def moe(self) -> bool:
+        return any(u.expert_of for u in self.units)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: every unit's, of the experts only the k its router picks (the
+        embedding table counts whole, as `params` does)."""
+        return self.params - sum(u.params for u in self.units if u.expert_of) + \
+            sum(u.params * u.experts_per_token // u.n_experts for u in self.units if u.expert_of)
+
+    def expert_groups(self) -> dict[int, list[int]]:
+        """Index of each MoE block -> the indices of its experts (they follow it in `units`)."""
+        index = {u.name: i for i, u in enumerate(self.units)}
+        out: dict[int, list[int]] = {}
+        for i, u in enumerate(self.units):
+            if u.expert_of:
+                out.setdefault(index[u.expert_of], []).append(i)
+        return out
 
     @property
     def sparse(self) -> bool:
         return any(u.sparse for u in self.units)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
-                "defaults": dict(self.defaults), "units": [u.to_dict() for u in self.units]}
+        d = {"name": self.name, "source": self.source, "dtype": self.dtype, "max_seq_len": self.max_seq_len,
+             "defaults": dict(self.defaults), "units": [u.to_dict() for u in self.units]}
+        return d if self.arch == "decoder" else {**d, "arch": self.arch}  # a decoder's as it always was

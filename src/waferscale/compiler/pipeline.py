@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
+from waferscale.compiler import moe
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Unit
-from waferscale.compiler.placement import Rect
+from waferscale.compiler.placement import Rect, split_contiguous
 from waferscale.compiler.plan import Region
 from waferscale.compiler.strategy import Layout, place_replica
 
@@ -66,15 +67,73 @@ def handoff(ctx: CompileContext, a: Region, bnext: Region, elems: int, b: int) -
     return pj.handoff_time(ctx.spec, elems, b, edge or 1, hops)
 
 
+def split_groups(units: Sequence[Unit], mem: Sequence[int], parts: int, cap: int) -> list[tuple[int, int]] | None:
+    """`placement.split_contiguous` of the units into `parts` runs of at most `cap` bytes, an MoE block and its
+    experts kept in one run (its router's traffic stays on one wafer)."""
+    items: list[tuple[int, int]] = []  # [lo, hi) ranges of units that stay together
+    for i, u in enumerate(units):
+        if u.expert_of and items:
+            items[-1] = (items[-1][0], i + 1)
+        else:
+            items.append((i, i + 1))
+    if len(items) == len(units):
+        return split_contiguous(mem, parts, cap)
+    runs = split_contiguous([sum(mem[lo:hi]) for lo, hi in items], parts, cap)
+    return None if runs is None else [(items[a][0], items[z - 1][1]) for a, z in runs]
+
+
+def depth(units: Sequence[Unit]) -> int:
+    """Stages a token passes one after another: every unit, an MoE layer's experts counting as one."""
+    return sum(not u.expert_of for u in units) + len({u.expert_of for u in units if u.expert_of})
+
+
+def occupancy(units: Sequence[Unit], pipe: Layout, tokens: int) -> list[float]:
+    """Seconds each stage is busy per token when `tokens` tokens are in flight: its stage time, an expert's
+    scaled by the expected load of the most loaded expert of its layer per token in flight (its layer's
+    tokens wait for it; `moe.expected_max_load`)."""
+    out = []
+    for r, t in zip(pipe.regions, pipe.stage_times):
+        u = units[r.unit]
+        out.append(t.s * moe.expected_max_load(tokens, u.n_experts, u.experts_per_token) / tokens
+                   if u.expert_of else t.s)
+    return out
+
+
+def chain(ctx: CompileContext, units: Sequence[Unit], regs: Sequence[Region], times: Sequence[pj.Time], b: int,
+          tokens: int = 1, routed: int = 1) -> pj.Time:
+    """`tokens` tokens through every stage and hand-off in order; at an MoE block, through its experts in
+    parallel (`routed` tokens reach an expert) to the next stage (`moe.layer_latency`)."""
+    t = pj.Time()
+    i = 0
+    while i < len(regs):
+        r = regs[i]
+        t += times[i]
+        j = i + 1
+        while j < len(regs) and units[regs[j].unit].expert_of:
+            j += 1
+        nxt = regs[j] if j < len(regs) else None
+        u = units[r.unit]
+        if j > i + 1:
+            t += moe.layer_latency(ctx.spec, r, regs[i + 1:j], nxt, times[i + 1:j], u.d_out * routed, b,
+                                   u.experts_per_token)
+        elif nxt is not None:
+            t += handoff(ctx, r, nxt, u.d_out * tokens, b)
+        i = j
+    return t
+
+
 def decode_latency(ctx: CompileContext, units: Sequence[Unit], pipe: Layout, b: int) -> tuple[float, pj.Time]:
-    """One decoded token through every stage and hand-off, and the sampled id back to the embedding region:
-    (seconds, the time by part)."""
+    """One decoded token through every stage and hand-off (an MoE layer's through its routed experts), and the
+    sampled id back to the embedding region: (seconds, the time by part)."""
     t = pj.Time()
     regs = pipe.regions
-    for i, (r, st) in enumerate(zip(regs, pipe.stage_times)):
-        t += st
-        if i + 1 < len(regs):
-            t += handoff(ctx, r, regs[i + 1], units[r.unit].d_out, b)
+    if any(units[r.unit].expert_of for r in regs):
+        t += chain(ctx, units, regs, pipe.stage_times, b)
+    else:
+        for i, (r, st) in enumerate(zip(regs, pipe.stage_times)):
+            t += st
+            if i + 1 < len(regs):
+                t += handoff(ctx, r, regs[i + 1], units[r.unit].d_out, b)
     first, last = regs[0], regs[-1]  # the sampled token id returns to the embedding region
     if first.system != last.system:
         t += pj.io_time(ctx.spec, 4)

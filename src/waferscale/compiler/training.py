@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 
+from waferscale.compiler import moe
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
 from waferscale.compiler.ir import Unit
-from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, place_pipelines, with_detours
+from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, with_detours
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, Layout, data_bytes_per_pe, gb
 from waferscale.compiler.weight_streaming import plan_weight_streaming
@@ -54,7 +55,7 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     cap_w = usable * data_bytes_per_pe(spec)
     S = len(units)
     resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * seq * min(S - i, per_sys)
-                for i, u in enumerate(units)]
+                * (u.token_share if u.expert_of else 1) for i, u in enumerate(units)]  # an expert: its tokens
     params_b = sum((u.params + u.tied_params) * spp for u in units)
     workload = {"batch_size": batch_size, "seq_len": seq, "micro_batch_size": micro,
                 "tokens_per_step": batch_size * seq, "systems": ctx.systems}
@@ -80,8 +81,13 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     g, spec = ctx.g, ctx.spec
     full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
 
+    # an expert computes the tokens of the sequence routed to it; its layer waits for the most loaded expert
+    routed = {u.n_experts: math.ceil(moe.expected_max_load(seq, u.n_experts, u.experts_per_token))
+              for u in units if u.expert_of}
+
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
-        kw = dict(n_tokens=seq, attn_ctx=seq, dtype=g.dtype, decode=False, mesh=mesh)
+        kw = dict(n_tokens=routed[u.n_experts] if u.expert_of else seq, attn_ctx=seq, dtype=g.dtype, decode=False,
+                  mesh=mesh)
         f = pj.unit_time(spec, u, r, c, **kw)
         f += pj.backward_time(spec, u, r, c, f, **kw)
         return f
@@ -97,7 +103,7 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
             continue
         opt = max(pj.Time().add_cycles(cost.elementwise_cycles(spec, max(1, r.bytes // 16), r.rows, r.cols, 12),
                                        spec.clock_hz).s for r in pipes[0].regions)
-        step = _step_1f1b(pipes[0], math.ceil(per_sys / k), opt)
+        step = _step_1f1b(ctx, units, pipes[0], math.ceil(per_sys / k), opt, seq, b)
         tps = workload["tokens_per_step"] / step
         if best is None or tps > best[0] * 1.000001:
             best = (tps, k, pipes, step, opt)
@@ -107,12 +113,20 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     _, k, pipes, step, opt = best
     if ctx.defective:  # charge the detours inside the placed regions (real routes of each region)
         pipes[0] = with_detours(ctx, units, pipes[0], stage_time)
-        step0, step = step, _step_1f1b(pipes[0], math.ceil(per_sys / k), opt)
+        step0, step = step, _step_1f1b(ctx, units, pipes[0], math.ceil(per_sys / k), opt, seq, b)
         ctx.say(f"detours: the placed regions re-projected on their own routes around dead cores and links: "
                 f"step {step0 * 1e3:.3f} -> {step * 1e3:.3f} ms (+{step / step0 - 1:.2%})")
     if k > 1:
         ctx.say(f"data-parallel replicas on the wafer: {k} copies of the layer pipeline (small model) give the "
                 f"highest projected tokens/s")
+    if g.moe:
+        u = next(x for x in units if x.expert_of)
+        E, kk = u.n_experts, u.experts_per_token
+        ctx.say(f"mixture of experts, resident: each expert in a region of its own with its weights and Adam state; "
+                f"a sequence's {seq} tokens go to {kk} of {E} experts each, and a layer waits for its most loaded "
+                f"expert: {routed[E]} tokens expected (mean {seq * kk / E:g}, uniform routing, "
+                f"{moe.LOAD_SAMPLES} seeded draws); MFU counts the routed experts' FLOPs only "
+                f"({g.active_params:,} of {g.params:,} parameters per token)")
     grads = sum(u.nonzero_params + u.tied_params for u in units) * b  # sparse: only kept weights' grads
     sync = swarmx_allreduce(ctx, grads, ctx.systems)
     step += sync.s
@@ -144,8 +158,15 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
             "regions": [r for p in pipes for r in p.regions], "reproject": reproject}
 
 
-def _step_1f1b(pipe: Layout, seqs: int, opt: float) -> float:
+def _step_1f1b(ctx: CompileContext, units: list[Unit], pipe: Layout, seqs: int, opt: float, seq: int,
+               b: int) -> float:
     """Seconds for `seqs` sequences through a 1F1B pipeline: fill it, then one per slowest stage, then the
-    optimizer update (`opt`)."""
+    optimizer update (`opt`). An MoE layer's experts fill as one stage: the sequence's routed tokens go to
+    them and come back, forward and backward (`pipeline.chain`), and the layer waits for the most loaded."""
     times = [t.s for t in pipe.stage_times]
-    return (seqs - 1) * max(times) + sum(times) + opt
+    if not ctx.g.moe:
+        return (seqs - 1) * max(times) + sum(times) + opt
+    u = next(x for x in units if x.expert_of)
+    routed = 2 * math.ceil(moe.expected_max_load(seq, u.n_experts, u.experts_per_token))  # activations + grads
+    fill = chain(ctx, units, pipe.regions, pipe.stage_times, b, tokens=0, routed=routed)
+    return (seqs - 1) * max(times) + fill.s + opt

@@ -38,11 +38,14 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
     groups, per = [], []
     for u in units:
         best = None
+        # an expert computes the tokens routed to it: the experts of a layer run one after another on the wafer,
+        # so their loads sum to t_mb * k whatever the routing; each at the mean load t_mb * k / E
+        toks = math.ceil(t_mb * u.token_share) if u.expert_of else t_mb
         for gg in (1, 4, 16, 64, 256):
-            if gg > 1 and (3 * u.nonzero_params * b * gg > free_bytes or not (u.matmuls or u.n_heads) or t_mb < gg):
+            if gg > 1 and (3 * u.nonzero_params * b * gg > free_bytes or not (u.matmuls or u.n_heads) or toks < gg):
                 continue
             box = grid_boxes(full, gg)[0]
-            kw = dict(n_tokens=math.ceil(t_mb / gg), attn_ctx=seq, dtype=g.dtype, decode=False)
+            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=seq, dtype=g.dtype, decode=False)
             f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
             bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
             red = pj.Time()
@@ -56,7 +59,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
                 best = (t, gg, box, f, bwd, red)
         _, gg, box, f, bwd, red = best
         if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
-            kw = dict(n_tokens=math.ceil(t_mb / gg), attn_ctx=seq, dtype=g.dtype, decode=False,
+            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=seq, dtype=g.dtype, decode=False,
                       mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
             f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
             bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
@@ -65,6 +68,10 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
         w = u.streamed_weight_bytes(b) / BW + sx.swarmx_hops * spec.io_latency_s
         before = total.s
         bwd += red  # the copies' gradients are reduced before they stream out
+        if u.n_experts and not u.expert_of:  # the router's dispatch and combine (backward: their gradients)
+            shuffle = _dispatch_time(spec, u, t_mb, R, Cc, g.dtype)
+            f += shuffle
+            bwd += shuffle
         for c in (f, bwd):  # forward, then backward (+ recomputed forward)
             comp += c
             io.add("I/O", w)
@@ -73,6 +80,14 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
     if units[0].kind == "embed":  # the micro-batch's embedded tokens enter through the wafer edge
         total += pj.io_time(spec, units[0].d_out * b * t_mb)
     return total, comp, io, groups, per
+
+
+def _dispatch_time(spec, u: Unit, t_mb: int, R: int, C: int, dtype: str) -> pj.Time:
+    """An MoE block's routing on the wafer: each of the micro-batch's t_mb tokens sends its activations to its
+    k experts' tokens and their outputs come back, two all-to-alls over the whole wafer
+    (`fabric.cost.alltoall_cycles`)."""
+    cyc = cost.alltoall_cycles(spec, t_mb * u.experts_per_token * u.d_out, R, C, dtype)
+    return pj.Time().add("routing", 2 * cyc.total / spec.clock_hz)
 
 
 def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: int) -> pj.Time:
@@ -124,9 +139,22 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     act = (act_tok_ckpt if recompute else act_tok_all)
     free = cap_w - act * t_mb
     total, comp, io, groups, _ = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free)
+    R0, C0 = ctx.wafers[0].rows, ctx.wafers[0].cols
     if ctx.defective:
         ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
                 "cores and links (per-link hop estimates of fabric.mesh for regions over 4,096 PEs)")
+    if g.moe:
+        u = next(x for x in units if x.expert_of)
+        E, k = u.n_experts, u.experts_per_token
+        ctx.say(f"mixture of experts, streamed: every expert's weights stream in each micro-batch ({gb(g.params * b)} "
+                f"per pass, all {E} experts of each layer) but a token computes with only {k} of them "
+                f"({g.active_params / 1e9:.3g} B of {g.params / 1e9:.3g} B parameters: the FLOPs and MFU count "
+                f"those); the experts of a layer run one after another on the wafer, each on the tokens routed to "
+                f"it (mean {t_mb * k / E:,.0f}), so their loads sum to {t_mb:,} x {k} whatever the routing and "
+                f"load imbalance costs nothing here; routing costs two all-to-alls of the micro-batch's "
+                f"activations per MoE layer and direction ({_dispatch_time(spec, u, t_mb, R0, C0, g.dtype).s * 1e3:.3f}"
+                f" ms); an expert's weights serve {k}/{E} of the tokens, so it streams without stalling only from "
+                f"T >= {E}/{k} x {t_min:,} = {math.ceil(E / k * t_min):,} tokens per micro-batch")
     if max(groups) > 1:
         ctx.say(f"layer copies: a streamed layer is too small to keep every PE busy as one GEMM, so the cost model "
                 f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "

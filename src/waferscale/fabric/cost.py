@@ -594,6 +594,19 @@ def allreduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo:
         broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh)
 
 
+def alltoall_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp16") -> Cycles:
+    """n_elems spread evenly over the region, each sent to a uniformly random PE of it (a mixture of experts'
+    dispatch of tokens to the experts' PEs): a quarter of the data crosses the region's narrower bisection each
+    way, min(R, C) links wide, one wavelet per link per cycle, after the diameter's hops. A bandwidth bound:
+    no contention beyond the bisection's is modelled."""
+    check_positive(n_elems=n_elems)
+    R, C = _region(spec, rows, cols, None)
+    if R * C == 1:
+        return make_cycles(compute=0, sram=0, fabric=0, total=0)
+    nw = -(-PE.wavelets(n_elems, spec, dtype) // (4 * min(R, C)))
+    return make_cycles(compute=0, sram=0, fabric=nw, total=nw + (R + C - 2) * spec.hop_latency_cycles)
+
+
 # ---- element-wise, norms, softmax, attention ------------------------------------------------------------
 def elementwise_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, flops_per_elem: int = 1,
                        dtype: str = "fp16") -> Cycles:
