@@ -20,6 +20,7 @@ __all__ = ["plan_summary", "plan_json", "write_outputs", "estimate_memory", "est
 INFERENCE_KEYS = ("decode_tokens_per_s_per_user", "aggregate_decode_tokens_per_s", "prefill_tokens_per_s",
                   "time_to_first_token_s", "decode_latency_s_per_token", "users_in_flight", "prompt_len",
                   "context_len", "aggregate_bottleneck", "kv_cache_bytes", "weight_bytes")
+ENCODE_KEYS = ("encode_latency_s", "encode_sequences_per_s", "encode_tokens_per_s", "seq_len", "mfu", "weight_bytes")
 TRAIN_KEYS = ("step_time_s", "tokens_per_s", "mfu", "no_stall_min_tokens_per_step", "no_stall_met",
               "weights_streamed", "tokens_per_micro_batch", "micro_batches_per_step", "scaling")
 
@@ -28,16 +29,23 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     """The `--json` object: strategy, fits_in_sram, pes_used, bottleneck, the mode's projections, assumptions
     (and the sparsity analysis when the plan has one)."""
     p = plan.projection
+    units = plan.graph["units"]
     d: dict[str, Any] = {"model": plan.model, "target": plan.target, "systems": plan.systems, "mode": plan.mode,
+                         "params": sum(u["params"] for u in units),
+                         "active_params": sum(u["params"] * u["experts_per_token"] // u["n_experts"]
+                                              if u.get("expert_of") else u["params"] for u in units),
                          "strategy": plan.strategy, "replicas": plan.replicas,
                          "wafers_per_pipeline": plan.wafers_per_pipeline, "fits_in_sram": plan.fits_in_sram,
                          "pes_used": plan.pes_used, "pes_total": sum(w["usable_pes"] for w in plan.wafers),
                          "bottleneck": plan.bottleneck, "workload": plan.workload}
-    d.update({k: p[k] for k in (INFERENCE_KEYS if plan.mode == "inference" else TRAIN_KEYS) if k in p},
+    keys = TRAIN_KEYS if plan.mode != "inference" else ENCODE_KEYS if "encode_latency_s" in p else INFERENCE_KEYS
+    d.update({k: p[k] for k in keys if k in p},
              why=list(plan.decisions), assumptions=plan.assumptions, plan_version=plan.version,
              fingerprint=plan.fingerprint())
     if "sparsity" in plan.extra:
         d["sparsity"] = plan.extra["sparsity"]
+    if "moe" in p:
+        d["moe"] = p["moe"]
     return d
 
 
@@ -67,7 +75,13 @@ def plan_summary(plan: Plan) -> str:
              f"{plan.wafers_per_pipeline} wafer(s) per pipeline, {len(plan.regions)} regions",
              f"  PEs used      {plan.pes_used:,} of {sum(w['usable_pes'] for w in plan.wafers):,} usable"
              f"  (fits in SRAM: {'yes' if plan.fits_in_sram else 'no, weights streamed'})"]
-    if plan.mode == "inference":
+    if "encode_latency_s" in p:
+        lines += [f"  encode        {p['encode_sequences_per_s']:,.0f} sequences/s = {p['encode_tokens_per_s']:,.0f} "
+                  f"tokens/s ({p['seq_len']}-token sequences, MFU {p['mfu']:.1%}); latency {_t(p['encode_latency_s'])} "
+                  f"per sequence",
+                  f"  memory        weights {p['weight_bytes'] / 1e9:.2f} GB (an encoder has no KV cache)"]
+        shares = p.get("time_shares", {})
+    elif plan.mode == "inference":
         lines += [f"  decode        {p['decode_tokens_per_s_per_user']:,.0f} tokens/s per user "
                   f"({_t(p['decode_latency_s_per_token'])}/token, context {p['context_len']})",
                   f"  aggregate     {p['aggregate_decode_tokens_per_s']:,.0f} tokens/s with {p['users_in_flight']} users "
@@ -75,6 +89,13 @@ def plan_summary(plan: Plan) -> str:
                   f"  prefill       {p['prefill_tokens_per_s']:,.0f} tokens/s; time to first token "
                   f"{_t(p['time_to_first_token_s'])} for a {p['prompt_len']}-token prompt",
                   f"  memory        weights {p['weight_bytes'] / 1e9:.2f} GB, KV cache {p['kv_cache_bytes'] / 1e9:.2f} GB"]
+        if "moe" in p:
+            m = p["moe"]
+            lines.append(f"  experts       {m['experts_per_token']} of {m['experts_per_layer']} per token in "
+                         f"{m['moe_layers']} layers: {m['active_params'] / 1e9:.3g} B of {m['params'] / 1e9:.3g} B "
+                         f"parameters active; routing {m['routing_bytes_per_token'] / 1e3:,.0f} kB/token, "
+                         f"{m['routing_mean_hops']:.0f} hops/path; imbalance x{m['load_imbalance']:.2f} at "
+                         f"{m['tokens_in_flight_per_copy']} tokens in flight")
         shares = p.get("decode_time_shares", {})
     else:
         lines += [f"  step          {_t(p['step_time_s'])}: {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} "
@@ -169,7 +190,7 @@ def estimate_memory(*, model: str | None = None, graph: Graph | None = None, tar
             "training_verdict": ("fits in SRAM (weights, gradients and optimizer state; activations come on top)"
                                  if total <= usable else
                                  "needs weight streaming: MemoryX holds the optimizer state, weights stream in"),
-            "inference_systems_needed": max(1, -(-infer // usable))}
+            "inference_systems_needed": max(1, -(-infer // usable)), "active_params": g.active_params}
 
 
 def estimate_table(d: dict[str, Any]) -> str:
@@ -185,4 +206,7 @@ def estimate_table(d: dict[str, Any]) -> str:
     lines.append(f"  inference: {d['inference_weight_bytes'] / 1e9:.2f} GB of weights -> "
                  + ("fits in one wafer's SRAM" if d["inference_fits_in_sram"] else
                     f"needs {d['inference_systems_needed']} systems (layers split across wafers)"))
+    if d["active_params"] != d["params"]:
+        lines.append(f"  experts:   a token computes with {d['active_params']:,} of the {d['params']:,} parameters "
+                     f"(its routed experts), but every expert's weights are held: memory counts all of them")
     return "\n".join(lines)

@@ -29,6 +29,9 @@ _FUSE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_u
 _HALF = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}
 
 
+# the families whose units (embedding, blocks with their experts, head) the compiler captures and projects
+COMPILED_FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta")
+
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
           "trunc_normal_", "zeros_", "ones_", "constant_")
 
@@ -64,8 +67,13 @@ def dtype_label(half_dtype: str | None) -> str:
 def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
                    defaults: Mapping[str, Any] | None = None) -> Graph:
     """A model config (a zoo model's shape), walked unit by unit on the meta device. `defaults` are the
-    workload's own sizes, used where the request gives none (batch_size, seq_len, num_csx, micro_batch_size)."""
+    workload's own sizes, used where the request gives none (batch_size, seq_len, num_csx, micro_batch_size).
+    ConfigError for a family the compiler does not project."""
     from waferscale.models import build
+
+    if cfg.family not in COMPILED_FAMILIES:
+        raise ConfigError(f"the wafer compiler cannot place or project family {cfg.family!r} ({cfg.name}); it "
+                          f"compiles {', '.join(COMPILED_FAMILIES)}")
 
     with _no_init():
         model = build(cfg, device="meta")

@@ -22,6 +22,7 @@ from waferscale.compiler import project as pj
 from waferscale.compiler import sparsity as sp
 from waferscale.compiler._fabric import wafer_map
 from waferscale.compiler.context import CompileContext
+from waferscale.compiler.encode import plan_encode
 from waferscale.compiler.inference import plan_inference
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.placement import Rect, grid_boxes
@@ -91,8 +92,19 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                 f"{m.n_dead_links} dead links; spare rows/columns remapped by fabric.mesh, so the compiler sees a "
                 f"perfect {m.logical_rows}x{m.logical_cols} logical mesh; no tile is mapped onto a dead core, "
                 f"{usable:,} usable PEs per wafer (min over systems)")
-    out = plan_inference(ctx, prompt_len, context_len, users) if mode_key == "inference" else \
-        plan_training(ctx, batch_size, seq_len)
+    if mode_key == "train":
+        out = plan_training(ctx, batch_size, seq_len)
+    elif g.arch == "encoder":  # nothing to decode: inference is encoding whole sequences
+        given = [f"--{n}" for n, v in (("prompt_len", prompt_len), ("context_len", context_len), ("users", users),
+                                       ("sparsity", sparsity), ("activation_sparsity", activation_sparsity))
+                 if v is not None]
+        if given:
+            raise ConfigError(f"{g.name} is an encoder: --mode inference projects encoding whole sequences of "
+                              f"--seq_len tokens (no decode, no KV cache, no users); {', '.join(given)} "
+                              f"do(es) not apply")
+        out = plan_encode(ctx, seq_len)
+    else:
+        out = plan_inference(ctx, prompt_len, context_len, users)
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
     extra = {"sparsity": sp.explain(ctx, out["reproject"], _probe(g, regions, proj, wafers[0]),

@@ -100,7 +100,10 @@ def figure(plan: Plan):
         ax.set_title(f"system {s}: {w['logical_rows']}x{w['logical_cols']} logical PEs of {rows}x{cols} "
                      f"({w['dead_pes']} dead; grey = spares)", fontsize=7)
     p = plan.projection
-    if plan.mode == "inference":
+    if "encode_latency_s" in p:
+        line = (f"encode {p['encode_sequences_per_s']:,.0f} sequences/s of {p['seq_len']} tokens, "
+                f"{_fmt_s(p['encode_latency_s'])} each; bottleneck: {plan.bottleneck}")
+    elif plan.mode == "inference":
         line = (f"decode {p['decode_tokens_per_s_per_user']:,.0f} tok/s/user, {p['aggregate_decode_tokens_per_s']:,.0f} "
                 f"tok/s with {p['users_in_flight']} users; bottleneck: {plan.bottleneck}")
     else:
@@ -117,6 +120,10 @@ def figure(plan: Plan):
                  fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e6:.3g} us" if s < 1e-3 else f"{s * 1e3:.3g} ms"
 
 
 def _densities(density: list[float]) -> str:
@@ -185,21 +192,37 @@ def trace_events(plan: Plan) -> dict[str, Any]:
     p = plan.projection
     for s in range(plan.systems):
         ev.append({"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"system {s} ({plan.target})"}})
-    if plan.mode == "inference":
+    if plan.mode == "inference":  # one decoded token, or one encoded sequence
         regs = sorted((r for r in plan.regions if r.replica == 0), key=lambda r: r.stage)
         times = p["stage_times_s"]
+        expert = [bool(units[r.unit].get("expert_of")) for r in regs]
+        # an MoE layer's experts run side by side (one track each, all from the same start): the token's path
+        # takes the longest of them
+        seq_times = [dt for dt, e in zip(times, expert) if not e]
+        groups: dict[int, float] = {}
+        for i, (dt, e) in enumerate(zip(times, expert)):
+            if e:
+                start = next(j for j in range(i, -1, -1) if not expert[j])
+                groups[start] = max(groups.get(start, 0.0), dt)
         t = 0.0
-        hop = (p["decode_latency_s_per_token"] - sum(times)) / max(1, len(regs))
-        for r, dt in zip(regs, times):
+        hop = (p.get("decode_latency_s_per_token", p.get("encode_latency_s", 0)) - sum(seq_times)
+               - sum(groups.values())) / max(1, len(seq_times))
+        group_start = 0.0
+        for i, (r, dt) in enumerate(zip(regs, times)):
             ev.append({"name": "thread_name", "ph": "M", "pid": r.system, "tid": r.stage,
                        "args": {"name": f"stage {r.stage}: {r.name}"}})
-            ev.append({"name": r.name, "cat": "decode", "ph": "X", "ts": t * 1e6, "dur": dt * 1e6, "pid": r.system,
+            ts = group_start if expert[i] else t
+            ev.append({"name": r.name, "cat": "decode", "ph": "X", "ts": ts * 1e6, "dur": dt * 1e6, "pid": r.system,
                        "tid": r.stage, "args": {"region": f"{r.rows}x{r.cols} at ({r.row},{r.col})",
                                                 "pes": r.live_pes, "bytes": r.bytes}})
+            if expert[i]:
+                continue
             t += dt
             ev.append({"name": "hand-off", "cat": "fabric", "ph": "X", "ts": t * 1e6, "dur": hop * 1e6,
                        "pid": r.system, "tid": r.stage, "args": {}})
             t += hop
+            group_start = t
+            t += groups.get(i, 0.0)
     else:
         streamed = plan.strategy == "weight_streaming"
         per = p["step_time_s"] / max(1, p.get("micro_batches_per_step", 1))

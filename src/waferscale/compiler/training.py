@@ -51,6 +51,10 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     micro = int(g.defaults.get("micro_batch_size") or per_sys)
     if per_sys % micro:
         micro = per_sys
+    if g.arch == "encoder":
+        ctx.say(f"encoder: bidirectional attention (each of a sequence's {seq} tokens attends to all {seq}), "
+                f"trained on the masked-LM objective: the head computes every token's vocabulary logits, the loss "
+                f"reads the masked ones")
     spp = sum(ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"])  # bytes of training state per parameter
     cap_w = usable * data_bytes_per_pe(spec)
     S = len(units)

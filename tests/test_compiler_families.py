@@ -1,0 +1,180 @@
+"""Every family on the wafer: each published Model Zoo config in tests/data/modelzoo validates, estimates and
+compiles with its published parameter count; Mixtral-8x7B's inference needs the systems the arithmetic says
+(all experts resident, only the routed ones active); encoders project encoding; a family the compiler does not
+project is one error line. The CLI runs in process (`cli.main.main`): torch is imported once."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from waferscale.cli.main import main
+from waferscale.compiler import capture, compile_model, moe
+from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE
+from waferscale.fabric.presets import fabric_from_name
+from waferscale.models import config_from_name
+
+ZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
+
+# Published parameter counts of the releases each Model Zoo config describes.
+PUBLISHED = {
+    # GPT-J 6B model card (huggingface.co/EleutherAI/gpt-j-6b): "n_parameters 6,053,381,344"
+    "params_gptj_6B.yaml": 6_053_381_344,
+    # GPT-NeoX-20B paper (Black et al. 2022, Table 1 / sec. 2): 20,554,567,680 parameters
+    "params_gpt_neox_20B.yaml": 20_554_567_680,
+    # Falcon-7B: transformers' FalconForCausalLM built from the release's config.json (huggingface.co/tiiuae/
+    # falcon-7b) has 6,921,720,704 parameters; the model card rounds it to "7B parameters" (1.1% off)
+    "params_falcon_7b.yaml": 6_921_720_704,
+    # Mistral 7B paper (Jiang et al. 2023, abstract): "a 7-billion-parameter language model"; the release
+    # announcement (mistral.ai/news/announcing-mistral-7b): "Mistral 7B is a 7.3B parameter model"
+    "params_mistral_7B.yaml": 7.3e9,
+    # MPT-7B model card (huggingface.co/mosaicml/mpt-7b, hyperparameters table): n_parameters 6.7B
+    "params_mpt_7B.yaml": 6.7e9,
+    # Mixtral of experts (Jiang et al. 2024) and mistral.ai/news/mixtral-of-experts: "46.7B total parameters"
+    "params_mixtral_8x7b.yaml": 46.7e9,
+    # BERT-base (Devlin et al. 2019, sec. 3): 110M parameters
+    "params_bert_base_MSL128.yaml": 110e6,
+    # BERT-large with its pre-training heads (huggingface.co/google-bert/bert-large-uncased: 336M params);
+    # the paper's rounded figure is 340M
+    "params_bert_large_MSL512.yaml": 336e6,
+    # RoBERTa-base (huggingface.co/FacebookAI/roberta-base, RobertaForMaskedLM: 124,697,433 parameters) less
+    # what Model Zoo's config changes: it uses BERT's 28,996-token cased vocabulary instead of RoBERTa's 50,265
+    # (each dropped token: a 768-wide embedding row and a decoder bias) and 512 positions instead of 514
+    "params_roberta_base.yaml": 124_697_433 - (50_265 - 28_996) * (768 + 1) - 2 * 768,
+}
+# Active parameters per token of the mixture-of-experts releases (same sources): "12.9B active parameters"
+PUBLISHED_ACTIVE = {"params_mixtral_8x7b.yaml": 12.9e9}
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _configs() -> list[str]:
+    return sorted(p.name for p in ZOO.glob("*.yaml"))
+
+
+def test_every_stored_config_has_a_published_count():
+    assert set(_configs()) <= set(PUBLISHED), f"add the published count of {set(_configs()) - set(PUBLISHED)}"
+
+
+@pytest.mark.parametrize("name", _configs())
+def test_published_config_validates_estimates_and_compiles(capsys, name):
+    path = str(ZOO / name)
+    want = PUBLISHED[name]
+    rc, out, err = _run(capsys, "validate", path)
+    assert rc == 0, err
+    millions = float(out.split("valid (")[1].split("M-parameter")[0].replace(",", ""))
+    assert abs(millions * 1e6 / want - 1) < 0.01, out
+    rc, out, err = _run(capsys, "estimate", "--params", path, "--json")
+    assert rc == 0, err
+    est = json.loads(out)
+    assert abs(est["params"] / want - 1) < 0.01
+    rc, out, err = _run(capsys, "compile", "--params", path, "--mode", "train", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["params"] == est["params"] and plan["tokens_per_s"] > 0 and 0 < plan["mfu"] < 1
+    if name in PUBLISHED_ACTIVE:
+        assert abs(plan["active_params"] / PUBLISHED_ACTIVE[name] - 1) < 0.01
+        assert plan["active_params"] == est["active_params"] < plan["params"]
+    else:
+        assert plan["active_params"] == plan["params"]
+
+
+def _mixtral_systems() -> int:
+    """Systems whose SRAM holds every expert's fp16 weights: params x 2 B over the data bytes of a WSE-3
+    (its PEs x (SRAM per PE - the compiler's stated program reserve))."""
+    cfg, spec = config_from_name("mixtral-8x7b"), fabric_from_name("wse3")
+    return math.ceil(cfg.num_params * 2 / (spec.pes * (spec.sram_bytes_per_pe - PROGRAM_RESERVE_BYTES_PER_PE)))
+
+
+def test_mixtral_inference_needs_the_systems_its_weights_need(capsys):
+    cfg = config_from_name("mixtral-8x7b")
+    n = _mixtral_systems()
+    assert n > 1
+    rc, out, err = _run(capsys, "compile", "--model", "mixtral-8x7b", "--target", "wse3", "--mode", "inference",
+                        "--systems", str(n - 1))
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert f"--systems {n}" in err and "experts" in err
+    assert f"{cfg.num_params / 1e9:.3g} B" in err and f"{cfg.num_active_params / 1e9:.3g} B" in err
+
+    rc, out, err = _run(capsys, "compile", "--model", "mixtral-8x7b", "--target", "wse3", "--mode", "inference",
+                        "--systems", str(n), "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["wafers_per_pipeline"] == n and plan["fits_in_sram"]
+    assert plan["params"] == cfg.num_params and plan["active_params"] == cfg.num_active_params
+    m = plan["moe"]
+    assert (m["experts_per_layer"], m["experts_per_token"], m["moe_layers"]) == (8, 2, cfg.n_layer)
+    assert m["weight_bytes_read_per_token"] == 2 * cfg.num_active_params
+    assert m["weight_bytes_resident"] == 2 * cfg.num_params
+    assert m["routing_bytes_per_token"] == cfg.n_layer * 2 * 2 * cfg.d_model * 2  # k out and k back, fp16
+    assert m["load_imbalance"] > 1 and plan["decode_tokens_per_s_per_user"] > 0
+
+
+def test_mixtral_expert_regions_hold_every_expert():
+    cfg = config_from_name("mixtral-tiny")
+    plan = compile_model(model="mixtral-tiny", pes=(24, 24))
+    units = plan.graph["units"]
+    experts = [r for r in plan.regions if r.replica == 0 and units[r.unit].get("expert_of")]
+    assert len(experts) == cfg.n_layer * cfg.n_experts
+    assert all(r.bytes >= units[r.unit]["params"] * 2 for r in experts)  # resident, idle or not
+    assert len({(r.row, r.col) for r in experts}) == len(experts)  # a region each
+
+
+def test_moe_training_counts_only_routed_experts_flops():
+    cfg = config_from_name("mixtral-8x7b")
+    seq = 4096
+    plan = compile_model(model="mixtral-8x7b", mode="train", seq_len=seq)
+    assert plan.strategy == "weight_streaming"
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * (cfg.n_head + 2 * cfg.kv_heads) * hd + cfg.n_head * hd * d
+    expert = 3 * d * cfg.ffn_dim
+    fwd = cfg.n_layer * (2 * (attn + d * cfg.n_experts + cfg.experts_per_token * expert)
+                         + 4 * cfg.n_head * hd * seq) + 2 * cfg.vocab_size * d
+    assert plan.projection["model_flops_per_token"] == pytest.approx(3 * fwd)
+    assert any("all 8 experts" in s and "T >= 8/2" in s for s in plan.decisions)
+
+
+def test_expected_max_load_matches_exact_small_cases():
+    assert moe.expected_max_load(1, 8, 2) == 1.0
+    assert moe.expected_max_load(5, 4, 4) == 5.0  # every token uses every expert
+    # two tokens, 2 of 8 each: they share an expert with probability 1 - C(6,2)/C(8,2) = 13/28
+    assert moe.expected_max_load(2, 8, 2) == pytest.approx(1 + 13 / 28, rel=0.01)
+    # one choice each: E[max] of a multinomial, exact by enumerating the 4^3 routings of 3 tokens to 4 experts
+    import itertools
+    exact = sum(max(r.count(e) for e in range(4)) for r in itertools.product(range(4), repeat=3)) / 4 ** 3
+    assert moe.expected_max_load(3, 4, 1) == pytest.approx(exact, rel=0.01)
+    assert moe.imbalance(100_000, 8, 2) < 1.02 < moe.imbalance(16, 8, 2)
+    assert moe.expected_max_of_k([1.0, 2.0, 3.0, 4.0], 2) == pytest.approx((2 + 3 * 2 + 4 * 3) / 6)
+
+
+def test_encoder_inference_projects_encoding(capsys):
+    rc, out, err = _run(capsys, "compile", "--model", "bert-base", "--mode", "inference", "--seq_len", "128",
+                        "--json")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["seq_len"] == 128 and plan["encode_sequences_per_s"] > 0
+    assert plan["encode_tokens_per_s"] == pytest.approx(128 * plan["encode_sequences_per_s"])
+    assert "decode_tokens_per_s_per_user" not in plan and "kv_cache_bytes" not in plan
+    assert any("bidirectional" in s for s in plan["why"])
+    rc, out, err = _run(capsys, "compile", "--model", "bert-base", "--mode", "inference", "--users", "4")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--users" in err and "encoder" in err
+
+
+def test_encoder_trains_with_bidirectional_attention():
+    plan = compile_model(model="roberta-base", mode="train", seq_len=512, batch_size=8)
+    assert plan.projection["tokens_per_s"] > 0 and any("bidirectional" in s for s in plan.decisions)
+
+
+def test_a_family_the_compiler_does_not_project_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.setattr(capture, "COMPILED_FAMILIES", tuple(f for f in capture.COMPILED_FAMILIES if f != "mpt"))
+    for argv in (("compile", "--model", "mpt-7b"), ("estimate", "--params", str(ZOO / "params_mpt_7B.yaml"))):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 2 and not out and len(err.strip().splitlines()) == 1
+        assert err.startswith("error: ") and "'mpt'" in err and "llama" in err
