@@ -81,8 +81,9 @@ def plan_encode(ctx: CompileContext, seq_len: int | None) -> dict:
     slow = max(pipe.stage_times, key=lambda t: t.s)
     seqs_per_s = len(pipes) / slow.s
     if k > 1:
+        tried = [c for c in REPLICA_CANDIDATES if c <= kmax]
         ctx.say(f"data-parallel replicas: {k} copies of the encoder pipeline per wafer (each in a 1/{k} "
-                f"sub-rectangle) encode the most sequences per second of {[c for c in REPLICA_CANDIDATES if c <= kmax]}")
+                f"sub-rectangle) encode the most sequences per second of {tried}")
     ctx.say(f"pipelined: {len(units)} stages (embedding, {g.n_blocks} blocks, masked-LM head), each sized by its "
             f"bytes then its FLOPs; sequences stream through one after another: {len(pipes)} copies x one sequence "
             f"per slowest stage ({slow.s * 1e6:.1f} us)")
