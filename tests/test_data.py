@@ -112,8 +112,11 @@ def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(DataError, match="no tokenizer.json"):
         load_tokenizer(str(tmp_path / "empty"))
     (tmp_path / "vocab.txt").write_text("a\nb\n")
-    with pytest.raises(DataError, match="neither .json nor .gguf"):
+    with pytest.raises(DataError, match="not a WordPiece vocabulary"):
         load_tokenizer(str(tmp_path / "vocab.txt"))
+    (tmp_path / "vocab.bin").write_text("a\nb\n")
+    with pytest.raises(DataError, match="neither .json, .gguf nor .txt"):
+        load_tokenizer(str(tmp_path / "vocab.bin"))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="bad.json"):
         load_tokenizer(str(tmp_path / "bad.json"))

@@ -36,7 +36,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     params, opts = prepare_run(a.params, flags | {"progress": not a.no_progress})
     num_csx, model_dir = opts.num_csx, opts.model_dir
     if a.validate_only:  # the params file and the flags, as the run would read them
-        print(f"{a.params}: valid ({params.model.to_model_config().num_params / 1e6:,.1f}M-parameter model)")
+        cfg = params.model.to_model_config()
+        active = f", {cfg.num_active_params / 1e6:,.1f}M active per token" if cfg.n_experts else ""
+        print(f"{a.params}: valid ({cfg.num_params / 1e6:,.1f}M-parameter model{active})")
         return 0
     if a.compile_only:  # the wafer plan of the run's training step: what `wsc compile --params --mode train` writes
         from waferscale.compiler import compile_model

@@ -1,10 +1,11 @@
 """The masked-LM objective's inputs: BERT's dynamic masking (Devlin et al. 2019; RoBERTa's dynamic draw).
 
 Of each sequence's T tokens, round(0.15 T) positions are chosen uniformly (a fixed count per sequence, as BERT's
-own data generation does); of the chosen, 80% read the tokenizer's mask token, 10% a random token and 10% the
-token itself. The labels are the original tokens at the chosen positions and -100 (ignored by the loss)
-elsewhere. Every sequence has the same number of labels, so the loss's mean over a batch equals the mean of its
-micro-batches' and systems' means: resident, streaming and SwarmX runs train the same loss under any split.
+own data generation does; Model Zoo's masked_lm_prob sets the 0.15 and max_predictions_per_seq caps the count);
+of the chosen, 80% read the tokenizer's mask token, 10% a random token and 10% the token itself. The labels are
+the original tokens at the chosen positions and -100 (ignored by the loss) elsewhere. Every sequence has the same
+number of labels, so the loss's mean over a batch equals the mean of its micro-batches' and systems' means:
+resident, streaming and SwarmX runs train the same loss under any split.
 
 Draws are pure functions of (seed, batch index): batch k gets a new mask each time the loader makes it, and a
 resumed run makes exactly the masks the uninterrupted one would have.
@@ -52,15 +53,19 @@ class Masker:
     probability: float = 0.15
     mask_fraction: float = 0.8  # of the chosen positions: the mask token
     random_fraction: float = 0.1  # of the chosen positions: a random token (the rest keep theirs)
+    max_predictions: int | None = None  # at most this many chosen positions per sequence (None: no cap)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.probability <= 1.0:
             raise DataError(f"masked-LM probability must be in (0, 1], got {self.probability}")
         if not 0 <= self.mask_id < self.vocab_size:
             raise DataError(f"mask token id {self.mask_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.max_predictions is not None and self.max_predictions < 1:
+            raise DataError(f"max_predictions_per_seq must be at least 1, got {self.max_predictions}")
 
     def per_sequence(self, T: int) -> int:
-        return max(1, int(self.probability * T + 0.5))
+        n = max(1, int(self.probability * T + 0.5))
+        return n if self.max_predictions is None else min(n, self.max_predictions)
 
     def mask(self, x: Tensor, k: int, stream: int = _TRAIN) -> tuple[Tensor, Tensor]:
         """Draw k of `stream` applied to x (B, T) int64 -> (masked inputs, labels), both (B, T) int64."""
@@ -84,8 +89,9 @@ class Masker:
         return [self.mask(x, i, _EVAL) for i, (x, _) in enumerate(batches)]
 
     def state(self) -> dict[str, Any]:
+        cap = {} if self.max_predictions is None else {"max_predictions": self.max_predictions}
         return {"seed": self.seed, "probability": self.probability, "mask_id": self.mask_id,
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, **cap}
 
 
 class MaskedBatches:

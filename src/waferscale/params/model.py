@@ -14,6 +14,12 @@ blocks, with one LayerNorm or, under `use_untied_layer_norm: true`, one per bran
 config is follows from its structure: ALiBi -> MPT; parallel blocks -> Falcon (named so, or grouped-query),
 else GPT-NeoX (two norms) or GPT-J (one norm, rotating GPT-J's interleaved pairs); a sliding window on a SwiGLU
 model -> Mistral.
+
+Model Zoo's BERT model is an encoder (post-norm blocks, the embedding LayerNorm, the masked-LM head and, unless
+`disable_nsp`, the next-sentence head with two segments); its RoBERTa configs are the same model with
+`mask_padding_in_positional_embed` (positions counted over the non-padding tokens) and no NSP head. A config is
+an encoder when its name says so (`bert`, `roberta`, or an encoder preset) or, unnamed, when it has a key only the
+BERT model has (`ENCODER_KEYS`); such a key on a decoder is an error, never a fallback to GPT.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from waferscale.models.config import ModelConfig, RopeScaling
 from waferscale.params.typed import FieldError, check_fields
@@ -80,7 +86,16 @@ class MoEParams:
 
 # Model Zoo model names (trainer layout `model.name`) that say which family, not which preset.
 ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mistral", "mixtral", "falcon", "bloom",
-                    "starcoder", "santacoder", "btlm", "jais", "mpt", "qwen2")
+                    "starcoder", "santacoder", "btlm", "jais", "mpt", "qwen2", "bert", "roberta")
+ZOO_ENCODER_NAMES = ("bert", "roberta")
+# keys only Model Zoo's BERT model has: one of them makes an unnamed config an encoder
+ENCODER_KEYS = ("encoder_nonlinearity", "mlm_nonlinearity", "pooler_nonlinearity", "disable_nsp", "num_segments",
+                "mask_padding_in_positional_embed", "use_ffn_bias_in_mlm", "use_output_bias_in_mlm", "num_classes")
+# decoder keys an encoder cannot take (its positions are learned, its blocks post-norm with a two-matrix MLP)
+_DECODER_ONLY_KEYS = ("nonlinearity", "rotary_dim", "rope_theta", "rope_scaling", "pos_scaling_type",
+                      "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output")
+# Model Zoo's BERT defaults where they differ from the GPT model's (an unnamed encoder config starts from them)
+_BERT_DEFAULTS = {"norm_eps": 1e-5, "dropout": 0.1, "pad_token_id": 0}
 _NONLINEARITY = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu",
                  "swiglu": "swiglu"}
 
@@ -123,9 +138,21 @@ class ModelParams:
     use_untied_layer_norm: bool | None = None  # set: parallel attention + MLP, each with its own norm if true
     attention_sliding_window_length: int | None = None  # attend to this many latest positions (Mistral)
     use_position_embedding: bool = True
-    embedding_layer_norm: bool = False
+    embedding_layer_norm: bool | None = None  # encoders always have it, decoders never
     attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
     moe: MoEParams | None = None  # a mixture of experts
+    # encoders (Model Zoo's BERT model; see the module docstring)
+    encoder_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu"] | None = None  # the blocks' MLPs
+    mlm_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu"] | None = None  # None: encoder_nonlinearity
+    pooler_nonlinearity: str | None = None  # the NSP pooler's (tanh); None: encoder_nonlinearity, as Model Zoo
+    disable_nsp: bool | None = None  # true: no next-sentence head
+    num_segments: int | None = None  # token types; None: 2 with the NSP head, none without (Model Zoo's rule)
+    num_classes: int | None = None  # the NSP classifier's classes: 2
+    mask_padding_in_positional_embed: bool | None = None  # true: RoBERTa's positions (padding has its own)
+    pad_token_id: int | None = None  # the padding token (Model Zoo's default 0); RoBERTa's positions count from it
+    use_ffn_bias_in_mlm: bool | None = None  # the MLM head's dense bias: always there
+    use_output_bias_in_mlm: bool | None = None  # the MLM decoder's bias: always there
+    label_smoothing: float = 0.0
     # regularization and init
     dropout_rate: float | None = None
     embedding_dropout_rate: float | None = None
@@ -151,6 +178,10 @@ class ModelParams:
         **dict.fromkeys(("initializer", "embedding_initializer", "output_layer_initializer"),
                         "weights use normal(0, initializer_range)"),
         **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
+        "mlm_loss_weight": "the masked-LM loss is the mean over the masked positions; Model Zoo's weight scales its "
+                           "sum per sequence to about that mean (1 / the predictions per sequence)",
+        "compute_eval_metrics": "evaluation reports the loss",
+        "enable_vts": "a Cerebras compiler setting (variable tensor shapes)",
     }
 
     def __post_init__(self) -> None:
@@ -186,13 +217,15 @@ class ModelParams:
         """Map the Model Zoo keys onto a ModelConfig (on top of the preset, if any). Cheap: no weights."""
         from waferscale.models import registry
 
-        self._refuse_unsupported()
+        encoder = self._is_encoder()
+        self._refuse_unsupported(encoder)
         kv = self.extra_attention_params.num_kv_groups if self.extra_attention_params else None
         zoo = {  # ModelConfig field <- Model Zoo key
             "vocab_size": self.vocab_size, "d_model": self.hidden_size, "n_layer": self.num_hidden_layers,
             "n_head": self.num_heads, "n_kv_head": kv, "d_ff": self.filter_size,
             "max_seq_len": self.max_position_embeddings, "position": self.position_embedding_type,
-            "tie_embeddings": self.share_embedding_weights, "activation": _NONLINEARITY.get(self.nonlinearity or ""),
+            "tie_embeddings": self.share_embedding_weights,
+            "activation": _NONLINEARITY.get((self.encoder_nonlinearity if encoder else self.nonlinearity) or ""),
             "norm": "layernorm" if self.norm_type == "biasless-layernorm" else self.norm_type,
             "norm_bias": False if self.norm_type == "biasless-layernorm" else None,
             "norm_eps": self.layer_norm_epsilon, "rope_theta": self.rope_theta,
@@ -215,8 +248,8 @@ class ModelParams:
         activation = o.get("activation") or registry.PRESETS[preset].activation  # type: ignore[index]
         experts = o.get("n_experts", registry.PRESETS[preset].n_experts if preset else 0)
         o["family"] = "mixtral" if experts else "llama" if activation == "swiglu" else "gpt"
-        if preset and registry.PRESETS[preset].is_encoder:  # an encoder preset stays one (its structure differs)
-            o["family"] = registry.PRESETS[preset].family
+        if encoder:  # an encoder stays one (its structure differs)
+            o = self._encoder_fields(preset, o, activation)
         try:
             cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
                 registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
@@ -258,14 +291,81 @@ class ModelParams:
     def _dropout(self) -> float | None:
         return self.dropout_rate if self.dropout_rate is not None else self.residual_dropout_rate
 
-    def _refuse_unsupported(self) -> None:
+    def _is_encoder(self) -> bool:
+        """Whether the config is an encoder (the module docstring's rule); encoder keys on a decoder, or decoder
+        keys on an encoder, are errors."""
+        from waferscale.models import registry
+
+        keys = [k for k in ENCODER_KEYS if getattr(self, k) is not None]
+        preset, label = self.preset, (self.name or "").lower()
+        if preset is not None:
+            encoder = registry.PRESETS[preset].is_encoder
+        elif label in ZOO_FAMILY_NAMES:
+            encoder = label in ZOO_ENCODER_NAMES
+        else:
+            encoder = bool(keys)
+        if keys and not encoder:
+            raise FieldError(keys[0], f"is a key of Model Zoo's BERT model, but model.name {self.name!r} is a "
+                             f"decoder; drop it, or name an encoder ({', '.join(ZOO_ENCODER_NAMES)} or a preset "
+                             f"such as 'bert-base')")
+        decoder_keys = [k for k in _DECODER_ONLY_KEYS if getattr(self, k) is not None]
+        if encoder and decoder_keys:
+            hint = "; the encoder's is encoder_nonlinearity" if decoder_keys[0] == "nonlinearity" else ""
+            raise FieldError(decoder_keys[0], f"is a decoder key, but this config is an encoder (Model Zoo's BERT "
+                             f"model: learned positions, post-norm blocks, the masked-LM head){hint}")
+        return encoder
+
+    @property
+    def _zoo_bert_defaults(self) -> bool:
+        """An encoder config takes Model Zoo's BERT defaults unless it starts from a preset. `name: bert` is Model
+        Zoo's label for its BERT model (trainer-layout configs name it so), not the bert-base preset it also
+        selects: it takes them too, over bert-base's shape."""
+        return self.preset is None or (self.name or "").strip().lower() == "bert"
+
+    def _encoder_fields(self, preset: str | None, o: dict[str, Any], activation: str) -> dict[str, Any]:
+        """The overrides `o` with Model Zoo's BERT keys added: on top of the preset's fields, or of Model Zoo's
+        BERT defaults (two segments with the NSP head, none without; padding token 0; dropout 0.1)."""
+        from waferscale.models import registry
+
+        base = None if self._zoo_bert_defaults else registry.PRESETS[preset]  # type: ignore[index]
+        if self.mlm_nonlinearity is not None and _NONLINEARITY[self.mlm_nonlinearity] != activation:
+            raise FieldError("mlm_nonlinearity", f"{self.mlm_nonlinearity!r} differs from encoder_nonlinearity; the "
+                             f"masked-LM head's transform uses the blocks' nonlinearity, leave it out or set it equal")
+        for key in ("use_ffn_bias_in_mlm", "use_output_bias_in_mlm"):
+            if getattr(self, key) is False:
+                raise FieldError(key, "false is not supported: the masked-LM head has its biases; set true")
+        if self.num_classes not in (None, 2):
+            raise FieldError("num_classes", f"{self.num_classes} is not supported: the next-sentence head is 2-way")
+        if self.label_smoothing:
+            raise FieldError("label_smoothing", f"{self.label_smoothing} is not supported; set 0")
+        nsp = not self.disable_nsp if self.disable_nsp is not None else (base.nsp_head if base else True)
+        # Model Zoo's pooler takes the encoder's nonlinearity unless told
+        pooler = self.pooler_nonlinearity or (None if base else self.encoder_nonlinearity or "gelu")
+        if nsp and pooler not in (None, "tanh"):
+            told = "" if self.pooler_nonlinearity else " (left out, it is encoder_nonlinearity's)"
+            raise FieldError("pooler_nonlinearity", f"{pooler!r}{told} is not supported: the next-sentence pooler is "
+                             f"tanh (BERT's); set pooler_nonlinearity: tanh, or disable_nsp: true")
+        if self.mask_padding_in_positional_embed is not None:
+            family = "roberta" if self.mask_padding_in_positional_embed else "bert"
+        else:
+            family = base.family if base else "roberta" if (self.name or "").lower() == "roberta" else "bert"
+        defaults = {} if base else {"block": "post_norm", "lm_head_bias": True, "type_vocab_size": 2 if nsp else 0,
+                                    **_BERT_DEFAULTS}
+        given = {"type_vocab_size": self.num_segments, "pad_token_id": self.pad_token_id}
+        return defaults | o | {"family": family, "nsp_head": nsp} | {k: v for k, v in given.items() if v is not None}
+
+    def _refuse_unsupported(self, encoder: bool) -> None:
         if not self.use_position_embedding:
             raise FieldError("use_position_embedding", "false is not supported; use position_embedding_type "
                              "learned or rotary")
-        if self.embedding_layer_norm:
-            raise FieldError("embedding_layer_norm", "true is not supported; set false")
+        if self.embedding_layer_norm is not None and self.embedding_layer_norm != encoder:
+            raise FieldError("embedding_layer_norm", f"{str(self.embedding_layer_norm).lower()} is not supported: "
+                             f"{'encoders always' if encoder else 'decoders never'} normalize the embeddings; "
+                             f"set {str(encoder).lower()}")
         for key in ("embedding_dropout_rate", "attention_dropout_rate", "residual_dropout_rate"):
-            value, dropout = getattr(self, key), self._dropout() or 0.0
+            value, dropout = getattr(self, key), self._dropout()
+            if dropout is None:  # the default: Model Zoo's BERT model's, or none
+                dropout = _BERT_DEFAULTS["dropout"] if encoder and self._zoo_bert_defaults else 0.0
             if value is not None and value != dropout:
                 raise FieldError(key, f"{value} differs from dropout_rate {dropout}; one dropout rate is used "
                                  f"everywhere, set {key} equal to dropout_rate")

@@ -54,7 +54,15 @@ class InputParams:
     num_workers: int = 0
     data_processor: str | None = None  # recorded; our loader reads .txt/.jsonl/dirs/"shakespeare" itself
     val_fraction: float = 0.05
+    # Model Zoo's BERT data keys: the WordPiece vocabulary (the tokenizer, instead of `tokenizer`) and whether it
+    # lowercases; the masked-LM objective's share of masked positions and its cap per sequence (encoders)
+    vocab_file: str | None = None
+    do_lower: bool | None = None
+    masked_lm_prob: float | None = None  # None: 0.15
+    max_predictions_per_seq: int | None = None
+    mask_whole_word: bool = False
 
+    ALIASES: ClassVar[dict[str, str]] = {"whole_word_masking": "mask_whole_word"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
         "repeat": "the loader always repeats",
         "vocab_size": "the model's vocab_size is the one used",
@@ -77,6 +85,22 @@ class InputParams:
                              f"{self.batch_size}; pick a divisor, or 'auto' for no accumulation")
         if not 0.0 <= self.val_fraction < 1.0:
             raise FieldError("val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        if self.vocab_file is not None and self.tokenizer != "char":
+            raise FieldError("vocab_file", f"and tokenizer {self.tokenizer!r} both name the tokenizer; keep one")
+        if self.do_lower is not None and self.vocab_file is None:
+            raise FieldError("do_lower", "applies to a vocab_file's WordPiece tokenizer (a tokenizer.json "
+                             "lowercases as its own normalizer says); give vocab_file, or leave do_lower out")
+        positive(self, "max_predictions_per_seq")
+        if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob <= 1.0:
+            raise FieldError("masked_lm_prob", f"must be in (0, 1], got {self.masked_lm_prob}")
+        if self.mask_whole_word:
+            raise FieldError("mask_whole_word", "true (masking whole words) is not supported: tokens are masked "
+                             "one by one; set false")
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """What `load_tokenizer` reads: the WordPiece vocab_file where given, else `tokenizer`."""
+        return self.vocab_file or self.tokenizer
 
 
 # ---- optimizer -------------------------------------------------------------------------------------------
@@ -168,6 +192,8 @@ class RunConfig:
         "precision_opt_level": "a Cerebras compiler setting",
         "keep_checkpoint_max": "all checkpoints are kept",
         "log_summaries": "metrics.jsonl always has loss, lr and grad norm",
+        "show_debug_metrics": "metrics.jsonl always has loss, lr and grad norm",
+        "save_losses": "every logged loss is written to metrics.jsonl",
         "enable_distributed": "distributed runs follow num_csx",
         **dict.fromkeys(("python_paths", "mount_dirs", "credentials_path", "mgmt_address", "job_labels",
                          "num_workers_per_csx", "execute_crd_memory_gi"), "appliance-mode setting"),
@@ -224,7 +250,12 @@ class Params:
             if inp is None:
                 continue
             check_batch_split(inp, self.runconfig.num_csx, section=section)
-            max_len = self.model.to_model_config().max_seq_len
+            cfg = self.model.to_model_config()
+            max_len = cfg.max_seq_len
+            masking = [k for k in ("masked_lm_prob", "max_predictions_per_seq") if getattr(inp, k) is not None]
+            if masking and not cfg.is_encoder:
+                raise FieldError(f"{section}.{masking[0]}", f"is a masked-LM setting, but the model ({cfg.family}) "
+                                 f"is a decoder, trained on next-token prediction; leave it out")
             if inp.max_sequence_length is not None and inp.max_sequence_length > max_len:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
                                  f"model's max_position_embeddings {max_len}; lower it or raise "

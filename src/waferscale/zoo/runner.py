@@ -113,11 +113,11 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     predict masked tokens (dynamic masking from the run's seed); decoders predict the next token."""
     inp = params.train_input
     docs = read_documents(inp.data_dir)
-    tok = load_tokenizer(inp.tokenizer, text_for_char="".join(docs))
+    tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
     if cfg.is_encoder:
         tok = tokenizer_with_mask(tok)
     if tok.vocab_size > cfg.vocab_size:
-        raise DataError(f"the {inp.tokenizer!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
+        raise DataError(f"the {inp.tokenizer_spec!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.vocab_size}; set model.vocab_size to at least {tok.vocab_size}")
     splits = build_token_splits(docs, tok, cache_dir() / "tokens", val_fraction=inp.val_fraction, progress=progress)
     val = splits.val
@@ -129,7 +129,11 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"train_input.max_sequence_length {seq_len} exceeds the model's max_position_embeddings "
                           f"{cfg.max_seq_len}; lower it or raise model.max_position_embeddings")
-    masker = Masker(tok.mask_id, tok.vocab_size, seed=params.runconfig.seed) if cfg.is_encoder else None
+    masker = None
+    if cfg.is_encoder:
+        masker = Masker(tok.mask_id, tok.vocab_size, seed=params.runconfig.seed,
+                        probability=inp.masked_lm_prob or Masker.probability,
+                        max_predictions=inp.max_predictions_per_seq)
     return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len, masker=masker)
 
 

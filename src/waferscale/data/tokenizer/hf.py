@@ -54,6 +54,26 @@ class HFTokenizer(Tokenizer):
             template = (file.parent / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(tk, eos_id=eos_id, bos_id=bos_id, chat_template=template, mask_id=mask_id)
 
+    @classmethod
+    def from_wordpiece_vocab(cls, path: Path | str, lowercase: bool) -> HFTokenizer:
+        """BERT's tokenizer over a WordPiece vocab.txt (one token a line): BERT's normalizer (lowercasing as
+        `lowercase` says) and pre-tokenizer, "##" continuations, and its bracketed tokens ([MASK], ...) special."""
+        from tokenizers import Tokenizer as _TK
+        from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+        try:
+            tk = _TK(models.WordPiece.from_file(str(path), unk_token="[UNK]"))
+        except Exception as e:  # tokenizers raises a plain Exception on an unreadable vocabulary
+            raise DataError(f"{path}: not a WordPiece vocabulary ({e})") from e
+        if tk.token_to_id("[UNK]") is None:
+            raise DataError(f"{path}: not a WordPiece vocabulary (one token a line, with BERT's [UNK])")
+        tk.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tk.decoder = decoders.WordPiece()
+        tk.add_special_tokens([t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+                               if tk.token_to_id(t) is not None])
+        return cls(tk)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids for `text`. No BOS/EOS is added (add_special_tokens=False) unless asked; special-token strings
         such as "<|im_start|>" inside `text` still encode as their single id."""

@@ -16,15 +16,16 @@ from waferscale.util.assets import asset_path, find_asset
 __all__ = ["load_tokenizer"]
 
 
-def load_tokenizer(spec: str | Path, text_for_char: str | None = None) -> Tokenizer:
+def load_tokenizer(spec: str | Path, text_for_char: str | None = None, lowercase: bool | None = None) -> Tokenizer:
     """Resolve a tokenizer spec.
 
     Accepted: "char" (built from `text_for_char`), an asset name ("smollm2", "smollm2-135m-instruct"),
     a `.gguf` file, a `tokenizer.json` (Hugging Face, or the char format written by `Tokenizer.save`),
-    or a directory holding a `tokenizer.json` (a HF model dir or one written by `Tokenizer.save`).
+    a directory holding a `tokenizer.json` (a HF model dir or one written by `Tokenizer.save`), or a WordPiece
+    vocabulary `.txt` (BERT's vocab.txt, Model Zoo's vocab_file), which `lowercase` says whether to lowercase.
     """
     accepted = ("accepted: 'char', 'smollm2' / 'smollm2-135m-instruct', a .gguf file, a tokenizer.json, "
-                "or a directory containing tokenizer.json")
+                "a directory containing tokenizer.json, or a WordPiece vocab .txt")
     s = str(spec)
     if s == "char":
         if not text_for_char:
@@ -46,7 +47,9 @@ def load_tokenizer(spec: str | Path, text_for_char: str | None = None) -> Tokeni
             return tokenizer_from_gguf(path)
         if path.suffix == ".json":
             return _load_json_tokenizer(path)
-        raise DataError(f"tokenizer file {path} is neither .json nor .gguf; {accepted}")
+        if path.suffix == ".txt":
+            return HFTokenizer.from_wordpiece_vocab(path, lowercase=bool(lowercase))
+        raise DataError(f"tokenizer file {path} is neither .json, .gguf nor .txt; {accepted}")
     raise DataError(f"tokenizer {s!r} is not a known name and no such file or directory exists; {accepted}")
 
 
