@@ -64,6 +64,10 @@ def _t(s: float) -> str:
     return f"{s:.3g} s"
 
 
+def _experts(graph: dict) -> bool:
+    return any(u.get("expert_of") for u in graph["units"])
+
+
 def plan_summary(plan: Plan) -> str:
     """One screen: what was placed where, the projection, the bottleneck, the assumptions, and why."""
     p, a = plan.projection, plan.assumptions
@@ -100,7 +104,8 @@ def plan_summary(plan: Plan) -> str:
     else:
         lines += [f"  step          {_t(p['step_time_s'])}: {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%} "
                   f"(batch {plan.workload['batch_size']} x {plan.workload['seq_len']})",
-                  f"  no-stall      T >= (b/3)F/BW = {p['no_stall_min_tokens_per_step']:,} tokens per system per "
+                  f"  no-stall      T >= (b/3)F/BW{' x E/k' if _experts(g) else ''} = "
+                  f"{p['no_stall_min_tokens_per_step']:,} tokens per system per "
                   f"micro-batch" + (f"; this plan: {p.get('tokens_per_micro_batch', 0):,}"
                                     f" ({'met' if p.get('no_stall_met') else 'NOT met: I/O stalls'})"
                                     if p.get("weights_streamed") else " (weights resident: not needed)")]

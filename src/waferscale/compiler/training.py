@@ -38,12 +38,17 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     F = usable * (spec.fp16_flops_per_cycle_per_pe if mixed else spec.fp32_flops_per_cycle_per_pe) * spec.clock_hz
     BW = spec.io_bytes_per_s
     t_min = math.ceil((b / 3) * F / BW)  # WSE.md: T >= (b/3) F / BW
+    rule = "T >= (b/3)F/BW"
+    if g.moe:  # an expert's weights serve only the k/E of the tokens routed to it: E/k times the tokens to hide them
+        u = next(x for x in units if x.expert_of)
+        t_min = math.ceil(u.n_experts / u.experts_per_token * t_min)
+        rule = f"T >= ({u.n_experts}/{u.experts_per_token})(b/3)F/BW"
     if batch_size is None and g.defaults.get("batch_size"):
         batch_size = int(g.defaults["batch_size"])
     if batch_size is None:
         batch_size = ctx.systems * max(1, math.ceil(t_min / seq))
         ctx.say(f"batch size: none given, so {batch_size} sequences of {seq} ({batch_size // ctx.systems} per "
-                f"system) = the weight-streaming no-stall minimum T >= (b/3)F/BW = {t_min:,} tokens per system")
+                f"system) = the weight-streaming no-stall minimum {rule} = {t_min:,} tokens per system")
     if batch_size % ctx.systems:
         raise ConfigError(f"--batch_size {batch_size} is not divisible by --systems {ctx.systems}; the global batch "
                           f"is split evenly across systems")

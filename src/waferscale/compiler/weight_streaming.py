@@ -153,8 +153,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
                 f"it (mean {t_mb * k / E:,.0f}), so their loads sum to {t_mb:,} x {k} whatever the routing and "
                 f"load imbalance costs nothing here; routing costs two all-to-alls of the micro-batch's "
                 f"activations per MoE layer and direction ({_dispatch_time(spec, u, t_mb, R0, C0, g.dtype).s * 1e3:.3f}"
-                f" ms); an expert's weights serve {k}/{E} of the tokens, so it streams without stalling only from "
-                f"T >= {E}/{k} x {t_min:,} = {math.ceil(E / k * t_min):,} tokens per micro-batch")
+                f" ms); an expert's weights serve {k}/{E} of the tokens, so the no-stall minimum is {E}/{k} times a "
+                f"dense layer's")
     if max(groups) > 1:
         ctx.say(f"layer copies: a streamed layer is too small to keep every PE busy as one GEMM, so the cost model "
                 f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "
@@ -167,8 +167,10 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     step = step_at(ctx.systems)
     tps = workload["tokens_per_step"] / step
     flops = g.model_flops_per_token(seq, training=True, nonzero=g.sparse)
-    ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW = ({b}/3) x {F / 1e15:.2f} PF / "
-            f"{spec.io_bytes_per_s / 1e9:.0f} GB/s = {t_min:,}; this plan streams per {t_mb:,} tokens: "
+    ex = next((u for u in units if u.expert_of), None)  # a mixture of experts: x E/k (an expert's share)
+    rule, nums = ("", "") if ex is None else (" x E/k", f" x {ex.n_experts}/{ex.experts_per_token}")
+    ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW{rule} = ({b}/3) x {F / 1e15:.2f} PF / "
+            f"{spec.io_bytes_per_s / 1e9:.0f} GB/s{nums} = {t_min:,}; this plan streams per {t_mb:,} tokens: "
             + ("compute-bound" if t_mb >= t_min else "I/O-bound (the wafer waits for weights)"))
     base = step_at(1)
     scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
