@@ -1,14 +1,23 @@
-"""GGUF (llama.cpp) checkpoints of the Llama architecture -> CausalLM.
+"""GGUF (llama.cpp) checkpoints -> CausalLM, for the architectures llama.cpp defines and the zoo has:
+
+* ``llama``: Llama, and Mistral (llama.cpp's converter writes Mistral as ``llama`` without its sliding window, and
+  llama.cpp attends to the whole context, so such a file loads as a Llama); with ``llama.expert_count`` > 0 it is
+  a Mixtral (``ffn_gate_inp`` is the router, ``ffn_{gate,up,down}_exps`` the experts stacked on one axis).
+* ``gptneox`` (GPT-NeoX, Pythia), ``falcon`` and ``mpt``: q, k and v fused into one ``attn_qkv`` matrix. The
+  converter reorders GPT-NeoX's per-head [q, k, v] runs and Falcon's per-group [queries, k, v] runs into plain
+  [all q; all k; all v] rows (MPT's Wqkv already is), so all three split the same way. Falcon's ``attn_norm``
+  feeds the MLP; Falcon-40B's ``attn_norm_2`` is the attention's own norm.
 
 Quantized tensors (Q4_1, Q8_0, ...) are turned back into floats with `gguf.quants.dequantize`: the result
-is the quantized model itself, not the original fp16 release. Three conversions matter:
+is the quantized model itself, not the original fp16 release. Three more conversions matter:
 
 * GGUF lists shapes innermost-first, so a (out, in) `nn.Linear` weight shows as [in, out]; the numpy data is
   already (out, in) row-major, which is what `dequantize` returns.
-* llama.cpp's converter permutes the rows of the Q and K projections so that its rotary kernel can rotate
-  adjacent pairs (x0, x1), (x2, x3), ...; our rotary (Hugging Face rotate_half) pairs x_i with x_{i+hd/2}.
+* llama.cpp's converter permutes the rows of the ``llama`` Q and K projections so that its rotary kernel can
+  rotate adjacent pairs (x0, x1), (x2, x3), ...; our rotary (Hugging Face rotate_half) pairs x_i with x_{i+hd/2}.
   `unpermute_qk` undoes that. Without it the model still writes text, but perplexity roughly quadruples
-  (measured in tests/test_gguf.py).
+  (measured in tests/test_gguf.py). GPT-NeoX and Falcon are stored unpermuted (llama.cpp rotates them as NeoX
+  does, rotate_half over the first ``rope.dimension_count`` dims).
 * Tied embeddings: a file without `output.weight` uses `token_embd.weight` as the LM head.
 """
 
@@ -29,14 +38,27 @@ from waferscale.models.hf import model_from_state_dict
 from waferscale.models.layers import CausalLM, rope_inv_freq
 from waferscale.util.gguf import gguf_metadata, read_gguf
 
-# GGUF per-block tensor name -> ours (blocks.{i}.<ours>)
+# llama.cpp architecture -> what it loads as (the refusal of any other lists these)
+ARCHITECTURES = {"llama": "Llama, Mistral, Mixtral", "gptneox": "GPT-NeoX, Pythia", "falcon": "Falcon",
+                 "mpt": "MPT"}
+# GGUF per-block tensor name -> ours (blocks.{i}.<ours>), per architecture; `attn_qkv` is split into q, k, v and
+# the `*_exps` stacks into one tensor per expert
+_LAYERNORM_BLOCK = {"attn_norm": "attn_norm", "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm",
+                    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_NAMES = {
-    "attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj",
-    "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "llama": {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj",
+              "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.router"},
+    "gptneox": _LAYERNORM_BLOCK, "mpt": _LAYERNORM_BLOCK,
+    # Falcon-7B: one norm feeds attention and MLP. Falcon-40B: attn_norm (ln_mlp) feeds the MLP and attn_norm_2
+    # (ln_attn) the attention.
+    "falcon": {"attn_norm": "attn_norm", "attn_output": "attn.o_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"},
+    "falcon_two_norms": {"attn_norm": "mlp_norm", "attn_norm_2": "attn_norm", "attn_output": "attn.o_proj",
+                         "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
 }
-_TOP_NAMES = {"token_embd.weight": "embed.tok.weight", "output_norm.weight": "head.norm.weight",
-              "output.weight": "head.lm_head.weight"}
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_TOP_NAMES = {"token_embd": "embed.tok", "output_norm": "head.norm", "output": "head.lm_head"}
 # Metadata arrays longer than this (token lists, merges, scores) stay out of the returned metadata dict.
 _MAX_META_ARRAY = 64
 
@@ -76,42 +98,77 @@ def _rope_scaling(meta: dict[str, Any], freqs: Any, head_dim: int, theta: float)
     return scaling
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | None = None) -> ModelConfig:
-    """ModelConfig from a GGUF file's `llama.*` metadata (as `gguf_metadata` decodes it) and its tensors by name.
+def _arch_settings(arch: str, get: Any, has: Any, head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields that differ between architectures, from `{arch}.*` metadata (`get(key, default)`)
+    and which tensors of block 0 exist (`has(part)`: biases and Falcon-40B's second norm are optional)."""
+    rope = dict(position="rotary", rope_theta=_f32(get("rope.freq_base", 10000.0)))
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    layernorm = dict(norm="layernorm", norm_eps=_f32(get("attention.layer_norm_epsilon", 1e-5)),
+                     norm_bias=has("attn_norm.bias"), activation="gelu")
+    if arch in ("llama", "falcon") and rope_dim != head_dim:
+        raise CheckpointError(f"GGUF {arch}.rope.dimension_count {rope_dim} != head_dim {head_dim}; partial rotary "
+                              f"embeddings are not supported for {arch}")
+    if arch != "llama" and get("rope.scaling.type", "none") != "none":  # (llama's: see _rope_scaling)
+        raise CheckpointError(f"GGUF {arch}.rope.scaling.type {get('rope.scaling.type')!r} is not supported")
+    biases = dict(attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), mlp_bias=has("ffn_up.bias"))
+    if arch == "llama":
+        n_experts = int(get("expert_count", 0))
+        moe = dict(n_experts=n_experts, experts_per_token=int(get("expert_used_count", 2))) if n_experts else {}
+        return dict(family="mixtral" if n_experts else "llama", norm="rmsnorm", activation="swiglu", **rope, **moe,
+                    norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)), **biases)
+    if arch == "gptneox":
+        return dict(family="gpt_neox", **layernorm, **rope, **biases, rotary_dim=None if rope_dim == head_dim else
+                    rope_dim, block="parallel" if get("use_parallel_residual", True) else "sequential")
+    if arch == "falcon":  # llama.cpp's Falcon has parallel blocks only
+        return dict(family="falcon", **layernorm, **rope, **biases,
+                    block="parallel" if has("attn_norm_2.weight") else "parallel_shared_norm")
+    # mpt: ALiBi with MPT's alibi_bias_max 8, what our ALiBi slopes are
+    for key, supported in (("attention.max_alibi_bias", 8.0), ("attention.clamp_kqv", None)):
+        if get(key, supported) != supported:
+            raise CheckpointError(f"GGUF mpt.{key} {get(key)} is not supported (supported: {supported})")
+    return dict(family="mpt", **layernorm, **biases, position="alibi")
 
-    Vocabulary size is the length of `tokenizer.ggml.tokens` (else `llama.vocab_size`, else the embedding's
-    rows); embeddings are tied when the file has no `output.weight` tensor.
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | None = None) -> ModelConfig:
+    """ModelConfig from a GGUF file's `{arch}.*` metadata (as `gguf_metadata` decodes it) and its tensors by name.
+
+    Vocabulary size is the length of `tokenizer.ggml.tokens` (else `{arch}.vocab_size`, else the embedding's
+    rows); embeddings are tied when the file has no `output.weight` tensor. Metadata llama.cpp reads with a
+    default (rope base, norm epsilon, key/value heads) takes llama.cpp's default when absent.
     """
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    try:
-        d, n_head = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
-        n_layer, d_ff = int(meta["llama.block_count"]), int(meta["llama.feed_forward_length"])
-    except KeyError as e:
-        raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r}") from None
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported; supported: "
+                              + ", ".join(f"{a} ({what})" for a, what in ARCHITECTURES.items()))
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> int:
+        if f"{arch}.{key}" not in meta:
+            raise CheckpointError(f"GGUF metadata lacks '{arch}.{key}'")
+        return int(meta[f"{arch}.{key}"])
+
+    d, n_head = need("embedding_length"), need("attention.head_count")
+    for key in ("attention.key_length", "attention.value_length"):  # written when config.json has a head_dim
+        if get(key, d // n_head) != d // n_head:
+            raise CheckpointError(f"GGUF {arch}.{key} {get(key)} != embedding_length / head_count ({d // n_head}); "
+                                  "heads of another width than d_model / n_head are not supported")
     if "tokenizer.ggml.tokens" in meta:
         vocab = len(meta["tokenizer.ggml.tokens"])
-    elif "llama.vocab_size" in meta:
-        vocab = int(meta["llama.vocab_size"])
     else:
-        vocab = int(tensors["token_embd.weight"].shape[-1])
-    rope_dim = meta.get("llama.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != d // n_head:
-        raise CheckpointError(f"GGUF rope.dimension_count {rope_dim} != head_dim {d // n_head}; partial rotary "
-                              "embeddings are not supported")
-    theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
+        vocab = int(get("vocab_size", tensors["token_embd.weight"].shape[-1]))
     try:
+        settings = _arch_settings(arch, get, lambda part: f"blk.0.{part}" in tensors, d // n_head)
+        if arch == "llama":
+            settings["rope_scaling"] = _rope_scaling(meta, tensors.get("rope_freqs.weight"), d // n_head,
+                                                     settings["rope_theta"])
         return ModelConfig(
-            name=name or str(meta.get("general.name", "gguf-llama")).lower().replace(" ", "-"),
-            family="llama", vocab_size=vocab, n_layer=n_layer, n_head=n_head,
-            n_kv_head=int(meta.get("llama.attention.head_count_kv", n_head)), d_model=d, d_ff=d_ff,
-            max_seq_len=int(meta.get("llama.context_length", 2048)), norm="rmsnorm",
-            norm_eps=_f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)), activation="swiglu",
-            position="rotary", rope_theta=theta,
-            rope_scaling=_rope_scaling(meta, tensors.get("rope_freqs.weight"), d // n_head, theta),
-            tie_embeddings="output.weight" not in tensors, attn_bias="blk.0.attn_q.bias" in tensors,
-            mlp_bias="blk.0.ffn_up.bias" in tensors)
+            name=name or str(meta.get("general.name", f"gguf-{arch}")).lower().replace(" ", "-"),
+            vocab_size=vocab, n_layer=need("block_count"), n_head=n_head,
+            n_kv_head=need("attention.head_count_kv") if get("attention.head_count_kv") else None, d_model=d,
+            d_ff=need("feed_forward_length"),
+            max_seq_len=int(get("context_length", 2048)), tie_embeddings="output.weight" not in tensors, **settings)
     except ValueError as e:
         raise CheckpointError(f"GGUF metadata describes an invalid model: {e}") from None
 
@@ -126,9 +183,35 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _ours(arch: str, cfg: ModelConfig, name: str, w: np.ndarray, undo_rope_permutation: bool
+          ) -> list[tuple[str, np.ndarray]] | None:
+    """GGUF tensor `name` holding `w` (dequantized, numpy order) -> [(our name, array)], None if unknown."""
+    part, _, kind = name.rpartition(".")
+    if part in _TOP_NAMES:
+        return [(f"{_TOP_NAMES[part]}.{kind}", w)]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", part)
+    if m is None or kind not in ("weight", "bias"):
+        return None
+    part = m.group(2)
+    names = _BLOCK_NAMES["falcon_two_norms" if arch == "falcon" and cfg.block == "parallel" else arch]
+    if part == "attn_qkv":  # [all q; all k; all v] rows
+        q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        pairs = [(f"attn.{n}_proj", x) for n, x in zip("qkv", np.split(w, [q, q + kv]))]
+    elif part in _EXPERTS and arch == "llama":  # (n_experts, out, in)
+        pairs = [(f"mlp.experts.{e}.{_EXPERTS[part]}", w[e]) for e in range(w.shape[0])]
+    elif part in names:
+        pairs = [(names[part], w)]
+    else:
+        return None
+    if arch == "llama" and undo_rope_permutation:  # separate or fused (--fuse-qkv), q and k rows are permuted
+        heads = {"attn.q_proj": cfg.n_head, "attn.k_proj": cfg.kv_heads}
+        pairs = [(n, unpermute_qk(x, heads[n]) if n in heads else x) for n, x in pairs]
+    return [(f"blocks.{m.group(1)}.{n}.{kind}", x) for n, x in pairs]
+
+
 def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
               *, undo_rope_permutation: bool = True) -> tuple[CausalLM, dict]:
-    """Load a Llama-architecture GGUF file, dequantized, as a CausalLM in eval mode.
+    """Load a GGUF file of one of `ARCHITECTURES`, dequantized, as a CausalLM in eval mode.
 
     Returns (model, metadata): metadata holds the scalar and short-array GGUF keys (`general.*`,
     `tokenizer.chat_template`, `tokenizer.ggml.eos_token_id`, ...; the token list and merges are left out)
@@ -140,17 +223,11 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     reader = read_gguf(path)
     meta = gguf_metadata(path, reader=reader)  # decoded once per file: the tokenizer reuses it
     cfg = config_from_gguf(meta, {t.name: t for t in reader.tensors}, name=_name_from_path(path))
+    arch = meta["general.architecture"]
     sd: dict[str, Tensor] = {}
     unknown: list[str] = []
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # folded into cfg.rope_scaling
-            continue
-        ours = _TOP_NAMES.get(t.name)
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name)
-        if ours is None and m and m.group(2) in _BLOCK_NAMES:
-            ours = f"blocks.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-        if ours is None:
-            unknown.append(t.name)
+        if t.name == "rope_freqs.weight" and arch == "llama":  # folded into cfg.rope_scaling
             continue
         try:
             w = dequantize(t.data, t.tensor_type)  # (out, in) for matrices: GGUF's shape reversed
@@ -158,13 +235,14 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
             raise CheckpointError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, which "
                                   f"gguf.quants cannot dequantize ({e})") from None
         w = np.asarray(w, dtype=np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
-        if undo_rope_permutation and m and m.group(2) in ("attn_q", "attn_k"):
-            w = unpermute_qk(w, cfg.n_head if m.group(2) == "attn_q" else cfg.kv_heads)
-        t_ours = torch.empty(w.shape, dtype=torch.float32)  # one copy out of the (read-only) memory map
-        t_ours.numpy()[...] = w
-        sd[ours] = t_ours
+        ours = _ours(arch, cfg, t.name, w, undo_rope_permutation)
+        if ours is None:
+            unknown.append(t.name)
+        for name, x in ours or ():
+            sd[name] = torch.empty(x.shape, dtype=torch.float32)  # one copy out of the (read-only) memory map
+            sd[name].numpy()[...] = x
     if unknown:
-        raise CheckpointError(f"{path}: tensor(s) {unknown[:5]} are not part of the Llama architecture this "
+        raise CheckpointError(f"{path}: tensor(s) {unknown[:5]} are not part of the {arch} architecture this "
                               "loader knows; checkpoint of another architecture?")
     if cfg.tie_embeddings and "embed.tok.weight" in sd:
         sd["head.lm_head.weight"] = sd["embed.tok.weight"]
@@ -173,4 +251,4 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
                                          if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
 
-__all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
+__all__ = ["ARCHITECTURES", "load_gguf", "config_from_gguf", "unpermute_qk"]

@@ -1,0 +1,204 @@
+"""GGUF files of the decoder families llama.cpp defines (gptneox, falcon, mpt; llama for Mistral and Mixtral),
+written from tiny random transformers models the way llama.cpp's converter writes them (tests/gguf_helpers.py):
+
+* llama.cpp itself (llama-cpp-python, where installed) loads each file and its logits agree with transformers:
+  the file is what llama.cpp expects, metadata, names and layouts;
+* `load_gguf` reads it back as the config the model was built from and gives logits within 1e-4 of transformers;
+* `wsc generate --model file.gguf` decodes greedily as transformers does; an architecture we lack is one
+  `error:` line naming it and the supported ones (exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import wsc
+from gguf_helpers import EOS, VOCAB, write_gguf_like_llama_cpp
+from hf_helpers import max_diff
+from waferscale.errors import CheckpointError
+from waferscale.models import hf
+from waferscale.models.config import ModelConfig
+from waferscale.models.gguf import ARCHITECTURES, load_gguf
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+T = 40  # prompt tokens of the logit comparisons (within every config's max_seq_len)
+
+
+def _cfg(family: str, **kw) -> ModelConfig:
+    base = dict(name=f"t-{family}", family=family, vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, max_seq_len=64)
+    return ModelConfig(**{**base, **kw})
+
+
+_NEOX = dict(activation="gelu", position="rotary", rotary_dim=2, d_ff=128, block="parallel", tie_embeddings=False)
+_FALCON = dict(activation="gelu", position="rotary", d_ff=128, attn_bias=False, mlp_bias=False)
+_LLAMA_LIKE = dict(n_kv_head=2, norm="rmsnorm", activation="swiglu", position="rotary", tie_embeddings=False,
+                   attn_bias=False, mlp_bias=False)
+CASES = {
+    "gpt_neox-parallel": _cfg("gpt_neox", **_NEOX),
+    "gpt_neox-sequential": _cfg("gpt_neox", **{**_NEOX, "block": "sequential"}),
+    "falcon-7b-like": _cfg("falcon", **_FALCON, n_kv_head=1, block="parallel_shared_norm"),
+    "falcon-40b-like": _cfg("falcon", **_FALCON, n_kv_head=2, block="parallel"),
+    "mpt": _cfg("mpt", n_head=6, d_model=48, d_ff=192, activation="gelu", position="alibi", norm_bias=False,
+                attn_bias=False, mlp_bias=False),
+    # a window no longer than the prompt: llama.cpp's Mistral files carry none (see test_mistral_window_...)
+    "mistral": _cfg("mistral", **_LLAMA_LIKE, d_ff=48, sliding_window=64),
+    "mixtral": _cfg("mixtral", **_LLAMA_LIKE, d_ff=64, n_experts=4, experts_per_token=2),
+}
+# What a GGUF file does not carry: Falcon's converter writes a context of 2048; llama.cpp's Mistral is a llama
+# without the window; the router's training loss weight is no inference setting.
+LOST = {"falcon-7b-like": dict(max_seq_len=2048), "falcon-40b-like": dict(max_seq_len=2048),
+        "mistral": dict(family="llama", sliding_window=None), "mixtral": dict(router_aux_loss_coef=0.0)}
+# llama.cpp's GELU rounds its input to float16 and reads the result from a float16 table (ggml's GGML_GELU_FP16):
+# logits of these tiny GELU models move by 2e-3 to 3.4e-3 (of about 5) against transformers' exact GELU. The
+# SwiGLU models agree to float32 rounding (5e-6).
+LLAMA_CPP_TOL = {"gelu": 5e-3, "swiglu": 1e-4}
+
+
+def _hf_model(cfg: ModelConfig, seed: int = 0):
+    """A transformers model of `cfg`'s architecture, random weights of std 0.2 (norm weights around 1)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**hf.config_to_hf(cfg))).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm = p.ndim == 1 and any(s in name for s in ("ln", "norm")) and name.endswith("weight")
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if is_norm else 0.0))
+    return model
+
+
+def _gguf(theirs, tmp_path: Path, name: str, qtype=gguf.GGMLQuantizationType.F32, fuse_qkv: bool = False) -> Path:
+    theirs.save_pretrained(tmp_path / name)
+    return write_gguf_like_llama_cpp(tmp_path / name, tmp_path / f"{name}.{qtype.name}.gguf", qtype, fuse_qkv)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits(theirs) -> np.ndarray:
+    with torch.no_grad():
+        return theirs(_ids()).logits[0].numpy()
+
+
+def _llama_cpp_logits(path: Path) -> np.ndarray:
+    """Every position's logits from llama.cpp on `path`, float32 KV cache, no flash attention."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_batch=64, n_threads=1, type_k=f32,
+                          type_v=f32, flash_attn=False, verbose=False)
+    try:
+        llm.eval(_ids()[0].tolist())
+        return np.array(llm.scores[:T])
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_gguf_matches_transformers(case: str, tmp_path: Path) -> None:
+    cfg = CASES[case]
+    theirs = _hf_model(cfg)
+    ours, meta = load_gguf(_gguf(theirs, tmp_path, case))
+    assert meta["general.architecture"] == {"gpt_neox": "gptneox", "falcon": "falcon", "mpt": "mpt"}.get(
+        cfg.family, "llama")
+    assert ours.config == cfg.replace(name=case, **LOST.get(case, {}))
+    with torch.no_grad():
+        assert max_diff(ours(_ids())[0], torch.from_numpy(_hf_logits(theirs))) < 1e-4
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_llama_cpp_reads_the_file_as_transformers_computes(case: str, tmp_path: Path) -> None:
+    cfg = CASES[case]
+    theirs = _hf_model(cfg)
+    got = _llama_cpp_logits(_gguf(theirs, tmp_path, case))
+    want = _hf_logits(theirs)
+    assert np.abs(got - want).max() < LLAMA_CPP_TOL[cfg.activation], case
+
+
+@pytest.mark.parametrize("case", ["gpt_neox-parallel", "mixtral"])  # a fused q/k/v matrix; stacked experts
+def test_q8_0_file_matches_llama_cpp_on_the_same_file(case: str, tmp_path: Path) -> None:
+    """Quantized q/k/v matrices and expert stacks are dequantized and split as llama.cpp reads them. llama.cpp
+    also rounds activations to 8 bits in its Q8_0 products, so the two differ by up to 0.17 on these models
+    (logits of about 5; measured 0.084 and 0.165), and Mixtral's routing moves both away from the float model
+    alike (3.9 from transformers, as either routes with the quantized attention's outputs)."""
+    theirs = _hf_model(CASES[case])
+    path = _gguf(theirs, tmp_path, case, gguf.GGMLQuantizationType.Q8_0)
+    ours, _ = load_gguf(path)
+    with torch.no_grad():
+        mine = ours(_ids())[0].numpy()
+    theirs_q8 = _llama_cpp_logits(path)
+    assert np.abs(mine - theirs_q8).max() < 0.3
+    assert (mine.argmax(-1) == theirs_q8.argmax(-1)).mean() >= 0.9
+
+
+def test_llama_fused_qkv(tmp_path: Path) -> None:
+    """convert_hf_to_gguf.py --fuse-qkv stores a llama's (permuted) q, k and v as one attn_qkv matrix."""
+    theirs = _hf_model(CASES["mixtral"])
+    path = _gguf(theirs, tmp_path, "mixtral-fused", fuse_qkv=True)
+    assert "blk.0.attn_qkv.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    ours, _ = load_gguf(path)
+    want = _hf_logits(theirs)
+    with torch.no_grad():
+        assert np.abs(ours(_ids())[0].numpy() - want).max() < 1e-4
+    assert np.abs(_llama_cpp_logits(path) - want).max() < LLAMA_CPP_TOL["swiglu"]
+
+
+def test_mistral_window_is_not_in_llama_cpp_files(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Mistral as `llama` without its sliding window and llama.cpp attends to the
+    whole context: with a window shorter than the prompt, the loaded model computes what llama.cpp computes."""
+    cfg = CASES["mistral"].replace(sliding_window=8)
+    path = _gguf(_hf_model(cfg), tmp_path, "mistral-window-8")
+    ours, _ = load_gguf(path)
+    assert ours.config.family == "llama" and ours.config.sliding_window is None
+    with torch.no_grad():
+        mine = ours(_ids())[0].numpy()
+    assert np.abs(mine - _llama_cpp_logits(path)).max() < 1e-4
+
+
+def _ascii_only_head(theirs) -> None:
+    """Zero the LM head rows of the byte tokens outside printable ASCII and of end-of-text, so that greedy decoding
+    writes whole characters and all max_new_tokens of them (the other tokens' logits are random, some positive)."""
+    with torch.no_grad():
+        head = theirs.get_output_embeddings().weight
+        for i in [*range(0, 32), *range(127, 256), EOS]:
+            head[i] = 0.0
+
+
+@pytest.mark.parametrize("case", ["gpt_neox-parallel", "falcon-40b-like", "mpt", "mixtral"])
+def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
+    from waferscale.data.tokenizer import tokenizer_from_gguf
+
+    theirs = _hf_model(CASES[case])
+    _ascii_only_head(theirs)
+    path = _gguf(theirs, tmp_path, case)
+    prompt = "the cat"
+    ids = tokenizer_from_gguf(path).encode(prompt)
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=EOS)
+    out = out[0, len(ids):].tolist()
+    assert len(out) == 8 and EOS not in out
+    expected = prompt + tokenizer_from_gguf(path).decode(out)
+    r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == expected
+
+
+def test_unsupported_architecture_is_one_error_line(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "j.gguf"), "gptj")  # llama.cpp names it, but neither converts nor runs it
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="architecture 'gptj' is not supported; supported: llama"):
+        load_gguf(tmp_path / "j.gguf")
+    r = wsc("generate", "--model", str(tmp_path / "j.gguf"), "--prompt", "x")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "'gptj'" in lines[0] and all(arch in lines[0] for arch in ARCHITECTURES)
