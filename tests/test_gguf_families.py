@@ -188,17 +188,20 @@ def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
     assert r.stdout.rstrip("\n") == expected
 
 
-def test_unsupported_architecture_is_one_error_line(tmp_path: Path) -> None:
-    w = gguf.GGUFWriter(str(tmp_path / "j.gguf"), "gptj")  # llama.cpp names it, but neither converts nor runs it
+@pytest.mark.parametrize("arch, why", [("gptj", "neither converts nor runs it"),
+                                       ("bert", "without the masked-LM head"), ("bloom", "")])
+def test_unsupported_architecture_is_one_error_line(arch: str, why: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match="architecture 'gptj' is not supported; supported: llama"):
-        load_gguf(tmp_path / "j.gguf")
-    r = wsc("generate", "--model", str(tmp_path / "j.gguf"), "--prompt", "x")
+    with pytest.raises(CheckpointError, match=f"architecture '{arch}' is not supported.*{why}.*; supported: llama"):
+        load_gguf(path)
+    r = wsc("generate", "--model", str(path), "--prompt", "x")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "'gptj'" in lines[0] and all(arch in lines[0] for arch in ARCHITECTURES)
+    assert f"'{arch}'" in lines[0] and all(a in lines[0] for a in ARCHITECTURES)

@@ -41,6 +41,12 @@ from waferscale.util.gguf import gguf_metadata, read_gguf
 # llama.cpp architecture -> what it loads as (the refusal of any other lists these)
 ARCHITECTURES = {"llama": "Llama, Mistral, Mixtral", "gptneox": "GPT-NeoX, Pythia", "falcon": "Falcon",
                  "mpt": "MPT"}
+# architectures llama.cpp names, of families the zoo has, that no GGUF file can give us, and why
+_WHY_NOT = {
+    "bert": "llama.cpp's BERT files hold the encoder for sentence embeddings without the masked-LM head, which its "
+            "converter drops and the zoo's BERT needs; load the Hugging Face checkpoint instead",
+    "gptj": "llama.cpp names it but neither converts nor runs it, so no GGUF layout of it exists",
+}
 # GGUF per-block tensor name -> ours (blocks.{i}.<ours>), per architecture; `attn_qkv` is split into q, k, v and
 # the `*_exps` stacks into one tensor per expert
 _LAYERNORM_BLOCK = {"attn_norm": "attn_norm", "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm",
@@ -138,7 +144,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | 
     """
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported; supported: "
+        why = f" ({_WHY_NOT[arch]})" if arch in _WHY_NOT else ""
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported{why}; supported: "
                               + ", ".join(f"{a} ({what})" for a, what in ARCHITECTURES.items()))
 
     def get(key: str, default: Any = None) -> Any:
