@@ -6,7 +6,8 @@
 * ``gptneox`` (GPT-NeoX, Pythia), ``falcon`` and ``mpt``: q, k and v fused into one ``attn_qkv`` matrix. The
   converter reorders GPT-NeoX's per-head [q, k, v] runs and Falcon's per-group [queries, k, v] runs into plain
   [all q; all k; all v] rows (MPT's Wqkv already is), so all three split the same way. Falcon's ``attn_norm``
-  feeds the MLP; Falcon-40B's ``attn_norm_2`` is the attention's own norm.
+  feeds the MLP (and attention too in Falcon-7B's one-norm blocks); Falcon-40B's ``attn_norm_2`` is the
+  attention's own norm. llama.cpp runs Falcon with parallel blocks only, and MPT with ALiBi.
 
 Quantized tensors (Q4_1, Q8_0, ...) are turned back into floats with `gguf.quants.dequantize`: the result
 is the quantized model itself, not the original fp16 release. Three more conversions matter:
