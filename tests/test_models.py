@@ -17,7 +17,11 @@ def test_every_preset_builds_on_meta_with_its_parameter_count(name: str) -> None
     assert isinstance(model, CausalLM)
     assert all(p.is_meta for p in model.parameters())
     assert model.num_params() == cfg.num_params
-    assert [type(u) for u in model.units()] == [model.embedding_cls, *[model.block_cls] * cfg.n_layer, model.head_cls]
+    if cfg.is_encoder_decoder:  # embedding, encoder layers, the encoder's norm, decoder layers, head
+        assert len(model.units()) == cfg.n_layer + cfg.decoder_layers + 3
+    else:
+        assert [type(u) for u in model.units()] == [model.embedding_cls, *[model.block_cls] * cfg.n_layer,
+                                                    model.head_cls]
 
 
 @pytest.mark.parametrize("name", [n for n, c in sorted(registry.PRESETS.items())

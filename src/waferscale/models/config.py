@@ -13,11 +13,12 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 
-FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta")
+FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta", "t5")
 ENCODERS = ("bert", "roberta")  # bidirectional attention, post-norm blocks, a masked-LM head
+ENCODER_DECODERS = ("t5",)  # an encoder stack and a decoder stack with cross-attention, relative positions
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
-POSITIONS = ("learned", "rotary", "alibi")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu", "geglu")  # swiglu / geglu: gated (silu / tanh-GELU gate)
+POSITIONS = ("learned", "rotary", "alibi", "relative")  # relative: T5's bucketed relative-position attention bias
 # sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX,
 # Falcon-40B). parallel_shared_norm: one norm feeds both, x += attn(h) + mlp(h), h = norm(x) (GPT-J, Falcon-7B).
 # post_norm (BERT, RoBERTa): x = norm1(x + attn(x)); x = norm2(x + mlp(x)).
@@ -72,6 +73,14 @@ class ModelConfig:
     type_vocab_size: int = 0  # 0 = no token type embeddings
     pad_token_id: int | None = None
     nsp_head: bool = False
+    # encoder-decoders (T5): max_seq_len is the encoder's input length in training (the packed training sequence
+    # is that many encoder tokens, then the decoder's); n_layer counts the encoder's layers, n_decoder_layer the
+    # decoder's (None = as many); d_kv, the size of each attention head (None = d_model / n_head); the relative
+    # attention bias buckets distances logarithmically up to relative_attention_max_distance
+    n_decoder_layer: int | None = None
+    d_kv: int | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -84,7 +93,7 @@ class ModelConfig:
         for k in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
             if int(getattr(self, k)) <= 0:
                 bad(f"{k} must be a positive integer, got {getattr(self, k)!r}")
-        if self.d_model % self.n_head:
+        if self.d_kv is None and self.d_model % self.n_head:
             bad(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
             bad(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
@@ -118,11 +127,44 @@ class ModelConfig:
             bad(f"type_vocab_size / nsp_head belong to the encoder families {ENCODERS}")
         if self.family == "roberta" and self.pad_token_id is None:
             bad("roberta needs pad_token_id (its positions start after it)")
+        if self.d_kv is not None and self.d_kv <= 0:
+            bad(f"d_kv must be a positive head size or None (d_model / n_head), got {self.d_kv}")
+        if self.is_encoder_decoder != (self.position == "relative"):
+            bad(f"position 'relative' (T5's bucketed bias) belongs to the encoder-decoder families {ENCODER_DECODERS} "
+                f"and they need it, got family {self.family!r} with position {self.position!r}")
+        if self.n_decoder_layer is not None and (not self.is_encoder_decoder or self.n_decoder_layer <= 0):
+            bad(f"n_decoder_layer is a positive layer count of the encoder-decoder families {ENCODER_DECODERS}, got "
+                f"{self.n_decoder_layer} for family {self.family!r}")
+        if self.is_encoder_decoder:
+            if self.relative_attention_num_buckets < 4 or self.relative_attention_max_distance <= 0:
+                bad("relative_attention_num_buckets must be >= 4 and relative_attention_max_distance positive")
+            if self.n_experts or self.sliding_window or self.block != "sequential" or self.n_kv_head not in (
+                    None, self.n_head):
+                bad("T5 blocks are sequential pre-norm blocks with multi-head attention, no experts and no "
+                    "sliding window")
+            if self.attn_bias or self.mlp_bias or self.lm_head_bias or not self.norm_bias:
+                bad("T5 has no biases: set attn_bias, mlp_bias and lm_head_bias False (norm_bias stays True: an "
+                    "rmsnorm has none)")
+            if self.pad_token_id is None:
+                bad("t5 needs pad_token_id (the decoder starts from it)")
 
     # ---- derived -------------------------------------------------------------------------------
     @property
     def is_encoder(self) -> bool:
         return self.family in ENCODERS
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.family in ENCODER_DECODERS
+
+    @property
+    def decoder_layers(self) -> int:
+        """Layers of an encoder-decoder's decoder stack (0 for the other families)."""
+        return (self.n_decoder_layer or self.n_layer) if self.is_encoder_decoder else 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
 
     @property
     def position_offset(self) -> int:
@@ -135,7 +177,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.d_kv or self.d_model // self.n_head
 
     @property
     def rotary_dims(self) -> int:
@@ -164,6 +206,14 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         d = self.d_model
+        if self.is_encoder_decoder:  # one shared embedding, a relative-bias table per stack, a final norm per stack
+            attn = 4 * d * self.n_head * self.head_dim
+            enc = attn + self.mlp_params + 2 * self.norm_params
+            dec = 2 * attn + self.mlp_params + 3 * self.norm_params
+            tables = 2 * self.relative_attention_num_buckets * self.n_head
+            head = 0 if self.tie_embeddings else self.vocab_size * d
+            return (self.vocab_size * d + tables + self.n_layer * enc + self.decoder_layers * dec
+                    + 2 * self.norm_params + head)
         emb = self.vocab_size * d + ((self.max_seq_len + self.position_offset) * d if self.position == "learned" else 0)
         head = (0 if self.tie_embeddings else self.vocab_size * d) + (self.vocab_size if self.lm_head_bias else 0)
         if self.is_encoder:  # segments and the embedding norm; the MLM head's transform (dense + norm); the NSP head
@@ -174,7 +224,7 @@ class ModelConfig:
     @property
     def mlp_params(self) -> int:
         """Parameters of one MLP: the block's, or one expert's in a mixture of experts."""
-        n_mats = 3 if self.activation == "swiglu" else 2
+        n_mats = 3 if self.gated_mlp else 2
         bias = (n_mats - 1) * self.ffn_dim + self.d_model if self.mlp_bias else 0
         return n_mats * self.d_model * self.ffn_dim + bias
 
@@ -199,8 +249,27 @@ class ModelConfig:
         experts it counts only the experts a token is routed to (and the router).
         """
         t = seq_len or self.max_seq_len
+        if self.is_encoder_decoder:
+            return self._encoder_decoder_flops(t, training)
         n = self.n_layer * self.active_params_per_block + self.vocab_size * self.d_model
         fwd = 2 * n + 4 * self.n_layer * t * self.d_model  # + QK^T and AV over the full window, as PaLM counts
+        return 3 * fwd if training else fwd
+
+    def _encoder_decoder_flops(self, t: int, training: bool) -> float:
+        """Per token of a packed training sequence of t tokens: max_seq_len encoder tokens, then t - max_seq_len
+        decoder tokens (t <= max_seq_len: t encoder tokens and as many decoder tokens). Matmuls 2 FLOPs per
+        weight per token (each stack's tokens through its layers; the decoder's also through the head), attention
+        4 * keys * inner per token and layer (self-attention over its own stack, cross-attention over the
+        encoder's tokens)."""
+        enc_t = min(t, self.max_seq_len)
+        dec_t = t - enc_t if t > self.max_seq_len else enc_t
+        inner = self.n_head * self.head_dim
+        attn = 4 * self.d_model * inner
+        enc_w = self.n_layer * (attn + self.mlp_params)
+        dec_w = self.decoder_layers * (2 * attn + self.mlp_params) + self.vocab_size * self.d_model
+        fwd = (2 * (enc_t * enc_w + dec_t * dec_w) + 4 * inner * (self.n_layer * enc_t * enc_t
+               + self.decoder_layers * (dec_t * dec_t + dec_t * enc_t)))
+        fwd /= enc_t + dec_t
         return 3 * fwd if training else fwd
 
     def replace(self, **overrides: Any) -> "ModelConfig":

@@ -16,6 +16,9 @@ These HF architectures map onto the zoo:
   with one or two norms, MPT ALiBi and bias-free LayerNorms.
 * ``mixtral`` (``MixtralForCausalLM``): a mistral whose MLPs are experts: ``block_sparse_moe.gate`` is our
   ``mlp.router``, ``experts.N.w1`` / ``w3`` / ``w2`` expert N's gate / up / down projections.
+* ``t5`` (``T5ForConditionalGeneration``; FLAN-T5 is T5 v1.1: ``feed_forward_proj`` "gated-gelu", untied head):
+  ``shared`` is our token embedding, ``encoder.block.N.layer.*`` / ``decoder.block.N.layer.*`` our
+  ``encoder.N`` / ``decoder.N`` sub-layers, the relative-attention bias of each stack's first layer its table.
 * ``bert`` (``BertForPreTraining``, ``BertForMaskedLM``) and ``roberta`` (``RobertaForMaskedLM``): encoders with
   the masked-LM head (``cls.predictions`` / ``lm_head``) and, for BERT, the pooler and next-sentence classifier
   where the checkpoint holds them. RoBERTa's position table starts after its padding token (``pad_token_id + 1``
@@ -73,6 +76,43 @@ def _encoder_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     return [(o, t) for o, t in pairs if o != "head.lm_head.bias"] + [("head.lm_head.bias", f"{head}.bias")]
 
 
+def _t5_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) of every T5 tensor: the shared embedding, each stack's relative-bias table (in its
+    first layer), the layers' sub-layers (layer.0 self-attention, decoder layer.1 cross-attention, the last the
+    feed-forward: wi or wi_0 / wi_1, wo), the final norms and an untied head."""
+    ff = [("mlp.gate_proj", "wi_0"), ("mlp.up_proj", "wi_1")] if cfg.gated_mlp else [("mlp.up_proj", "wi")]
+    ff.append(("mlp.down_proj", "wo"))
+
+    def attn(ours: str, hf: str) -> list[tuple[str, str]]:
+        return [(f"{ours}.{n}_proj", f"{hf}.{n}") for n in "qkvo"]
+
+    modules = [("embed.tok", "shared"), ("encoder_norm.norm", "encoder.final_layer_norm"),
+               ("head.norm", "decoder.final_layer_norm"),
+               ("encoder.0.rel", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"),
+               ("decoder.0.rel", "decoder.block.0.layer.0.SelfAttention.relative_attention_bias")]
+    for i in range(cfg.n_layer):
+        e, h = f"encoder.{i}", f"encoder.block.{i}.layer"
+        modules += [(f"{e}.attn_norm", f"{h}.0.layer_norm"), *attn(f"{e}.attn", f"{h}.0.SelfAttention"),
+                    (f"{e}.mlp_norm", f"{h}.1.layer_norm"), *((f"{e}.{o}", f"{h}.1.DenseReluDense.{t}") for o, t in ff)]
+    for i in range(cfg.decoder_layers):
+        d, h = f"decoder.{i}", f"decoder.block.{i}.layer"
+        modules += [(f"{d}.attn_norm", f"{h}.0.layer_norm"), *attn(f"{d}.attn", f"{h}.0.SelfAttention"),
+                    (f"{d}.cross_norm", f"{h}.1.layer_norm"), *attn(f"{d}.cross", f"{h}.1.EncDecAttention"),
+                    (f"{d}.mlp_norm", f"{h}.2.layer_norm"), *((f"{d}.{o}", f"{h}.2.DenseReluDense.{t}") for o, t in ff)]
+    if not cfg.tie_embeddings:
+        modules.append(("head.lm_head", "lm_head"))
+    return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+
+
+def _normalize_t5_key(key: str, cfg: ModelConfig) -> str | None:
+    """None for what T5 checkpoints hold but need not load: the stacks' copies of the shared embedding, a tied
+    head, and the unused cross-attention bias table some old checkpoints carry."""
+    ignored = (key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+               or key == "lm_head.weight" and cfg.tie_embeddings
+               or key == "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
+    return None if ignored else key
+
+
 def _decoder_bias_name(cfg: ModelConfig) -> str:
     """The MLM decoder's own bias: transformers computes with it and ties it to the head's `bias` only with tied
     embeddings (5.x). Read in preference to `bias`, written beside it when untied."""
@@ -108,6 +148,8 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     bias (GPT-J's) either way."""
     if cfg.is_encoder:
         return _encoder_renames(cfg)
+    if cfg.is_encoder_decoder:
+        return _t5_renames(cfg)
     mt, head = hf_model_type(cfg), "lm_head"
     if mt == "gpt2":
         modules = [("embed.tok", "transformer.wte"), ("embed.pos", "transformer.wpe"),
@@ -211,6 +253,8 @@ def _normalize_hf_key(key: str, model_type: str, cfg: ModelConfig) -> str | None
     """Full `*ForCausalLM` name for `key`, or None for entries HF itself ignores (buffers, tied head)."""
     if cfg.is_encoder:
         return _normalize_encoder_key(key, cfg)
+    if cfg.is_encoder_decoder:
+        return _normalize_t5_key(key, cfg)
     root = "model." if model_type in ("llama", "mistral", "mixtral") else \
         "gpt_neox." if model_type == "gpt_neox" else "transformer."
     head = _LAYOUTS[model_type][2] if model_type in _LAYOUTS else "lm_head"
@@ -250,6 +294,8 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
     embeddings the result holds the embedding under both `embed.tok.weight` and `head.lm_head.weight`.
     """
     mt = hf_model_type(cfg)
+    if cfg.is_encoder_decoder and not cfg.tie_embeddings and "lm_head.weight" not in sd and "shared.weight" in sd:
+        sd = {**sd, "lm_head.weight": sd["shared.weight"]}  # transformers 5 ties every T5's head, saves it if apart
     norm = {nk: v for k, v in sd.items() if (nk := _normalize_hf_key(k, mt, cfg)) is not None}
     expected = state_dict_to_hf(build(cfg, device="meta").state_dict(), cfg)
     _check_against(norm, {k: v for k, v in expected.items() if _normalize_hf_key(k, mt, cfg) is not None}, cfg, where)
@@ -269,6 +315,9 @@ def state_dict_from_hf(sd: dict[str, Tensor], cfg: ModelConfig, *, where: str = 
                 out[f"{b}{n}_proj.weight"], out[f"{b}{n}_proj.bias"] = w.contiguous(), bias.contiguous()  # (C, C), (C,)
     if cfg.is_encoder and _decoder_bias_name(cfg) in sd:
         out["head.lm_head.bias"] = sd[_decoder_bias_name(cfg)]
+    if cfg.is_encoder_decoder:  # every layer of a stack holds (borrows) its first layer's bias table
+        for stack, n in (("encoder", cfg.n_layer), ("decoder", cfg.decoder_layers)):
+            out.update({f"{stack}.{i}.rel.weight": out[f"{stack}.0.rel.weight"] for i in range(1, n)})
     if cfg.tie_embeddings:
         out["head.lm_head.weight"] = out["embed.tok.weight"]
     return out

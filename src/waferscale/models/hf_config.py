@@ -12,7 +12,7 @@ from waferscale.models.config import ModelConfig, RopeScaling
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "hf_model_type"]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert",
-                         "roberta")
+                         "roberta", "t5")
 _GPT2_ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                      "gelu": "gelu", "relu": "relu"}
 _GPT2_ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -187,8 +187,62 @@ def _encoder_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+# T5's feed_forward_proj <-> our activation: v1.0 relu, v1.1 / FLAN-T5 gated-gelu (tanh-approximate GELU)
+_T5_FF_FROM_HF = {"relu": "relu", "gated-gelu": "geglu", "gated-silu": "swiglu", "gelu": "gelu",
+                  "gelu_new": "gelu_tanh", "gated-gelu_new": "geglu"}
+_T5_FF_TO_HF = {"relu": "relu", "geglu": "gated-gelu", "swiglu": "gated-silu", "gelu": "gelu", "gelu_tanh": "gelu_new"}
+
+
+def _t5_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """T5 / T5 v1.1 / FLAN-T5. Whether the head is tied (and the decoder's output scaled by d_model**-0.5) is
+    `scale_decoder_outputs` where transformers 5 wrote it (it then always says tie_word_embeddings: true), else
+    `tie_word_embeddings` (false in v1.1 and FLAN-T5)."""
+    ff = str(hf.get("feed_forward_proj", "relu"))
+    if ff not in _T5_FF_FROM_HF:
+        raise CheckpointError(f"t5 feed_forward_proj {ff!r} is not supported; supported: {', '.join(_T5_FF_FROM_HF)}")
+    if not hf.get("is_encoder_decoder", True):
+        raise CheckpointError("t5 with is_encoder_decoder false (an encoder or decoder alone) is not supported; "
+                              "supported: T5ForConditionalGeneration")
+    pad = int(hf.get("pad_token_id", 0))
+    start = hf.get("decoder_start_token_id", pad)
+    if start is not None and int(start) != pad:
+        raise CheckpointError(f"t5 decoder_start_token_id {start} differs from pad_token_id {pad}; supported: the "
+                              "decoder starts from the padding token, as T5 does")
+    tied = bool(hf["scale_decoder_outputs"] if "scale_decoder_outputs" in hf else hf.get("tie_word_embeddings", True))
+    n_layer = int(hf["num_layers"])
+    n_dec = int(hf.get("num_decoder_layers") or n_layer)
+    return ModelConfig(
+        name=_hf_name(hf), family="t5", vocab_size=int(hf["vocab_size"]), n_layer=n_layer,
+        n_decoder_layer=n_dec if n_dec != n_layer else None, n_head=int(hf["num_heads"]), d_model=int(hf["d_model"]),
+        d_kv=int(hf["d_kv"]), d_ff=int(hf["d_ff"]), max_seq_len=int(hf.get("n_positions") or 512), norm="rmsnorm",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)), activation=_T5_FF_FROM_HF[ff], position="relative",
+        relative_attention_num_buckets=int(hf.get("relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(hf.get("relative_attention_max_distance", 128)),
+        tie_embeddings=tied, attn_bias=False, mlp_bias=False, pad_token_id=pad,
+        dropout=float(hf.get("dropout_rate", 0.0)))
+
+
+def _t5_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    off = [f"norm 'rmsnorm' (T5's LayerNorm; has {cfg.norm!r})"] if cfg.norm != "rmsnorm" else []
+    if cfg.activation not in _T5_FF_TO_HF:
+        off.append(f"activation {' or '.join(_T5_FF_TO_HF)} (has {cfg.activation!r})")
+    if off:
+        raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face t5: it needs " + "; ".join(off))
+    return {
+        "architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "vocab_size": cfg.vocab_size,
+        "d_model": cfg.d_model, "d_kv": cfg.head_dim, "d_ff": cfg.ffn_dim, "num_layers": cfg.n_layer,
+        "num_decoder_layers": cfg.decoder_layers, "num_heads": cfg.n_head,
+        "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
+        "relative_attention_max_distance": cfg.relative_attention_max_distance, "dropout_rate": cfg.dropout,
+        "layer_norm_epsilon": cfg.norm_eps, "feed_forward_proj": _T5_FF_TO_HF[cfg.activation],
+        "tie_word_embeddings": cfg.tie_embeddings, "n_positions": cfg.max_seq_len, "pad_token_id": cfg.pad_token_id,
+        "decoder_start_token_id": cfg.pad_token_id, "is_encoder_decoder": True, "initializer_factor": 1.0,
+        "use_cache": True, "waferscale_name": cfg.name,
+    }
+
+
 _FROM_HF = {"gptj": _gptj_from_hf, "gpt_neox": _gpt_neox_from_hf, "falcon": _falcon_from_hf, "mpt": _mpt_from_hf,
-            "bert": _encoder_from_hf, "roberta": _encoder_from_hf}
+            "bert": _encoder_from_hf, "roberta": _encoder_from_hf, "t5": _t5_from_hf}
 
 
 def _mixtral_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -275,7 +329,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """Which HF architecture expresses this config exactly: the family's own for GPT-J, GPT-NeoX, Falcon, MPT and
     Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes); Mixtral for experts on a
     Mistral shape."""
-    if cfg.is_encoder:
+    if cfg.is_encoder or cfg.is_encoder_decoder:
         return cfg.family
     if cfg.n_experts:
         try:
@@ -383,6 +437,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     mt = hf_model_type(cfg)
     if cfg.is_encoder:
         return _encoder_to_hf(cfg)
+    if cfg.is_encoder_decoder:
+        return _t5_to_hf(cfg)
     if mt == "mixtral":
         return {**config_to_hf(cfg.replace(family="mistral", n_experts=0)), "architectures": ["MixtralForCausalLM"],
                 "model_type": "mixtral", "num_local_experts": cfg.n_experts,

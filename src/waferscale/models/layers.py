@@ -8,6 +8,7 @@ nkv key/value heads, hd head_dim, S key positions.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -188,16 +189,17 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Gated MLP (Llama): down(silu(gate(x)) * up(x))."""
+    """Gated MLP (Llama): down(silu(gate(x)) * up(x)); activation geglu (T5 v1.1) gates with tanh-GELU."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = partial(F.gelu, approximate="tanh") if cfg.activation == "geglu" else F.silu
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -213,7 +215,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
+        self.experts = nn.ModuleList(SwiGLU(cfg) if cfg.gated_mlp else MLP(cfg)
                                      for _ in range(cfg.n_experts))
 
     def _slot_counts(self, chosen: Tensor) -> Tensor:
@@ -263,7 +265,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = None if cfg.block == "parallel_shared_norm" else make_norm(cfg)
         self.moe = cfg.n_experts > 0
-        self.mlp = MoE(cfg) if self.moe else SwiGLU(cfg) if cfg.activation == "swiglu" else MLP(cfg)
+        self.mlp = MoE(cfg) if self.moe else SwiGLU(cfg) if cfg.gated_mlp else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> Tensor:
@@ -352,6 +354,11 @@ class CausalLM(nn.Module):
         """(logits, auxiliary loss) through the module's call, so its forward hooks (a sparsity algorithm's
         pruning) run as they do for `model(idx)`."""
         return self(idx, start_pos, kv_caches, with_aux=True)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The training loss of the model's output against the executors' (B, T) targets (the executors and the
+        streaming engine's fused head call it): mean cross-entropy over the targets that are not -100."""
+        return lm_loss(logits, targets)
 
     def aux_loss(self, stats: list[Tensor]) -> Tensor:
         """The auxiliary training loss from the statistics the units returned, in unit order (the streaming

@@ -9,11 +9,11 @@ import torch
 
 from waferscale.errors import ConfigError
 
-from waferscale.models import bert, falcon, gpt, gpt_neox, gptj, llama, mistral, mixtral, mpt
+from waferscale.models import bert, falcon, gpt, gpt_neox, gptj, llama, mistral, mixtral, mpt, t5
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM
 
-_FAMILIES = (gptj, gpt_neox, falcon, mpt, mistral, bert)
+_FAMILIES = (gptj, gpt_neox, falcon, mpt, mistral, bert, t5)
 PRESETS: dict[str, ModelConfig] = {**gpt.PRESETS, **llama.PRESETS, **mixtral.PRESETS,
                                    **{k: v for m in _FAMILIES for k, v in m.PRESETS.items()}}
 ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES, **mixtral.ALIASES,
@@ -21,7 +21,7 @@ ALIASES: dict[str, str] = {**gpt.ALIASES, **llama.ALIASES, **mixtral.ALIASES,
 FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llama, "mixtral": mixtral.Mixtral,
                                              "gptj": gptj.GPTJ, "gpt_neox": gpt_neox.GPTNeoX, "falcon": falcon.Falcon,
                                              "mpt": mpt.MPT, "mistral": mistral.Mistral, "bert": bert.BERT,
-                                             "roberta": bert.RoBERTa}
+                                             "roberta": bert.RoBERTa, "t5": t5.T5}
 
 # Above this many parameters, `from_name(..., device="auto")` builds on the meta device: shapes and counts
 # without memory. 1 B fp32 parameters = 4 GB, a sixth of this machine's RAM.

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from waferscale.errors import ConfigError
-from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.models.layers import CausalLM
 from waferscale.runtime import checkpoint
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.optim import set_lr
@@ -124,7 +124,7 @@ class ResidentExecutor(Executor):
         for xs, ys in zip(x.split(mb), y.split(mb)):  # gradient accumulation: each carries 1/n of the mean loss
             with self._autocast():
                 logits, aux = self.model.forward_aux(xs)  # aux: a mixture of experts' load balancing, per micro-batch
-                loss = lm_loss(logits, ys)
+                loss = self.model.loss(logits, ys)
                 loss = (loss if aux is None else loss + aux) / n_micro
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
@@ -151,7 +151,7 @@ class ResidentExecutor(Executor):
         self.model.eval()
         x, y = x.to(self.device), y.to(self.device)
         with self._autocast():
-            return float(lm_loss(self.model(x), y))
+            return float(self.model.loss(self.model(x), y))
 
     def model_for_checkpoint(self) -> torch.nn.Module:
         return self.model

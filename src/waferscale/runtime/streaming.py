@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
-from waferscale.models.layers import CausalLM, lm_loss
+from waferscale.models.layers import CausalLM
 from waferscale.models.registry import build
 from waferscale.runtime.engine import StreamingEngine, fetch_order
 from waferscale.runtime.executor import Executor, StepResult, check_loss, device_budget
@@ -45,7 +45,7 @@ def lm_engine(skeleton: CausalLM, link: Any, layouts: list[UnitLayout], *, devic
     loss, a mixture of experts' load balancing) and fp32 activations between units."""
     n = len(layouts)
     return StreamingEngine(skeleton.units(), layouts, link, device=device, half=half, recompute=recompute,
-                           loss_fn=lm_loss, float_boundaries=True, track_rng=[skeleton.config.dropout > 0] * n,
+                           loss_fn=skeleton.loss, float_boundaries=True, track_rng=[skeleton.config.dropout > 0] * n,
                            aux_fn=skeleton.aux_loss)
 
 
@@ -74,7 +74,7 @@ class MemoryPlan:
 
 
 def _saved_bytes_meta(unit: nn.Module, lay: UnitLayout, x: Tensor, half: torch.dtype | None,
-                      device_type: str, loss_target: Tensor | None) -> int:
+                      device_type: str, loss_target: Tensor | None, loss_fn: Any) -> int:
     """Bytes autograd saves running `unit` once (meta tensors: shapes only), weights excluded."""
     weights = {e.local: torch.empty(e.shape, device="meta", dtype=(half if (half and e.matrix) else torch.float32),
                                     requires_grad=True) for e in lay.entries}
@@ -92,7 +92,7 @@ def _saved_bytes_meta(unit: nn.Module, lay: UnitLayout, x: Tensor, half: torch.d
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
         out = torch.func.functional_call(unit, weights, (x,))
         if loss_target is not None:
-            lm_loss(out, loss_target)
+            loss_fn(out, loss_target)
     return total[0]
 
 
@@ -113,7 +113,7 @@ def plan_device_memory(skeleton: CausalLM, layouts: list[UnitLayout], *, batch: 
     mb_ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     mb_act = torch.empty(micro_batch, seq_len, C, device="meta", requires_grad=True)
     per_unit = {u: _saved_bytes_meta(units[u], layouts[u], mb_ids if u == 0 else mb_act, half, device_type,
-                                     mb_ids if u == n - 1 else None) for u in (0, 1, n - 1)}
+                                     mb_ids if u == n - 1 else None, skeleton.loss) for u in (0, 1, n - 1)}
     saved = [per_unit[0]] + [per_unit[1]] * (n - 2) + [per_unit[n - 1]]
     n_mb = batch // micro_batch
     saved_all = sum(saved[:-1]) * n_mb + saved[-1]  # the head runs forward and backward together
