@@ -18,6 +18,8 @@ from waferscale.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from waferscale.compiler import Plan
     from waferscale.compiler.ir import Graph
+    from waferscale.data import Tokenizer
+    from waferscale.models.t5 import T5
     from waferscale.params import Params
 
 EXIT_USAGE = 2
@@ -85,6 +87,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         text = a.prompt
     ids = tok.encode(text)
+    if model.config.is_encoder_decoder:
+        return _generate_seq2seq(model, tok, ids, a)
     params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
     with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens) as llm:  # the serving engine, in process
@@ -95,6 +99,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+def _generate_seq2seq(model: "T5", tok: "Tokenizer", ids: list[int], a: argparse.Namespace) -> int:
+    """An encoder-decoder (T5) reads the prompt (ending in EOS, as T5's inputs do) and writes its answer: encoded
+    once, decoded with the decoder's KV cache and the cross-attention keys and values computed once."""
+    import torch
+
+    if tok.eos_id is not None and (not ids or ids[-1] != tok.eos_id):
+        ids = [*ids, tok.eos_id]
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        out = model.generate(x, a.max_new_tokens, eos_id=tok.eos_id, temperature=a.temperature, top_k=a.top_k or 0,
+                             top_p=1.0 if a.top_p is None else a.top_p, seed=a.seed)
+    if out and out[-1] == tok.eos_id:
+        out = out[:-1]
+    sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
 

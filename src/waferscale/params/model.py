@@ -248,6 +248,8 @@ class ModelParams:
         activation = o.get("activation") or registry.PRESETS[preset].activation  # type: ignore[index]
         experts = o.get("n_experts", registry.PRESETS[preset].n_experts if preset else 0)
         o["family"] = "mixtral" if experts else "llama" if activation == "swiglu" else "gpt"
+        if preset is not None and registry.PRESETS[preset].is_encoder_decoder:  # a T5 preset stays one
+            o["family"] = "t5"
         if encoder:  # an encoder stays one (its structure differs)
             o = self._encoder_fields(preset, o, activation)
         try:

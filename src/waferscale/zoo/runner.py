@@ -32,6 +32,7 @@ import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
 from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
                              read_documents, tokenizer_with_mask)
+from waferscale.data.span_corruption import SpanCorruptedBatches, SpanCorruptor, sentinel_ids, tokenizer_with_sentinels
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.runtime import checkpoint as ckpt
@@ -106,16 +107,26 @@ class Data:
     val: np.ndarray
     seq_len: int
     masker: Masker | None = None  # the objective: None, next-token prediction (decoders); a Masker, masked LM
+    corruptor: SpanCorruptor | None = None  # encoder-decoders: span corruption (windows of seq_len tokens)
+
+    @property
+    def packed_len(self) -> int:
+        """Tokens of one example as the model reads it (span corruption: encoder inputs and decoder inputs)."""
+        c = self.corruptor
+        return self.seq_len if c is None else c.inputs_length + c.targets_length
 
 
 def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     """The token splits and the objective the model's family trains on: encoders read every position, so they
-    predict masked tokens (dynamic masking from the run's seed); decoders predict the next token."""
+    predict masked tokens (dynamic masking from the run's seed); encoder-decoders (T5) write the spans dropped from
+    their input (span corruption, from the run's seed); decoders predict the next token."""
     inp = params.train_input
     docs = read_documents(inp.data_dir)
     tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
     if cfg.is_encoder:
         tok = tokenizer_with_mask(tok)
+    if cfg.is_encoder_decoder:
+        tok = tokenizer_with_sentinels(tok)
     if tok.vocab_size > cfg.vocab_size:
         raise DataError(f"the {inp.tokenizer_spec!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.vocab_size}; set model.vocab_size to at least {tok.vocab_size}")
@@ -125,6 +136,14 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
         eval_splits = build_token_splits(read_documents(params.eval_input.data_dir), tok, cache_dir() / "tokens",
                                          val_fraction=params.eval_input.val_fraction, progress=progress)
         val = np.concatenate([eval_splits.train, eval_splits.val])
+    if cfg.is_encoder_decoder:  # the encoder reads max_seq_len tokens: the windows are what corrupts to that many
+        if inp.max_sequence_length not in (None, cfg.max_seq_len):
+            raise ConfigError(f"train_input.max_sequence_length {inp.max_sequence_length} differs from the T5 model's "
+                              f"encoder input length (max_position_embeddings) {cfg.max_seq_len}: span corruption "
+                              f"trains on encoder inputs of exactly that length; make them equal")
+        corruptor = SpanCorruptor(tuple(sentinel_ids(tok)), tok.eos_id, cfg.pad_token_id, cfg.max_seq_len,
+                                  seed=params.runconfig.seed)
+        return Data(tokenizer=tok, train=splits.train, val=val, seq_len=corruptor.tokens_length, corruptor=corruptor)
     seq_len = inp.max_sequence_length or cfg.max_seq_len
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"train_input.max_sequence_length {seq_len} exceeds the model's max_position_embeddings "
@@ -164,6 +183,8 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
                         f"{batch_size}x{data.seq_len + 1}; lower batch_size/max_sequence_length or raise val_fraction")
     if data.masker is not None:
         batches = data.masker.eval_batches(batches)
+    if data.corruptor is not None:
+        batches = data.corruptor.eval_batches(batches)
     losses = [executor.eval_loss(x, y) for x, y in batches]
     return float(np.mean(losses)), len(batches)
 
@@ -219,10 +240,12 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
                         f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
-    loader: BatchLoader | MaskedBatches = BatchLoader(data.train, inp.batch_size, data.seq_len,
-                                                     seed=inp.shuffle_seed, shuffle=inp.shuffle)
+    loader: BatchLoader | MaskedBatches | SpanCorruptedBatches = BatchLoader(
+        data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
     if data.masker is not None:
         loader = MaskedBatches(loader, data.masker)
+    if data.corruptor is not None:
+        loader = SpanCorruptedBatches(loader, data.corruptor)
 
     # resume: an explicit checkpoint, else the latest one in model_dir
     start_step = 0
@@ -336,7 +359,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         dtype = torch.float32 if executor.half is None else executor.half
         systems, threads = getattr(executor, "systems_threads", (1, None))
         peak = systems * measured_peak_flops(device.type, dtype, threads=threads)  # N systems: N times theirs
-        flops_tok = cfg.flops_per_token(data.seq_len, training=True)
+        flops_tok = cfg.flops_per_token(data.packed_len, training=True)
         summary.update({"steps": end_step - start_step, "final_step": end_step, "final_loss": acc["loss"],
                         "tokens": acc["tokens"], "train_time_s": acc["time"], "tokens_per_s": tps,
                         "model_flops_per_token": flops_tok, "achieved_flops": tps * flops_tok,

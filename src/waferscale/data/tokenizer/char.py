@@ -1,9 +1,12 @@
 """`CharTokenizer`: one id per character, for tiny experiments (vocabulary = the characters of the text), and
-optionally one mask token (a string such as "[MASK]", the id after the characters) for masked-LM encoders."""
+optionally special tokens after the characters: a mask token (a string such as "[MASK]", the id after the
+characters) for masked-LM encoders; for T5's span corruption an EOS token ("</s>") and `extra_ids` sentinels
+<extra_id_0>, <extra_id_1>, ... counting down from the top of the vocabulary, as T5's vocabulary has them."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -14,7 +17,8 @@ __all__ = ["CharTokenizer"]
 
 
 class CharTokenizer(Tokenizer):
-    def __init__(self, chars: list[str] | str, mask_token: str | None = None):
+    def __init__(self, chars: list[str] | str, mask_token: str | None = None, eos_token: str | None = None,
+                 extra_ids: int = 0):
         chars = list(chars)
         if not chars:
             raise DataError("character tokenizer needs a non-empty vocabulary (got no characters)")
@@ -24,9 +28,17 @@ class CharTokenizer(Tokenizer):
             raise DataError("character tokenizer vocabulary has duplicate characters")
         if mask_token is not None and len(mask_token) < 2:  # one character would shadow a character of the text
             raise DataError(f"character tokenizer mask token must be longer than one character, got {mask_token!r}")
-        self.chars, self.mask_token_str = chars, mask_token
+        if eos_token is not None and len(eos_token) < 2:
+            raise DataError(f"character tokenizer EOS token must be longer than one character, got {eos_token!r}")
+        if extra_ids < 0:
+            raise DataError(f"character tokenizer extra_ids must be >= 0, got {extra_ids}")
+        self.chars, self.mask_token_str, self.eos_token_str, self.extra_ids = chars, mask_token, eos_token, extra_ids
         self.mask_id = len(chars) if mask_token is not None else None
-        self.vocab_size = len(chars) + (mask_token is not None)
+        self.eos_id = len(chars) + (mask_token is not None) if eos_token is not None else None
+        self.vocab_size = len(chars) + (mask_token is not None) + (eos_token is not None) + extra_ids
+        self.specials = {t: i for t, i in ((mask_token, self.mask_id), (eos_token, self.eos_id)) if t is not None}
+        self.specials.update({f"<extra_id_{k}>": self.vocab_size - 1 - k for k in range(extra_ids)})
+        self._split = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")") if self.specials else None
         self.stoi = {c: i for i, c in enumerate(chars)}
         # Vectorized encode: code point -> id lookup table (-1 for unknown).
         cps = np.array([ord(c) for c in chars], dtype=np.int64)
@@ -41,14 +53,20 @@ class CharTokenizer(Tokenizer):
 
     def with_mask_token(self, mask_token: str = "[MASK]") -> CharTokenizer:
         """This vocabulary plus a mask token (itself if it has one already)."""
-        return self if self.mask_id is not None else CharTokenizer(self.chars, mask_token)
+        return self if self.mask_id is not None else CharTokenizer(self.chars, mask_token, self.eos_token_str,
+                                                                   self.extra_ids)
+
+    def with_sentinels(self, extra_ids: int, eos_token: str = "</s>") -> CharTokenizer:
+        """This vocabulary plus an EOS token (if it has none) and `extra_ids` sentinels (if it has none)."""
+        return CharTokenizer(self.chars, self.mask_token_str, self.eos_token_str or eos_token,
+                             self.extra_ids or extra_ids)
 
     def encode(self, text: str) -> list[int]:
-        if self.mask_id is None:
+        if self._split is None:
             return self._encode_chars(text)
         ids: list[int] = []
-        for n, piece in enumerate(text.split(self.mask_token_str)):  # each occurrence of the mask token is its id
-            ids += ([self.mask_id] if n else []) + self._encode_chars(piece)
+        for n, piece in enumerate(self._split.split(text)):  # odd pieces: a special token, which is its id
+            ids += [self.specials[piece]] if n % 2 else self._encode_chars(piece)
         return ids
 
     def _encode_chars(self, text: str) -> list[int]:
@@ -77,24 +95,28 @@ class CharTokenizer(Tokenizer):
         return "".join(t for t in map(self.id_to_token, map(int, ids)) if t is not None)
 
     def id_to_token(self, token_id: int) -> str | None:
-        if token_id == self.mask_id:
-            return self.mask_token_str
-        return self.chars[token_id] if 0 <= token_id < len(self.chars) else None
+        if 0 <= token_id < len(self.chars):
+            return self.chars[token_id]
+        return next((t for t, i in self.specials.items() if i == token_id), None)
 
     def token_to_id(self, token: str) -> int | None:
-        return self.mask_id if token == self.mask_token_str else self.stoi.get(token)
+        return self.specials.get(token, self.stoi.get(token))
 
     def _tokenizer_json(self) -> str:
-        mask = {"mask_token": self.mask_token_str} if self.mask_token_str is not None else {}
-        return json.dumps({"type": "char", "version": 1, "vocab": self.chars, **mask}, ensure_ascii=False)
+        extra = {k: v for k, v in (("mask_token", self.mask_token_str), ("eos_token", self.eos_token_str),
+                                   ("extra_ids", self.extra_ids or None)) if v is not None}
+        return json.dumps({"type": "char", "version": 1, "vocab": self.chars, **extra}, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, data: dict, source: str = "<json>") -> CharTokenizer:
         vocab = data.get("vocab")
         if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
             raise DataError(f"{source}: a char tokenizer file needs 'vocab': a list of single characters")
-        mask = data.get("mask_token")
-        if mask is not None and not isinstance(mask, str):
-            raise DataError(f"{source}: a char tokenizer's 'mask_token' must be a string, got {mask!r}")
-        return cls(vocab, mask)
+        mask, eos, extra = data.get("mask_token"), data.get("eos_token"), data.get("extra_ids", 0)
+        for key, value in (("mask_token", mask), ("eos_token", eos)):
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{source}: a char tokenizer's {key!r} must be a string, got {value!r}")
+        if not isinstance(extra, int):
+            raise DataError(f"{source}: a char tokenizer's 'extra_ids' must be an integer, got {extra!r}")
+        return cls(vocab, mask, eos, extra)
 

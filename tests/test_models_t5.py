@@ -1,0 +1,250 @@
+"""T5 / FLAN-T5: parity with transformers' T5ForConditionalGeneration (v1.0: relu, tied and rescaled head; v1.1:
+gated-GELU, untied head), the packed unit chain equal to encode/decode, KV-cache decoding and greedy generation
+equal to transformers', published parameter counts, span-corruption training resident = streaming = two
+systems, and the errors that name what is unsupported."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import TEXT, tiny_params, wsc
+from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
+from waferscale.data.tokenizer import CharTokenizer
+from waferscale.errors import CheckpointError, ConfigError
+from waferscale.models import hf
+from waferscale.models.config import ModelConfig
+from waferscale.models.registry import PRESETS, build
+from waferscale.models.t5 import relative_position_bucket
+from waferscale.params import params_from_dict
+from waferscale.zoo.runner import RunOptions, run
+
+transformers = pytest.importorskip("transformers")
+
+# v1.0 and v1.1 shapes with a decoder deeper than the encoder and a head size apart from d_model / n_head
+VARIANTS = {"t5": PRESETS["t5-tiny"].replace(n_decoder_layer=3, d_kv=12),
+            "flan-t5": PRESETS["flan-t5-tiny"].replace(n_decoder_layer=3, d_kv=12)}
+
+
+def _theirs(cfg: ModelConfig, tmp_path: Path, seed: int = 0):
+    """(our perturbed model, transformers' model loaded from its export)."""
+    ours = perturbed(cfg, seed)
+    hf.save_hf_dir(ours, tmp_path / "hf")
+    return ours, transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+
+
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_config_round_trip(key: str) -> None:
+    assert_config_round_trips(VARIANTS[key])
+
+
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_logits_match_transformers_both_ways(key: str, tmp_path: Path) -> None:
+    cfg = VARIANTS[key]
+    ours, theirs = _theirs(cfg, tmp_path)
+    x, y = ids(cfg, 40), ids(cfg, 13)
+    with torch.no_grad():
+        ref = theirs(input_ids=x, decoder_input_ids=y).logits
+        assert max_diff(ours(x, y), ref) < 1e-4
+        loaded = hf.load_hf_dir(tmp_path / "hf")  # their directory back into ours
+        assert max_diff(loaded(x, y), ref) < 1e-4
+    assert (theirs.lm_head.weight is theirs.shared.weight) == cfg.tie_embeddings
+
+
+def test_transformers_checkpoint_loads(tmp_path: Path) -> None:
+    """A checkpoint transformers wrote itself (v1.1: untied head saved beside the shared embedding)."""
+    torch.manual_seed(0)
+    tcfg = transformers.T5Config(vocab_size=96, d_model=24, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=1,
+                                 num_heads=3, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                 relative_attention_num_buckets=16, relative_attention_max_distance=20)
+    theirs = transformers.T5ForConditionalGeneration(tcfg).eval()
+    theirs.save_pretrained(tmp_path / "t")
+    ours = hf.load_hf_dir(tmp_path / "t")
+    assert (ours.config.activation, ours.config.tie_embeddings, ours.config.decoder_layers) == ("geglu", False, 1)
+    x, y = ids(ours.config, 50), ids(ours.config, 30)  # distances past max_distance: the log buckets matter
+    with torch.no_grad():
+        assert max_diff(ours(x, y), theirs(input_ids=x, decoder_input_ids=y).logits) < 1e-4
+
+
+def test_relative_buckets_equal_transformers() -> None:
+    rel = torch.arange(-300, 300)[None, :]
+    for bidirectional in (True, False):
+        for nb, dist in ((32, 128), (16, 20)):
+            bucket = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket
+            theirs = bucket(rel, bidirectional, nb, dist)
+            assert torch.equal(relative_position_bucket(rel, bidirectional, nb, dist), theirs)
+
+
+@pytest.mark.parametrize("change", [{"tie_embeddings": True}, {"activation": "relu"},
+                                    {"relative_attention_max_distance": 40}])
+def test_parity_is_sensitive_to_each_knob(change: dict, tmp_path: Path) -> None:
+    """Each knob changes the logits: a parity test that ignored it would not pass by accident."""
+    cfg = VARIANTS["flan-t5"]
+    _, theirs = _theirs(cfg, tmp_path)
+    other = perturbed(cfg.replace(**change))
+    other.load_state_dict(perturbed(cfg).state_dict(), strict=False)
+    x, y = ids(cfg, 40), ids(cfg, 13)
+    with torch.no_grad():
+        assert max_diff(other(x, y), theirs(input_ids=x, decoder_input_ids=y).logits) > 1e-3
+
+
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_packed_units_equal_encode_decode(key: str) -> None:
+    """The unit chain streaming runs (one packed sequence: max_seq_len inputs, then the decoder's) computes what
+    encode + decode compute."""
+    cfg = VARIANTS[key].replace(max_seq_len=40)
+    model = perturbed(cfg)
+    x, y = ids(cfg, 40), ids(cfg, 13)
+    with torch.no_grad():
+        assert max_diff(model(torch.cat((x, y), dim=1)), model(x, y)) < 1e-5
+    assert len(model.units()) == 1 + cfg.n_layer + 1 + cfg.decoder_layers + 1
+    with pytest.raises(ConfigError, match="packed T5 sequence"):
+        model(x)
+
+
+def test_kv_cache_decode_equals_full_decode() -> None:
+    cfg = VARIANTS["flan-t5"]
+    model = perturbed(cfg)
+    x, y = ids(cfg, 30), ids(cfg, 9)
+    with torch.no_grad():
+        enc = model.encode(x)
+        full = model.decode(y, enc)
+        caches, cross = model.make_kv_caches(2, 9), model.cross_kv(enc)
+        steps = [model.decode(y[:, :4], None, 0, caches, cross)] + \
+                [model.decode(y[:, t:t + 1], None, t, caches, cross) for t in range(4, 9)]
+    assert max_diff(torch.cat(steps, dim=1), full) < 1e-4  # (logits of magnitude ~20: float32 rounding)
+
+
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_greedy_generation_equals_transformers(key: str, tmp_path: Path) -> None:
+    cfg = VARIANTS[key].replace(n_decoder_layer=None)  # (transformers' generate sizes its cache by num_layers)
+    ours, theirs = _theirs(cfg, tmp_path)
+    x = ids(cfg, 17)[:1]
+    with torch.no_grad():
+        ref = theirs.generate(input_ids=x, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              decoder_start_token_id=0)[0, 1:].tolist()
+        assert ours.generate(x, 12) == ref
+
+
+def test_wsc_generate_runs_seq2seq_on_a_transformers_directory(tmp_path: Path) -> None:
+    """`wsc generate --model <HF T5 dir> --prompt ...` prints what transformers' greedy generate writes."""
+    tok = CharTokenizer.from_text(TEXT).with_sentinels(100)
+    cfg = VARIANTS["flan-t5"].replace(vocab_size=tok.vocab_size, n_decoder_layer=None)
+    ours = perturbed(cfg)
+    hf.save_hf_dir(ours, tmp_path / "hf", tokenizer=tok)
+    theirs = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    prompt = "First Citizen: <extra_id_0> speak."
+    x = torch.tensor([tok.encode(prompt) + [tok.eos_id]])
+    with torch.no_grad():
+        out = theirs.generate(input_ids=x, max_new_tokens=10, do_sample=False, decoder_start_token_id=0,
+                              eos_token_id=tok.eos_id)[0, 1:].tolist()
+    expected = tok.decode([t for t in out if t != tok.eos_id])
+    r = wsc("generate", "--model", str(tmp_path / "hf"), "--prompt", prompt, "--max_new_tokens", "10",
+            "--temperature", "0", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip("\n") == expected
+
+
+@pytest.mark.parametrize("name,published", [("t5-small", 60.5e6), ("t5-base", 223e6), ("t5-large", 738e6),
+                                            ("flan-t5-small", 77e6), ("flan-t5-base", 248e6),
+                                            ("flan-t5-large", 783e6), ("flan-t5-xl", 2.85e9)])
+def test_preset_parameter_counts(name: str, published: float) -> None:
+    """The count from our shapes, from transformers' T5 built with the release's config (an untied head counted
+    apart from the shared embedding), and the published figure (Raffel et al.; the model cards)."""
+    cfg = PRESETS[name]
+    model = build(cfg)  # big presets: on the meta device
+    assert model.num_params() == cfg.num_params
+    with torch.device("meta"):
+        theirs = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf.config_to_hf(cfg)))
+    shapes = {k: v.numel() for k, v in theirs.state_dict().items() if "embed_tokens" not in k}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight")
+    assert sum(shapes.values()) == cfg.num_params
+    assert cfg.num_params == pytest.approx(published, rel=0.005)
+    assert (cfg.num_params > 1e9) == (next(model.parameters()).device.type == "meta")
+
+
+def test_unsupported_inputs_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="feed_forward_proj 'gated-relu' is not supported; supported: relu"):
+        hf.config_from_hf({**hf.config_to_hf(VARIANTS["t5"]), "feed_forward_proj": "gated-relu"})
+    with pytest.raises(CheckpointError, match="decoder_start_token_id 5"):
+        hf.config_from_hf({**hf.config_to_hf(VARIANTS["t5"]), "decoder_start_token_id": 5})
+    with pytest.raises(ConfigError, match="position 'relative'"):
+        PRESETS["gpt-tiny"].replace(position="relative")
+    with pytest.raises(ConfigError, match="n_decoder_layer"):
+        PRESETS["gpt-tiny"].replace(n_decoder_layer=2)
+    with pytest.raises(ConfigError, match="no biases"):
+        PRESETS["t5-tiny"].replace(attn_bias=True)
+    with pytest.raises(CheckpointError, match="cannot be saved as Hugging Face t5: it needs norm 'rmsnorm'"):
+        hf.config_to_hf(PRESETS["t5-tiny"].replace(norm="layernorm"))
+
+
+# ---- wsc run: span corruption, resident = streaming = two systems ------------------------------------------------
+
+def _params(corpus: Path, model_dir: Path, steps: int = 4) -> dict:
+    d = tiny_params(corpus, model_dir)
+    d["runconfig"]["max_steps"] = steps
+    d["model"] = {"name": "flan-t5-tiny", "vocab_size": 256, "max_position_embeddings": 32,
+                  "mixed_precision": False}
+    d["train_input"].pop("max_sequence_length")  # the encoder's input length is the model's
+    return d
+
+
+def _train(corpus: Path, model_dir: Path, **opts: object) -> dict:
+    return run(params_from_dict(_params(corpus, model_dir), source="test"),
+               RunOptions(model_dir=model_dir, progress=False, **opts), out=io.StringIO())
+
+
+def _same_training(a: Path, b: Path) -> None:
+    ra = [json.loads(ln) for ln in (a / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(ln) for ln in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [1, 2, 3, 4]
+    for x, y in zip(ra, rb):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+    wa, wb = (load_file(str(d / "checkpoint_4.safetensors")) for d in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
+
+
+def test_t5_trains_span_corruption_resident_and_streaming_alike(corpus: Path, tmp_path: Path) -> None:
+    r = _train(corpus, tmp_path / "r", execution="resident", mode="train_and_eval")
+    s = _train(corpus, tmp_path / "s", execution="streaming", mode="train_and_eval")
+    assert (r["executor"], s["executor"]) == ("resident", "streaming")
+    _same_training(tmp_path / "r", tmp_path / "s")
+    assert s["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5)
+    w = load_file(str(tmp_path / "r" / "checkpoint_4.safetensors"))
+    w0 = build(PRESETS["flan-t5-tiny"].replace(name="flan-t5-tiny", max_seq_len=32)).state_dict()
+    # every layer's table gradient reached its owner, and the encoder learned through the decoder's cross-attention
+    assert not torch.equal(w["encoder.0.rel.weight"], w0["encoder.0.rel.weight"])
+    assert not torch.equal(w["encoder.1.mlp.down_proj.weight"], w0["encoder.1.mlp.down_proj.weight"])
+    assert r["seq_len"] == 34  # windows of 34 tokens corrupt to 32 encoder inputs (and 8 targets)
+
+
+def test_t5_resumes_exactly(corpus: Path, tmp_path: Path) -> None:
+    d = _params(corpus, tmp_path / "once")
+    d["runconfig"]["checkpoint_steps"] = 2
+    run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / "once", progress=False), out=io.StringIO())
+    d["runconfig"]["model_dir"] = str(tmp_path / "twice")
+    for _ in range(2):
+        run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / "twice", num_steps=2, progress=False),
+            out=io.StringIO())
+    _same_training(tmp_path / "once", tmp_path / "twice")
+
+
+@pytest.mark.slow
+def test_t5_on_two_systems_equals_one(corpus: Path, tmp_path: Path) -> None:
+    _train(corpus, tmp_path / "one", execution="resident")
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(_params(corpus, tmp_path / "unused")))
+    r = wsc("run", "-p", str(p), "-o", str(tmp_path / "two"), "--no_progress", "--num_csx", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["executor"] == "swarmx"
+    _same_training(tmp_path / "one", tmp_path / "two")
