@@ -80,6 +80,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                            device=a.device)
     if note:
         print(note, file=sys.stderr)
+    if model.config.is_encoder:  # an encoder fills the prompt's mask tokens instead (transformers' fill-mask, top 1)
+        from waferscale.runtime.fill_mask import fill_mask
+
+        if a.chat is not None:
+            raise ConfigError(f"{model.config.name} is an encoder: it fills the mask tokens of --prompt, it does not "
+                              "chat")
+        print(fill_mask(model, tok, a.prompt))
+        return 0
     if a.chat is not None:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.chat}]
@@ -377,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(validate_only=True)
         elif name == "generate":
             _model_source_flags(p)
-            p.add_argument("--prompt", default=None, help="raw text to continue")
+            p.add_argument("--prompt", default=None, help="raw text to continue (an encoder: text whose mask tokens "
+                                                          "it fills, e.g. \"Paris is the [MASK] of France.\")")
             p.add_argument("--chat", default=None, help="a user message, wrapped in the model's chat template")
             p.add_argument("--system", default=None, help="system message for --chat")
             p.add_argument("--tokenizer", default=None, help="tokenizer for a zoo model without one (e.g. smollm2)")
