@@ -182,3 +182,50 @@ def test_a_family_the_compiler_does_not_project_is_one_error_line(capsys, monkey
         rc, out, err = _run(capsys, *argv)
         assert rc == 2 and not out and len(err.strip().splitlines()) == 1
         assert err.startswith("error: ") and "'mpt'" in err and "llama" in err
+
+
+def test_t5_graph_has_the_published_shape_and_cross_kv_units():
+    for name in ("t5-small", "flan-t5-base"):
+        cfg = config_from_name(name)
+        g = capture.capture_zoo(name)
+        assert g.params == cfg.num_params and g.arch == "encoder_decoder"
+        cross = [u for u in g.units if u.name.endswith(".cross_kv")]
+        assert len(cross) == cfg.decoder_layers and all(u.stack == "encoder" for u in cross)
+        assert all(u.params == 2 * cfg.d_model * cfg.n_head * cfg.head_dim for u in cross)
+
+
+def test_t5_inference_encodes_once_and_decodes_with_its_kv():
+    cfg = config_from_name("flan-t5-small")
+    kw = dict(model="flan-t5-small", pes=(128, 128), users=4)
+    short = compile_model(**kw, prompt_len=64, context_len=32).projection
+    long_out = compile_model(**kw, prompt_len=64, context_len=64).projection
+    long_in = compile_model(**kw, prompt_len=256, context_len=32).projection
+    inner = cfg.n_head * cfg.head_dim
+    # self-attention KV per output token in the decoder only; cross-attention K/V once per input position
+    assert short["kv_cache_bytes_per_token"] == cfg.decoder_layers * 2 * inner * 2
+    assert short["cross_kv_bytes_per_user"] == cfg.decoder_layers * 2 * inner * 64 * 2
+    assert long_in["cross_kv_bytes_per_user"] == 4 * short["cross_kv_bytes_per_user"]
+    assert 0 < short["encode_time_s"] < short["time_to_first_token_s"]
+    assert long_in["encode_time_s"] > short["encode_time_s"]  # the encoder reads the whole input
+    assert long_out["encode_time_s"] == pytest.approx(short["encode_time_s"], rel=0.05)  # not the output's length
+    assert long_out["decode_latency_s_per_token"] > short["decode_latency_s_per_token"]  # a longer KV cache
+
+
+def test_t5_training_counts_both_stacks():
+    from waferscale.data.span_corruption import compute_input_and_target_lengths
+
+    cfg = config_from_name("t5-small")
+    L = 512
+    T = compute_input_and_target_lengths(L)[1]
+    plan = compile_model(model="t5-small", mode="train", seq_len=L, batch_size=32)
+    assert plan.workload["tokens_per_step"] == 32 * (L + T)
+    d, inner, h, dk = cfg.d_model, cfg.n_head * cfg.head_dim, cfg.n_head, cfg.head_dim
+    mlp = (3 if cfg.gated_mlp else 2) * d * cfg.ffn_dim
+    enc = L * (2 * (4 * d * inner + mlp) + 4 * h * dk * L)
+    cross_kv = L * 2 * (2 * d * inner)
+    dec = T * (2 * (4 * d * inner + 2 * d * inner + mlp) + 4 * h * dk * T + 4 * h * dk * L)
+    head = T * 2 * cfg.vocab_size * d
+    want = 3 * (cfg.n_layer * enc + cfg.decoder_layers * (cross_kv + dec) + head) / (L + T)
+    assert plan.projection["model_flops_per_token"] == pytest.approx(want)
+    streamed = compile_model(model="flan-t5-xl", mode="train", seq_len=L)
+    assert streamed.strategy == "weight_streaming" and streamed.projection["tokens_per_s"] > 0

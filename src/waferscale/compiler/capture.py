@@ -30,7 +30,8 @@ _HALF = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}
 
 
 # the families whose units (embedding, blocks with their experts, head) the compiler captures and projects
-COMPILED_FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta")
+COMPILED_FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta",
+                     "t5")
 
 _INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
           "trunc_normal_", "zeros_", "ones_", "constant_")
@@ -77,7 +78,8 @@ def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
 
     with _no_init():
         model = build(cfg, device="meta")
-    g = _capture_causal_lm(model, source=source, dtype=dtype)
+    capture = _capture_t5 if cfg.is_encoder_decoder else _capture_causal_lm
+    g = capture(model, source=source, dtype=dtype)
     return dataclasses.replace(g, defaults=dict(defaults)) if defaults else g
 
 
@@ -126,12 +128,72 @@ def _capture_causal_lm(model: nn.Module, *, source: str, dtype: str) -> Graph:
                  arch="encoder" if cfg.is_encoder else "decoder")
 
 
+def _owners(units: list[nn.Module]) -> dict[int, int]:
+    """id(param) -> index of the unit that owns it (the last unit using it)."""
+    owner: dict[int, int] = {}
+    for i in reversed(range(len(units))):
+        for p in units[i].parameters():
+            owner.setdefault(id(p), i)
+    return owner
+
+
+def _capture_t5(model: nn.Module, *, source: str, dtype: str) -> Graph:
+    """An encoder-decoder (`models.t5.T5`): embedding, encoder layers, the encoder's final norm, decoder layers,
+    head. Each decoder layer's cross-attention key and value projections become a unit of their own
+    ("decN.cross_kv", of the encoder's stack: they run once per input, over the encoder's output), all placed
+    after the encoder's norm so that the decoder's layers stay neighbours in the pipeline; layer N keeps the keys
+    and values unit N hands it and attends over them (`cross_ctx` = the encoder's length)."""
+    cfg = model.config
+    units = list(model.units())
+    owner = _owners(units)
+    d, ffn, L = cfg.d_model, cfg.ffn_dim, cfg.max_seq_len
+    inner = cfg.n_head * cfg.head_dim
+    act = ffn * (2 if cfg.gated_mlp else 1)
+    n_enc = cfg.n_layer
+    names = ["embed"] + [f"enc{i}" for i in range(n_enc)] + ["enc_norm"] + \
+        [f"dec{i}" for i in range(cfg.decoder_layers)] + ["head"]
+    out: list[Unit] = []
+    cross_units: list[Unit] = []  # joined after the encoder's norm
+    for i, (mod, name) in enumerate(zip(units, names)):
+        cross = [mod.cross.k_proj, mod.cross.v_proj] if name.startswith("dec") else []
+        split = {id(p) for lin in cross for p in lin.parameters()}
+        params = sum(p.numel() for p in mod.parameters() if owner[id(p)] == i and id(p) not in split)
+        shared = [p for p in mod.parameters() if owner[id(p)] != i]
+        tied = names[owner[id(shared[0])]] if shared else None
+        tied_params = sum(p.numel() for p in shared)
+        mms = tuple(mm for mm, _ in _matmul_members(mod, skip=("cross.k_proj", "cross.v_proj")))
+        heads = dict(n_heads=cfg.n_head, head_dim=cfg.head_dim, kv_heads=cfg.n_head, norm_width=d, d_in=d, d_out=d,
+                     tied_to=tied, tied_params=tied_params)
+        if name == "embed":
+            out.append(Unit(name, "embed", params, (), d_in=1, d_out=d, tied_to=tied, tied_params=tied_params))
+        elif name.startswith("enc") and name != "enc_norm":
+            out.append(Unit(name, "block", params, mms, n_norms=2, elementwise_flops_per_token=2 * d + act,
+                            train_act_elems_per_token=4 * d + sum(m.m for m in mms) + ffn, stack="encoder", **heads))
+        elif name == "enc_norm":
+            out.append(Unit(name, "module", params, (), d_in=d, d_out=d, norm_width=d, n_norms=1,
+                            train_act_elems_per_token=d, stack="encoder"))
+        elif name.startswith("dec"):
+            cross_units.append(Unit(f"{name}.cross_kv", "module", sum(p.numel() for lin in cross for p in lin.parameters()),
+                            (MatMul("cross_kv", 2 * inner, d),), d_in=d, d_out=2 * inner,
+                            train_act_elems_per_token=d + 2 * inner, stack="encoder"))
+            out.append(Unit(name, "block", params, mms, n_norms=3, elementwise_flops_per_token=3 * d + act,
+                            train_act_elems_per_token=6 * d + sum(m.m for m in mms) + ffn, stack="decoder",
+                            cross_heads=cfg.n_head, cross_ctx=L, **heads))
+        else:
+            out.append(Unit(name, "head", params, mms, d_in=d, d_out=cfg.vocab_size, norm_width=d, n_norms=1,
+                            train_act_elems_per_token=2 * d + cfg.vocab_size, stack="decoder", tied_to=tied,
+                            tied_params=tied_params))
+    at = n_enc + 2  # after the embedding, the encoder's layers and its norm
+    return Graph(name=cfg.name, source=source, units=tuple(out[:at] + cross_units + out[at:]), dtype=dtype,
+                 max_seq_len=L, arch="encoder_decoder")
+
+
 def unit_names(n_layer: int) -> list[str]:
     """The units of a zoo model (`model.units()`), as the graph names them."""
     return ["embed"] + [f"block{i}" for i in range(n_layer)] + ["head"]
 
 
-def _matmul_members(mod: nn.Module, skip: str | None = None) -> list[tuple[MatMul, list[nn.Linear]]]:
+def _matmul_members(mod: nn.Module, skip: str | tuple[str, ...] | None = None) -> list[tuple[MatMul, list[nn.Linear]]]:
     """nn.Linear layers of a unit (but those under the prefix `skip`); q/k/v and gate/up (same input) fused
     into one GEMV as a compiler would: each matrix with the layers it fuses."""
     groups: "OrderedDict[str, list[nn.Linear]]" = OrderedDict()

@@ -27,6 +27,7 @@ from waferscale.compiler.inference import plan_inference
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Plan, Region
+from waferscale.compiler.seq2seq import plan_seq2seq
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
 from waferscale.compiler.training import plan_training
 from waferscale.errors import ConfigError
@@ -75,6 +76,9 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
 
     weight = sp.weight_sparsity(g, sparsity) if sparsity is not None else {}
     act = sp.activation_sparsity(g, activation_sparsity) if activation_sparsity is not None else {}
+    if (weight or act) and g.arch == "encoder_decoder":
+        raise ConfigError(f"{g.name}: the sparsity projection covers single-stack models; an encoder-decoder "
+                          f"compiles dense (drop --sparsity / --activation_sparsity)")
     if weight or act:
         g = sp.apply(g, weight, act)
     wafers = [wafer_map(spec, defects, seed + s) for s in range(systems)]
@@ -103,6 +107,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                               f"--seq_len tokens (no decode, no KV cache, no users); {', '.join(given)} "
                               f"do(es) not apply")
         out = plan_encode(ctx, seq_len)
+    elif g.arch == "encoder_decoder":  # encode the input once, then decode with the cross-attention's keys kept
+        out = plan_seq2seq(ctx, prompt_len, context_len, users)
     else:
         out = plan_inference(ctx, prompt_len, context_len, users)
     regions: list[Region] = out.pop("regions")

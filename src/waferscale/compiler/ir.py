@@ -13,7 +13,7 @@ from typing import Any
 
 from waferscale.fabric.pe import DTYPE_BYTES
 
-ARCHS = ("decoder", "encoder")
+ARCHS = ("decoder", "encoder", "encoder_decoder")
 FFN_DOWN = ("down_proj", "fc2", "c_proj", "w2")  # names of the matrix whose input is the FFN activation
 
 
@@ -96,6 +96,13 @@ class Unit:
     n_experts: int = 0
     experts_per_token: int = 0
     expert_of: str | None = None
+    # encoder-decoder (T5): which stack a unit serves ("encoder": runs once per input over its tokens;
+    # "decoder": once per output token; "": both, or a single-stack model), and a decoder block's
+    # cross-attention: `cross_heads` heads over `cross_ctx` encoder positions (keys and values computed once per
+    # input by the block's "cross_kv" unit and kept in the block's region)
+    stack: str = ""
+    cross_heads: int = 0
+    cross_ctx: int = 0
 
     def __post_init__(self) -> None:
         if self.params < 0:
@@ -145,8 +152,9 @@ class Unit:
         return max(0, self.params * b - self._matrix_bytes_saved(b, streamed=True))
 
     def attn_flops_per_token(self, context: int) -> int:
-        """QK^T and AV for one query over `context` keys: 2 x 2 x heads x head_dim x context."""
-        return 4 * self.n_heads * self.head_dim * context
+        """QK^T and AV for one query over `context` keys: 2 x 2 x heads x head_dim x context (and, with
+        cross-attention, over the `cross_ctx` encoder positions)."""
+        return 4 * self.n_heads * self.head_dim * context + 4 * self.cross_heads * self.head_dim * self.cross_ctx
 
     def fwd_flops_per_token(self, context: int = 0, nonzero: bool = False) -> float:
         """FLOPs of one token: the matmuls' (`nonzero`: only non-zero weights times non-zero inputs), attention
@@ -155,12 +163,18 @@ class Unit:
         return mm + self.attn_flops_per_token(context) + self.elementwise_flops_per_token
 
     def kv_elems_per_token(self) -> int:
-        return 2 * self.kv_heads * self.head_dim if self.n_heads else 0
+        """Self-attention KV cache per token (an encoder's units keep none: they do not decode)."""
+        return 2 * self.kv_heads * self.head_dim if self.n_heads and self.stack != "encoder" else 0
+
+    def cross_kv_elems_per_token(self) -> int:
+        """Cross-attention keys and values kept per encoder position."""
+        return 2 * self.cross_heads * self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["matmuls"] = [m.to_dict() for m in self.matmuls]
-        for name in ("n_experts", "experts_per_token", "expert_of"):  # dense graphs serialize as they always have
+        for name in ("n_experts", "experts_per_token", "expert_of", "stack", "cross_heads", "cross_ctx"):
+            # a decoder-only dense graph serializes as it always has
             if not d[name]:
                 del d[name]
         return d
@@ -175,7 +189,7 @@ class Graph:
     dtype: str = "fp16"
     max_seq_len: int = 2048
     defaults: dict[str, Any] = field(default_factory=dict)  # batch_size, seq_len, num_csx from a params YAML
-    arch: str = "decoder"  # "decoder" (causal, KV cache) | "encoder" (bidirectional, no decode)
+    arch: str = "decoder"  # "decoder" (causal, KV cache) | "encoder" (bidirectional, no decode) | "encoder_decoder"
 
     def __post_init__(self) -> None:
         if not self.units:

@@ -58,8 +58,9 @@ class Time:
 # ---- one unit on one region ------------------------------------------------------------------------------
 
 def _key(u: Unit) -> tuple:
-    return (u.kind, u.matmuls, u.n_heads, u.head_dim, u.kv_heads or u.n_heads, u.norm_width, u.n_norms,
-            u.elementwise_flops_per_token, u.d_out)
+    key = (u.kind, u.matmuls, u.n_heads, u.head_dim, u.kv_heads or u.n_heads, u.norm_width, u.n_norms,
+           u.elementwise_flops_per_token, u.d_out)
+    return key + ((u.cross_heads, u.cross_ctx),) if u.cross_heads else key
 
 
 @lru_cache(maxsize=65536)
@@ -74,7 +75,8 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
     """(label, cycles) of every kernel a unit runs; None if the fabric cost model refuses the region
     (e.g. a KV-cache slice larger than a PE's SRAM). `mesh`: the region as a `fabric.mesh.Mesh` of its own
     (`Mesh.subregion`), so detours around its defects are charged; None = a perfect region."""
-    kind, matmuls, n_heads, head_dim, kv_heads, norm_width, n_norms, ew, d_out = ukey
+    kind, matmuls, n_heads, head_dim, kv_heads, norm_width, n_norms, ew, d_out = ukey[:9]
+    attns = [(n_heads, kv_heads, attn_ctx)] + [(h, h, ctx) for h, ctx in ukey[9:]]  # self, then cross-attention
     out: list = []
     m = dict(mesh=mesh)
     try:
@@ -85,15 +87,17 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
                 c = min(c, cost.sparse_gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, density=mm.density,
                                                    act_density=mm.act_density, **m), key=lambda x: x.total)
             out.append(c)
-        if n_heads and attn_ctx > 0:
+        for heads, kvh, actx in attns:
+            if not heads or actx <= 0:
+                continue
             if n_tokens == 1:  # decode: one query over the KV cache spread across the region
-                out.append(cost.attention_decode_cycles(spec, n_heads, head_dim, attn_ctx, rows, cols, dtype,
-                                                        n_kv_heads=kv_heads, **m))
+                out.append(cost.attention_decode_cycles(spec, heads, head_dim, actx, rows, cols, dtype,
+                                                        n_kv_heads=kvh, **m))
             else:  # prefill / training: QK^T and PV as GEMMs with K (then V) stationary, softmax between
-                q = n_tokens * n_heads
-                out.append(cost.gemm_cycles(spec, attn_ctx, head_dim, q, rows, cols, dtype, **m))
-                out.append(cost.softmax_cycles(spec, q * attn_ctx, attn_ctx, rows, cols, **m))
-                out.append(cost.gemm_cycles(spec, head_dim, attn_ctx, q, rows, cols, dtype, **m))
+                q = n_tokens * heads
+                out.append(cost.gemm_cycles(spec, actx, head_dim, q, rows, cols, dtype, **m))
+                out.append(cost.softmax_cycles(spec, q * actx, actx, rows, cols, **m))
+                out.append(cost.gemm_cycles(spec, head_dim, actx, q, rows, cols, dtype, **m))
         if norm_width and n_norms:
             out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols, **m)] * n_norms
         if ew:

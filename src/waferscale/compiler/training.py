@@ -16,6 +16,7 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, with_detours
+from waferscale.compiler.seq2seq import model_flops_per_token, per_sequence
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, Layout, data_bytes_per_pe, gb
 from waferscale.compiler.weight_streaming import plan_weight_streaming
@@ -33,7 +34,9 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
         raise ConfigError(f"--seq_len {seq} exceeds {g.name}'s maximum sequence length {g.max_seq_len}")
     b = g.dtype_bytes
     mixed = g.dtype != "fp32"
-    units = list(g.units)
+    # tokens a unit computes per sequence and the keys it attends to (an encoder-decoder: L encoder tokens, T
+    # decoder tokens; `seq_tok` = L + T), else seq and seq
+    units, tok, actx, seq_tok = per_sequence(g, seq, g.defaults.get("target_len"))
     usable = min(w.usable_pes for w in ctx.wafers)
     F = usable * (spec.fp16_flops_per_cycle_per_pe if mixed else spec.fp32_flops_per_cycle_per_pe) * spec.clock_hz
     BW = spec.io_bytes_per_s
@@ -46,9 +49,14 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     if batch_size is None and g.defaults.get("batch_size"):
         batch_size = int(g.defaults["batch_size"])
     if batch_size is None:
-        batch_size = ctx.systems * max(1, math.ceil(t_min / seq))
+        batch_size = ctx.systems * max(1, math.ceil(t_min / seq_tok))
         ctx.say(f"batch size: none given, so {batch_size} sequences of {seq} ({batch_size // ctx.systems} per "
                 f"system) = the weight-streaming no-stall minimum {rule} = {t_min:,} tokens per system")
+    if g.arch == "encoder_decoder":
+        ctx.say(f"encoder-decoder: a sequence is {seq} encoder tokens (bidirectional) and {seq_tok - seq} decoder "
+                f"tokens (the span-corruption target of a {seq}-token input; causal self-attention, and "
+                f"cross-attention over the {seq} encoder outputs, whose keys and values each decoder layer's cross "
+                f"K/V unit projects); tokens per step count both ({seq_tok} per sequence)")
     if batch_size % ctx.systems:
         raise ConfigError(f"--batch_size {batch_size} is not divisible by --systems {ctx.systems}; the global batch "
                           f"is split evenly across systems")
@@ -63,27 +71,28 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
     spp = sum(ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"])  # bytes of training state per parameter
     cap_w = usable * data_bytes_per_pe(spec)
     S = len(units)
-    resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * seq * min(S - i, per_sys)
+    resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * tok(u) * min(S - i, per_sys)
                 * (u.token_share if u.expert_of else 1) for i, u in enumerate(units)]  # an expert: its tokens
     params_b = sum((u.params + u.tied_params) * spp for u in units)
     workload = {"batch_size": batch_size, "seq_len": seq, "micro_batch_size": micro,
-                "tokens_per_step": batch_size * seq, "systems": ctx.systems}
+                "tokens_per_step": batch_size * seq_tok, "systems": ctx.systems}
     common = {"no_stall_min_tokens_per_step": t_min, "peak_flops_per_wafer": F, "io_bytes_per_s": BW,
               "streamed_bytes_per_weight": b}
     if sum(resident) <= cap_w:
         ctx.say(f"resident training: weights + gradients + Adam state ({spp} B/param: {gb(params_b)}) + activations "
                 f"of the sequences in flight ({gb(sum(resident) - params_b)}) = {gb(sum(resident))} <= "
                 f"{gb(cap_w)} of SRAM: layer-pipelined on the wafer, no streaming")
-        return _train_pipelined(ctx, units, resident, per_sys, seq, workload, common, b, cap_w)
+        return _train_pipelined(ctx, units, resident, per_sys, seq, workload, common, b, cap_w, tok, actx, seq_tok)
     ctx.say(f"weight streaming: resident training would need {gb(sum(resident))} (weights + gradients + Adam state "
             f"at {spp} B/param = {gb(params_b)}, + activations of a 1F1B layer pipeline {gb(sum(resident) - params_b)}) "
             f"> {gb(cap_w)} of SRAM, so weights live in MemoryX (fp32 master + Adam moments there, the update runs "
             f"there), stream in one layer at a time across the whole wafer, gradients stream out")
-    return plan_weight_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w, t_min, F)
+    return plan_weight_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w, t_min, F,
+                                 **({"tok": tok, "actx": actx, "seq_tok": seq_tok} if seq_tok != seq else {}))
 
 
 def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per_sys: int, seq: int, workload: dict,
-                     common: dict, b: int, cap_w: int) -> dict:
+                     common: dict, b: int, cap_w: int, tok, actx, seq_tok: int) -> dict:
     """Resident training: the layers pipelined on the wafer (1F1B), `mem` bytes per unit; k copies of the
     pipeline per wafer (a k-way grid) when that projects more tokens/s; the optimizer runs in place; with
     several systems the gradients are all-reduced through SwarmX after every step."""
@@ -95,8 +104,8 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
               for u in units if u.expert_of}
 
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:  # forward + backward (2x) of one sequence
-        kw = dict(n_tokens=routed[u.n_experts] if u.expert_of else seq, attn_ctx=seq, dtype=g.dtype, decode=False,
-                  mesh=mesh)
+        kw = dict(n_tokens=routed[u.n_experts] if u.expert_of else tok(u), attn_ctx=actx(u), dtype=g.dtype,
+                  decode=False, mesh=mesh)
         f = pj.unit_time(spec, u, r, c, **kw)
         f += pj.backward_time(spec, u, r, c, f, **kw)
         return f
@@ -145,11 +154,12 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
                 f"gradients ({gb(grads)}) go out through SwarmX, are summed in its 1:4 tree and come back "
                 f"({sync.s * 1e3:.2f} ms, not overlapped with compute; weights stay resident)")
     slow_t = max(pipes[0].stage_times, key=lambda t: t.s)
-    flops = ctx.g.model_flops_per_token(seq, training=True, nonzero=ctx.g.sparse)
+    flops = ctx.g.model_flops_per_token(seq, training=True, nonzero=ctx.g.sparse) if seq_tok == seq else \
+        model_flops_per_token(units, tok, actx, seq_tok, training=True)
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (common["peak_flops_per_wafer"] * ctx.systems),
             "weights_streamed": False, "bottleneck": slow_t.bottleneck(), "time_shares": slow_t.shares(),
             "slowest_stage_s_per_sequence": slow_t.s, "model_flops_per_token": flops, **common,
-            "scaling": weak_scaling(ctx, per_sys, seq, lambda n: step - sync.s + swarmx_allreduce(ctx, grads, n).s,
+            "scaling": weak_scaling(ctx, per_sys, seq_tok, lambda n: step - sync.s + swarmx_allreduce(ctx, grads, n).s,
                                      lambda n: swarmx_allreduce(ctx, grads, n).s)}
     seqs = math.ceil(per_sys / k)
 

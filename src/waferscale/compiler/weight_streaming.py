@@ -17,6 +17,7 @@ from waferscale.compiler.data_parallel import weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Region
+from waferscale.compiler.seq2seq import model_flops_per_token
 from waferscale.compiler.strategy import gb
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost
@@ -24,11 +25,12 @@ from waferscale.fabric.spec import SystemSpec
 
 
 def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b: int, recompute: bool, n_systems: int,
-                  free_bytes: float) -> tuple[pj.Time, pj.Time, pj.Time, list[int], list[float]]:
+                  free_bytes: float, tok=None, actx=None) -> tuple[pj.Time, pj.Time, pj.Time, list[int], list[float]]:
     """One micro-batch of t_mb tokens, layer by layer over the whole wafer: (total, compute-only, io-only,
     groups per layer, seconds per layer). A streamed layer may be multicast into g copies (a g-way grid of the
     wafer), each taking t_mb/g tokens, when g copies of its weights + gradients fit in `free_bytes`; the
-    copies' gradients are reduced before streaming out. g is chosen per layer by the cost model."""
+    copies' gradients are reduced before streaming out. g is chosen per layer by the cost model. An
+    encoder-decoder: `tok(u)` / `actx(u)` are a unit's tokens per sequence of `seq` and the keys it attends to."""
     spec, g = ctx.spec, ctx.g
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
     full = Rect(0, 0, R, Cc)
@@ -40,12 +42,13 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
         best = None
         # an expert computes the tokens routed to it: the experts of a layer run one after another on the wafer,
         # so their loads sum to t_mb * k whatever the routing; each at the mean load t_mb * k / E
-        toks = math.ceil(t_mb * u.token_share) if u.expert_of else t_mb
+        toks = math.ceil(t_mb * u.token_share) if u.expert_of else t_mb if tok is None else t_mb // seq * tok(u)
+        ctx_u = seq if actx is None else actx(u)
         for gg in (1, 4, 16, 64, 256):
             if gg > 1 and (3 * u.nonzero_params * b * gg > free_bytes or not (u.matmuls or u.n_heads) or toks < gg):
                 continue
             box = grid_boxes(full, gg)[0]
-            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=seq, dtype=g.dtype, decode=False)
+            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=ctx_u, dtype=g.dtype, decode=False)
             f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
             bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
             red = pj.Time()
@@ -59,7 +62,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
                 best = (t, gg, box, f, bwd, red)
         _, gg, box, f, bwd, red = best
         if ctx.defective:  # the chosen split's kernels on the wafer's own routes (detours charged)
-            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=seq, dtype=g.dtype, decode=False,
+            kw = dict(n_tokens=math.ceil(toks / gg), attn_ctx=ctx_u, dtype=g.dtype, decode=False,
                       mesh=ctx.region_mesh(0, box.row, box.col, box.rows, box.cols))
             f = pj.unit_time(spec, u, box.rows, box.cols, **kw)
             bwd = pj.backward_time(spec, u, box.rows, box.cols, f, recompute, **kw)
@@ -102,12 +105,16 @@ def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: in
 
 
 def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, micro: int, seq: int, workload: dict,
-                          common: dict, b: int, cap_w: int, t_min: int, F: float) -> dict:
+                          common: dict, b: int, cap_w: int, t_min: int, F: float, tok=None, actx=None,
+                          seq_tok: int | None = None) -> dict:
     """The weight-streaming plan for `per_sys` sequences of `seq` tokens per system and step, in micro-batches
     of `micro` (fewer when their activation checkpoints do not fit); `b` bytes per streamed weight, `cap_w`
     data bytes per wafer, `t_min` the no-stall minimum tokens per micro-batch, `F` peak FLOP/s per wafer.
-    `workload` gains the micro-batch size actually used."""
+    `workload` gains the micro-batch size actually used. An encoder-decoder: `tok`, `actx` as `_stream_micro`'s,
+    `seq_tok` its tokens per sequence (encoder's + decoder's), by which micro-batches and activations are counted
+    (every unit's activations at all of them: an upper bound)."""
     g, spec = ctx.g, ctx.spec
+    seq = seq_tok or seq
     biggest = max(u.params for u in units)
     layer_buf = 3 * biggest * b  # two weight buffers (compute one, receive the next) + its gradients
     if layer_buf > cap_w:
@@ -138,7 +145,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     n_micro = per_sys // micro
     act = (act_tok_ckpt if recompute else act_tok_all)
     free = cap_w - act * t_mb
-    total, comp, io, groups, _ = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free)
+    total, comp, io, groups, _ = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
     R0, C0 = ctx.wafers[0].rows, ctx.wafers[0].cols
     if ctx.defective:
         ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
@@ -161,12 +168,13 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
                 f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
 
     def step_at(n: int) -> float:  # one step on n systems, each doing the same work (weak scaling)
-        tot = total if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free)[0]
+        tot = total if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free, tok, actx)[0]
         return n_micro * tot.s + _step_boundary(ctx, units, b, n).s
 
     step = step_at(ctx.systems)
     tps = workload["tokens_per_step"] / step
-    flops = g.model_flops_per_token(seq, training=True, nonzero=g.sparse)
+    flops = g.model_flops_per_token(seq, training=True, nonzero=g.sparse) if tok is None else \
+        model_flops_per_token(units, tok, actx, seq, training=True)
     ex = next((u for u in units if u.expert_of), None)  # a mixture of experts: x E/k (an expert's share)
     rule, nums = ("", "") if ex is None else (" x E/k", f" x {ex.n_experts}/{ex.experts_per_token}")
     ctx.say(f"no-stall condition (WSE.md): tokens per micro-batch T >= (b/3)F/BW{rule} = ({b}/3) x {F / 1e15:.2f} PF / "
@@ -195,7 +203,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
                for s in range(ctx.systems)]
 
     def reproject(us: list[Unit]) -> tuple[pj.Time, list[float]]:  # one step with other densities (g re-chosen)
-        t, _, _, _, per = _stream_micro(ctx, us, t_mb, seq, b, recompute, ctx.systems, free)
+        t, _, _, _, per = _stream_micro(ctx, us, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
         t = t.scaled(n_micro)
         t += _step_boundary(ctx, us, b, ctx.systems)
         return t, [n_micro * x for x in per]
