@@ -50,9 +50,10 @@ class EngineDead(RuntimeError):
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  block_size: int, group_blocks: int) -> None:
+                  block_size: int, group_blocks: int, window: int = 0, max_chunk: int = 0) -> None:
     """Raise (RequestTooLong / ValueError) if the request could never run on an engine with these limits
-    (`Engine.describe()["limits"]`); changes nothing."""
+    (`Engine.describe()["limits"]`); changes nothing. With a sliding window a sequence holds at most the
+    blocks of a window plus a chunk of `max_chunk` tokens (the scheduler frees the rest as it goes)."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: give at least one token")
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
@@ -64,7 +65,10 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
             f"this model's context is {max_model_len} tokens; the prompt has {len(prompt_token_ids)} "
             f"and max_tokens asks for {params.max_tokens} more ({total}); shorten the prompt or lower "
             "max_tokens")
-    if -(-total // block_size) > group_blocks:
+    need = -(-total // block_size)
+    if window:
+        need = min(need, -(-(window + max_chunk - 1) // block_size) + 1)
+    if need > group_blocks:
         raise RequestTooLong(
             f"the KV cache holds {group_blocks * block_size} positions per sequence group; this request needs "
             f"{total} ({len(prompt_token_ids)} prompt + {params.max_tokens} max_tokens); raise kv_cache_mb or "
@@ -163,8 +167,9 @@ class Engine:
         self._schedulers = [
             Scheduler(BlockAllocator(per_stage, block_size, first_block=v * per_stage),
                       max_num_seqs=max(1, -(-max_num_seqs // stages)),
-                      max_num_batched_tokens=max_num_batched_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens, window=cfg.sliding_window)
             for v in range(stages)]
+        self.max_num_batched_tokens = max_num_batched_tokens
         if stages == 1:
             runner = ModelRunner(model, 0, cfg.n_layer, num_blocks=self.num_blocks, block_size=block_size,
                                  has_embed=True, has_head=True, device=device, fast_linear=fast_linear,
@@ -173,6 +178,7 @@ class Engine:
             self.c_kernels: bool | None = runner.c_kernels  # None: decided in each stage process
             self.decode_threads: int | None = runner.decode_threads
             self.weight_bytes: tuple[int, int] | None = runner.weight_bytes  # (all dense, as packed) per token
+            self._runner: ModelRunner | None = runner
             self._executor: Any = _InProcessExecutor(runner)
         else:
             from waferscale.serve.stages import PipelineExecutor
@@ -181,7 +187,7 @@ class Engine:
                                               device=device, fast_linear=fast_linear, threads_per_stage=threads,
                                               decode_threads=decode_threads)
             self.fast_linear = self._executor.fast_linear
-            self.c_kernels = self.decode_threads = self.weight_bytes = None
+            self.c_kernels = self.decode_threads = self.weight_bytes = self._runner = None
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids: list[int] = [] if eos is None else [int(eos)]
         tv = getattr(tokenizer, "vocab_size", None)
@@ -206,7 +212,8 @@ class Engine:
     def limits(self) -> dict[str, int]:
         """What `check_request` checks against."""
         return {"vocab_size": self.model.config.vocab_size, "max_model_len": self.max_model_len,
-                "block_size": self.block_size, "group_blocks": self._schedulers[0].allocator.num_blocks}
+                "block_size": self.block_size, "group_blocks": self._schedulers[0].allocator.num_blocks,
+                "window": self.model.config.sliding_window or 0, "max_chunk": self.max_num_batched_tokens}
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise (RequestTooLong / ValueError) if the request could never run; thread-safe, changes nothing."""
@@ -362,8 +369,16 @@ class Engine:
 
     # ---- observability ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Gauges and counters: running, waiting, kv_blocks_used (returns to 0 when idle), kv_blocks_total, ..."""
+        """Gauges and counters: running, waiting, kv_blocks_used (returns to 0 when idle), kv_blocks_total, ...
+        and, with one stage, the weight bytes decode reads: per decode token so far (a batch of B tokens reads
+        its weights once: B shares; a mixture of experts reads only the experts its tokens chose), against
+        those of the parameters one token computes with (active: a mixture's routed experts only) and of all."""
         scheds = self._schedulers
+        r = self._runner
+        weights = {} if r is None else {
+            "decode_tokens": r.decode_tokens, "decode_weight_bytes": r.decode_bytes,
+            "decode_weight_bytes_per_token": r.decode_bytes / r.decode_tokens if r.decode_tokens else 0.0,
+            "active_weight_bytes": r.active_bytes, "total_weight_bytes": r.total_bytes}
         return {
             "running": sum(len(s.running) for s in scheds),
             "waiting": sum(len(s.waiting) for s in scheds),
@@ -374,6 +389,7 @@ class Engine:
             "num_preemptions": sum(s.num_preemptions for s in scheds),
             "stages": self.stages,
             "max_model_len": self.max_model_len,
+            **weights,
             **self._counters,
         }
 

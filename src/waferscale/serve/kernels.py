@@ -99,8 +99,8 @@ def _build() -> ctypes.CDLL:
             ("wsc_linear", [P, P, P, P, P, L, L, L], I),
             ("wsc_linear_sparse", [P, P, P, P, P, P, L, L, L], I),
             ("wsc_rms_norm", [P, P, F, P, L, L], None),
-            ("wsc_decode_attention", [P, P, P, P, L, L, L, L, L, L, F, P], I),
-            ("wsc_decode_attention_batch", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L], I),
+            ("wsc_decode_attention_ex", [P, P, P, P, L, L, L, L, L, L, F, P, L, P], I),
+            ("wsc_decode_attention_batch_ex", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L, L, P], I),
             ("wsc_silu_mul", [P, P, L, L], None),
             ("wsc_argmax", [P, L], L),
             ("wsc_argmax_rows", [P, L, L, L, P], None),
@@ -259,33 +259,37 @@ def linear(x: Tensor, wp: Tensor | SparsePanels, out: int, bias: Tensor | None =
 
 
 def decode_attention(qkv: Tensor, cos: Tensor | None, sin_signed: Tensor | None, cache: Tensor, slot0: int,
-                     S: int, n_head: int, n_kv: int) -> Tensor:
+                     S: int, n_head: int, n_kv: int, window: int = 0, slopes: Tensor | None = None) -> Tensor:
     """One new token of one sequence whose KV is in consecutive slots [slot0, slot0 + S) of `cache`
     ((2 n_kv, slots, hd)): rotates q and k of `qkv` ((1, (n_head + 2 n_kv) hd); in place) by `cos` /
     `sin_signed` ((hd,) each, or None), writes k and v to slot slot0 + S - 1 and returns the (1, n_head * hd)
-    attention output (scale 1/sqrt(hd), no mask: every position is visible)."""
+    attention output (scale 1/sqrt(hd)) over every position, or with `window` over the latest `window` ones (the
+    slots before them are not read); `slopes` ((n_head,) float32): ALiBi's bias slope * (t - (S - 1)) on the
+    score of position t."""
     hd = cache.shape[-1]
     y = torch.empty(1, n_head * hd)
-    if _lib.wsc_decode_attention(qkv.data_ptr(), _ptr(cos), _ptr(sin_signed), cache.data_ptr(), cache.shape[1],
-                                 slot0, S, n_head, n_kv, hd, hd ** -0.5, y.data_ptr()) != 0:
+    if _lib.wsc_decode_attention_ex(qkv.data_ptr(), _ptr(cos), _ptr(sin_signed), cache.data_ptr(), cache.shape[1],
+                                    slot0, S, n_head, n_kv, hd, hd ** -0.5, y.data_ptr(), window,
+                                    _ptr(slopes)) != 0:
         raise MemoryError(f"decode attention over {S} positions: out of memory for the scores")
     return y
 
 
 def decode_attention_batch(qkv: Tensor, rows: Tensor, pos: Tensor, cos_t: Tensor | None, sin_t: Tensor | None,
                            cache: Tensor, tables: Tensor, block_size: int, n_head: int, n_kv: int,
-                           y: Tensor) -> None:
+                           y: Tensor, window: int = 0, slopes: Tensor | None = None) -> None:
     """Decode tokens of several sequences over a block-paged cache, one C call: for each b, row rows[b] of
     `qkv` ((N, (n_head + 2 n_kv) hd); rotated in place at position pos[b] by the rotary tables `cos_t` /
     `sin_t` ((positions, hd), sin with its first half negated; None: no rotation)) writes its k and v to the
     slot of position pos[b] and attends over positions [0, pos[b]] of its block table tables[b] ((B, max
-    blocks) int64); the result goes to row rows[b] of y ((N, n_head hd)). rows, pos: (B,) int64. Same
-    arithmetic as `decode_attention`."""
+    blocks) int64), or over its latest `window` positions (table entries before them are not read); the
+    result goes to row rows[b] of y ((N, n_head hd)). rows, pos: (B,) int64. slopes: ALiBi, as
+    `decode_attention`, whose arithmetic this shares."""
     hd = cache.shape[-1]
-    rc = _lib.wsc_decode_attention_batch(
+    rc = _lib.wsc_decode_attention_batch_ex(
         qkv.data_ptr(), qkv.shape[1], rows.data_ptr(), rows.shape[0], pos.data_ptr(), _ptr(cos_t), _ptr(sin_t),
         cache.data_ptr(), cache.shape[1], tables.data_ptr(), tables.shape[1], block_size, n_head, n_kv, hd,
-        hd ** -0.5, y.data_ptr(), y.shape[1])
+        hd ** -0.5, y.data_ptr(), y.shape[1], window, _ptr(slopes))
     if rc != 0:
         raise MemoryError("batched decode attention: out of memory for the scores")
 
@@ -331,17 +335,20 @@ _SPARSE_OFFS = {"wqkv": "oqkv", "wo": "oo", "wgu": "ogu", "wd": "od"}  # a matri
 class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
     _fields_ = [(f, ctypes.c_void_p) for f in _LAYER_PTRS] + \
         [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)] + \
-        [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()]
+        [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()] + [("window", ctypes.c_long), ("slopes", ctypes.c_void_p)]
 
 
 class DecodeStack:
     """Layers of Llama-style blocks (RMSNorm, fused q|k|v, GQA attention, fused gate|up SwiGLU) for decode
     tokens, every layer in one C call. Holds references to every tensor it points at."""
 
-    def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int) -> None:
+    def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int, window: int = 0,
+                 slopes: Tensor | None = None) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
-        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd))."""
-        self._keep = layers
+        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd)). window,
+        slopes: every layer's attention over the latest `window` positions (0: all), with ALiBi slopes
+        ((n_head,) float32, or None), as `decode_attention`."""
+        self._keep = layers, slopes
         self.n, self.nh, self.nkv, self.hd, self.ffn = len(layers), n_head, n_kv, head_dim, ffn
         self.C = layers[0]["attn_norm"].shape[0]
         self.slots = layers[0]["cache"].shape[1]
@@ -354,11 +361,13 @@ class DecodeStack:
                     v = v.blob
                 setattr(t, f, _ptr(v))
             t.attn_eps, t.mlp_eps = d["attn_eps"], d["mlp_eps"]
+            t.window, t.slopes = window, _ptr(slopes)
         self._scratch = torch.empty(self.C + (n_head + 2 * n_kv) * head_dim + n_head * head_dim + 3 * ffn)
 
     def __call__(self, x: Tensor, cos: Tensor | None, sin_signed: Tensor | None, slot0: int, S: int) -> Tensor:
         """One token of one sequence: x (1, C) -> (1, C) after every layer, in place (pass a copy if it must
-        survive); the token's k/v go to slot slot0 + S - 1, attention reads slots [slot0, slot0 + S)."""
+        survive); the token's k/v go to slot slot0 + S - 1, attention reads slots [slot0, slot0 + S) (with a
+        window, the latest `window` of them: slot0 may then be negative)."""
         if _lib.wsc_decode_layers(x.data_ptr(), self._arr, self.n, self.C, self.nh, self.nkv, self.hd, self.ffn,
                                   _ptr(cos), _ptr(sin_signed), self.slots, slot0, S, self._scratch.data_ptr()) != 0:
             raise MemoryError(f"decode attention over {S} positions: out of memory for the scores")

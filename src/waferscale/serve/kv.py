@@ -3,11 +3,17 @@
 A sequence's KV positions live in the blocks of its block table: position p is slot
 `table[p // block_size] * block_size + p % block_size` of a flat (2 n_kv_head, num_slots, head_dim) tensor per
 layer (k heads, then v heads). The allocator knows nothing of tensors; `KVPool` knows nothing of sequences.
+
+With sliding-window attention a sequence's oldest blocks fall out of every later query's window: they go back
+to the pool (`release_before`) and their table entries become FREED, so that positions keep their indices.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+FREED = -1  # a table entry whose block went back to the pool (its positions are outside the window)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -28,6 +34,7 @@ class BlockAllocator:
         self.num_blocks, self.block_size, self.first_block = num_blocks, block_size, first_block
         self._free: list[int] = list(range(first_block + num_blocks - 1, first_block - 1, -1))  # pop() -> lowest
         self.tables: dict[str, list[int]] = {}
+        self._released: dict[str, int] = {}  # per sequence: its table entries before this one are FREED
 
     @property
     def num_free(self) -> int:
@@ -53,11 +60,30 @@ class BlockAllocator:
         table.extend(self._free.pop() for _ in range(need))
         return table
 
+    def release_before(self, seq_id: str, position: int) -> int:
+        """Return to the pool the blocks of `seq_id` that hold only positions before `position` (no query will
+        read them again: they are outside its sliding window); returns how many."""
+        table = self.tables.get(seq_id)
+        if not table:
+            return 0
+        first, end = self._released.get(seq_id, 0), min(position // self.block_size, len(table))
+        for i in range(first, end):
+            self._free.append(table[i])
+            table[i] = FREED
+        if end > first:
+            self._released[seq_id] = end
+        return max(0, end - first)
+
     def free(self, seq_id: str) -> int:
         """Return every block of `seq_id` to the pool; returns how many (0 if it held none)."""
-        table = self.tables.pop(seq_id, [])
+        table = [b for b in self.tables.pop(seq_id, []) if b != FREED]
+        self._released.pop(seq_id, None)
         self._free.extend(reversed(table))
         return len(table)
+
+    def held(self, seq_id: str) -> int:
+        """Blocks `seq_id` holds now."""
+        return sum(b != FREED for b in self.tables.get(seq_id, ()))
 
 
 class KVPool:

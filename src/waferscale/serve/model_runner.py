@@ -15,6 +15,14 @@ decode and short prefill chunks run every layer in one C call (`kernels.DecodeSt
 (decode rows gathered into a padded (B, nkv, S_max, hd) tensor with a key mask) stays the reference; without a C
 compiler the projections use MKL (its packed single-row GEMM for one row). How fast: README's Serving section,
 bench/serve_decode.py.
+
+The decoder families run on the same path: partial and GPT-J's interleaved rotary become the full rotate-half
+rotation by reordering each q and k head's dims once at load (`rotary_layout`); parallel blocks feed the
+block's input (one norm or two) to attention and MLP; ALiBi and sliding windows are the attention's bias and
+key range, in SDPA's mask and in the C decode attention (a window's older blocks are freed by the scheduler:
+kv.FREED); a mixture of experts runs each expert once over the rows routed to it, so a step reads only the
+chosen experts' weights (the runner counts the weight bytes decode reads: Engine.stats(),
+bench/serve_moe_decode.py).
 """
 
 from __future__ import annotations
@@ -46,6 +54,24 @@ class BatchSpec:
     chunks: list[tuple[int, int, list[int], bool]]
 
 
+def window_lo(start: int, window: int) -> int:
+    """The first key position a query at `start` attends to: the latest `window` positions (0: all)."""
+    return max(0, start - window + 1) if window else 0
+
+
+def attention_mask(qpos: Tensor, kpos: Tensor, window: int, slopes: Tensor | None) -> Tensor:
+    """What SDPA adds for queries at positions qpos (T,) over keys at kpos (S,): a (T, S) boolean mask (causal,
+    within `window` when set), or with ALiBi slopes (nh,) the (nh, T, S) bias slope * (key - query), -inf where
+    masked (layers.Attention's mask)."""
+    rel = kpos[None, :] - qpos[:, None]  # (T, S)
+    allowed = rel <= 0
+    if window:
+        allowed &= rel > -window
+    if slopes is None:
+        return allowed
+    return (slopes[:, None, None] * rel.float()).masked_fill(~allowed, float("-inf"))
+
+
 class Prepared:
     """Index tensors for one BatchSpec, built once per step and shared by every layer of a runner.
 
@@ -55,48 +81,53 @@ class Prepared:
     """
 
     def __init__(self, spec: BatchSpec, block_size: int, cos_table: Tensor | None, sin_table: Tensor | None,
-                 device: torch.device) -> None:
+                 device: torch.device, window: int = 0, slopes: Tensor | None = None) -> None:
         pos: list[int] = []
         slots: list[int] = []
         samples: list[int] = []
         # (row0, row1, kv slots (tensor or slice), mask, causal)
         self.prefill: list[tuple[int, int, Tensor | slice, Tensor | None, bool]] = []
         dec_rows: list[int] = []
-        dec_slots: list[slice | tuple[list[int], int]] = []  # KV slots: a run, or (block table, length)
+        # a decode row's KV slots of positions [lo, ctx): a run, or (block table, lo, ctx)
+        dec_slots: list[slice | tuple[list[int], int, int]] = []
         dec_tables: list[list[int]] = []
         self._row_tables: list[tuple[list[int], int]] = []  # (block table, rows) per chunk, in order
         self.max_chunk = 0  # the longest chunk (prefill) of the batch
+        self.window, self.slopes = window, slopes
         row = 0
         bs = self.block_size = block_size
         for start, n, table, sample in spec.chunks:
             ctx = start + n
-            b0 = table[0]
-            consecutive = all(table[i] == b0 + i for i in range(1, -(-ctx // bs)))
-            self._row_tables.append((table[:-(-ctx // bs)], n))
+            lo = window_lo(start, window)  # the chunk's first key (blocks before it may be freed: kv.FREED)
+            blo, nblk = lo // bs, -(-ctx // bs)
+            b0 = table[blo]
+            consecutive = all(table[i] == b0 + i - blo for i in range(blo + 1, nblk))
+            base = (b0 - blo) * bs  # when consecutive, position p sits in slot base + p
+            self._row_tables.append((table[:nblk], n))
             self.max_chunk = max(self.max_chunk, n)
             if n == 1:  # a decode token: its slot now, the rest of its sequence's slots only if asked for
                 slots.append(table[start // bs] * bs + start % bs)
                 pos.append(start)
                 dec_rows.append(row)
-                dec_slots.append(slice(b0 * bs, b0 * bs + ctx) if consecutive else (table, ctx))
-                dec_tables.append(table[:-(-ctx // bs)])
+                dec_slots.append(slice(base + lo, base + ctx) if consecutive else (table, lo, ctx))
+                dec_tables.append(table[:nblk])
                 row += 1
                 if sample:
                     samples.append(row - 1)
                 continue
             if consecutive:
-                seq_kv: list[int] | slice = slice(b0 * bs, b0 * bs + ctx)
-                slots.extend(range(b0 * bs + start, b0 * bs + ctx))
+                seq_kv: list[int] | slice = slice(base + lo, base + ctx)
+                slots.extend(range(base + start, base + ctx))
             else:
-                seq_kv = [table[p // bs] * bs + p % bs for p in range(ctx)]
-                slots.extend(seq_kv[start:])
+                seq_kv = [table[p // bs] * bs + p % bs for p in range(lo, ctx)]
+                slots.extend(seq_kv[start - lo:])
             pos.extend(range(start, ctx))
             kv = seq_kv if isinstance(seq_kv, slice) else torch.tensor(seq_kv, dtype=torch.long, device=device)
-            if start == 0:
+            if start == 0 and slopes is None and not (window and ctx > window):
                 self.prefill.append((row, row + n, kv, None, True))
-            else:  # queries sit at positions start.. of a longer key sequence
-                qpos = torch.arange(start, ctx, device=device)[:, None]
-                mask = qpos >= torch.arange(ctx, device=device)[None, :]  # (T, S)
+            else:  # queries at positions start.. over keys lo..: a later chunk, a window, or ALiBi's bias
+                mask = attention_mask(torch.arange(start, ctx, device=device), torch.arange(lo, ctx, device=device),
+                                      window, slopes)  # (T, S), or (nh, T, S) with ALiBi
                 self.prefill.append((row, row + n, kv, mask, False))
             row += n
             if sample:
@@ -134,17 +165,29 @@ class Prepared:
     @functools.cached_property
     def dec_gather(self) -> tuple[Tensor, Tensor | None]:
         """For the torch attention path: the decode rows' KV slots (B, S_max), padded with a valid slot, and
-        the key mask (B, 1, 1, S_max) (None when every row has S_max keys)."""
+        the key mask (B, 1, 1, S_max) (None when every row has S_max keys), or with ALiBi the bias
+        (B, nh, 1, S_max)."""
         bs, dev = self.block_size, self._device
         lists = [list(range(s.start, s.stop)) if isinstance(s, slice) else
-                 [s[0][p // bs] * bs + p % bs for p in range(s[1])] for s in self._dec_gather]
+                 [s[0][p // bs] * bs + p % bs for p in range(s[1], s[2])] for s in self._dec_gather]
         smax = max(len(s) for s in lists)
         slots = torch.tensor([s + [s[0]] * (smax - len(s)) for s in lists], dtype=torch.long, device=dev)
         mask = None
+        lens = torch.tensor([len(s) for s in lists], device=dev)
         if any(len(s) != smax for s in lists):
-            lens = torch.tensor([len(s) for s in lists], device=dev)
             mask = (torch.arange(smax, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        if self.slopes is not None:  # row b's key j sits len[b] - 1 - j positions before its query
+            rel = torch.arange(smax, device=dev)[None, :] - (lens - 1)[:, None]  # (B, S_max) key - query
+            bias = self.slopes[None, :, None, None] * rel[:, None, None, :].float()  # (B, nh, 1, S_max)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         return slots, mask
+
+    def dec_bias_one(self, S: int) -> Tensor | None:
+        """ALiBi's bias (1, nh, 1, S) for one decode row over its S latest keys (None without ALiBi)."""
+        if self.slopes is None:
+            return None
+        rel = torch.arange(1 - S, 1, device=self._device).float()
+        return (self.slopes[:, None] * rel[None, :])[None, :, None, :]
 
     def rows_c(self) -> tuple[Tensor, Tensor]:
         """(positions (N,), block tables (N, max blocks)) of every row, int64, for the C stack: a prefill
@@ -191,6 +234,7 @@ class FastLinear:
         self.bias = None if bias is None else bias.contiguous()
         self.ckern = ckern
         self.cw: Tensor | kernels.SparsePanels | None = None  # the packed weight (the runner's arena, when ckern)
+        self.nbytes = self.weight.numel() * self.weight.element_size()  # weight bytes a product reads (as packed)
         self.packed = None
         if pack:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
@@ -236,10 +280,11 @@ def _hugepage_weights(lins: list[FastLinear], sparse: bool) -> tuple[int, int, i
     for lin, plan, n in zip(lins, plans, size):
         if plan is not None and sparse:
             lin.cw = kernels.pack_sparse(lin.weight, plan, arena[off:off + n])
-            read += int(lin.cw.off[-2])
+            lin.nbytes = 4 * int(lin.cw.off[-2])
         else:
             lin.cw = kernels.pack(lin.weight, arena[off:off + n])
-            read += n
+            lin.nbytes = 4 * n
+        read += lin.nbytes // 4
         lin.weight = None  # (a fused weight was a copy: freed)
         off += n
     return sum(p is not None for p in plans), 4 * sum(dense), 4 * read
@@ -259,15 +304,10 @@ def _cat(*ts: Tensor | None) -> Tensor | None:
     return None if ts[0] is None else torch.cat(ts, 0)
 
 
-class _Layer:
-    def __init__(self, block: nn.Module, pack: bool, ckern: bool) -> None:
-        a = block.attn
-        self.attn_norm, self.mlp_norm = _norm(block.attn_norm, ckern), _norm(block.mlp_norm, ckern)
-        self.n_head, self.n_kv, self.hd = a.n_head, a.n_kv, a.hd
-        self.qkv = FastLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                              _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), pack, ckern)
-        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack, ckern)
-        m = block.mlp
+class _MLP:
+    """One dense MLP (a block's, or one expert's): down(act(up(h))), or SwiGLU over a fused gate|up."""
+
+    def __init__(self, m: nn.Module, pack: bool, ckern: bool) -> None:
         self.ckern = ckern
         self.swiglu = isinstance(m, SwiGLU)
         if self.swiglu:
@@ -279,7 +319,7 @@ class _Layer:
             self.act = m.act
         self.down = FastLinear(m.down_proj.weight, m.down_proj.bias, pack, ckern)
 
-    def mlp(self, h: Tensor, residual: Tensor) -> Tensor:
+    def __call__(self, h: Tensor, residual: Tensor | None = None) -> Tensor:
         """residual + MLP(h)."""
         u = self.up(h)
         if self.swiglu:
@@ -288,6 +328,104 @@ class _Layer:
             g, u = u.split(self.ffn, -1)
             return self.down(F.silu(g) * u, residual)
         return self.down(self.act(u), residual)
+
+
+class _MoE:
+    """A mixture of experts (layers.MoE's arithmetic): the router's softmax in float32, each row's top k
+    renormalized, and every expert run once over the rows routed to it, so that a step reads only the experts
+    its rows chose (`read`: their weight bytes, summed over steps)."""
+
+    def __init__(self, m: nn.Module, pack: bool, ckern: bool) -> None:
+        self.top_k, self.n = m.top_k, m.n_experts
+        self.router = FastLinear(m.router.weight, None, pack, ckern)
+        self.experts = [_MLP(e, pack, ckern) for e in m.experts]
+        self.read = 0
+
+    def expert_bytes(self, e: int) -> int:
+        return self.experts[e].up.nbytes + self.experts[e].down.nbytes
+
+    def __call__(self, h: Tensor, residual: Tensor) -> Tensor:
+        probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)  # (N, E)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype).view(-1)
+        if h.shape[0] == 1:  # one decode row: its k experts in index order, the sums of the general case below
+            out = torch.zeros_like(h)
+            for e, j in sorted(zip(chosen[0].tolist(), range(self.top_k))):
+                out += self.experts[e](h) * weights[j]
+                self.read += self.expert_bytes(e)
+            return residual + out
+        flat = chosen.view(-1)
+        sizes = torch.bincount(flat, minlength=self.n).tolist()
+        order = flat.argsort(stable=True)  # the (row, choice) slots grouped by expert
+        out = torch.zeros_like(h)
+        for e, idx in enumerate(order.split(sizes)):
+            if sizes[e]:
+                rows = idx // self.top_k
+                out.index_add_(0, rows, self.experts[e](h.index_select(0, rows)) * weights[idx, None])
+                self.read += self.expert_bytes(e)
+        return residual + out
+
+
+class _Layer:
+    """One block: fused q|k|v (q and k rows in the rotary order of `rope_perm`, see rotary_layout), output
+    projection, and its MLP or mixture of experts; sequential or parallel (attention and MLP both read the
+    block's input, through one norm or two)."""
+
+    def __init__(self, block: nn.Module, pack: bool, ckern: bool, rope_perm: Tensor | None) -> None:
+        a = block.attn
+        self.parallel = block.parallel
+        self.attn_norm = _norm(block.attn_norm, ckern)
+        self.mlp_norm = None if block.mlp_norm is None else _norm(block.mlp_norm, ckern)
+        self.n_head, self.n_kv, self.hd = a.n_head, a.n_kv, a.hd
+        qw, kw, qb, kb = a.q_proj.weight, a.k_proj.weight, a.q_proj.bias, a.k_proj.bias
+        if rope_perm is not None:  # each head's dims reordered alike in q and k: the same scores
+            qi = (torch.arange(self.n_head)[:, None] * self.hd + rope_perm).view(-1)
+            ki = (torch.arange(self.n_kv)[:, None] * self.hd + rope_perm).view(-1)
+            qw, kw = qw[qi], kw[ki]
+            qb, kb = (None, None) if qb is None else (qb[qi], kb[ki])
+        self.qkv = FastLinear(torch.cat([qw, kw, a.v_proj.weight]), _cat(qb, kb, a.v_proj.bias), pack, ckern)
+        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack, ckern)
+        self.moe = _MoE(block.mlp, pack, ckern) if block.moe else None
+        self.dense = None if block.moe else _MLP(block.mlp, pack, ckern)
+
+    def lins(self) -> list[FastLinear]:
+        """The layer's products in the order a step runs them."""
+        if self.moe is not None:
+            return [self.qkv, self.o, self.moe.router] + [lin for e in self.moe.experts for lin in (e.up, e.down)]
+        return [self.qkv, self.o, self.dense.up, self.dense.down]
+
+    def fixed_bytes(self) -> int:
+        """Weight bytes every step reads (every matrix but the experts)."""
+        return self.qkv.nbytes + self.o.nbytes + (
+            self.moe.router.nbytes if self.moe is not None else self.dense.up.nbytes + self.dense.down.nbytes)
+
+    def mlp(self, h: Tensor, residual: Tensor) -> Tensor:
+        """residual + MLP(h)."""
+        return self.moe(h, residual) if self.moe is not None else self.dense(h, residual)
+
+    def finish(self, x: Tensor, y: Tensor, m: Tensor | None) -> Tensor:
+        """The block's output from its input x, the attention heads' output y (N, nh hd) and, in a parallel
+        block, the MLP's normed input m: x + o(y) + mlp(m), or sequentially x' = x + o(y); x' + mlp(norm(x'))."""
+        x1 = self.o(y, x)
+        return self.mlp(m, x1) if self.parallel else self.mlp(self.mlp_norm(x1), x1)
+
+
+def rotary_layout(cfg: ModelConfig) -> Tensor | None:
+    """Partial (rotary_dim < head_dim) and GPT-J's interleaved rotary as the full rotate-half rotation the
+    kernels run: the order (hd,) to put each q and k head's dims in so that the rotated pairs become
+    (j, j + hd/2), j < rotary_dim/2, with the dims that do not rotate on the remaining j (whose frequency the
+    runner's tables set to 0: cos 1, sin 0, the dims pass through unchanged). None: the model's own order
+    already is."""
+    hd, rd = cfg.head_dim, cfg.rotary_dims
+    if not rd or (rd == hd and not cfg.rotary_interleaved):
+        return None
+    if cfg.rotary_interleaved:  # pairs (2i, 2i+1)
+        first, second = list(range(0, rd, 2)), list(range(1, rd, 2))
+    else:  # pairs (i, i + rd/2)
+        first, second = list(range(rd // 2)), list(range(rd // 2, rd))
+    rest = list(range(rd, hd))
+    m = len(rest) // 2
+    return torch.tensor(first + rest[:m] + second + rest[m:], dtype=torch.long)
 
 
 def _norm(mod: nn.Module, ckern: bool = False):
@@ -323,22 +461,17 @@ def _rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
 
 
 def check_servable(cfg: ModelConfig) -> None:
-    """The serving engine runs sequential pre-norm blocks with full rotary or learned positions and dense MLPs
-    (GPT, Llama); a model with anything else is refused by name, never served wrong."""
+    """The serving engine runs the decoder families: pre-norm blocks, sequential or parallel, with learned,
+    rotary (full, partial or interleaved) or ALiBi positions, full or sliding-window attention, dense MLPs or
+    a mixture of experts. Anything else is refused by name, never served wrong."""
     missing = [what for what, has in (
-        ("partial rotary (rotary_dim)", cfg.rotary_dim not in (None, cfg.head_dim)),
-        ("interleaved rotary (GPT-J)", cfg.rotary_interleaved),
-        (f"{cfg.block} attention + MLP blocks", cfg.block != "sequential"),
-        (f"{cfg.position} positions", cfg.position not in ("rotary", "learned")),
-        ("sliding-window attention", cfg.sliding_window is not None),
-        ("bias-free LayerNorm", not cfg.norm_bias),
-        ("an LM head bias", cfg.lm_head_bias),
-        ("mixture-of-experts MLPs", cfg.n_experts > 0),
+        ("encoder (bidirectional attention, no next-token decoding)", cfg.is_encoder),
+        ("partial rotary over an odd head_dim", cfg.rotary_dims and cfg.head_dim % 2),
     ) if has]
     if missing:
-        raise ConfigError(f"wsc serve / generate cannot serve {cfg.name!r} ({cfg.family}) yet: the serving engine "
-                          f"has no {', no '.join(missing)} (it serves the GPT and Llama families; train, evaluate "
-                          f"and compile this model with wsc run / compile)")
+        raise ConfigError(f"wsc serve / generate cannot serve {cfg.name!r} ({cfg.family}): the serving engine "
+                          f"has no {', no '.join(missing)} (it serves the decoder families; train, evaluate and "
+                          f"compile this model with wsc run / compile)")
 
 
 class ModelRunner:
@@ -371,19 +504,16 @@ class ModelRunner:
             self.decode_threads = kernels.set_threads(
                 torch.get_num_threads() if decode_threads is None else max(1, decode_threads))
         self.embed = model.embed
-        self.layers = [_Layer(model.blocks[i], pack, ckern) for i in range(lo, hi)]
-        for L in self.layers:
-            for lin in (L.qkv, L.o, L.up, L.down):
-                lin.threads = self.threads
+        rope_perm = rotary_layout(cfg)
+        self.layers = [_Layer(model.blocks[i], pack, ckern, rope_perm) for i in range(lo, hi)]
         self.head_norm = _norm(model.head.norm, ckern)
         self.lm_head = FastLinear(model.head.lm_head.weight, model.head.lm_head.bias, pack, ckern) \
             if has_head else None
-        if self.lm_head is not None:
-            self.lm_head.threads = self.threads
+        lins = [lin for L in self.layers for lin in L.lins()] + ([self.lm_head] if self.lm_head is not None else [])
+        for lin in lins:
+            lin.threads = self.threads
         self.weight_bytes: tuple[int, int] | None = None  # weight bytes a decode step reads: (all dense, as packed)
         if ckern:  # the weights this runner streams, in the order it streams them, on huge pages
-            lins = [lin for L in self.layers for lin in (L.qkv, L.o, L.up, L.down)]
-            lins += [self.lm_head] if self.lm_head is not None else []
             sparse = os.environ.get("WSC_SPARSE_KERNELS", "1") != "0"
             enough, dense_b, read_b = _hugepage_weights(lins, sparse)
             self.weight_bytes = (dense_b, read_b)
@@ -392,30 +522,42 @@ class ModelRunner:
                 print(f"serve: {enough} of {len(lins)} weight matrices (layers {lo}..{hi - 1}) sparse enough, {how}: "
                       f"{read_b / 1e6:.1f} MB of weights read per token ({dense_b / 1e6:.1f} MB dense)",
                       file=sys.stderr)
+        # weight bytes: what every step reads, one expert of each MoE layer, and the decode steps' reads so far
+        self.fixed_bytes = sum(L.fixed_bytes() for L in self.layers) + (
+            self.lm_head.nbytes if self.lm_head is not None else 0)
+        moes = [L.moe for L in self.layers if L.moe is not None]
+        self.active_bytes = self.fixed_bytes + sum(m.top_k * m.expert_bytes(0) for m in moes)
+        self.total_bytes = self.fixed_bytes + sum(m.expert_bytes(e) for m in moes for e in range(m.n))
+        self.decode_tokens = self.decode_bytes = 0
         self.cos_table = self.sin_table = None
-        if cfg.position == "rotary":
-            cos, sin = rope_cos_sin(model.blocks[0].attn.inv_freq.to(self.device), 0, cfg.max_seq_len)  # (T, hd)
+        if cfg.position == "rotary":  # in the rotate-half layout over all hd dims (rotary_layout): the dims
+            inv = model.blocks[0].attn.inv_freq.to(self.device)  # that do not rotate get frequency 0
+            inv = torch.cat([inv, inv.new_zeros(cfg.head_dim // 2 - inv.shape[0])])
+            cos, sin = rope_cos_sin(inv, 0, cfg.max_seq_len)  # (T, hd)
             half = cos.shape[-1] // 2
             sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
             self.cos_table, self.sin_table = cos.to(self.dtype), (sin * sign).to(self.dtype)
+        self.window = cfg.sliding_window or 0
+        self.slopes = model.blocks[0].attn.slopes.to(self.device, torch.float32).contiguous() \
+            if cfg.position == "alibi" else None
         self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, self.device)
         self.gqa = cfg.kv_heads != cfg.n_head
         self.stack = self._decode_stack(model) if self.c_attention else None
 
     def _decode_stack(self, model: CausalLM) -> kernels.DecodeStack | None:
         """All of this runner's layers in one C call for single-stream decode, when every block is the
-        Llama kind the kernels implement (RMSNorm, rotary or no positions, SwiGLU)."""
+        Llama kind the kernels implement (sequential, RMSNorm, SwiGLU; any positions, sliding window or not)."""
         blocks = [model.blocks[i] for i in range(self.lo, self.hi)]
-        if not all(L.swiglu for L in self.layers) or not all(
+        if not all(L.dense is not None and L.dense.swiglu and not L.parallel for L in self.layers) or not all(
                 isinstance(b.attn_norm, RMSNorm) and isinstance(b.mlp_norm, RMSNorm) for b in blocks):
             return None
         layers = [dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
                        mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
-                       wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=L.up.cw,
-                       bgu=L.up.bias, wd=L.down.cw, bd=L.down.bias, cache=self.kv.kv[i])
+                       wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=L.dense.up.cw,
+                       bgu=L.dense.up.bias, wd=L.dense.down.cw, bd=L.dense.down.bias, cache=self.kv.kv[i])
                   for i, (b, L) in enumerate(zip(blocks, self.layers))]
         L0 = self.layers[0]
-        return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.ffn)
+        return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.dense.ffn, self.window, self.slopes)
 
     @torch.inference_mode()
     def run(self, spec: BatchSpec, x: Tensor | None = None) -> Tensor:
@@ -429,11 +571,13 @@ class ModelRunner:
             torch.set_num_threads(prev)
 
     def _run(self, spec: BatchSpec, x: Tensor | None) -> Tensor:
+        moe_read = sum(L.moe.read for L in self.layers if L.moe is not None)
         if self.stack is not None and len(spec.token_ids) == 1:
             y = self._run_one(spec, x)
             if y is not None:
+                self._count_decode(1, moe_read)
                 return y
-        P = Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device)
+        P = Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device, self.window, self.slopes)
         if self.has_embed:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
@@ -445,19 +589,28 @@ class ModelRunner:
         else:
             for li, layer in enumerate(self.layers):
                 x = self._layer(li, layer, x, P)
+        if P.dec_all:
+            self._count_decode(len(spec.token_ids), moe_read)
         if not self.has_head:
             return x
         if not P.all_sample:
             x = x[P.sample_rows]  # (num samples, C)
         return self.lm_head(self.head_norm(x)).float()
 
+    def _count_decode(self, rows: int, moe_read_before: int) -> None:
+        """A step of `rows` decode tokens ran: it read every fixed weight once and the experts its rows chose."""
+        moe = sum(L.moe.read for L in self.layers if L.moe is not None) - moe_read_before
+        self.decode_tokens += rows
+        self.decode_bytes += self.fixed_bytes + moe
+
     def _run_one(self, spec: BatchSpec, x: Tensor | None) -> Tensor | None:
-        """Single-stream decode (one token, one sequence, its KV in consecutive slots) through the C stack,
-        without building a Prepared; None when the spec is not that."""
+        """Single-stream decode (one token, one sequence, the KV of the positions it attends to in consecutive
+        slots) through the C stack, without building a Prepared; None when the spec is not that."""
         start, n, table, sample = spec.chunks[0]
         bs = self.block_size
-        b0 = table[0]
-        if n != 1 or not sample or any(table[i] != b0 + i for i in range(1, start // bs + 1)):
+        blo = window_lo(start, self.window) // bs
+        b0 = table[blo]
+        if n != 1 or not sample or any(table[i] != b0 + i - blo for i in range(blo + 1, start // bs + 1)):
             return None
         if self.has_embed:
             tid = spec.token_ids[0]
@@ -469,7 +622,7 @@ class ModelRunner:
         cos = sin = None
         if self.cos_table is not None:
             cos, sin = self.cos_table[start], self.sin_table[start]  # (hd,) views
-        x = self.stack(x, cos, sin, b0 * bs, start + 1)
+        x = self.stack(x, cos, sin, (b0 - blo) * bs, start + 1)
         return self.lm_head(self.head_norm(x)).float() if self.has_head else x
 
     def _prefill_attention(self, q: Tensor, cache: Tensor, idx: Tensor | slice, mask: Tensor | None, causal: bool,
@@ -477,6 +630,8 @@ class ModelRunner:
         """One prefill chunk's queries (T, nh, hd) against its sequence's cached KV -> (T, nh, hd)."""
         qi = q.transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
         kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0)
+        if mask is not None and mask.is_floating_point():  # ALiBi's bias, made in float32
+            mask = mask.to(q.dtype)
         par = self.threads > 1 and q.shape[0] >= 64  # (1, 2 nkv, S, hd) ^
         if par:
             torch.set_num_threads(self.threads)
@@ -490,7 +645,9 @@ class ModelRunner:
     def _layer(self, li: int, L: _Layer, x: Tensor, P: Prepared) -> Tensor:
         N = x.shape[0]
         nh, nkv, hd = L.n_head, L.n_kv, L.hd
-        qkv = L.qkv(L.attn_norm(x))  # (N, (nh + 2 nkv) hd): q | k | v
+        h = L.attn_norm(x)
+        m = (h if L.mlp_norm is None else L.mlp_norm(x)) if L.parallel else None  # a parallel MLP's input
+        qkv = L.qkv(h)  # (N, (nh + 2 nkv) hd): q | k | v
         if self.c_attention and P.dec_rows is not None:  # decode rows in C, prefill chunks through SDPA
             cache = self.kv.kv[li]
             y = x.new_empty(N, nh * hd)
@@ -503,9 +660,8 @@ class ModelRunner:
                                                    nkv).reshape(n, nh * hd)
             pos, tables = P.dec_c
             kernels.decode_attention_batch(qkv, P.dec_rows, pos, self.cos_table, self.sin_table, cache, tables,
-                                           self.block_size, nh, nkv, y)
-            x = L.o(y, x)  # x + o(y)
-            return L.mlp(L.mlp_norm(x), x)
+                                           self.block_size, nh, nkv, y, self.window, self.slopes)
+            return L.finish(x, y, m)
         if P.cos is not None:  # rotate q and k together, in place
             _rope_(qkv[:, :(nh + nkv) * hd].view(N, nh + nkv, hd), P.cos, P.sin)
         q = qkv[:, :nh * hd].view(N, nh, hd)
@@ -523,18 +679,19 @@ class ModelRunner:
             qd = (q if P.dec_all else q[P.dec_rows]).unsqueeze(2)  # (B, nh, 1, hd)
             if P.dec_slice is not None:  # one sequence, contiguous KV: a view of the cache
                 kvd = cache[:, P.dec_slice].unsqueeze(0)  # (1, 2 nkv, S, hd)
-                mask = None
+                mask = P.dec_bias_one(kvd.shape[2])
             else:
                 dec_slots, mask = P.dec_gather
                 B, S = dec_slots.shape
                 qd = qd.contiguous()
                 kvd = cache.index_select(1, dec_slots.view(-1)).view(2 * nkv, B, S, hd)
                 kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(qd.dtype)
             yd = F.scaled_dot_product_attention(qd, kvd[:, :nkv], kvd[:, nkv:], attn_mask=mask,
                                                 enable_gqa=self.gqa).squeeze(2)  # (B, nh, hd)
             if P.dec_all:
                 y = yd
             else:
                 y[P.dec_rows] = yd
-        x = L.o(y.reshape(N, nh * hd), x)  # x + o(y)
-        return L.mlp(L.mlp_norm(x), x)
+        return L.finish(x, y.reshape(N, nh * hd), m)

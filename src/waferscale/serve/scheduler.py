@@ -7,6 +7,8 @@ admitted in arrival order while the token budget (`max_num_batched_tokens`), the
 over steps. KV blocks are allocated lazily as positions are scheduled. When a running sequence cannot get a
 block, the newest running sequence is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed later (prompt + tokens generated so far), so memory pressure never crashes a step.
+With sliding-window attention (`window`), a sequence's blocks that every later query's window has left go back
+to the pool before its next chunk is placed, so a long generation holds a bounded number of blocks.
 
 A sequence's tokens are `prompt + output`; `num_computed` of them have their KV in the cache. A chunk that
 reaches the end of the tokens produces logits, from which the engine samples the next token.
@@ -89,10 +91,12 @@ class Scheduler:
     """Decides, each step, which tokens of which sequences run. Owns the waiting queue, the running list and
     (through `allocator`) their KV blocks."""
 
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512) -> None:
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 window: int | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.allocator = allocator
+        self.window = window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -140,6 +144,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.remaining, budget)
+            if self.window:  # the chunk's first query, at num_computed, sees positions from num_computed - window + 1
+                alloc.release_before(seq.request_id, seq.num_computed - self.window + 1)
             while not alloc.can_allocate(seq.request_id, seq.num_computed + n):
                 victim = self.running[-1]  # the newest running sequence
                 self._preempt(victim, out)

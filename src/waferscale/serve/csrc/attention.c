@@ -1,5 +1,6 @@
 /* Decode attention: rope, KV write and GQA attention of each sequence's new token, one sequence or a
-   batch over a block-paged cache. */
+   batch over a block-paged cache; optionally over a sliding window of the latest positions only (Mistral) and
+   with ALiBi's linear distance bias (MPT). */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif
@@ -45,7 +46,9 @@ static void rope_write(float* qkv, const float* cos, const float* sin_signed, fl
 /* this thread's scratch for g * S scores; NULL when out of memory */
 static float* scores_buf(long n) { return grow(&t_scores, &t_cap, n, sizeof(float)); }
 
-/* table == NULL: positions [0, S) in slots [slot0, slot0 + S); else in blocks of bs (see run_of).
+/* table == NULL: positions [lo, S) in slots [slot0 + lo, slot0 + S); else in blocks of bs (see run_of); the
+   positions before lo (outside a sliding window) are never read, so their table entries may be stale.
+   slopes (NULL: none): per query head, ALiBi's bias slope * (t - (S - 1)) added to the score of position t.
    Scores go 16 positions at a time: 16 vector accumulators (q . K_t over hd), then one 16-way tree
    reduction instead of 16 horizontal sums; the K rows of the 16 positions stay in L1 for the g query heads
    that share them. Values: g heads at once, each V row loaded once. Returns 0, or -1 when out of memory
@@ -89,17 +92,18 @@ static inline __attribute__((always_inline)) void scores16(const float* q, const
 #endif
 }
 
-/* o[j][v] (j < JN heads, v < 4 vectors of 16 dims from dim i) = sum over positions u, in order, of
-   p[j * S + u] * V_u[i + 16 v ..] */
+/* o[j][v] (j < JN heads, v < 4 vectors of 16 dims from dim i) = sum over positions u in [lo, S), in order, of
+   p[j * (S - lo) + u - lo] * V_u[i + 16 v ..] */
 static inline __attribute__((always_inline)) void pv_block(const float* Vh, long hd, long i, int nv, int JN,
-                                                           const float* p, long S, const long* table, long bs,
-                                                           long slot0, const float* inv, float* out) {
+                                                           const float* p, long lo, long S, const long* table,
+                                                           long bs, long slot0, const float* inv, float* out) {
+    long P = S - lo;
     v16 o[4][4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) o[j][v] = (v16){0};
-    for (long t0 = 0, base, n; t0 < S; t0 += n) {
+    for (long t0 = lo, base, n; t0 < S; t0 += n) {
         n = run_of(table, bs, slot0, t0, S, &base);
         for (long u = 0; u < n; u++) {
             const float* vr = Vh + (base + u) * hd + i;
@@ -108,7 +112,7 @@ static inline __attribute__((always_inline)) void pv_block(const float* Vh, long
             for (int v = 0; v < 4; v++) vv[v] = v < nv ? ld16(vr + 16 * v) : (v16){0};
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) if (j < JN) {
-                v16 pu = vsplat(p[j * S + t0 + u]);
+                v16 pu = vsplat(p[j * P + t0 - lo + u]);
 #pragma GCC unroll 4
                 for (int v = 0; v < 4; v++) if (v < nv) o[j][v] += pu * vv[v];
             }
@@ -133,69 +137,75 @@ static inline void prefetch_row(const float* p, long hd, int l2) {
     }
 }
 
-static int attend(const float* qkv, const float* cache, long slots, long slot0, const long* table, long bs, long S,
-                  long nh, long nkv, long hd, float scale, float* y) {
+static int attend(const float* qkv, const float* cache, long slots, long slot0, const long* table, long bs, long lo,
+                  long S, const float* slopes, long nh, long nkv, long hd, float scale, float* y) {
     long g = nh / nkv;
-    float* sc = scores_buf(g * S);
+    long P = S - lo;  /* the positions attended; below, position lo + t is t */
+    float* sc = scores_buf(g * P);
     if (!sc) return -1;
-    if (t_slot_cap < S) {  /* the slot of every position (written out, not grow(): attend's code as measured) */
-        long* nb = realloc(t_slot, (size_t)S * sizeof(long) + 64);
+    if (t_slot_cap < P) {  /* the slot of every position (written out, not grow(): attend's code as measured) */
+        long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
         if (!nb) return -1;
-        t_slot = nb; t_slot_cap = S;
+        t_slot = nb; t_slot_cap = P;
     }
     long* slot = t_slot;
-    for (long t0 = 0, base, n; t0 < S; t0 += n) {
+    for (long t0 = lo, base, n; t0 < S; t0 += n) {
         n = run_of(table, bs, slot0, t0, S, &base);
-        for (long u = 0; u < n; u++) slot[t0 + u] = base + u;
+        for (long u = 0; u < n; u++) slot[t0 - lo + u] = base + u;
     }
     for (long kh = 0; kh < nkv; kh++) {
         const float* Kh = cache + (size_t)kh * slots * hd;
         const float* Vh = cache + (size_t)(nkv + kh) * slots * hd;
         const float* q = qkv + kh * g * hd;
         if (kh == 0)  /* this head's K and V into L2 now; each later head's while the one before computes */
-            for (long t = 0; t < S; t++) { prefetch_row(Kh + slot[t] * hd, hd, 1); prefetch_row(Vh + slot[t] * hd, hd, 1); }
+            for (long t = 0; t < P; t++) { prefetch_row(Kh + slot[t] * hd, hd, 1); prefetch_row(Vh + slot[t] * hd, hd, 1); }
         const float* Kn = kh + 1 < nkv ? Kh + (size_t)slots * hd : NULL;
         const float* Vn = kh + 1 < nkv ? Vh + (size_t)slots * hd : NULL;
-        for (long t = 0; t < 16 && t < S; t++) prefetch_row(Kh + slot[t] * hd, hd, 0);
-        for (long t = 0; t < S;) {  /* scores, 16 positions at a time; the next 16 K rows are prefetched meanwhile
+        for (long t = 0; t < 16 && t < P; t++) prefetch_row(Kh + slot[t] * hd, hd, 0);
+        for (long t = 0; t < P;) {  /* scores, 16 positions at a time; the next 16 K rows are prefetched meanwhile
                                        (a sequence's blocks are scattered: short streams), and the next head's */
             const float* kr[16];
             int n = 0;
-            for (; n < 16 && t + n < S; n++) {
+            for (; n < 16 && t + n < P; n++) {
                 kr[n] = Kh + slot[t + n] * hd;
-                if (t + n + 16 < S) prefetch_row(Kh + slot[t + n + 16] * hd, hd, 0);
+                if (t + n + 16 < P) prefetch_row(Kh + slot[t + n + 16] * hd, hd, 0);
                 if (Kn) { prefetch_row(Kn + slot[t + n] * hd, hd, 1); prefetch_row(Vn + slot[t + n] * hd, hd, 1); }
             }
             for (long j = 0; j < g; j++) {
-                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * S + t);
-                else scores16(q + j * hd, kr, n, hd, scale, sc + j * S + t);
+                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * P + t);
+                else scores16(q + j * hd, kr, n, hd, scale, sc + j * P + t);
             }
             t += n;
         }
+        if (slopes)  /* ALiBi: scores fall linearly with the distance to the query (as the model adds them) */
+            for (long j = 0; j < g; j++) {
+                float m = slopes[kh * g + j];
+                for (long t = 0; t < P; t++) sc[j * P + t] += m * (float)(lo + t - (S - 1));
+            }
         float inv[64];
         for (long j = 0; j < g; j++) {  /* softmax numerators in place, 1 / sums in inv */
-            float* sj = sc + j * S;
+            float* sj = sc + j * P;
             float m = sj[0];
             long t = 1;
-            if (S >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
+            if (P >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
                 v16 mv = ld16(sj);
-                for (t = 16; t + 16 <= S; t += 16) {
+                for (t = 16; t + 16 <= P; t += 16) {
                     v16 v = ld16(sj + t);
                     v16i gt = v > mv;
                     mv = (v16)(((v16i)v & gt) | ((v16i)mv & ~gt));
                 }
                 for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
             }
-            for (; t < S; t++) m = sj[t] > m ? sj[t] : m;
+            for (; t < P; t++) m = sj[t] > m ? sj[t] : m;
             v16 acc = {0};
             t = 0;
-            for (; t + 16 <= S; t += 16) {
+            for (; t + 16 <= P; t += 16) {
                 v16 e = vexp(ld16(sj + t) - m);
                 __builtin_memcpy(sj + t, &e, sizeof e);
                 acc += e;
             }
             float sum = hsum16(acc);
-            for (; t < S; t++) {
+            for (; t < P; t++) {
                 v16 e = vexp(vsplat(sj[t] - m));
                 sj[t] = e[0];
                 sum += e[0];
@@ -206,20 +216,20 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
                 float* out = y + (kh * g + j0) * hd;
                 for (long jj = j0; jj <= j; jj += 4) {
                     int JN = j + 1 - jj < 4 ? (int)(j + 1 - jj) : 4;
-                    const float* p = sc + jj * S;
+                    const float* p = sc + jj * P;
                     float* o = out + (jj - j0) * hd;
                     const float* iv = inv + (jj - j0);
                     for (long i = 0; i < hd; i += 64) {
                         int nv = hd - i < 64 ? (int)((hd - i) / 16) : 4;
                         if (nv == 4) {
                             switch (JN) {
-                            case 1: pv_block(Vh, hd, i, 4, 1, p, S, table, bs, slot0, iv, o); break;
-                            case 2: pv_block(Vh, hd, i, 4, 2, p, S, table, bs, slot0, iv, o); break;
-                            case 3: pv_block(Vh, hd, i, 4, 3, p, S, table, bs, slot0, iv, o); break;
-                            default: pv_block(Vh, hd, i, 4, 4, p, S, table, bs, slot0, iv, o); break;
+                            case 1: pv_block(Vh, hd, i, 4, 1, p, lo, S, table, bs, slot0, iv, o); break;
+                            case 2: pv_block(Vh, hd, i, 4, 2, p, lo, S, table, bs, slot0, iv, o); break;
+                            case 3: pv_block(Vh, hd, i, 4, 3, p, lo, S, table, bs, slot0, iv, o); break;
+                            default: pv_block(Vh, hd, i, 4, 4, p, lo, S, table, bs, slot0, iv, o); break;
                             }
                         } else {
-                            pv_block(Vh, hd, i, nv, JN, p, S, table, bs, slot0, iv, o);
+                            pv_block(Vh, hd, i, nv, JN, p, lo, S, table, bs, slot0, iv, o);
                         }
                     }
                 }
@@ -229,36 +239,52 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
     return 0;
 }
 
-/* One sequence whose KV sits in consecutive slots [slot0, slot0 + S); its new token goes to the last. Returns
-   0, or -1 when out of memory (nothing written to y). */
+/* The first position a token at position S - 1 attends to: the window holds the latest `window` positions
+   (itself included; window 0: every position). */
+static inline long window_lo(long S, long window) { return window > 0 && S > window ? S - window : 0; }
+
+/* One sequence whose KV sits in consecutive slots (position t in slot slot0 + t); its new token is position
+   S - 1. window: attend to the latest `window` positions only (0: all; slot0 may then be negative, the slots
+   of positions before the window being no longer its own); slopes: per query head ALiBi slopes, or NULL.
+   Returns 0, or -1 when out of memory (nothing written to y). */
+int wsc_decode_attention_ex(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots,
+                            long slot0, long S, long nh, long nkv, long hd, float scale, float* y, long window,
+                            const float* slopes) {
+    rope_write(qkv, cos, sin_signed, cache, slots, slot0 + S - 1, nh, nkv, hd);
+    return attend(qkv, cache, slots, slot0, NULL, 0, window_lo(S, window), S, slopes, nh, nkv, hd, scale, y);
+}
+
+/* wsc_decode_attention_ex over every position, without ALiBi. */
 int wsc_decode_attention(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots,
                          long slot0, long S, long nh, long nkv, long hd, float scale, float* y) {
-    rope_write(qkv, cos, sin_signed, cache, slots, slot0 + S - 1, nh, nkv, hd);
-    return attend(qkv, cache, slots, slot0, NULL, 0, S, nh, nkv, hd, scale, y);
+    return wsc_decode_attention_ex(qkv, cos, sin_signed, cache, slots, slot0, S, nh, nkv, hd, scale, y, 0, NULL);
 }
 
 static int attend_chunk(const attn_t* a, long b, float* y) {
-    return attend(a->qkv + a->rows[b] * a->ldq, a->cache, a->slots, 0, a->tables + b * a->ldt, a->bs, a->pos[b] + 1,
-                  a->nh, a->nkv, a->hd, a->scale, y);
+    long S = a->pos[b] + 1;
+    return attend(a->qkv + a->rows[b] * a->ldq, a->cache, a->slots, 0, a->tables + b * a->ldt, a->bs,
+                  window_lo(S, a->window), S, a->slopes, a->nh, a->nkv, a->hd, a->scale, y);
 }
 
 /* Decode tokens of B sequences: token b is row rows[b] of qkv (row stride ldq) and of y (stride ldy); it
    sits at position pos[b] (its sequence's length - 1) and its block table is tables[b * ldt ..] (blocks of
    bs slots). cos_t / sin_t: (positions, hd) rotary tables, or NULL. Every token's rope and KV write first,
-   then the sequences' attention, shared by the pool's threads (one sequence per chunk). Returns 0, or -1
-   when out of memory (y may be partly written). */
-int wsc_decode_attention_batch(float* qkv, long ldq, const long* rows, long B, const long* pos,
-                               const float* cos_t, const float* sin_t, float* cache, long slots,
-                               const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
-                               float* y, long ldy) {
+   then the sequences' attention, shared by the pool's threads (one sequence per chunk). window, slopes: as
+   wsc_decode_attention_ex (a table's entries before the window are not read). Returns 0, or -1 when out of
+   memory (y may be partly written). */
+int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B, const long* pos,
+                                  const float* cos_t, const float* sin_t, float* cache, long slots,
+                                  const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
+                                  float* y, long ldy, long window, const float* slopes) {
     long smax = 0;
     for (long b = 0; b < B; b++) {
         long p = pos[b];
         rope_write(qkv + rows[b] * ldq, cos_t ? cos_t + p * hd : NULL, sin_t ? sin_t + p * hd : NULL, cache, slots,
                    tables[b * ldt + p / bs] * bs + p % bs, nh, nkv, hd);
-        smax = p + 1 > smax ? p + 1 : smax;
+        long P = p + 1 - window_lo(p + 1, window);
+        smax = P > smax ? P : smax;
     }
-    attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy};
+    attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy, window, slopes};
     long ns = atomic_load(&g_use);
     if (ns > B) ns = B;
     int idle = 0;
@@ -272,4 +298,13 @@ int wsc_decode_attention_batch(float* qkv, long ldq, const long* rows, long B, c
     for (long b = 0; b < B; b++)
         if (attend_chunk(&a, b, y + rows[b] * ldy) != 0) return -1;
     return 0;
+}
+
+/* wsc_decode_attention_batch_ex over every position, without ALiBi. */
+int wsc_decode_attention_batch(float* qkv, long ldq, const long* rows, long B, const long* pos,
+                               const float* cos_t, const float* sin_t, float* cache, long slots,
+                               const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
+                               float* y, long ldy) {
+    return wsc_decode_attention_batch_ex(qkv, ldq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh,
+                                         nkv, hd, scale, y, ldy, 0, NULL);
 }

@@ -9,6 +9,8 @@ typedef struct {
     float attn_eps, mlp_eps;
     float* cache;  /* (2 nkv, slots, hd) */
     const int64_t *oqkv, *oo, *ogu, *od;  /* sparse panel offsets of wqkv, wo, wgu, wd (spanels.c); NULL: dense */
+    long window;  /* sliding-window attention over the latest `window` positions (0: all) */
+    const float* slopes;  /* ALiBi slopes per query head (NULL: none) */
 } layer_t;
 
 /* x (C,) in place through layers[0 .. n); scratch: at least C + (nh + 2 nkv) hd + nh hd + 3 ffn floats.
@@ -25,7 +27,8 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
         product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
-        if (wsc_decode_attention(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y) != 0)
+        if (wsc_decode_attention_ex(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y,
+                                    L->window, L->slopes) != 0)
             return -1;
         product(L->wo, L->oo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
@@ -54,8 +57,8 @@ int wsc_decode_layers_batch(float* x, const layer_t* layers, long n, long R, lon
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, R, C);
         if (product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
-            wsc_decode_attention_batch(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs, nh,
-                                       nkv, hd, scale, y, nh * hd) != 0 ||
+            wsc_decode_attention_batch_ex(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs,
+                                          nh, nkv, hd, scale, y, nh * hd, L->window, L->slopes) != 0 ||
             product(L->wo, L->oo, y, L->bo, x, x, R, C, nh * hd) != 0)
             return -1;
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, R, C);

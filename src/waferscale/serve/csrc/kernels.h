@@ -120,6 +120,7 @@ static inline void* grow(void** buf, long* cap, long n, size_t size) {
 typedef struct {
     const float* qkv; long ldq; const long *rows, *pos; const float* cache; long slots;
     const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
+    long window; const float* slopes;  /* sliding window (0: none), ALiBi slopes per query head (NULL: none) */
 } attn_t;
 
 /* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk. A product's W is in
