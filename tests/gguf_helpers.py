@@ -2,9 +2,9 @@
 for the architectures the zoo loads: the converter's metadata keys (its `set_gguf_parameters` for each model
 class), its tensor renames (the `gguf` package's `TensorNameMap`, which the converter itself uses) and its
 tensor rewrites (`modify_tensors`): the Llama Q/K rotary permutation, Mixtral's experts stacked per layer,
-GPT-NeoX's per-head and Falcon's per-group q/k/v runs reordered to [all q; all k; all v]. Tensor types follow its
-`prepare_tensors` for `--outtype f32` / `q8_0`: 1-D tensors, norms and the router stay F32, rows that Q8_0 cannot
-hold fall back to F16.
+GPT-NeoX's per-head and Falcon's per-group q/k/v runs reordered to [all q; all k; all v], T5's shared
+embedding kept once. Tensor types follow its `prepare_tensors` for `--outtype f32` / `q8_0`: 1-D tensors, norms
+and the router stay F32, rows that Q8_0 cannot hold fall back to F16.
 
 The tokenizer is a GPT-2 byte-level BPE (the 256 byte symbols, a few merges and an end-of-text token), enough for
 llama.cpp to load the file and for `wsc generate` to encode a prompt; `VOCAB` is its size.
@@ -99,6 +99,19 @@ def _metadata(w: gguf.GGUFWriter, hp: dict, mt: str, n_layer: int) -> None:
         if attn["clip_qkv"] is not None:
             w.add_clamp_kqv(attn["clip_qkv"])
         w.add_max_alibi_bias(attn["alibi_bias_max"] if attn["alibi"] else 0.0)
+    elif mt == "t5":  # T5Model.set_gguf_parameters
+        w.add_context_length(hp.get("n_positions", 512))
+        w.add_embedding_length(hp["d_model"])
+        w.add_feed_forward_length(hp["d_ff"])
+        if hp.get("num_decoder_layers") is not None:
+            w.add_decoder_block_count(hp["num_decoder_layers"])
+        w.add_head_count(hp["num_heads"])
+        w.add_key_length(hp["d_kv"])
+        w.add_value_length(hp["d_kv"])
+        w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+        w.add_relative_attn_buckets_count(hp["relative_attention_num_buckets"])
+        w.add_layer_norm_rms_eps(hp["layer_norm_epsilon"])
+        w.add_decoder_start_token_id(hp["decoder_start_token_id"])
     else:
         raise ValueError(f"no converter for model type {mt!r}")
     w.add_block_count(n_layer)
@@ -123,6 +136,10 @@ def _tensors(sd: dict[str, torch.Tensor], hp: dict, mt: str) -> list[tuple[str, 
             t = _neox_qkv(t, hp["num_attention_heads"])
         elif mt == "falcon" and "query_key_value" in name:
             t = _falcon_qkv(t, hp["num_attention_heads"], hp.get("num_kv_heads") or 1)
+        elif mt == "t5" and name in ("decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "shared.weight"):
+            if any(n == "shared.weight" for n, _ in out):  # the first of the three is the token embedding
+                continue
+            name = "shared.weight"
         out.append((name, t))
     for (bid, wid), by_expert in sorted(experts.items()):
         out.append((f"layers.{bid}.feed_forward.experts.{wid}.weight",
@@ -148,8 +165,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path,
     hp = json.loads((Path(hf_dir) / "config.json").read_text())
     mt = hp["model_type"]
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA,
-            "gpt_neox": gguf.MODEL_ARCH.GPTNEOX, "falcon": gguf.MODEL_ARCH.FALCON, "mpt": gguf.MODEL_ARCH.MPT}[mt]
-    n_layer = hp.get("num_hidden_layers") or hp["n_layers"]
+            "gpt_neox": gguf.MODEL_ARCH.GPTNEOX, "falcon": gguf.MODEL_ARCH.FALCON, "mpt": gguf.MODEL_ARCH.MPT,
+            "t5": gguf.MODEL_ARCH.T5}[mt]
+    n_layer = hp.get("num_hidden_layers") or hp.get("n_layers") or hp["num_layers"]
     names = gguf.get_tensor_name_map(arch, n_layer)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(Path(hf_dir).name)

@@ -1,4 +1,4 @@
-"""GGUF files of the decoder families llama.cpp defines (gptneox, falcon, mpt; llama for Mistral and Mixtral),
+"""GGUF files of the families llama.cpp defines (gptneox, falcon, mpt; llama for Mistral and Mixtral; t5),
 written from tiny random transformers models the way llama.cpp's converter writes them (tests/gguf_helpers.py):
 
 * llama.cpp itself (llama-cpp-python, where installed) loads each file and its logits agree with transformers:
@@ -18,11 +18,12 @@ import torch
 
 from conftest import wsc
 from gguf_helpers import EOS, VOCAB, write_gguf_like_llama_cpp
-from hf_helpers import max_diff
+from hf_helpers import max_diff, perturbed
 from waferscale.errors import CheckpointError
 from waferscale.models import hf
 from waferscale.models.config import ModelConfig
 from waferscale.models.gguf import ARCHITECTURES, load_gguf
+from waferscale.models.registry import PRESETS
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -186,6 +187,70 @@ def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
     r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
+
+
+# ---- T5 (llama.cpp's `t5`: encoder and decoder stacks, each with its first layer's relative bias table) -------
+
+# v1.0 (ReLU, tied head) and v1.1 / FLAN (gated GELU, untied), heads of 12 apart from d_model / n_head = 8. The
+# converter maps tensors with the encoder's layer count, so both stacks have the same depth, as published T5s do.
+T5_CASES = {"t5": PRESETS["t5-tiny"].replace(d_kv=12, vocab_size=VOCAB),
+            "flan-t5": PRESETS["flan-t5-tiny"].replace(d_kv=12, vocab_size=VOCAB)}
+
+
+def _t5_gguf(cfg: ModelConfig, tmp_path: Path, name: str, ascii_only: bool = False):
+    """(transformers' T5ForConditionalGeneration of a perturbed `cfg`, its GGUF written as the converter does)."""
+    ours = perturbed(cfg)
+    if ascii_only:
+        with torch.no_grad():
+            ours.head.lm_head.weight[[*range(0, 32), *range(127, 256), EOS]] = 0.0
+    hf.save_hf_dir(ours, tmp_path / name)
+    theirs = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / name).eval()
+    return theirs, write_gguf_like_llama_cpp(tmp_path / name, tmp_path / f"{name}.gguf")
+
+
+@pytest.mark.parametrize("case", T5_CASES)
+def test_t5_gguf_matches_transformers_and_llama_cpp(case: str, tmp_path: Path) -> None:
+    """Ours: within 1e-4 of transformers. llama.cpp: T5 v1.1's logits within 0.5% of their range (its float16
+    GELU table: 0.066 of 25 measured); v1.0's are d_model**0.5 times transformers' (llama.cpp leaves out the scale
+    that a tied T5 head applies to the decoder's output), exactly that to 1e-4."""
+    cfg = T5_CASES[case]
+    theirs, path = _t5_gguf(cfg, tmp_path, case)
+    ours, meta = load_gguf(path)
+    assert meta["general.architecture"] == "t5" and ours.config == cfg.replace(name=case)
+    x = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = theirs(input_ids=x, decoder_input_ids=y).logits[0].numpy()
+        assert np.abs(ours(x, y)[0].numpy() - want).max() < 1e-4
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_batch=64, n_threads=1, type_k=0,
+                          type_v=0, flash_attn=False, verbose=False)
+    try:
+        llm._batch.set_batch(x[0].tolist(), n_past=0, logits_all=False)  # llama_encode, then decode y
+        llm._ctx.encode(llm._batch)
+        llm.eval(y[0].tolist())
+        got = np.array(llm.scores[:y.shape[1]])
+    finally:
+        llm.close()
+    if cfg.tie_embeddings:
+        assert np.abs(got * cfg.d_model ** -0.5 - want).max() < 1e-4
+    else:
+        assert np.abs(got - want).max() < 5e-3 * np.abs(want).max()
+
+
+def test_wsc_generate_on_a_t5_gguf(tmp_path: Path) -> None:
+    from waferscale.data.tokenizer import tokenizer_from_gguf
+
+    theirs, path = _t5_gguf(T5_CASES["flan-t5"], tmp_path, "flan-t5", ascii_only=True)
+    tok = tokenizer_from_gguf(path)
+    prompt = "the cat"
+    with torch.no_grad():
+        out = theirs.generate(input_ids=torch.tensor([tok.encode(prompt) + [EOS]]), max_new_tokens=8,
+                              do_sample=False, decoder_start_token_id=0, eos_token_id=EOS)[0, 1:].tolist()
+    assert len(out) == 8 and EOS not in out
+    r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.rstrip("\n") == tok.decode(out)
 
 
 @pytest.mark.parametrize("arch, why", [("gptj", "neither converts nor runs it"),

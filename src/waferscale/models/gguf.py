@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) checkpoints -> CausalLM, for the architectures llama.cpp defines and the zoo has:
+"""GGUF (llama.cpp) checkpoints -> the zoo's models, for the architectures llama.cpp defines and the zoo has:
 
 * ``llama``: Llama, and Mistral (llama.cpp's converter writes Mistral as ``llama`` without its sliding window, and
   llama.cpp attends to the whole context, so such a file loads as a Llama); with ``llama.expert_count`` > 0 it is
@@ -8,6 +8,9 @@
   [all q; all k; all v] rows (MPT's Wqkv already is), so all three split the same way. Falcon's ``attn_norm``
   feeds the MLP (and attention too in Falcon-7B's one-norm blocks); Falcon-40B's ``attn_norm_2`` is the
   attention's own norm. llama.cpp runs Falcon with parallel blocks only, and MPT with ALiBi.
+* ``t5`` (T5, FLAN-T5): ``enc.blk.*`` and ``dec.blk.*`` stacks; each stack's relative bias table
+  (``attn_rel_b``) is its first block's and serves every layer; ``ffn_gate`` present means v1.1's gated GELU.
+  The head size is ``attention.key_length`` (d_kv); the decoder starts from ``decoder_start_token_id``.
 
 Quantized tensors (Q4_1, Q8_0, ...) are turned back into floats with `gguf.quants.dequantize`: the result
 is the quantized model itself, not the original fp16 release. Three more conversions matter:
@@ -41,7 +44,7 @@ from waferscale.util.gguf import gguf_metadata, read_gguf
 
 # llama.cpp architecture -> what it loads as (the refusal of any other lists these)
 ARCHITECTURES = {"llama": "Llama, Mistral, Mixtral", "gptneox": "GPT-NeoX, Pythia", "falcon": "Falcon",
-                 "mpt": "MPT"}
+                 "mpt": "MPT", "t5": "T5, FLAN-T5"}
 # architectures llama.cpp names, of families the zoo has, that no GGUF file can give us, and why
 _WHY_NOT = {
     "bert": "llama.cpp's BERT files hold the encoder for sentence embeddings without the masked-LM head, which its "
@@ -65,7 +68,12 @@ _BLOCK_NAMES = {
                          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
 }
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_TOP_NAMES = {"token_embd": "embed.tok", "output_norm": "head.norm", "output": "head.lm_head"}
+_TOP_NAMES = {"token_embd": "embed.tok", "output_norm": "head.norm", "output": "head.lm_head",
+              "enc.output_norm": "encoder_norm.norm", "dec.output_norm": "head.norm"}
+# T5: {enc,dec}.blk.{i}.<GGUF> -> {encoder,decoder}.{i}.<ours>; each stack's relative bias table is block 0's
+_T5_BLOCK = {"attn_norm": "attn_norm", "attn_rel_b": "rel", "cross_attn_norm": "cross_norm", "ffn_norm": "mlp_norm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             **{f"{g}attn_{x}": f"{o}.{x}_proj" for g, o in (("", "attn"), ("cross_", "cross")) for x in "qkvo"}}
 # Metadata arrays longer than this (token lists, merges, scores) stay out of the returned metadata dict.
 _MAX_META_ARRAY = 64
 
@@ -107,33 +115,48 @@ def _rope_scaling(meta: dict[str, Any], freqs: Any, head_dim: int, theta: float)
 
 def _arch_settings(arch: str, get: Any, has: Any, head_dim: int) -> dict[str, Any]:
     """The ModelConfig fields that differ between architectures, from `{arch}.*` metadata (`get(key, default)`)
-    and which tensors of block 0 exist (`has(part)`: biases and Falcon-40B's second norm are optional)."""
+    and which tensors exist (`has(name)`: biases and Falcon-40B's second norm are optional)."""
     rope = dict(position="rotary", rope_theta=_f32(get("rope.freq_base", 10000.0)))
     rope_dim = int(get("rope.dimension_count", head_dim))
     layernorm = dict(norm="layernorm", norm_eps=_f32(get("attention.layer_norm_epsilon", 1e-5)),
-                     norm_bias=has("attn_norm.bias"), activation="gelu")
+                     norm_bias=has("blk.0.attn_norm.bias"), activation="gelu")
     if arch in ("llama", "falcon") and rope_dim != head_dim:
         raise CheckpointError(f"GGUF {arch}.rope.dimension_count {rope_dim} != head_dim {head_dim}; partial rotary "
                               f"embeddings are not supported for {arch}")
     if arch != "llama" and get("rope.scaling.type", "none") != "none":  # (llama's: see _rope_scaling)
         raise CheckpointError(f"GGUF {arch}.rope.scaling.type {get('rope.scaling.type')!r} is not supported")
-    biases = dict(attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), mlp_bias=has("ffn_up.bias"))
+    biases = dict(attn_bias=has("blk.0.attn_q.bias") or has("blk.0.attn_qkv.bias"), mlp_bias=has("blk.0.ffn_up.bias"))
     if arch == "llama":
         n_experts = int(get("expert_count", 0))
         moe = dict(n_experts=n_experts, experts_per_token=int(get("expert_used_count", 2))) if n_experts else {}
         return dict(family="mixtral" if n_experts else "llama", norm="rmsnorm", activation="swiglu", **rope, **moe,
                     norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)), **biases)
+    if arch == "t5":  # gated-GELU FFNs are T5 v1.1 / FLAN-T5's, ReLU ones v1.0's
+        return dict(family="t5", norm="rmsnorm", norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                    activation="geglu" if has("enc.blk.0.ffn_gate.weight") else "relu", position="relative",
+                    d_kv=int(get("attention.key_length", head_dim)), pad_token_id=int(get("decoder_start_token_id", 0)),
+                    relative_attention_num_buckets=int(get("attention.relative_buckets_count", 32)),
+                    attn_bias=False, mlp_bias=False)
     if arch == "gptneox":
         return dict(family="gpt_neox", **layernorm, **rope, **biases, rotary_dim=None if rope_dim == head_dim else
                     rope_dim, block="parallel" if get("use_parallel_residual", True) else "sequential")
     if arch == "falcon":  # llama.cpp's Falcon has parallel blocks only
         return dict(family="falcon", **layernorm, **rope, **biases,
-                    block="parallel" if has("attn_norm_2.weight") else "parallel_shared_norm")
+                    block="parallel" if has("blk.0.attn_norm_2.weight") else "parallel_shared_norm")
     # mpt: ALiBi with MPT's alibi_bias_max 8, what our ALiBi slopes are
     for key, supported in (("attention.max_alibi_bias", 8.0), ("attention.clamp_kqv", None)):
         if get(key, supported) != supported:
             raise CheckpointError(f"GGUF mpt.{key} {get(key)} is not supported (supported: {supported})")
     return dict(family="mpt", **layernorm, **biases, position="alibi")
+
+
+def _tied(tensors: dict[str, Any]) -> bool:
+    """Whether the LM head is the token embedding: no `output.weight`, or (the converter copies a head that the
+    checkpoint stores even when tied) one equal to it, which matters for T5 v1.0, whose tied head also scales
+    the decoder's output by d_model**-0.5 (llama.cpp omits that scale: its logits are d_model**0.5 times larger)."""
+    out, emb = tensors.get("output.weight"), tensors.get("token_embd.weight")
+    return out is None or (emb is not None and out.tensor_type == emb.tensor_type
+                           and np.array_equal(np.asarray(out.data), np.asarray(emb.data)))
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | None = None) -> ModelConfig:
@@ -159,7 +182,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | 
 
     d, n_head = need("embedding_length"), need("attention.head_count")
     for key in ("attention.key_length", "attention.value_length"):  # written when config.json has a head_dim
-        if get(key, d // n_head) != d // n_head:
+        if arch != "t5" and get(key, d // n_head) != d // n_head:  # (T5's is d_kv)
             raise CheckpointError(f"GGUF {arch}.{key} {get(key)} != embedding_length / head_count ({d // n_head}); "
                                   "heads of another width than d_model / n_head are not supported")
     if "tokenizer.ggml.tokens" in meta:
@@ -167,7 +190,10 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | 
     else:
         vocab = int(get("vocab_size", tensors["token_embd.weight"].shape[-1]))
     try:
-        settings = _arch_settings(arch, get, lambda part: f"blk.0.{part}" in tensors, d // n_head)
+        settings = _arch_settings(arch, get, tensors.__contains__, d // n_head)
+        if arch == "t5":
+            n_dec = int(get("decoder_block_count", need("block_count")))
+            settings["n_decoder_layer"] = n_dec if n_dec != need("block_count") else None
         if arch == "llama":
             settings["rope_scaling"] = _rope_scaling(meta, tensors.get("rope_freqs.weight"), d // n_head,
                                                      settings["rope_theta"])
@@ -176,7 +202,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | 
             vocab_size=vocab, n_layer=need("block_count"), n_head=n_head,
             n_kv_head=need("attention.head_count_kv") if get("attention.head_count_kv") else None, d_model=d,
             d_ff=need("feed_forward_length"),
-            max_seq_len=int(get("context_length", 2048)), tie_embeddings="output.weight" not in tensors, **settings)
+            max_seq_len=int(get("context_length", 2048)), tie_embeddings=_tied(tensors), **settings)
     except ValueError as e:
         raise CheckpointError(f"GGUF metadata describes an invalid model: {e}") from None
 
@@ -197,8 +223,11 @@ def _ours(arch: str, cfg: ModelConfig, name: str, w: np.ndarray, undo_rope_permu
     part, _, kind = name.rpartition(".")
     if part in _TOP_NAMES:
         return [(f"{_TOP_NAMES[part]}.{kind}", w)]
+    m = re.fullmatch(r"(enc|dec)\.blk\.(\d+)\.(\w+)", part)
+    if arch == "t5" and m and m.group(3) in _T5_BLOCK:
+        return [(f"{'encoder' if m.group(1) == 'enc' else 'decoder'}.{m.group(2)}.{_T5_BLOCK[m.group(3)]}.{kind}", w)]
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", part)
-    if m is None or kind not in ("weight", "bias"):
+    if m is None or kind not in ("weight", "bias") or arch == "t5":
         return None
     part = m.group(2)
     names = _BLOCK_NAMES["falcon_two_norms" if arch == "falcon" and cfg.block == "parallel" else arch]
@@ -254,6 +283,10 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
                               "loader knows; checkpoint of another architecture?")
     if cfg.tie_embeddings and "embed.tok.weight" in sd:
         sd["head.lm_head.weight"] = sd["embed.tok.weight"]
+    if cfg.is_encoder_decoder:  # every layer of a T5 stack holds (borrows) its first layer's bias table
+        for stack, n in (("encoder", cfg.n_layer), ("decoder", cfg.decoder_layers)):
+            if f"{stack}.0.rel.weight" in sd:
+                sd.update({f"{stack}.{i}.rel.weight": sd[f"{stack}.0.rel.weight"] for i in range(1, n)})
     model = model_from_state_dict(cfg, sd, device=device, dtype=dtype, where=f"GGUF file {str(path)!r}")
     return model, {"path": str(path), **{k: v for k, v in meta.items()
                                          if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
