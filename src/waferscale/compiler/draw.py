@@ -111,6 +111,9 @@ def figure(plan: Plan):
                 f"bottleneck: {plan.bottleneck}")
     if sparse:
         line += "\nsparse regions: weight density under the name, paler = sparser"
+    if plan.graph.get("arch") == "encoder_decoder":
+        line += ("\nencN: encoder layers and decN.cross: cross-attention K/V projections (once per input); decN: "
+                 "decoder layers (once per output token)")
     if experts:
         moe = p.get("moe", {})
         line += (f"\nhatched: expert regions (Liej = layer i's expert j; all resident, each token routed to "
