@@ -163,8 +163,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], name: str | 
     """ModelConfig from a GGUF file's `{arch}.*` metadata (as `gguf_metadata` decodes it) and its tensors by name.
 
     Vocabulary size is the length of `tokenizer.ggml.tokens` (else `{arch}.vocab_size`, else the embedding's
-    rows); embeddings are tied when the file has no `output.weight` tensor. Metadata llama.cpp reads with a
-    default (rope base, norm epsilon, key/value heads) takes llama.cpp's default when absent.
+    rows); embeddings are tied when the file has no `output.weight` or one equal to them. Metadata llama.cpp
+    reads with a default (rope base, norm epsilon, key/value heads) takes llama.cpp's default when absent.
     """
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
