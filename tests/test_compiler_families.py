@@ -44,6 +44,15 @@ PUBLISHED = {
     # what Model Zoo's config changes: it uses BERT's 28,996-token cased vocabulary instead of RoBERTa's 50,265
     # (each dropped token: a 768-wide embedding row and a decoder bias) and 512 positions instead of 514
     "params_roberta_base.yaml": 124_697_433 - (50_265 - 28_996) * (768 + 1) - 2 * 768,
+    # T5 v1.1-small (transformers' T5ForConditionalGeneration from google/t5-v1_1-small's config.json, the shape
+    # FLAN-T5-small shares: 76,961,152) less what Model Zoo's t5_small changes: its head shares the embedding
+    # (32,128 x 512), a 32,101-token vocabulary (27 rows fewer), ReLU instead of the gated GELU (no gate matrix in
+    # the 16 layers' feed-forwards, 512 x 1024 each), LayerNorms with a bias (42 norms of 512)
+    "params_t5_small.yaml": 76_961_152 - 32_128 * 512 - 27 * 512 - 16 * 512 * 1024 + 42 * 512,
+    # T5-base (transformers' T5ForConditionalGeneration from google-t5/t5-base's config.json: 222,903,552; the
+    # paper's "220 million") with Model Zoo's t5_base changes: a 32,101-token vocabulary (27 rows of 768 fewer)
+    # and LayerNorms with a bias (62 norms of 768)
+    "params_t5_base.yaml": 222_903_552 - 27 * 768 + 62 * 768,
 }
 # Active parameters per token of the mixture-of-experts releases (same sources): "12.9B active parameters"
 PUBLISHED_ACTIVE = {"params_mixtral_8x7b.yaml": 12.9e9}
