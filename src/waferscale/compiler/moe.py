@@ -24,7 +24,6 @@ from typing import Sequence
 import numpy as np
 
 from waferscale.compiler import project as pj
-from waferscale.compiler.ir import Unit
 from waferscale.compiler.plan import Region
 from waferscale.fabric.spec import FabricSpec
 
@@ -121,7 +120,3 @@ def traffic(spec: FabricSpec, block: Region, experts: Sequence[Region], after: R
     return {"bytes_per_token": 2 * k * d * nbytes, "mean_hops": sum(hops) / len(hops),
             "max_hops": max(hops), "crosses_systems": any(after is not None and after.system != r.system
                                                           for r in experts)}
-
-
-def is_expert(u: Unit) -> bool:
-    return u.expert_of is not None
