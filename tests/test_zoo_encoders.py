@@ -25,13 +25,13 @@ from waferscale.params.model import ModelParams
 
 DATA = Path(__file__).parent / "data" / "modelzoo"
 
-# (family, parameter count of the config's shapes, next-sentence head, token types). BERT-base and BERT-large are
+# (family, parameter count of the config's shapes, next-sentence head, token types, mlm_loss_weight). BERT-base and BERT-large are
 # BertForPreTraining's counts (the papers' 110M and 340M); Model Zoo's RoBERTa-base config is BERT-base with the
 # cased BERT vocabulary (28996), no next-sentence head, no segments and a padding position: 108.3M (roberta-base's
 # own release, with its 50265-token vocabulary, is 124.7M: the `roberta-base` preset)
-ENCODERS = {"params_bert_base_MSL128.yaml": ("bert", 110_106_428, True, 2),
-            "params_bert_large_MSL512.yaml": ("bert", 336_226_108, True, 2),
-            "params_roberta_base.yaml": ("roberta", 108_340_036, False, 0)}
+ENCODERS = {"params_bert_base_MSL128.yaml": ("bert", 110_106_428, True, 2, 0.058),
+            "params_bert_large_MSL512.yaml": ("bert", 336_226_108, True, 2, 0.019),
+            "params_roberta_base.yaml": ("roberta", 108_340_036, False, 0, 0.019)}
 
 
 def _model_section(d: dict) -> dict:
@@ -40,7 +40,7 @@ def _model_section(d: dict) -> dict:
 
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_published_encoder_config_validates(name: str) -> None:
-    family, count, nsp, segments = ENCODERS[name]
+    family, count, nsp, segments, weight = ENCODERS[name]
     r = wsc("validate", str(DATA / name))
     assert r.returncode == 0, r.stderr
     assert f"({count / 1e6:,.1f}M-parameter model)" in r.stdout
@@ -48,8 +48,8 @@ def test_published_encoder_config_validates(name: str) -> None:
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["params"] == count
     cfg = load_params(DATA / name).model.to_model_config()
-    assert (cfg.family, cfg.nsp_head, cfg.type_vocab_size, cfg.norm_eps, cfg.dropout) == (family, nsp, segments,
-                                                                                          1e-5, 0.1)
+    assert (cfg.family, cfg.nsp_head, cfg.type_vocab_size, cfg.norm_eps, cfg.dropout, cfg.mlm_loss_weight) == \
+        (family, nsp, segments, 1e-5, 0.1, weight)
     assert registry.build(cfg, device="meta").num_params() == count
 
 
@@ -98,6 +98,8 @@ def test_bert_configs_are_never_decoders() -> None:
     an encoder, and the rest of what the encoder does not have is refused by name."""
     assert ModelParams(**_BASE, pooler_nonlinearity="tanh").to_model_config().family == "bert"
     bad = [(dict(name="gpt2", disable_nsp=True), "disable_nsp: is a key of Model Zoo's BERT model"),
+           (dict(name="gpt2", mlm_loss_weight=0.058), "mlm_loss_weight: is a key of Model Zoo's BERT model"),
+           (dict(name="bert", disable_nsp=True, mlm_loss_weight=0.0), "mlm_loss_weight must be > 0"),
            (dict(name="bert", nonlinearity="gelu"), "nonlinearity: is a decoder key.*encoder_nonlinearity"),
            (dict(encoder_nonlinearity="gelu", position_embedding_type="rotary", rotary_dim=8), "rotary_dim"),
            (dict(encoder_nonlinearity="relu"), "pooler_nonlinearity: 'relu' \\(left out, it is encoder_nonl"),
@@ -115,6 +117,20 @@ def test_bert_configs_are_never_decoders() -> None:
     # encoder keys without a name, but decoder ones too: refused, never trained as GPT
     with pytest.raises(ConfigError, match="nonlinearity: is a decoder key"):
         ModelParams(**_BASE, disable_nsp=True, nonlinearity="gelu")
+
+
+def test_mlm_loss_weight_is_model_zoos_loss() -> None:
+    """Model Zoo's BERT loss: mlm_loss_weight x the cross-entropy summed over the masked positions / the number of
+    sequences; without the weight, the mean over the masked positions."""
+    logits = torch.randn(3, 8, 97, generator=torch.Generator().manual_seed(0))
+    targets = torch.full((3, 8), IGNORE_INDEX)
+    targets[:, [1, 5]] = torch.randint(0, 97, (3, 2), generator=torch.Generator().manual_seed(1))
+    ce = torch.nn.functional.cross_entropy(logits[:, [1, 5]].reshape(6, 97), targets[:, [1, 5]].reshape(6),
+                                           reduction="none")
+    for weight, expected in ((None, ce.mean()), (0.058, 0.058 * ce.sum() / 3)):
+        cfg = ModelParams(name="bert", **_BASE, disable_nsp=True, mlm_loss_weight=weight).to_model_config()
+        model = registry.build(cfg, device="meta")
+        assert float(model.loss(logits, targets)) == pytest.approx(float(expected), rel=1e-6)
 
 
 def _tiny(d: dict[str, Any], corpus: Path, model_dir: Path, vocab_size: int, **data: Any) -> dict[str, Any]:
@@ -169,7 +185,7 @@ def _same_training(a: Path, b: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_tiny_published_encoder_trains_on_two_systems_as_on_one(corpus: Path, tmp_path: Path, name: str) -> None:
-    family, _, nsp, _ = ENCODERS[name]
+    family, _, nsp, _, _ = ENCODERS[name]
     d = yaml.safe_load((DATA / name).read_text())
     vocab = _vocab(tmp_path)  # in place of the config's vocab_file; its do_lower stays
     runs = {}

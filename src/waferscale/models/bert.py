@@ -14,6 +14,7 @@ siblings).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
@@ -117,6 +118,17 @@ class BERT(CausalLM):
 
     def forward_aux(self, idx: Tensor, token_type_ids: Tensor | None = None) -> tuple[Tensor, None]:
         return self(idx, token_type_ids, with_aux=True)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The masked-LM loss over the positions whose target is not -100: their mean cross-entropy or, with
+        `mlm_loss_weight`, Model Zoo's weight x their sum / the number of sequences (a mean over sequences, so
+        micro-batches and systems split it as they split the mean)."""
+        w = self.config.mlm_loss_weight
+        if w is None:
+            return super().loss(logits, targets)
+        total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                                reduction="sum")
+        return w * total / targets.shape[0]
 
     def pretraining_logits(self, idx: Tensor, token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(masked-LM logits (B, T, V), next-sentence logits (B, 2)), what BertForPreTraining returns."""

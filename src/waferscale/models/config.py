@@ -73,6 +73,9 @@ class ModelConfig:
     type_vocab_size: int = 0  # 0 = no token type embeddings
     pad_token_id: int | None = None
     nsp_head: bool = False
+    # the masked-LM loss: None = the mean cross-entropy over the masked positions; a weight w = Model Zoo's BERT
+    # loss, w x their sum / the number of sequences (w about 1 / masked positions per sequence gives about the mean)
+    mlm_loss_weight: float | None = None
     # encoder-decoders (T5): max_seq_len is the encoder's input length in training (the packed training sequence
     # is that many encoder tokens, then the decoder's); n_layer counts the encoder's layers, n_decoder_layer the
     # decoder's (None = as many); d_kv, the size of each attention head (None = d_model / n_head); the relative
@@ -125,6 +128,11 @@ class ModelConfig:
             bad("encoders have learned positions, a two-matrix MLP, no experts and no sliding window")
         if (self.type_vocab_size or self.nsp_head) and not self.is_encoder:
             bad(f"type_vocab_size / nsp_head belong to the encoder families {ENCODERS}")
+        if self.mlm_loss_weight is not None and not self.is_encoder:
+            bad(f"mlm_loss_weight belongs to the encoder families {ENCODERS}")
+        if self.mlm_loss_weight is not None and self.mlm_loss_weight <= 0:
+            bad(f"mlm_loss_weight must be > 0 (or None for the mean over the masked positions), got "
+                f"{self.mlm_loss_weight}")
         if self.family == "roberta" and self.pad_token_id is None:
             bad("roberta needs pad_token_id (its positions start after it)")
         if self.d_kv is not None and self.d_kv <= 0:

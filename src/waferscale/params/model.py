@@ -90,7 +90,8 @@ ZOO_FAMILY_NAMES = ("gpt2", "gpt3", "gptj", "gpt-neox", "gpt_neox", "llama", "mi
 ZOO_ENCODER_NAMES = ("bert", "roberta")
 # keys only Model Zoo's BERT model has: one of them makes an unnamed config an encoder
 ENCODER_KEYS = ("encoder_nonlinearity", "mlm_nonlinearity", "pooler_nonlinearity", "disable_nsp", "num_segments",
-                "mask_padding_in_positional_embed", "use_ffn_bias_in_mlm", "use_output_bias_in_mlm", "num_classes")
+                "mask_padding_in_positional_embed", "use_ffn_bias_in_mlm", "use_output_bias_in_mlm", "num_classes",
+                "mlm_loss_weight")
 # decoder keys an encoder cannot take (its positions are learned, its blocks post-norm with a two-matrix MLP)
 _DECODER_ONLY_KEYS = ("nonlinearity", "rotary_dim", "rope_theta", "rope_scaling", "pos_scaling_type",
                       "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output")
@@ -153,6 +154,7 @@ class ModelParams:
     use_ffn_bias_in_mlm: bool | None = None  # the MLM head's dense bias: always there
     use_output_bias_in_mlm: bool | None = None  # the MLM decoder's bias: always there
     label_smoothing: float = 0.0
+    mlm_loss_weight: float | None = None  # the loss: weight x (sum over masked positions) / sequences; None: mean
     # regularization and init
     dropout_rate: float | None = None
     embedding_dropout_rate: float | None = None
@@ -178,8 +180,6 @@ class ModelParams:
         **dict.fromkeys(("initializer", "embedding_initializer", "output_layer_initializer"),
                         "weights use normal(0, initializer_range)"),
         **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
-        "mlm_loss_weight": "the masked-LM loss is the mean over the masked positions; Model Zoo's weight scales its "
-                           "sum per sequence to about that mean (1 / the predictions per sequence)",
         "compute_eval_metrics": "evaluation reports the loss",
         "enable_vts": "a Cerebras compiler setting (variable tensor shapes)",
     }
@@ -353,7 +353,8 @@ class ModelParams:
             family = base.family if base else "roberta" if (self.name or "").lower() == "roberta" else "bert"
         defaults = {} if base else {"block": "post_norm", "lm_head_bias": True, "type_vocab_size": 2 if nsp else 0,
                                     **_BERT_DEFAULTS}
-        given = {"type_vocab_size": self.num_segments, "pad_token_id": self.pad_token_id}
+        given = {"type_vocab_size": self.num_segments, "pad_token_id": self.pad_token_id,
+                 "mlm_loss_weight": self.mlm_loss_weight}
         return defaults | o | {"family": family, "nsp_head": nsp} | {k: v for k, v in given.items() if v is not None}
 
     def _refuse_unsupported(self, encoder: bool) -> None:
