@@ -87,9 +87,14 @@ def _hf_logits(theirs) -> np.ndarray:
         return theirs(_ids()).logits[0].numpy()
 
 
+def _llama_cpp():
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bench/serve_llamacpp.py "
+                               "says how to build its wheel)")
+
+
 def _llama_cpp_logits(path: Path) -> np.ndarray:
     """Every position's logits from llama.cpp on `path`, float32 KV cache, no flash attention."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = _llama_cpp()
     f32 = 0  # GGML_TYPE_F32
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_batch=64, n_threads=1, type_k=f32,
                           type_v=f32, flash_attn=False, verbose=False)
@@ -222,7 +227,7 @@ def test_t5_gguf_matches_transformers_and_llama_cpp(case: str, tmp_path: Path) -
     with torch.no_grad():
         want = theirs(input_ids=x, decoder_input_ids=y).logits[0].numpy()
         assert np.abs(ours(x, y)[0].numpy() - want).max() < 1e-4
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = _llama_cpp()
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=64, n_batch=64, n_threads=1, type_k=0,
                           type_v=0, flash_attn=False, verbose=False)
     try:
