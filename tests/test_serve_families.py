@@ -145,7 +145,7 @@ def test_sliding_window_frees_blocks_outside_it(path: str, tok, tmp_path_factory
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_moe_decode_reads_only_the_routed_experts(path: str, tok, tmp_path_factory) -> None:
+def test_moe_decode_reads_only_the_routed_experts(path: str, tok, tmp_path_factory, capsys) -> None:
     """Single-stream decode of Mixtral reads, per token, every matrix but the experts plus the 2 routed experts
     of 4 in each layer: the active parameters' matrices (in the C kernels' panels, whose outputs are padded to
     16), half the experts' bytes fewer than all."""
@@ -154,6 +154,8 @@ def test_moe_decode_reads_only_the_routed_experts(path: str, tok, tmp_path_facto
     e = _engine(ours, tok, path)
     e.generate([PROMPTS[1]], GREEDY)
     st = e.stats()
+    assert (f"2 of 4 experts per token: {st['active_weight_bytes'] / 1e6:.1f} MB of weights read per decode token "
+            f"of one sequence, of {st['total_weight_bytes'] / 1e6:.1f} MB") in capsys.readouterr().err
     expert = 4 * 3 * cfg.d_model * cfg.ffn_dim  # float32 bytes of one SwiGLU expert
     assert st["total_weight_bytes"] - st["active_weight_bytes"] == cfg.n_layer * 2 * expert
     assert st["decode_weight_bytes_per_token"] == st["active_weight_bytes"]

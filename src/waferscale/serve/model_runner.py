@@ -528,6 +528,10 @@ class ModelRunner:
         moes = [L.moe for L in self.layers if L.moe is not None]
         self.active_bytes = self.fixed_bytes + sum(m.top_k * m.expert_bytes(0) for m in moes)
         self.total_bytes = self.fixed_bytes + sum(m.expert_bytes(e) for m in moes for e in range(m.n))
+        if moes:
+            print(f"serve: {len(moes)} mixture-of-experts layers (layers {lo}..{hi - 1}), {moes[0].top_k} of "
+                  f"{moes[0].n} experts per token: {self.active_bytes / 1e6:.1f} MB of weights read per decode token "
+                  f"of one sequence, of {self.total_bytes / 1e6:.1f} MB", file=sys.stderr)
         self.decode_tokens = self.decode_bytes = 0
         self.cos_table = self.sin_table = None
         if cfg.position == "rotary":  # in the rotate-half layout over all hd dims (rotary_layout): the dims
