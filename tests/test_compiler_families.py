@@ -238,3 +238,13 @@ def test_t5_training_counts_both_stacks():
     assert plan.projection["model_flops_per_token"] == pytest.approx(want)
     streamed = compile_model(model="flan-t5-xl", mode="train", seq_len=L)
     assert streamed.strategy == "weight_streaming" and streamed.projection["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["inference", "train"])
+def test_copies_on_systems_with_different_logical_meshes_fit_each(mode):
+    # seed 1: defects leave system 0 a 16x14 logical mesh and system 1 a 14x15 one
+    plan = compile_model(model="gpt-tiny", pes=(16, 16), systems=2, defects=0.05, seed=1, mode=mode)
+    assert len({(w["logical_rows"], w["logical_cols"]) for w in plan.wafers}) == 2
+    assert {r.system for r in plan.regions} == {0, 1}
+    assert all(r.row + r.rows <= plan.wafers[r.system]["logical_rows"] and
+               r.col + r.cols <= plan.wafers[r.system]["logical_cols"] for r in plan.regions)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from waferscale.compiler._fabric import WaferMap
 from waferscale.compiler.ir import Graph
+from waferscale.compiler.placement import Rect
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.spec import FabricSpec
 
@@ -24,6 +25,12 @@ class CompileContext:
 
     def say(self, text: str) -> None:
         self.decisions.append(text)
+
+    @property
+    def common_box(self) -> Rect:
+        """The logical mesh every system has: a pipeline copy placed in it fits on any of the wafers (spare
+        remapping leaves each wafer its own logical size)."""
+        return Rect(0, 0, min(w.rows for w in self.wafers), min(w.cols for w in self.wafers))
 
     @property
     def defective(self) -> bool:

@@ -16,7 +16,7 @@ from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, split_groups, with_detours
-from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.placement import grid_boxes
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
@@ -55,7 +55,7 @@ def plan_encode(ctx: CompileContext, seq_len: int | None) -> dict:
 
     sys_reps = ctx.systems // wpp
     runs = split_groups(units, mem, wpp, cap_w)
-    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    full = ctx.common_box
     kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem)))) if wpp == 1 else 1
     best = None
     for k in (k for k in REPLICA_CANDIDATES if k <= kmax):

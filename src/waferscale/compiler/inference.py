@@ -26,7 +26,7 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Graph, Unit
 from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, chain, crossing_time, decode_latency,
                                           depth, handoff, occupancy, place_pipelines, split_groups, with_detours)
-from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.placement import grid_boxes
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
@@ -180,7 +180,7 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     whose KV caches still place; keep the highest aggregate decode rate. Returns (choice, the k tried, kmax);
     ConfigError when no k places the users."""
     b = ctx.g.dtype_bytes
-    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    full = ctx.common_box
     kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(fp.mem(1))))) if wpp == 1 else 1
     candidates = sorted({k for k in REPLICA_CANDIDATES if k <= kmax})
     best: _Choice | None = None

@@ -26,7 +26,7 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Graph, Unit
 from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, crossing_time, decode_latency, handoff,
                                           place_pipelines, split_groups, with_detours)
-from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.placement import grid_boxes
 from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
@@ -103,7 +103,7 @@ def plan_seq2seq(ctx: CompileContext, prompt_len: int | None, context_len: int |
     def stage_time(u: Unit, r: int, c: int, mesh=None) -> pj.Time:
         return (encode_time if u.stack == "encoder" else decode_time)(u, r, c, mesh)
 
-    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    full = ctx.common_box
     kmax = max(1, min(MAX_REPLICAS_PER_WAFER, int(cap_w // sum(mem(1))))) if wpp == 1 else 1
     best = None
     for k in (k for k in (1, 2, 4, 8, 16, 32, 64) if k <= kmax):

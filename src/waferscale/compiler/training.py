@@ -17,7 +17,7 @@ from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, with_detours
 from waferscale.compiler.seq2seq import model_flops_per_token, per_sequence
-from waferscale.compiler.placement import Rect, grid_boxes
+from waferscale.compiler.placement import grid_boxes
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, Layout, data_bytes_per_pe, gb
 from waferscale.compiler.weight_streaming import plan_weight_streaming
 from waferscale.errors import ConfigError
@@ -97,7 +97,7 @@ def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per
     pipeline per wafer (a k-way grid) when that projects more tokens/s; the optimizer runs in place; with
     several systems the gradients are all-reduced through SwarmX after every step."""
     g, spec = ctx.g, ctx.spec
-    full = Rect(0, 0, ctx.wafers[0].rows, ctx.wafers[0].cols)
+    full = ctx.common_box
 
     # an expert computes the tokens of the sequence routed to it; its layer waits for the most loaded expert
     routed = {u.n_experts: math.ceil(moe.expected_max_load(seq, u.n_experts, u.experts_per_token))
