@@ -248,3 +248,92 @@ def test_t5_on_two_systems_equals_one(corpus: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["executor"] == "swarmx"
     _same_training(tmp_path / "one", tmp_path / "two")
+
+
+# ---- Model Zoo's published T5 configs ------------------------------------------------------------------------------
+
+MODELZOO = Path(__file__).parent / "data" / "modelzoo"
+
+
+def _hf_count_with_layernorm_biases(cfg: ModelConfig) -> int:
+    """transformers' T5 with these shapes, plus the bias of each LayerNorm (Model Zoo's T5 configs use LayerNorm,
+    transformers' T5 has only its RMS norm): 2 per encoder layer, 3 per decoder layer, 2 final norms."""
+    with torch.device("meta"):
+        theirs = transformers.T5ForConditionalGeneration(transformers.T5Config(**hf.config_to_hf(
+            cfg.replace(norm="rmsnorm"))))
+    count = sum(v.numel() for k, v in theirs.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    return count + (2 * cfg.n_layer + 3 * cfg.decoder_layers + 2) * cfg.d_model
+
+
+def test_modelzoo_t5_small_validates_with_its_parameter_count() -> None:
+    """Model Zoo's t5_small (legacy layout): T5 v1.1-small's shape (8 + 8 layers, 6 heads of 64, d_ff 1024) with
+    ReLU, LayerNorm and a tied head over 32001 + 100 sentinel ids. Model Zoo publishes its shape, not a count: the
+    count is transformers' T5 of that shape plus the LayerNorm biases."""
+    r = wsc("validate", str(MODELZOO / "params_t5_small.yaml"))
+    assert r.returncode == 0, r.stderr
+    cfg = params_from_dict(yaml.safe_load((MODELZOO / "params_t5_small.yaml").read_text()), "t").model.to_model_config()
+    assert (cfg.family, cfg.vocab_size, cfg.n_layer, cfg.decoder_layers, cfg.n_head, cfg.head_dim, cfg.ffn_dim) == (
+        "t5", 32101, 8, 8, 6, 64, 1024)
+    assert (cfg.norm, cfg.activation, cfg.tie_embeddings, cfg.mlm_loss_weight) == ("layernorm", "relu", True, 0.015)
+    assert cfg.num_params == _hf_count_with_layernorm_biases(cfg) == 52_130_688
+    assert f"valid ({cfg.num_params / 1e6:,.1f}M-parameter model)" in r.stdout
+
+
+def test_modelzoo_t5_base_model_section_and_its_optimizer() -> None:
+    """Model Zoo's t5_base (current layout): its model section maps (norm_type, mlm_loss_scaling); its Adafactor
+    optimizer is refused by name, with the supported list."""
+    d = yaml.safe_load((MODELZOO / "params_t5_base.yaml").read_text())
+    with pytest.raises(ConfigError, match="optimizer_type: expected one of .*'AdamW'.* got 'AdaFactor'"):
+        params_from_dict(d, "t")
+    d["optimizer"] = {"optimizer_type": "AdamW", "learning_rate": 1e-4}
+    cfg = params_from_dict(d, "t").model.to_model_config()
+    assert (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.ffn_dim, cfg.norm, cfg.norm_eps) == (
+        768, 12, 12, 3072, "layernorm", 1e-5)
+    assert cfg.mlm_loss_weight is None  # precomputed_num_masked: the mean over the target tokens
+    assert cfg.num_params == _hf_count_with_layernorm_biases(cfg)
+
+
+def _tiny_t5_small(corpus: Path, model_dir: Path) -> dict:
+    d = yaml.safe_load((MODELZOO / "params_t5_small.yaml").read_text())
+    d.pop("eval_input")
+    d["train_input"].update(src_data_dir=str(corpus), src_max_sequence_length=32, tgt_max_sequence_length=8,
+                            batch_size=4, num_workers=0)
+    d["train_input"].pop("src_vocab_file")  # (a SentencePiece vocab.txt: the run reads 'char' instead)
+    d["model"].update(src_vocab_size=156, encoder_num_hidden_layers=2, decoder_num_hidden_layers=2, num_heads=4,
+                      d_kv=8, d_ff=64, d_model=32, src_max_position_embeddings=32, mixed_precision=False)
+    d["optimizer"]["learning_rate"] = 1e-3
+    d["runconfig"].update(max_steps=2, checkpoint_steps=2, eval_steps=1, model_dir=str(model_dir))
+    return d
+
+
+def test_modelzoo_t5_small_tiny_override_trains(corpus: Path, tmp_path: Path) -> None:
+    s = run(params_from_dict(_tiny_t5_small(corpus, tmp_path / "m"), "t"),
+            RunOptions(model_dir=tmp_path / "m", progress=False, mode="train_and_eval"), out=io.StringIO())
+    assert s["steps"] == 2 and s["seq_len"] == 34 and s["eval_loss"] > 0
+
+
+def test_modelzoo_t5_keys_we_cannot_honour_are_named(corpus: Path, tmp_path: Path) -> None:
+    base = _tiny_t5_small(corpus, tmp_path)
+    for section, change, message in [
+            ("model", {"decoder_nonlinearity": "gelu"}, "decoder_nonlinearity: 'gelu' differs from "
+                                                        "encoder_nonlinearity 'relu'"),
+            ("model", {"share_encoder_decoder_embedding": False}, "share_encoder_decoder_embedding: false is not "
+                                                                  "supported"),
+            ("model", {"position_embedding_type": "learned"}, "'learned' is not supported for T5; supported: "
+                                                              "relative"),
+            ("model", {"encoder_nonlinearity": "gelu_new"}, "'gelu_new' is not supported for T5; supported: relu, "
+                                                            "gelu, geglu, gated-gelu"),
+            ("model", {"rotary_dim": 4}, "rotary_dim: is not a key of Model Zoo's T5 model"),
+            ("train_input", {"tgt_max_sequence_length": 9}, "9 differs from the 8 targets span corruption"),
+            ("train_input", {"src_max_sequence_length": 16}, "16 differs from the T5 model's encoder input length 32")]:
+        d = yaml.safe_load(yaml.safe_dump(base))
+        d[section].update(change)
+        p = tmp_path / "bad.yaml"
+        p.write_text(yaml.safe_dump(d))
+        r = wsc("validate", str(p))
+        assert r.returncode == 2 and r.stderr.count("error:") == 1, (change, r.stderr)
+        assert message in r.stderr, (change, r.stderr)
+    gpt = tiny_params(corpus, tmp_path)
+    gpt["train_input"]["noise_density"] = 0.2
+    with pytest.raises(ConfigError, match="noise_density: is a T5 span-corruption setting, but the model"):
+        params_from_dict(gpt, "t")

@@ -81,13 +81,13 @@ def sentinel_ids(tok: Tokenizer) -> list[int]:
     return out
 
 
-def tokenizer_with_sentinels(tok: Tokenizer) -> Tokenizer:
-    """`tok` if it has T5's sentinels and an EOS; a character tokenizer gains "</s>" and 100 sentinels (the top
-    ids, <extra_id_0> highest); any other must bring its own."""
+def tokenizer_with_sentinels(tok: Tokenizer, extra_ids: int = T5_EXTRA_IDS) -> Tokenizer:
+    """`tok` if it has T5's sentinels and an EOS; a character tokenizer gains "</s>" and `extra_ids` sentinels
+    (the top ids, <extra_id_0> highest); any other must bring its own."""
     if sentinel_ids(tok) and tok.eos_id is not None:
         return tok
     if isinstance(tok, CharTokenizer):
-        return tok.with_sentinels(T5_EXTRA_IDS)
+        return tok.with_sentinels(extra_ids)
     raise DataError(f"the tokenizer ({tok!r}) lacks T5's sentinel tokens <extra_id_0>, <extra_id_1>, ... or an EOS "
                     "token, which span corruption needs; use a T5 tokenizer or 'char'")
 

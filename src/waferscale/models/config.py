@@ -124,12 +124,12 @@ class ModelConfig:
             bad(f"family {self.family!r} needs block 'post_norm' if and only if it is an encoder {ENCODERS}, "
                 f"got block {self.block!r}")
         if self.is_encoder and (self.position != "learned" or self.n_experts or self.sliding_window
-                                or self.activation == "swiglu"):
+                                or self.gated_mlp):
             bad("encoders have learned positions, a two-matrix MLP, no experts and no sliding window")
         if (self.type_vocab_size or self.nsp_head) and not self.is_encoder:
             bad(f"type_vocab_size / nsp_head belong to the encoder families {ENCODERS}")
-        if self.mlm_loss_weight is not None and not self.is_encoder:
-            bad(f"mlm_loss_weight belongs to the encoder families {ENCODERS}")
+        if self.mlm_loss_weight is not None and not (self.is_encoder or self.is_encoder_decoder):
+            bad(f"mlm_loss_weight belongs to the encoder and encoder-decoder families {ENCODERS + ENCODER_DECODERS}")
         if self.mlm_loss_weight is not None and self.mlm_loss_weight <= 0:
             bad(f"mlm_loss_weight must be > 0 (or None for the mean over the masked positions), got "
                 f"{self.mlm_loss_weight}")

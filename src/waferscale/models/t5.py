@@ -305,8 +305,16 @@ class T5(CausalLM):
         return self(idx, with_aux=True)
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Packed targets (B, max_seq_len + T): -100 over the encoder part, then the decoder's labels."""
-        return lm_loss(logits, targets[:, self.config.max_seq_len:])
+        """Packed targets (B, max_seq_len + T): -100 over the encoder part, then the decoder's labels. The mean
+        cross-entropy over the labels or, with `mlm_loss_weight`, Model Zoo's weight x their sum / the number of
+        sequences."""
+        targets = targets[:, self.config.max_seq_len:]
+        w = self.config.mlm_loss_weight
+        if w is None:
+            return lm_loss(logits, targets)
+        total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                                reduction="sum")
+        return w * total / targets.shape[0]
 
     def make_kv_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> list[KVCache]:

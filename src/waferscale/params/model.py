@@ -20,6 +20,14 @@ Model Zoo's BERT model is an encoder (post-norm blocks, the embedding LayerNorm,
 `mask_padding_in_positional_embed` (positions counted over the non-padding tokens) and no NSP head. A config is
 an encoder when its name says so (`bert`, `roberta`, or an encoder preset) or, unnamed, when it has a key only the
 BERT model has (`ENCODER_KEYS`); such a key on a decoder is an error, never a fallback to GPT.
+
+Model Zoo's T5 model is an encoder-decoder (our t5 family): a config is one when it names a T5 preset or `t5`, or
+has a key only the T5 model has (`T5_KEYS`). Its vocabulary is src_vocab_size + extra_ids (the sentinels); one
+embedding serves both stacks (share_encoder_decoder_embedding) and, under share_embedding_weights, the head;
+d_kv is the head size, use_t5_layer_norm / norm_type choose T5's RMS norm or LayerNorm, encoder_nonlinearity
+(= decoder_nonlinearity) relu, gelu or geglu (gated-gelu), src_max_position_embeddings the encoder's input length.
+The loss is the mean over the target tokens (mlm_loss_scaling num_masked / precomputed_num_masked), or
+lm_loss_weight x their sum / the number of sequences (batch_size, Model Zoo's default).
 """
 
 from __future__ import annotations
@@ -95,10 +103,19 @@ ENCODER_KEYS = ("encoder_nonlinearity", "mlm_nonlinearity", "pooler_nonlinearity
 # decoder keys an encoder cannot take (its positions are learned, its blocks post-norm with a two-matrix MLP)
 _DECODER_ONLY_KEYS = ("nonlinearity", "rotary_dim", "rope_theta", "rope_scaling", "pos_scaling_type",
                       "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output")
+# keys only Model Zoo's T5 model has: one of them makes a config T5
+T5_KEYS = ("src_vocab_size", "tgt_vocab_size", "extra_ids", "d_kv", "decoder_num_hidden_layers", "decoder_nonlinearity",
+           "use_t5_layer_norm", "share_encoder_decoder_embedding", "relative_attention_num_buckets",
+           "src_max_position_embeddings", "tgt_max_position_embeddings", "lm_loss_weight", "mlm_loss_scaling")
+_T5_NONLINEARITY = {"relu": "relu", "gelu": "gelu", "geglu": "geglu", "gated-gelu": "geglu"}
+# Model Zoo's T5 model's defaults (its T5ModelConfig), for a config that names no T5 preset
+_T5_DEFAULTS = dict(family="t5", position="relative", d_kv=64, d_ff=2048, max_seq_len=512, norm="rmsnorm",
+                    norm_eps=1e-5, activation="relu", tie_embeddings=True, attn_bias=False, mlp_bias=False,
+                    dropout=0.1, pad_token_id=0)
 # Model Zoo's BERT defaults where they differ from the GPT model's (an unnamed encoder config starts from them)
 _BERT_DEFAULTS = {"norm_eps": 1e-5, "dropout": 0.1, "pad_token_id": 0}
 _NONLINEARITY = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu",
-                 "swiglu": "swiglu"}
+                 "swiglu": "swiglu", "geglu": "geglu", "gated-gelu": "geglu"}
 
 
 @dataclass
@@ -121,7 +138,7 @@ class ModelParams:
     max_position_embeddings: int | None = None
     extra_attention_params: ExtraAttentionParams | None = None
     # structure
-    position_embedding_type: Literal["learned", "rotary", "alibi"] | None = None
+    position_embedding_type: Literal["learned", "rotary", "alibi", "relative"] | None = None
     share_embedding_weights: bool | None = None
     nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu", "swiglu"] | None = None
     norm_type: Literal["layernorm", "rmsnorm", "biasless-layernorm"] | None = None
@@ -143,7 +160,7 @@ class ModelParams:
     attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
     moe: MoEParams | None = None  # a mixture of experts
     # encoders (Model Zoo's BERT model; see the module docstring)
-    encoder_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu"] | None = None  # the blocks' MLPs
+    encoder_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu", "geglu", "gated-gelu"] | None = None
     mlm_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu"] | None = None  # None: encoder_nonlinearity
     pooler_nonlinearity: str | None = None  # the NSP pooler's (tanh); None: encoder_nonlinearity, as Model Zoo
     disable_nsp: bool | None = None  # true: no next-sentence head
@@ -155,6 +172,20 @@ class ModelParams:
     use_output_bias_in_mlm: bool | None = None  # the MLM decoder's bias: always there
     label_smoothing: float = 0.0
     mlm_loss_weight: float | None = None  # the loss: weight x (sum over masked positions) / sequences; None: mean
+    # encoder-decoders (Model Zoo's T5 model; see the module docstring)
+    src_vocab_size: int | None = None  # the vocabulary without the sentinels
+    tgt_vocab_size: int | None = None  # the decoder's: one embedding serves both, so src_vocab_size
+    extra_ids: int | None = None  # sentinels added to the vocabulary
+    d_kv: int | None = None  # the size of each attention head (need not be hidden_size / num_heads)
+    decoder_num_hidden_layers: int | None = None  # None: as many as the encoder
+    decoder_nonlinearity: Literal["gelu", "relu", "geglu", "gated-gelu"] | None = None  # = encoder_nonlinearity
+    use_t5_layer_norm: bool | None = None  # true: T5's RMS LayerNorm; false: LayerNorm
+    share_encoder_decoder_embedding: bool | None = None
+    relative_attention_num_buckets: int | None = None
+    src_max_position_embeddings: int | None = None  # the encoder's input length
+    tgt_max_position_embeddings: int | None = None  # the decoder's (relative positions: any length is read)
+    lm_loss_weight: float | None = None  # with mlm_loss_scaling batch_size: weight x (sum over targets) / sequences
+    mlm_loss_scaling: Literal["batch_size", "num_masked", "precomputed_num_masked"] | None = None
     # regularization and init
     dropout_rate: float | None = None
     embedding_dropout_rate: float | None = None
@@ -168,7 +199,9 @@ class ModelParams:
     fp16_type: Literal["bfloat16", "float16", "cbfloat16"] | None = None  # None: float16 (Model Zoo's default)
     use_bfloat16: bool = False  # legacy spelling of fp16_type: bfloat16
 
-    ALIASES: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads", "intermediate_size": "filter_size"}
+    ALIASES: ClassVar[dict[str, str]] = {"num_attention_heads": "num_heads", "intermediate_size": "filter_size",
+                                         "d_model": "hidden_size", "d_ff": "filter_size",
+                                         "encoder_num_hidden_layers": "num_hidden_layers"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
         "attention_module": "attention is always multi-head / grouped-query as num_kv_groups says",
         "attention_softmax_fp32": "softmax always runs in fp32",
@@ -217,6 +250,8 @@ class ModelParams:
         """Map the Model Zoo keys onto a ModelConfig (on top of the preset, if any). Cheap: no weights."""
         from waferscale.models import registry
 
+        if self._is_t5():
+            return self._t5_config()
         encoder = self._is_encoder()
         self._refuse_unsupported(encoder)
         kv = self.extra_attention_params.num_kv_groups if self.extra_attention_params else None
@@ -262,6 +297,77 @@ class ModelParams:
             cfg = next((p for p in registry.PRESETS.values() if _explicit(cfg.replace(name=p.name)) == _explicit(p)),
                        cfg)
         return cfg
+
+    def _is_t5(self) -> bool:
+        """Whether the config is Model Zoo's T5 model: a T5 preset or the label `t5`, or a key only it has."""
+        from waferscale.models import registry
+
+        preset = self.preset
+        return ((preset is not None and registry.PRESETS[preset].is_encoder_decoder)
+                or (self.name or "").strip().lower() == "t5" or self.position_embedding_type == "relative"
+                or any(getattr(self, k) is not None for k in T5_KEYS))
+
+    def _t5_config(self) -> ModelConfig:
+        """The T5 keys onto a t5 ModelConfig: over the preset the name gives, or over Model Zoo's T5 defaults
+        (`name: t5` is Model Zoo's label for its T5 model, not the t5-small preset it also selects)."""
+        from waferscale.models import registry
+
+        others = [k for k in (*_DECODER_ONLY_KEYS, *ENCODER_KEYS) if k != "encoder_nonlinearity"
+                  and getattr(self, k) is not None]
+        if others:
+            raise FieldError(others[0], "is not a key of Model Zoo's T5 model (an encoder-decoder); drop it")
+        if self.position_embedding_type not in (None, "relative"):
+            raise FieldError("position_embedding_type", f"{self.position_embedding_type!r} is not supported for T5; "
+                             "supported: relative")
+        if self.share_encoder_decoder_embedding is False:
+            raise FieldError("share_encoder_decoder_embedding", "false is not supported: the encoder and decoder "
+                             "share one embedding; set true")
+        if self.tgt_vocab_size not in (None, self.src_vocab_size):
+            raise FieldError("tgt_vocab_size", f"{self.tgt_vocab_size} differs from src_vocab_size "
+                             f"{self.src_vocab_size}; the encoder and decoder share one vocabulary")
+        act = self.encoder_nonlinearity and _T5_NONLINEARITY.get(self.encoder_nonlinearity)
+        if self.encoder_nonlinearity is not None and act is None:
+            raise FieldError("encoder_nonlinearity", f"{self.encoder_nonlinearity!r} is not supported for T5; "
+                             f"supported: {', '.join(_T5_NONLINEARITY)}")
+        if self.decoder_nonlinearity is not None and _T5_NONLINEARITY[self.decoder_nonlinearity] != (act or "relu"):
+            raise FieldError("decoder_nonlinearity", f"{self.decoder_nonlinearity!r} differs from "
+                             f"encoder_nonlinearity {self.encoder_nonlinearity or 'relu'!r}; both stacks use one "
+                             "nonlinearity")
+        norm = {True: "rmsnorm", False: "layernorm", None: None}[self.use_t5_layer_norm]
+        if self.norm_type is not None and norm is not None and self.norm_type != norm:
+            raise FieldError("norm_type", f"{self.norm_type!r} contradicts use_t5_layer_norm "
+                             f"{str(self.use_t5_layer_norm).lower()}; keep one")
+        if self.mlm_loss_scaling != "batch_size" and self.mlm_loss_scaling is not None:
+            weight = None  # num_masked, precomputed_num_masked: the mean over the target tokens
+        else:
+            weight = self.lm_loss_weight
+        vocab = self.src_vocab_size if self.src_vocab_size is not None else self.vocab_size
+        zoo = {  # ModelConfig field <- Model Zoo key
+            "vocab_size": vocab + (self.extra_ids or 0) if vocab is not None else None,
+            "d_model": self.hidden_size, "n_layer": self.num_hidden_layers,
+            "n_decoder_layer": self.decoder_num_hidden_layers, "n_head": self.num_heads, "d_kv": self.d_kv,
+            "d_ff": self.filter_size, "max_seq_len": self.src_max_position_embeddings or self.max_position_embeddings,
+            "norm": norm or ("layernorm" if self.norm_type == "biasless-layernorm" else self.norm_type),
+            "norm_bias": False if self.norm_type == "biasless-layernorm" else None, "norm_eps": self.layer_norm_epsilon,
+            "activation": act, "tie_embeddings": self.share_embedding_weights, "attn_bias": self._attn_bias(),
+            "mlp_bias": self.use_ffn_bias, "dropout": self._dropout(),
+            "relative_attention_num_buckets": self.relative_attention_num_buckets, "pad_token_id": self.pad_token_id,
+            "mlm_loss_weight": weight,
+        }
+        o = {k: v for k, v in zoo.items() if v is not None}
+        if "n_decoder_layer" in o and o["n_decoder_layer"] == o.get("n_layer"):
+            del o["n_decoder_layer"]  # (as many decoder layers as encoder layers: ModelConfig's None)
+        preset = self.preset
+        try:
+            if preset is not None and (self.name or "").strip().lower() != "t5":
+                return registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
+            missing = [k for k, f in (("src_vocab_size", "vocab_size"), ("d_model", "d_model"),
+                                      ("encoder_num_hidden_layers", "n_layer"), ("num_heads", "n_head")) if f not in o]
+            if missing:
+                raise FieldError(missing[0], "is required for Model Zoo's T5 model without a T5 preset in model.name")
+            return ModelConfig(**(_T5_DEFAULTS | {"name": self.name or "custom"} | o))
+        except ValueError as e:  # ModelConfig's own checks, in Model Zoo's key names
+            raise FieldError("", _zoo_names(str(e))) from None
 
     def _block(self) -> str | None:
         """ModelConfig.block: Model Zoo's GPT-J model (named, or told by use_untied_layer_norm) is parallel."""

@@ -61,11 +61,21 @@ class InputParams:
     masked_lm_prob: float | None = None  # None: 0.15
     max_predictions_per_seq: int | None = None
     mask_whole_word: bool = False
+    # Model Zoo's T5 data keys (T5DynamicDataProcessor): its SentencePiece vocabulary, the sentinels the vocabulary
+    # gains, the decoder's length (what span corruption of src_max_sequence_length inputs gives) and our span
+    # corruption settings (T5's: 15% noise in spans of mean length 3)
+    src_vocab_file: str | None = None
+    extra_ids: int | None = None
+    tgt_max_sequence_length: int | None = None
+    noise_density: float | None = None  # None: 0.15
+    mean_noise_span_length: float | None = None  # None: 3.0
 
-    ALIASES: ClassVar[dict[str, str]] = {"whole_word_masking": "mask_whole_word"}
+    ALIASES: ClassVar[dict[str, str]] = {"whole_word_masking": "mask_whole_word", "src_data_dir": "data_dir",
+                                         "src_max_sequence_length": "max_sequence_length"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
         "repeat": "the loader always repeats",
         "vocab_size": "the model's vocab_size is the one used",
+        "shuffle_buffer": "shuffled windows are drawn from the whole token stream",
         **dict.fromkeys(("prefetch_factor", "persistent_workers", "use_worker_cache"), "host data-loader tuning"),
         **dict.fromkeys(("drop_last", "pad_last"), "partial batches are always dropped"),
     }
@@ -93,6 +103,10 @@ class InputParams:
         positive(self, "max_predictions_per_seq")
         if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob <= 1.0:
             raise FieldError("masked_lm_prob", f"must be in (0, 1], got {self.masked_lm_prob}")
+        if self.noise_density is not None and not 0.0 < self.noise_density < 1.0:
+            raise FieldError("noise_density", f"must be in (0, 1), got {self.noise_density}")
+        if self.mean_noise_span_length is not None and self.mean_noise_span_length < 1.0:
+            raise FieldError("mean_noise_span_length", f"must be >= 1, got {self.mean_noise_span_length}")
         if self.mask_whole_word:
             raise FieldError("mask_whole_word", "true (masking whole words) is not supported: tokens are masked "
                              "one by one; set false")
@@ -100,7 +114,7 @@ class InputParams:
     @property
     def tokenizer_spec(self) -> str:
         """What `load_tokenizer` reads: the WordPiece vocab_file where given, else `tokenizer`."""
-        return self.vocab_file or self.tokenizer
+        return self.vocab_file or self.src_vocab_file or self.tokenizer
 
 
 # ---- optimizer -------------------------------------------------------------------------------------------
@@ -256,6 +270,7 @@ class Params:
             if masking and not cfg.is_encoder:
                 raise FieldError(f"{section}.{masking[0]}", f"is a masked-LM setting, but the model ({cfg.family}) "
                                  f"is a decoder, trained on next-token prediction; leave it out")
+            self._check_span_corruption(section, inp, cfg)
             if inp.max_sequence_length is not None and inp.max_sequence_length > max_len:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
                                  f"model's max_position_embeddings {max_len}; lower it or raise "
@@ -269,6 +284,30 @@ class Params:
                     raise FieldError("sparsity.update", f"the first mask update (step {first}) comes after the run "
                                      f"ends (runconfig.max_steps {self.runconfig.max_steps}); lower update.start "
                                      f"or raise max_steps")
+
+    @staticmethod
+    def _check_span_corruption(section: str, inp: InputParams, cfg: Any) -> None:
+        """T5's data keys belong to an encoder-decoder, whose encoder reads exactly max_seq_len tokens and whose
+        decoder then reads the targets span corruption gives (tgt_max_sequence_length, if stated, must be that)."""
+        from waferscale.data.span_corruption import compute_input_and_target_lengths
+
+        keys = [k for k in ("src_vocab_file", "extra_ids", "tgt_max_sequence_length", "noise_density",
+                            "mean_noise_span_length") if getattr(inp, k) is not None]
+        if not cfg.is_encoder_decoder:
+            if keys:
+                raise FieldError(f"{section}.{keys[0]}", f"is a T5 span-corruption setting, but the model "
+                                 f"({cfg.family}) is not an encoder-decoder; leave it out")
+            return
+        if inp.max_sequence_length not in (None, cfg.max_seq_len):
+            raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} differs from the T5 "
+                             f"model's encoder input length {cfg.max_seq_len} (src_max_position_embeddings / "
+                             f"max_position_embeddings): span corruption makes inputs of exactly that length")
+        targets = compute_input_and_target_lengths(cfg.max_seq_len, inp.noise_density or 0.15,
+                                                   inp.mean_noise_span_length or 3.0)[1]
+        if inp.tgt_max_sequence_length not in (None, targets):
+            raise FieldError(f"{section}.tgt_max_sequence_length", f"{inp.tgt_max_sequence_length} differs from "
+                             f"the {targets} targets span corruption of {cfg.max_seq_len} input tokens gives; set "
+                             f"{targets} or leave it out")
 
     def to_dict(self) -> dict[str, Any]:
         """The legacy-layout dict (None-valued keys left out); `Params.from_dict(p.to_dict()) == p`."""

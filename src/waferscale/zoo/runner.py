@@ -32,7 +32,8 @@ import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
 from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
                              read_documents, tokenizer_with_mask)
-from waferscale.data.span_corruption import SpanCorruptedBatches, SpanCorruptor, sentinel_ids, tokenizer_with_sentinels
+from waferscale.data.span_corruption import (T5_EXTRA_IDS, SpanCorruptedBatches, SpanCorruptor, sentinel_ids,
+                                             tokenizer_with_sentinels)
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.runtime import checkpoint as ckpt
@@ -121,12 +122,15 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     predict masked tokens (dynamic masking from the run's seed); encoder-decoders (T5) write the spans dropped from
     their input (span corruption, from the run's seed); decoders predict the next token."""
     inp = params.train_input
+    if inp.src_vocab_file is not None and not inp.src_vocab_file.endswith(".json"):
+        raise ConfigError(f"train_input.src_vocab_file {inp.src_vocab_file!r}: Model Zoo's SentencePiece vocabulary "
+                          "is not read; give a T5 tokenizer.json there (or as train_input.tokenizer), or 'char'")
     docs = read_documents(inp.data_dir)
     tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
     if cfg.is_encoder:
         tok = tokenizer_with_mask(tok)
     if cfg.is_encoder_decoder:
-        tok = tokenizer_with_sentinels(tok)
+        tok = tokenizer_with_sentinels(tok, inp.extra_ids or T5_EXTRA_IDS)
     if tok.vocab_size > cfg.vocab_size:
         raise DataError(f"the {inp.tokenizer_spec!r} tokenizer has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.vocab_size}; set model.vocab_size to at least {tok.vocab_size}")
@@ -137,12 +141,9 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
                                          val_fraction=params.eval_input.val_fraction, progress=progress)
         val = np.concatenate([eval_splits.train, eval_splits.val])
     if cfg.is_encoder_decoder:  # the encoder reads max_seq_len tokens: the windows are what corrupts to that many
-        if inp.max_sequence_length not in (None, cfg.max_seq_len):
-            raise ConfigError(f"train_input.max_sequence_length {inp.max_sequence_length} differs from the T5 model's "
-                              f"encoder input length (max_position_embeddings) {cfg.max_seq_len}: span corruption "
-                              f"trains on encoder inputs of exactly that length; make them equal")
         corruptor = SpanCorruptor(tuple(sentinel_ids(tok)), tok.eos_id, cfg.pad_token_id, cfg.max_seq_len,
-                                  seed=params.runconfig.seed)
+                                  seed=params.runconfig.seed, noise_density=inp.noise_density or 0.15,
+                                  mean_noise_span_length=inp.mean_noise_span_length or 3.0)
         return Data(tokenizer=tok, train=splits.train, val=val, seq_len=corruptor.tokens_length, corruptor=corruptor)
     seq_len = inp.max_sequence_length or cfg.max_seq_len
     if seq_len > cfg.max_seq_len:
