@@ -1,7 +1,7 @@
 """Model Zoo's published BERT, RoBERTa and Mixtral configs (tests/data/modelzoo, both YAML layouts): they validate
 as their families with the parameter counts of their shapes, their BERT keys map onto the encoder's knobs (or are
 refused by name), their data keys drive the masked-LM objective and the WordPiece tokenizer, and a tiny version of
-each BERT config trains on two systems as on one."""
+each BERT config trains streamed and on two systems as it does resident."""
 
 from __future__ import annotations
 
@@ -184,24 +184,26 @@ def _same_training(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ENCODERS))
-def test_tiny_published_encoder_trains_on_two_systems_as_on_one(corpus: Path, tmp_path: Path, name: str) -> None:
+def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(corpus: Path, tmp_path: Path, name: str) -> None:
     family, _, nsp, _, _ = ENCODERS[name]
     d = yaml.safe_load((DATA / name).read_text())
     vocab = _vocab(tmp_path)  # in place of the config's vocab_file; its do_lower stays
     runs = {}
-    for n in (1, 2):
-        p = tmp_path / f"p{n}.yaml"
-        p.write_text(yaml.safe_dump(_tiny(json.loads(json.dumps(d)), corpus, tmp_path / f"csx{n}",
+    for run, flags in {"resident": ["--execution", "resident"], "streaming": ["--execution", "streaming"],
+                       "swarmx": ["--num_csx", "2"]}.items():
+        p = tmp_path / f"{run}.yaml"
+        p.write_text(yaml.safe_dump(_tiny(json.loads(json.dumps(d)), corpus, tmp_path / run,
                                           len(vocab.read_text().split()), vocab_file=str(vocab))))
-        r = wsc("run", "-p", str(p), "--no_progress", "--num_csx", str(n))
+        r = wsc("run", "-p", str(p), "--no_progress", *flags)
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[n] = json.loads((tmp_path / f"csx{n}" / "summary.json").read_text())
-    assert (runs[1]["executor"], runs[2]["executor"]) == ("resident", "swarmx")
-    _same_training(tmp_path / "csx1", tmp_path / "csx2")
-    params = load_params(tmp_path / "p1.yaml")
+        runs[run] = json.loads((tmp_path / run / "summary.json").read_text())["executor"]
+    assert runs == {"resident": "resident", "streaming": "streaming", "swarmx": "swarmx"}
+    _same_training(tmp_path / "resident", tmp_path / "streaming")
+    _same_training(tmp_path / "resident", tmp_path / "swarmx")
+    params = load_params(tmp_path / "resident.yaml")
     cfg = params.model.to_model_config()
     assert (cfg.family, cfg.nsp_head, cfg.n_layer, cfg.d_model) == (family, nsp, 2, 32)
-    tok = load_tokenizer(tmp_path / "csx1" / "tokenizer")  # the WordPiece vocabulary is the run's tokenizer
+    tok = load_tokenizer(tmp_path / "resident" / "tokenizer")  # the WordPiece vocabulary is the run's tokenizer
     assert tok.vocab_size == cfg.vocab_size and tok.mask_token == "[MASK]"
     if params.train_input.do_lower:  # BERT's uncased configs
         assert tok.decode(tok.encode("First Citizen: SPEAK")) == "first citizen : speak"
