@@ -23,6 +23,7 @@ from waferscale.models.config import ModelConfig
 from waferscale.models.registry import PRESETS, build
 from waferscale.models.t5 import relative_position_bucket
 from waferscale.params import params_from_dict
+from waferscale.serve.model_runner import check_servable
 from waferscale.zoo.runner import RunOptions, run
 
 transformers = pytest.importorskip("transformers")
@@ -183,6 +184,8 @@ def test_unsupported_inputs_are_named(tmp_path: Path) -> None:
         PRESETS["t5-tiny"].replace(attn_bias=True)
     with pytest.raises(CheckpointError, match="cannot be saved as Hugging Face t5: it needs norm 'rmsnorm'"):
         hf.config_to_hf(PRESETS["t5-tiny"].replace(norm="layernorm"))
+    with pytest.raises(ConfigError, match="serving engine has no encoder-decoder"):  # wsc serve: never as a decoder
+        check_servable(PRESETS["t5-tiny"])
 
 
 # ---- wsc run: span corruption, resident = streaming = two systems ------------------------------------------------

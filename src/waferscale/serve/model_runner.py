@@ -337,6 +337,7 @@ class _MoE:
 
     def __init__(self, m: nn.Module, pack: bool, ckern: bool) -> None:
         self.top_k, self.n = m.top_k, m.n_experts
+        self.ckern = ckern  # routing in C (kernels.route), as the C layer stack routes
         self.router = FastLinear(m.router.weight, None, pack, ckern)
         self.experts = [_MLP(e, pack, ckern) for e in m.experts]
         self.read = 0
@@ -345,9 +346,13 @@ class _MoE:
         return self.experts[e].up.nbytes + self.experts[e].down.nbytes
 
     def __call__(self, h: Tensor, residual: Tensor) -> Tensor:
-        probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)  # (N, E)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype).view(-1)
+        if self.ckern:
+            chosen, weights = kernels.route(self.router(h), self.top_k)  # (N, k) each
+        else:
+            probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)  # (N, E)
+            weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(h.dtype).view(-1)
         if h.shape[0] == 1:  # one decode row: its k experts in index order, the sums of the general case below
             out = torch.zeros_like(h)
             for e, j in sorted(zip(chosen[0].tolist(), range(self.top_k))):
@@ -466,6 +471,7 @@ def check_servable(cfg: ModelConfig) -> None:
     a mixture of experts. Anything else is refused by name, never served wrong."""
     missing = [what for what, has in (
         ("encoder (bidirectional attention, no next-token decoding)", cfg.is_encoder),
+        ("encoder-decoder (wsc generate runs T5 sequence to sequence)", cfg.is_encoder_decoder),
         ("partial rotary over an odd head_dim", cfg.rotary_dims and cfg.head_dim % 2),
     ) if has]
     if missing:
@@ -547,21 +553,35 @@ class ModelRunner:
         self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, self.device)
         self.gqa = cfg.kv_heads != cfg.n_head
         self.stack = self._decode_stack(model) if self.c_attention else None
+        self.stack_batch = self.stack is not None and not self.stack.moe  # (a mixture batches per layer)
 
     def _decode_stack(self, model: CausalLM) -> kernels.DecodeStack | None:
         """All of this runner's layers in one C call for single-stream decode, when every block is the
-        Llama kind the kernels implement (sequential, RMSNorm, SwiGLU; any positions, sliding window or not)."""
+        Llama kind the kernels implement (sequential, RMSNorm, SwiGLU, or a mixture of bias-free SwiGLU experts;
+        any positions, sliding window or not)."""
         blocks = [model.blocks[i] for i in range(self.lo, self.hi)]
-        if not all(L.dense is not None and L.dense.swiglu and not L.parallel for L in self.layers) or not all(
-                isinstance(b.attn_norm, RMSNorm) and isinstance(b.mlp_norm, RMSNorm) for b in blocks):
+
+        def mlps(L: _Layer) -> list[_MLP]:
+            return [L.dense] if L.moe is None else L.moe.experts
+
+        if not all(not L.parallel and all(m.swiglu for m in mlps(L)) for L in self.layers) or not all(
+                isinstance(b.attn_norm, RMSNorm) and isinstance(b.mlp_norm, RMSNorm) for b in blocks) or any(
+                L.moe is not None and (L.moe.top_k > 16 or any(e.up.bias is not None or e.down.bias is not None
+                                                                for e in L.moe.experts)) for L in self.layers):
             return None
-        layers = [dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
-                       mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
-                       wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=L.dense.up.cw,
-                       bgu=L.dense.up.bias, wd=L.dense.down.cw, bd=L.dense.down.bias, cache=self.kv.kv[i])
-                  for i, (b, L) in enumerate(zip(blocks, self.layers))]
+        layers = []
+        for i, (b, L) in enumerate(zip(blocks, self.layers)):
+            d = dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
+                     mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
+                     wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=None, bgu=None, wd=None, bd=None,
+                     cache=self.kv.kv[i])
+            if L.moe is None:
+                d.update(wgu=L.dense.up.cw, bgu=L.dense.up.bias, wd=L.dense.down.cw, bd=L.dense.down.bias)
+            else:
+                d.update(wr=L.moe.router.cw, top_k=L.moe.top_k, experts=[(e.up.cw, e.down.cw) for e in L.moe.experts])
+            layers.append(d)
         L0 = self.layers[0]
-        return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, L0.dense.ffn, self.window, self.slopes)
+        return kernels.DecodeStack(layers, L0.n_head, L0.n_kv, L0.hd, mlps(L0)[0].ffn, self.window, self.slopes)
 
     @torch.inference_mode()
     def run(self, spec: BatchSpec, x: Tensor | None = None) -> Tensor:
@@ -586,7 +606,7 @@ class ModelRunner:
             x = self.embed.tok(P.input_ids)  # (N, C)
             if self.embed.pos is not None:
                 x = x + self.embed.pos(P.positions)
-        if self.stack is not None and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
+        if self.stack_batch and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
             x = x.contiguous().clone() if not self.has_embed else x.contiguous()
             pos, tables = P.rows_c()
             x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)
@@ -627,6 +647,10 @@ class ModelRunner:
         if self.cos_table is not None:
             cos, sin = self.cos_table[start], self.sin_table[start]  # (hd,) views
         x = self.stack(x, cos, sin, (b0 - blo) * bs, start + 1)
+        if self.stack.moe:  # the experts each layer ran
+            for L, picked in zip(self.layers, self.stack.picked.tolist()):
+                if L.moe is not None:
+                    L.moe.read += sum(L.moe.expert_bytes(e) for e in picked[:L.moe.top_k])
         return self.lm_head(self.head_norm(x)).float() if self.has_head else x
 
     def _prefill_attention(self, q: Tensor, cache: Tensor, idx: Tensor | slice, mask: Tensor | None, causal: bool,
