@@ -161,7 +161,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path,
                               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                               fuse_qkv: bool = False) -> Path:
     """convert_hf_to_gguf.py `hf_dir` --outfile `path` --outtype f32 (or q8_0, with `qtype` Q8_0) [--fuse-qkv,
-    which fuses the separate q, k, v of the architectures whose GGUF tensors include attn_qkv: llama's]."""
+    which fuses the separate q, k, v of the architectures whose GGUF tensors include attn_qkv: llama's]. Another
+    `qtype` (Q4_0, ...) quantizes the same matrices, as llama-quantize would from the f32 file."""
     hp = json.loads((Path(hf_dir) / "config.json").read_text())
     mt = hp["model_type"]
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "mixtral": gguf.MODEL_ARCH.LLAMA,
@@ -191,8 +192,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path,
         kind = qtype
         if data.ndim <= 1 or new_name.endswith("_norm.weight") or ".ffn_gate_inp." in new_name:
             kind = gguf.GGMLQuantizationType.F32
-        elif kind == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
-            kind = gguf.GGMLQuantizationType.F16  # the converter's fallback for rows Q8_0 cannot hold
+        elif kind != gguf.GGMLQuantizationType.F32 and data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+            kind = gguf.GGMLQuantizationType.F16  # the converter's fallback for rows its blocks cannot hold
         if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(new_name, data)
         elif kind == gguf.GGMLQuantizationType.F16:
