@@ -25,10 +25,10 @@ from waferscale.params.model import ModelParams
 
 DATA = Path(__file__).parent / "data" / "modelzoo"
 
-# (family, parameter count of the config's shapes, next-sentence head, token types, mlm_loss_weight). BERT-base and BERT-large are
-# BertForPreTraining's counts (the papers' 110M and 340M); Model Zoo's RoBERTa-base config is BERT-base with the
-# cased BERT vocabulary (28996), no next-sentence head, no segments and a padding position: 108.3M (roberta-base's
-# own release, with its 50265-token vocabulary, is 124.7M: the `roberta-base` preset)
+# (family, parameter count of the config's shapes, next-sentence head, token types, mlm_loss_weight). BERT-base
+# and BERT-large are BertForPreTraining's counts (the papers' 110M and 340M); Model Zoo's RoBERTa-base config is
+# BERT-base with the cased BERT vocabulary (28996), no next-sentence head, no segments and a padding position:
+# 108.3M (roberta-base's own release, with its 50265-token vocabulary, is 124.7M: the `roberta-base` preset)
 ENCODERS = {"params_bert_base_MSL128.yaml": ("bert", 110_106_428, True, 2, 0.058),
             "params_bert_large_MSL512.yaml": ("bert", 336_226_108, True, 2, 0.019),
             "params_roberta_base.yaml": ("roberta", 108_340_036, False, 0, 0.019)}
@@ -184,7 +184,8 @@ def _same_training(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ENCODERS))
-def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(corpus: Path, tmp_path: Path, name: str) -> None:
+def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(corpus: Path, tmp_path: Path,
+                                                                              name: str) -> None:
     family, _, nsp, _, _ = ENCODERS[name]
     d = yaml.safe_load((DATA / name).read_text())
     vocab = _vocab(tmp_path)  # in place of the config's vocab_file; its do_lower stays
