@@ -205,3 +205,39 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_sentencepiece_vocab_gguf(path: Path, text: str, vocab_size: int = 600) -> Path:
+    """A vocabulary-only GGUF holding a SentencePiece vocabulary as the converter's `_set_vocab_sentencepiece`
+    writes Llama's and Mistral's (tokenizer model 'llama', scores, token types), in their layout: <unk>, <s>,
+    </s>, the 256 byte tokens <0xXX>, then the pieces by rank with score -rank, here learnt from `text` by the
+    `tokenizers` SentencePiece-BPE trainer, and a control token [INST] last."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer(add_prefix_space=True)
+    trainer.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, *[gguf.TokenType.BYTE] * 256]
+    scores = [0.0] * len(tokens)
+    for rank, piece in enumerate(sorted(trainer.get_vocab(), key=trainer.get_vocab().get)):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(gguf.TokenType.NORMAL)
+            scores.append(-float(rank))
+    tokens.append("[INST]")
+    types.append(gguf.TokenType.CONTROL)
+    scores.append(0.0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

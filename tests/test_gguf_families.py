@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import wsc
-from gguf_helpers import EOS, VOCAB, write_gguf_like_llama_cpp
+from gguf_helpers import EOS, VOCAB, write_gguf_like_llama_cpp, write_sentencepiece_vocab_gguf
 from hf_helpers import max_diff, perturbed
 from waferscale.errors import CheckpointError
 from waferscale.models import hf
@@ -192,6 +192,30 @@ def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
     r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
+
+
+# ---- llama.cpp's SentencePiece vocabulary ('llama'), which Llama 2, Mistral and Mixtral files carry ------------
+
+def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path: Path) -> None:
+    """Ours encodes as llama.cpp tokenizes (spaces, newlines, characters outside the vocabulary as bytes, a control
+    token inside the text) and decodes plain text back to itself."""
+    from waferscale.data.corpus import held_out_shakespeare_passage, shakespeare_files
+    from waferscale.data.tokenizer import tokenizer_from_gguf
+
+    path = write_sentencepiece_vocab_gguf(tmp_path / "spm.gguf", shakespeare_files()[0].read_text()[:100_000])
+    tok = tokenizer_from_gguf(path)
+    passage = held_out_shakespeare_passage(2000)
+    rng = np.random.default_rng(0)
+    plain = [passage, "Hello world", " two  spaces\n\nnewline", "  leading", "trailing  ", "", "\n", "café 😀 x",
+             "ÿ\x00 tab\there", *(passage[i:i + rng.integers(1, 80)] for i in rng.integers(0, len(passage), 200))]
+    for text in plain:
+        assert tok.decode(tok.encode(text)) == text
+    llm = _llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        for text in [*plain, "[INST] what[INST]is", "[INST]"]:
+            assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text
+    finally:
+        llm.close()
 
 
 # ---- T5 (llama.cpp's `t5`: encoder and decoder stacks, each with its first layer's relative bias table) -------

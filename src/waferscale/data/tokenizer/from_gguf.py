@@ -1,5 +1,6 @@
-"""`tokenizer_from_gguf`: the byte-level BPE tokenizer that llama.cpp embeds in a GGUF file
-(`tokenizer.ggml.*` metadata), rebuilt as an `HFTokenizer`, so the real SmolLM2 model needs no hub access.
+"""`tokenizer_from_gguf`: the tokenizer that llama.cpp embeds in a GGUF file (`tokenizer.ggml.*` metadata), byte-level
+BPE ('gpt2') or SentencePiece ('llama': Llama 2, Mistral, Mixtral), rebuilt as an `HFTokenizer`, so the real
+SmolLM2 model needs no hub access.
 
 The metadata is read with the `gguf` library through `waferscale.util.gguf` (shared with the model loader).
 """
@@ -52,7 +53,7 @@ def _pre_tokenizer(pre: str) -> Any:
 
 
 def tokenizer_from_gguf(path: Path | str) -> HFTokenizer:
-    """Build the GPT-2-style byte-level BPE tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
+    """Build the byte-level BPE or SentencePiece tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata.
 
     CONTROL and USER_DEFINED tokens become added tokens, so "<|im_start|>" in text encodes as one id. The
     pre-tokenizer follows `tokenizer.ggml.pre` (SmolLM2: "smollm" = single digits + GPT-2 regex). Results are
@@ -64,6 +65,30 @@ def tokenizer_from_gguf(path: Path | str) -> HFTokenizer:
     except OSError as e:
         raise DataError(f"cannot read GGUF file {path}: {e.strerror}") from e
     return _tokenizer_from_gguf_cached(str(path), st.st_size, st.st_mtime_ns)
+
+
+def _sentencepiece(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> Any:
+    """llama.cpp's SentencePiece tokenizer ('llama': Llama 2, Mistral, Mixtral) as a `tokenizers` BPE.
+
+    llama.cpp writes spaces as U+2581 (after one in front of the text and after each special token, with
+    add_space_prefix), then merges the adjacent pair whose concatenation is a token of the highest score until
+    none is; characters outside the vocabulary become their UTF-8 byte tokens <0xXX>. A BPE whose merges are
+    every (left, right) split of each normal token into two tokens, ranked by that token's score, merges alike.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    normal = [i for i, t in enumerate(types) if t == _NORMAL]
+    splits = [(tokens[i][:k], tokens[i][k:], i) for i in normal for k in range(1, len(tokens[i]))]
+    ranked = sorted(((a, b, i) for a, b, i in splits if a in vocab and b in vocab), key=lambda m: (-scores[m[2]], m[2]))
+    unk = next((tokens[i] for i, t in enumerate(types) if t == _UNKNOWN), None)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in ranked], unk_token=unk, fuse_unk=True,
+                              byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([*([normalizers.Prepend("\u2581")] if add_space_prefix else []),
+                                          normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])])
+    return tk
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,11 +104,11 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
         return metadata[name]
 
     model = required("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise DataError(f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-                        "export a tokenizer.json with Hugging Face tokenizers and pass its path instead")
+    if model not in ("gpt2", "llama"):
+        raise DataError(f"{path}: GGUF tokenizer model {model!r} is not supported (supported: byte-level BPE 'gpt2', "
+                        "SentencePiece 'llama'); export a tokenizer.json with Hugging Face tokenizers and pass its "
+                        "path instead")
     tokens: list[str] = required("tokenizer.ggml.tokens")
-    merges_raw: list[str] = required("tokenizer.ggml.merges")
     types: list[int] = metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise DataError(f"{path}: {len(tokens)} tokens but {len(types)} token types in GGUF metadata")
@@ -91,15 +116,19 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise DataError(f"{path}: GGUF vocabulary has duplicate tokens")
-    bad = next((m for m in merges_raw if " " not in m), None)
-    if bad is not None:
-        raise DataError(f"{path}: malformed BPE merge {bad!r} in GGUF metadata")
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-
-    tk = _TK(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-    tk.decoder = decoders.ByteLevel()
-    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    if model == "llama":
+        tk = _sentencepiece(tokens, required("tokenizer.ggml.scores"), types,
+                            bool(metadata.get("tokenizer.ggml.add_space_prefix", True)))
+    else:
+        merges_raw: list[str] = required("tokenizer.ggml.merges")
+        bad = next((m for m in merges_raw if " " not in m), None)
+        if bad is not None:
+            raise DataError(f"{path}: malformed BPE merge {bad!r} in GGUF metadata")
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+        tk = _TK(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tk.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+        tk.decoder = decoders.ByteLevel()
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
     added = [AddedToken(tokens[i], special=(t == _CONTROL), normalized=False)
              for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
     tk.add_special_tokens([a for a in added if a.special])
