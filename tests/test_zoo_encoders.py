@@ -197,6 +197,7 @@ def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(c
                                           len(vocab.read_text().split()), vocab_file=str(vocab))))
         r = wsc("run", "-p", str(p), "--no_progress", *flags)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert ("note: the next-sentence head is not trained" in r.stdout) == nsp  # said, never silently
         runs[run] = json.loads((tmp_path / run / "summary.json").read_text())["executor"]
     assert runs == {"resident": "resident", "streaming": "streaming", "swarmx": "swarmx"}
     _same_training(tmp_path / "resident", tmp_path / "streaming")
@@ -244,6 +245,12 @@ def test_masked_lm_data_keys(corpus: Path, tmp_path: Path) -> None:
         bad[section][key] = "gpt-tiny" if key == "name" else True
         with pytest.raises(ConfigError, match=message):
             params_from_dict(bad, source="test")
+    # dynamic_mlm_scale: Model Zoo's loss is then the mean over the batch's masked positions, without the weight
+    scaled = json.loads(json.dumps(d))
+    scaled["model"] = {"name": "bert", "disable_nsp": True, "mlm_loss_weight": 0.058}
+    assert params_from_dict(scaled, source="test").model.to_model_config().mlm_loss_weight == 0.058
+    scaled["train_input"]["dynamic_mlm_scale"] = True
+    assert params_from_dict(scaled, source="test").model.to_model_config().mlm_loss_weight is None
     bad = json.loads(json.dumps(d))
     bad["train_input"]["do_lower"] = True
     with pytest.raises(ConfigError, match="do_lower: applies to a vocab_file"):

@@ -61,6 +61,7 @@ class InputParams:
     masked_lm_prob: float | None = None  # None: 0.15
     max_predictions_per_seq: int | None = None
     mask_whole_word: bool = False
+    dynamic_mlm_scale: bool = False  # true: the loss is the mean over the batch's masked positions (see Params)
     # Model Zoo's T5 data keys (T5DynamicDataProcessor): its SentencePiece vocabulary, the sentinels the vocabulary
     # gains, the decoder's length (what span corruption of src_max_sequence_length inputs gives) and our span
     # corruption settings (T5's: 15% noise in spans of mean length 3)
@@ -78,6 +79,7 @@ class InputParams:
         "shuffle_buffer": "shuffled windows are drawn from the whole token stream",
         **dict.fromkeys(("prefetch_factor", "persistent_workers", "use_worker_cache"), "host data-loader tuning"),
         **dict.fromkeys(("drop_last", "pad_last"), "partial batches are always dropped"),
+        "buckets": "sequence-length buckets for variable tensor shapes; sequences here are full windows",
     }
 
     def __post_init__(self) -> None:
@@ -209,6 +211,7 @@ class RunConfig:
         "show_debug_metrics": "metrics.jsonl always has loss, lr and grad norm",
         "save_losses": "every logged loss is written to metrics.jsonl",
         "enable_distributed": "distributed runs follow num_csx",
+        "multireplica": "a Cerebras compiler setting (replicas are the compiler's choice)",
         **dict.fromkeys(("python_paths", "mount_dirs", "credentials_path", "mgmt_address", "job_labels",
                          "num_workers_per_csx", "execute_crd_memory_gi"), "appliance-mode setting"),
     }
@@ -266,15 +269,20 @@ class Params:
             check_batch_split(inp, self.runconfig.num_csx, section=section)
             cfg = self.model.to_model_config()
             max_len = cfg.max_seq_len
-            masking = [k for k in ("masked_lm_prob", "max_predictions_per_seq") if getattr(inp, k) is not None]
+            masking = [k for k in ("masked_lm_prob", "max_predictions_per_seq", "dynamic_mlm_scale")
+                       if getattr(inp, k) not in (None, False)]
             if masking and not cfg.is_encoder:
                 raise FieldError(f"{section}.{masking[0]}", f"is a masked-LM setting, but the model ({cfg.family}) "
-                                 f"is a decoder, trained on next-token prediction; leave it out")
+                                 f"is not an encoder (BERT, RoBERTa); leave it out")
             self._check_span_corruption(section, inp, cfg)
             if inp.max_sequence_length is not None and inp.max_sequence_length > max_len:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
                                  f"model's max_position_embeddings {max_len}; lower it or raise "
                                  f"model.max_position_embeddings")
+        if self.train_input.dynamic_mlm_scale:
+            # Model Zoo then scales each batch's summed masked-LM loss by its sequences / masked positions (the mean
+            # over the masked positions) and leaves mlm_loss_weight out: the mean is the encoder's loss without it
+            self.model.mlm_loss_weight = None
         groups = self.sparsity if isinstance(self.sparsity, list) else [self.sparsity]
         for g in groups:
             update = g.get("update") if isinstance(g, Mapping) else None

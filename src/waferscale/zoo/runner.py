@@ -245,6 +245,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
     if data.masker is not None:
         loader = MaskedBatches(loader, data.masker)
+        if cfg.nsp_head:
+            print("note: the next-sentence head is not trained: wsc run trains the masked-LM objective only (its "
+                  "text has no sentence pairs)", file=out)
     if data.corruptor is not None:
         loader = SpanCorruptedBatches(loader, data.corruptor)
 
