@@ -4,13 +4,15 @@
     ours resident    the step `wsc run` compiles for the CPU backend (zoo.lm.compile_lm_step -> ResidentExecutor)
     ours streaming   the same for the CSX backend: MemoryX holds the weights and AdamW state, units stream through
                      the StreamingExecutor (as `wsc run --execution streaming`)
-    transformers     the family's transformers class (XForCausalLM, BertForMaskedLM, ...) built from
-                     config_to_hf(our config), its default attention, forward -> cross-entropy -> backward ->
-                     clip -> torch AdamW (fused, as transformers' Trainer picks on this torch) -> zero_grad
+    transformers     the family's transformers class (XForCausalLM, BertForMaskedLM, T5ForConditionalGeneration)
+                     from our model exported as a Hugging Face directory (save_hf_dir, from_pretrained), its
+                     default attention; forward -> cross-entropy -> backward -> clip -> torch AdamW (fused, as
+                     transformers' Trainer picks on this torch) -> zero_grad
 
-All three start from the same weights (ours exported with state_dict_to_hf; the parameter counts are printed and
-must agree) and read the same batches: next-token targets for decoders, dynamically masked inputs and labels
-for the encoders (data.masking.Masker), plus the router's load-balancing loss for Mixtral. AdamW hyper-parameters,
+All three start from the same weights (the parameter counts are printed and must agree) and read the same batches: next-token targets for decoders, dynamically masked inputs and labels
+for the encoders (data.masking.Masker), span corruption for T5 (data.span_corruption, packed as our units run
+it; transformers gets the encoder's and the decoder's ids apart), plus the router's load-balancing loss for
+Mixtral. tokens/s count every input token (T5: the encoder's and the decoder's). AdamW hyper-parameters,
 decay / no-decay groups, gradient clipping, fp32 and the thread count are the same. The first step's losses must
 agree (a warning is printed otherwise: the comparison would not be like for like).
 
@@ -18,11 +20,12 @@ Timing: every system does `--warmup` untimed steps, then `--rounds` rounds in wh
 rotated per round) runs `--steps` steps; a round's time for streaming includes waiting for MemoryX's pending
 updates. tokens/s are medians over rounds; a ratio is the median over rounds of ours / transformers within the
 round, so load that varies between rounds on a shared machine cancels out. Targets: >= 1.0 resident, >= 0.9
-streaming.
+streaming. On a machine busy with other work, elapsed time measures the neighbours too: `--clock cpu --threads 1`
+times this process's own CPU time instead (which gives streaming no credit for overlapping its optimizer).
 
-    python bench/train_families.py [--families gptj,mixtral,...] [--layers 4] [--hidden 256] [--heads 4]
+    python bench/train_families.py [--families gptj,mixtral,t5,...] [--layers 4] [--hidden 256] [--heads 4]
                                    [--vocab 512] [--seq_len 128] [--batch_size 8] [--steps 3] [--rounds 5]
-                                   [--warmup 2] [--threads 2]
+                                   [--warmup 2] [--threads 2] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ FAMILIES: dict[str, tuple[str, Callable[[argparse.Namespace], dict[str, Any]]]] 
     "mixtral": ("mixtral-tiny", lambda a: {**_ffn(a, 2), "n_experts": 8, "experts_per_token": 2}),
     "bert": ("bert-tiny", lambda a: {}),
     "roberta": ("roberta-tiny", lambda a: {}),
+    "t5": ("flan-t5-tiny", lambda a: {**_ffn(a, 2), "d_kv": a.hidden // a.heads}),  # v1.1 / FLAN: gated GELU
 }
 
 
@@ -81,11 +85,21 @@ def family_config(family: str, a: argparse.Namespace) -> ModelConfig:
 
 # ---- the batches --------------------------------------------------------------------------------------------
 
+SENTINELS = 100  # T5's <extra_id_N>, counting down from the top of the vocabulary
+
+
 def batches(cfg: ModelConfig, a: argparse.Namespace, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n (inputs, targets) pairs of (B, T) int64: next tokens for a decoder, masked-LM labels for an encoder."""
+    """n (inputs, targets) pairs of int64 (B, ...): next tokens for a decoder, masked-LM labels for an encoder,
+    span corruption packed as the units run it for T5 (seq_len encoder tokens, then the decoder's)."""
     from waferscale.data import Masker
+    from waferscale.data.span_corruption import SpanCorruptor
 
     g = torch.Generator().manual_seed(a.seed)
+    if cfg.family == "t5":
+        corruptor = SpanCorruptor(tuple(range(cfg.vocab_size - 1, cfg.vocab_size - 1 - SENTINELS, -1)), 1,
+                                  cfg.pad_token_id, cfg.max_seq_len, seed=a.seed)
+        tokens = torch.randint(2, cfg.vocab_size - SENTINELS, (n, a.batch_size, corruptor.tokens_length), generator=g)
+        return [corruptor.corrupt(t, k) for k, t in enumerate(tokens)]
     tokens = torch.randint(0, cfg.vocab_size - 1, (n, a.batch_size, a.seq_len + 1), generator=g)
     if not cfg.is_encoder:
         return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
@@ -143,12 +157,16 @@ def transformers_loop(cfg: ModelConfig, init: dict[str, torch.Tensor], work: Pat
     opt = torch.optim.AdamW(param_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS,
                             fused=True)
     params = list(model.parameters())
-    moe = cfg.n_experts > 0
+    moe, L = cfg.n_experts > 0, cfg.max_seq_len
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        out = model(input_ids=x, output_router_logits=True) if moe else model(input_ids=x)
+        if cfg.family == "t5":  # the packed row: the encoder's input ids, then the decoder's
+            out = model(input_ids=x[:, :L], decoder_input_ids=x[:, L:])
+            y = y[:, L:]
+        else:
+            out = model(input_ids=x, output_router_logits=True) if moe else model(input_ids=x)
         logits = out.logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100)
         if moe:
             loss = loss + conf.router_aux_loss_coef * out.aux_loss
         loss.backward()
@@ -181,7 +199,7 @@ def bench_family(family: str, a: argparse.Namespace, work: Path) -> Result:
     systems = [ours(cfg, init, "resident", work), ours(cfg, init, "streaming", work), transformers_loop(cfg, init, work)]
     data = batches(cfg, a, a.warmup + a.rounds * a.steps)
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    tokens = a.batch_size * a.seq_len
+    tokens = data[0][0].numel()  # per step: T5's counts the encoder's and the decoder's
     first: dict[str, float] = {}
     for s in systems:
         for k in range(a.warmup):
