@@ -9,12 +9,13 @@
                      default attention; forward -> cross-entropy -> backward -> clip -> torch AdamW (fused, as
                      transformers' Trainer picks on this torch) -> zero_grad
 
-All three start from the same weights (the parameter counts are printed and must agree) and read the same batches: next-token targets for decoders, dynamically masked inputs and labels
-for the encoders (data.masking.Masker), span corruption for T5 (data.span_corruption, packed as our units run
-it; transformers gets the encoder's and the decoder's ids apart), plus the router's load-balancing loss for
-Mixtral. tokens/s count every input token (T5: the encoder's and the decoder's). AdamW hyper-parameters,
-decay / no-decay groups, gradient clipping, fp32 and the thread count are the same. The first step's losses must
-agree (a warning is printed otherwise: the comparison would not be like for like).
+All three start from the same weights (the parameter counts are printed and must agree) and read the same
+batches: next-token targets for decoders, dynamically masked inputs and labels for the encoders
+(data.masking.Masker), span corruption for T5 (data.span_corruption, packed as our units run it; transformers
+gets the encoder's and the decoder's ids apart), plus the router's load-balancing loss for Mixtral. tokens/s
+count every input token (T5: the encoder's and the decoder's). AdamW hyper-parameters, decay / no-decay groups,
+gradient clipping, fp32 and the thread count are the same. The first step's losses must agree (a warning is
+printed otherwise: the comparison would not be like for like).
 
 Timing: every system does `--warmup` untimed steps, then `--rounds` rounds in which each system in turn (order
 rotated per round) runs `--steps` steps; a round's time for streaming includes waiting for MemoryX's pending
