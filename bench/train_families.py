@@ -197,7 +197,8 @@ def bench_family(family: str, a: argparse.Namespace, work: Path) -> Result:
     cfg = family_config(family, a)
     torch.manual_seed(a.seed)
     init = build(cfg, device="cpu").state_dict()
-    systems = [ours(cfg, init, "resident", work), ours(cfg, init, "streaming", work), transformers_loop(cfg, init, work)]
+    systems = [ours(cfg, init, "resident", work), ours(cfg, init, "streaming", work),
+               transformers_loop(cfg, init, work)]
     data = batches(cfg, a, a.warmup + a.rounds * a.steps)
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
     tokens = data[0][0].numel()  # per step: T5's counts the encoder's and the decoder's
@@ -260,7 +261,8 @@ def main() -> None:
 
     print(f"{a.layers} layers x {a.hidden} ({a.heads} heads), vocab {a.vocab}, batch {a.batch_size}x{a.seq_len}, "
           f"fp32, AdamW lr {LR:g} wd {WEIGHT_DECAY:g} clip {CLIP:g}; {a.warmup} warm-up steps, then {a.rounds} rounds "
-          f"of {a.steps} steps per system; {torch.get_num_threads()} threads, {a.clock} clock; torch {torch.__version__}, "
+          f"of {a.steps} steps per system; {torch.get_num_threads()} threads, {a.clock} clock; "
+          f"torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
     results = []
     with tempfile.TemporaryDirectory(prefix="wsc-train-families-") as d:
