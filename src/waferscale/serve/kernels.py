@@ -104,6 +104,7 @@ def _build() -> ctypes.CDLL:
             ("wsc_silu_mul", [P, P, L, L], None),
             ("wsc_argmax", [P, L], L),
             ("wsc_argmax_rows", [P, L, L, L, P], None),
+            ("wsc_route", [P, L, L, L, P, P], None),
             ("wsc_decode_layers", [P, P, L, L, L, L, L, L, P, P, L, L, L, P], I),
             ("wsc_decode_layers_batch", [P, P, L, L, L, L, L, L, L, P, P, L, P, P, L, L, P, P], I),
             ("wsc_sparse_plan", [P, L, L, P], I),
@@ -318,6 +319,15 @@ def argmax_rows(x: Tensor, n: int | None = None) -> list[int]:
     return out.tolist()
 
 
+def route(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """A mixture of experts' routing: (R, E) router logits -> (R, k) chosen experts (int64, largest first) and
+    their softmax probabilities renormalized over the k (float32), as layers.MoE computes them."""
+    R, E = logits.shape
+    chosen, w = torch.empty(R, k, dtype=torch.long), torch.empty(R, k)
+    _lib.wsc_route(logits.data_ptr(), R, E, k, chosen.data_ptr(), w.data_ptr())
+    return chosen, w
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """(R, n) x, (n,) w -> (R, n) RMSNorm(x) * w."""
     R, n = x.shape
@@ -335,20 +345,29 @@ _SPARSE_OFFS = {"wqkv": "oqkv", "wo": "oo", "wgu": "ogu", "wd": "od"}  # a matri
 class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
     _fields_ = [(f, ctypes.c_void_p) for f in _LAYER_PTRS] + \
         [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)] + \
-        [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()] + [("window", ctypes.c_long), ("slopes", ctypes.c_void_p)]
+        [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()] + [("window", ctypes.c_long), ("slopes", ctypes.c_void_p)] + \
+        [("n_experts", ctypes.c_long), ("top_k", ctypes.c_long)] + \
+        [(f, ctypes.c_void_p) for f in ("wr", "orr", "wgu_e", "ogu_e", "wd_e", "od_e", "picked")]
+
+
+def _blob_off(w: Tensor | SparsePanels) -> tuple[int, int | None]:
+    """(weight pointer, sparse panel offsets pointer or None) of a packed weight."""
+    return (w.blob.data_ptr(), w.off.data_ptr()) if isinstance(w, SparsePanels) else (w.data_ptr(), None)
 
 
 class DecodeStack:
-    """Layers of Llama-style blocks (RMSNorm, fused q|k|v, GQA attention, fused gate|up SwiGLU) for decode
-    tokens, every layer in one C call. Holds references to every tensor it points at."""
+    """Layers of Llama-style blocks (RMSNorm, fused q|k|v, GQA attention, fused gate|up SwiGLU or a mixture of
+    such experts) for decode tokens, every layer in one C call. Holds references to every tensor it points at."""
 
     def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int, window: int = 0,
                  slopes: Tensor | None = None) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
-        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd)). window,
-        slopes: every layer's attention over the latest `window` positions (0: all), with ALiBi slopes
-        ((n_head,) float32, or None), as `decode_attention`."""
-        self._keep = layers, slopes
+        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd)); a mixture of
+        experts (single-sequence decode only: __call__) has instead of wgu / wd the packed router wr, its top_k
+        and experts, [(wgu, wd)] without biases; `picked` ((layers, top_k) int64) then holds after each call
+        the experts each layer ran, in index order. window, slopes: every layer's attention over the latest
+        `window` positions (0: all), with ALiBi slopes ((n_head,) float32, or None), as `decode_attention`."""
+        self._keep = [layers, slopes]
         self.n, self.nh, self.nkv, self.hd, self.ffn = len(layers), n_head, n_kv, head_dim, ffn
         self.C = layers[0]["attn_norm"].shape[0]
         self.slots = layers[0]["cache"].shape[1]
@@ -362,7 +381,27 @@ class DecodeStack:
                 setattr(t, f, _ptr(v))
             t.attn_eps, t.mlp_eps = d["attn_eps"], d["mlp_eps"]
             t.window, t.slopes = window, _ptr(slopes)
-        self._scratch = torch.empty(self.C + (n_head + 2 * n_kv) * head_dim + n_head * head_dim + 3 * ffn)
+        experts = [d.get("experts") for d in layers]
+        self.moe = any(experts)
+        top_k = max((d["top_k"] for d in layers if d.get("experts")), default=0)
+        self.picked = torch.zeros(len(layers), max(1, top_k), dtype=torch.long)
+        E = 0
+        for i, (t, d) in enumerate(zip(self._arr, layers)):
+            if not d.get("experts"):
+                continue
+            E = max(E, len(d["experts"]))
+            t.n_experts, t.top_k = len(d["experts"]), d["top_k"]
+            t.wr, t.orr = _blob_off(d["wr"])
+            for f, o, j in (("wgu_e", "ogu_e", 0), ("wd_e", "od_e", 1)):
+                ptrs = [_blob_off(e[j]) for e in d["experts"]]
+                arr, offs = (ctypes.c_void_p * len(ptrs))(*[w for w, _ in ptrs]), \
+                    (ctypes.c_void_p * len(ptrs))(*[off for _, off in ptrs])
+                self._keep += [arr, offs]
+                setattr(t, f, ctypes.addressof(arr))
+                setattr(t, o, ctypes.addressof(offs))
+            t.picked = self.picked[i].data_ptr()
+        self._scratch = torch.empty(self.C + (n_head + 2 * n_kv) * head_dim + n_head * head_dim + 3 * ffn
+                                    + (E + 2 * self.C if self.moe else 0))
 
     def __call__(self, x: Tensor, cos: Tensor | None, sin_signed: Tensor | None, slot0: int, S: int) -> Tensor:
         """One token of one sequence: x (1, C) -> (1, C) after every layer, in place (pass a copy if it must
@@ -379,6 +418,8 @@ class DecodeStack:
         place. Token r sits at position pos[r] of its sequence (block table tables[r], (R, max blocks) int64,
         blocks of `block_size` slots); cos_t / sin_t: (positions, hd) rotary tables (sin with its first half
         negated) or None. Same arithmetic as one sequence at a time."""
+        if self.moe:
+            raise ValueError("DecodeStack.batch runs no mixture of experts (the runner's per-layer path does)")
         R = x.shape[0]
         nq = (self.nh + 2 * self.nkv) * self.hd
         scratch = torch.empty(R * (self.C + nq + self.nh * self.hd + 3 * self.ffn))

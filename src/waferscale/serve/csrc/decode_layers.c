@@ -11,10 +11,56 @@ typedef struct {
     const int64_t *oqkv, *oo, *ogu, *od;  /* sparse panel offsets of wqkv, wo, wgu, wd (spanels.c); NULL: dense */
     long window;  /* sliding-window attention over the latest `window` positions (0: all) */
     const float* slopes;  /* ALiBi slopes per query head (NULL: none) */
+    /* a mixture of experts instead of wgu / wd (n_experts 0: none; single-sequence decode only): the router
+       (n_experts outputs, no bias), each expert's fused gate|up and down (no biases), packed; picked: where
+       the k experts each token chose are written (in index order) */
+    long n_experts, top_k;
+    const float* wr;
+    const int64_t* orr;
+    const float* const* wgu_e;
+    const int64_t* const* ogu_e;
+    const float* const* wd_e;
+    const int64_t* const* od_e;
+    long* picked;
 } layer_t;
 
-/* x (C,) in place through layers[0 .. n); scratch: at least C + (nh + 2 nkv) hd + nh hd + 3 ffn floats.
-   Returns 0, or -1 when out of memory. */
+#define MAX_TOP_K 16
+
+/* x (C,) += the mixture of experts of h (C,): the routed experts in index order, each one's output times its
+   weight summed into a zeroed out (C,), then added to x: layers.MoE's (and the runner's) arithmetic.
+   scratch: E + 2 C + 3 ffn floats. Returns 0, or -1 when out of memory. */
+static int moe_row(const layer_t* L, const float* h, float* x, long C, long ffn, float* scratch) {
+    float* logits = scratch;
+    float* out = logits + L->n_experts;
+    float* ye = out + C;
+    float* gu = ye + C;
+    float* a = gu + 2 * ffn;
+    long k = L->top_k, chosen[MAX_TOP_K];
+    float w[MAX_TOP_K];
+    if (product(L->wr, L->orr, h, NULL, NULL, logits, 1, L->n_experts, C) != 0) return -1;
+    wsc_route(logits, 1, L->n_experts, k, chosen, w);
+    for (long i = 1; i < k; i++)  /* index order */
+        for (long j = i; j > 0 && chosen[j - 1] > chosen[j]; j--) {
+            long c = chosen[j]; chosen[j] = chosen[j - 1]; chosen[j - 1] = c;
+            float t = w[j]; w[j] = w[j - 1]; w[j - 1] = t;
+        }
+    for (long i = 0; i < C; i++) out[i] = 0.0f;
+    for (long j = 0; j < k; j++) {
+        long e = chosen[j];
+        L->picked[j] = e;
+        if (product(L->wgu_e[e], L->ogu_e[e], h, NULL, NULL, gu, 1, 2 * ffn, C) != 0) return -1;
+        wsc_silu_mul(gu, a, 1, ffn);
+        if (product(L->wd_e[e], L->od_e[e], a, NULL, NULL, ye, 1, C, ffn) != 0) return -1;
+        /* a product, then a sum (two loops: no fused multiply-add, which the runner's torch ops do not do) */
+        for (long i = 0; i < C; i++) ye[i] *= w[j];
+        for (long i = 0; i < C; i++) out[i] += ye[i];
+    }
+    for (long i = 0; i < C; i++) x[i] += out[i];
+    return 0;
+}
+
+/* x (C,) in place through layers[0 .. n); scratch: at least C + (nh + 2 nkv) hd + nh hd + 3 ffn floats, and
+   with experts E + 3 C + (nh + 2 nkv) hd + nh hd + 3 ffn. Returns 0, or -1 when out of memory. */
 int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, long nkv, long hd, long ffn,
                       const float* cos, const float* sin_signed, long slots, long slot0, long S, float* scratch) {
     float* h = scratch;
@@ -32,6 +78,10 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
             return -1;
         product(L->wo, L->oo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
+        if (L->n_experts) {
+            if (moe_row(L, h, x, C, ffn, gu) != 0) return -1;
+            continue;
+        }
         product(L->wgu, L->ogu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
         wsc_silu_mul(gu, a, 1, ffn);
         product(L->wd, L->od, a, L->bd, x, x, 1, C, ffn);
@@ -39,7 +89,7 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
     return 0;
 }
 
-/* The same layers for decode tokens of R sequences over a block-paged cache: x (R, C) in place; token r sits
+/* The same layers (without experts) for decode tokens of R sequences over a block-paged cache: x (R, C) in place; token r sits
    at position pos[r] of its sequence, whose block table is tables[r * ldt ..] (blocks of bs slots); rows:
    0 .. R-1. scratch: at least R * (C + (nh + 2 nkv) hd + nh hd + 3 ffn) floats. Returns 0, or -1 when out of
    memory. */

@@ -1,4 +1,4 @@
-/* Row-wise kernels: SwiGLU, argmax (greedy sampling), RMSNorm. */
+/* Row-wise kernels: SwiGLU, argmax (greedy sampling), RMSNorm, a mixture of experts' routing. */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif
@@ -72,5 +72,32 @@ void wsc_rms_norm(const float* x, const float* w, float eps, float* y, long rows
         float ss = dot(xr, xr, n);
         float inv = 1.0f / sqrtf(ss / (float)n + eps);
         for (long i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* A mixture of experts' routing of rows rows of router logits (E each): the softmax (max subtracted, expf,
+   float32), its k largest probabilities (the first of equal ones first, largest first, as torch.topk) and these
+   renormalized by their sum: chosen[r * k ..], w[r * k ..]. */
+void wsc_route(const float* logits, long rows, long E, long k, long* chosen, float* w) {
+    for (long r = 0; r < rows; r++) {
+        const float* l = logits + r * E;
+        long* c = chosen + r * k;
+        float* p = w + r * k;
+        float m = l[0], sum = 0.0f;
+        for (long e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+        for (long e = 0; e < E; e++) sum += expf(l[e] - m);
+        for (long j = 0; j < k; j++) {  /* selection: k is small */
+            long best = -1;
+            for (long e = 0; e < E; e++) {
+                int taken = 0;
+                for (long i = 0; i < j; i++) taken |= c[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            c[j] = best;
+            p[j] = expf(l[best] - m) / sum;
+        }
+        float s = 0.0f;
+        for (long j = 0; j < k; j++) s += p[j];
+        for (long j = 0; j < k; j++) p[j] /= s;
     }
 }
