@@ -456,7 +456,7 @@ class ModelParams:
         if self.mask_padding_in_positional_embed is not None:
             family = "roberta" if self.mask_padding_in_positional_embed else "bert"
         else:
-            family = base.family if base else "roberta" if (self.name or "").lower() == "roberta" else "bert"
+            family = base.family if base else "bert"
         defaults = {} if base else {"block": "post_norm", "lm_head_bias": True, "type_vocab_size": 2 if nsp else 0,
                                     **_BERT_DEFAULTS}
         given = {"type_vocab_size": self.num_segments, "pad_token_id": self.pad_token_id,
