@@ -340,3 +340,20 @@ def test_modelzoo_t5_keys_we_cannot_honour_are_named(corpus: Path, tmp_path: Pat
     gpt["train_input"]["noise_density"] = 0.2
     with pytest.raises(ConfigError, match="noise_density: is a T5 span-corruption setting, but the model"):
         params_from_dict(gpt, "t")
+
+
+def test_streamed_t5_built_on_meta_gets_t5s_initialisation() -> None:
+    """MemoryX initialises a model built on the meta device (as flan-t5-xl is) by the model's own rule: T5's
+    standard deviations, not GPT's."""
+    from waferscale.runtime.memoryx import MemoryX
+    from waferscale.runtime.optim import OptimizerSpec
+
+    cfg = PRESETS["flan-t5-tiny"].replace(d_model=64, d_ff=256, d_kv=16)
+    mx = MemoryX(build(cfg, device="meta"), OptimizerSpec("AdamW", 1e-3))
+    w = mx.checkpoint_state()
+    expected = {"embed.tok.weight": 1.0, "head.lm_head.weight": 1.0, "encoder.0.attn.q_proj.weight": (64 * 16) ** -0.5,
+                "encoder.0.attn.k_proj.weight": 64 ** -0.5, "encoder.0.attn.o_proj.weight": 64 ** -0.5,
+                "decoder.1.mlp.down_proj.weight": 256 ** -0.5, "decoder.0.rel.weight": 64 ** -0.5}
+    for name, std in expected.items():
+        assert float(w[name].std()) == pytest.approx(std, rel=0.15), name
+    assert float(w["decoder.1.cross_norm.weight"].min()) == 1.0

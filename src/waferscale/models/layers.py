@@ -373,16 +373,22 @@ class CausalLM(nn.Module):
                 for _ in range(cfg.n_layer)]
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2·n_layer)."""
+    def init_parameter(self, name: str, t: Tensor) -> None:
+        """The initialisation of parameter `name` (its values `t`): `reset_parameters` applies it to each, MemoryX
+        to the weights of a model built on the meta device. GPT-2's: N(0, init_std), residual projections scaled
+        by 1/sqrt(2·n_layer)."""
         std = self.config.init_std
+        if t.ndim == 1:
+            t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
+        else:
+            t.normal_(0.0, std)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
         for name, p in self.named_parameters():
-            if p.ndim == 1:
-                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
-            else:
-                nn.init.normal_(p, 0.0, std)
+            self.init_parameter(name, p)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

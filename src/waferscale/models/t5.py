@@ -70,7 +70,10 @@ class RelativeBias(nn.Module):
         q = torch.arange(q_start, q_start + q_len, device=dev)[:, None]
         rel = torch.arange(k_len, device=dev)[None, :] - q  # (T, S)
         buckets = relative_position_bucket(rel, self.bidirectional, self.weight.shape[0], self.max_distance)
-        bias = F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)  # (1, nh, T, S)
+        # index_select, not F.embedding: the same rows, but its backward (an index_add into the few buckets) costs
+        # a fifth of the embedding's (which sorts the T * S indices), in every layer of every step
+        rows = self.weight.index_select(0, buckets.reshape(-1)).view(*buckets.shape, -1)  # (T, S, nh)
+        bias = rows.permute(2, 0, 1).unsqueeze(0)  # (1, nh, T, S)
         return bias if self.bidirectional else bias.masked_fill(rel > 0, float("-inf"))
 
 
@@ -327,22 +330,21 @@ class T5(CausalLM):
         """T5 has no non-persistent buffers (its positions are the learned bias tables)."""
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def init_parameter(self, name: str, t: Tensor) -> None:
         """T5's initialisation (Mesh TensorFlow's, as transformers' T5 with initializer_factor 1): embeddings and
         an untied head N(0, 1); queries N(0, (d_model * d_kv)^-1/2), keys, values, the bias tables and the
         feed-forward's input N(0, d_model^-1/2); attention outputs N(0, (n_head * d_kv)^-1/2); the feed-forward's
-        output N(0, d_ff^-1/2); norms 1."""
+        output N(0, d_ff^-1/2); norms 1 (a LayerNorm's bias, where a Model Zoo config asks for one, 0)."""
         cfg = self.config
         d, inner = cfg.d_model, cfg.n_head * cfg.head_dim
         std = {"tok": 1.0, "lm_head": 1.0, "q_proj": (d * cfg.head_dim) ** -0.5, "o_proj": inner ** -0.5,
                "down_proj": cfg.ffn_dim ** -0.5}
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith("norm.bias"):  # (a LayerNorm's, where a Model Zoo config asks for one)
-                nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, 0.0, std.get(name.split(".")[-2], d ** -0.5))
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith("norm.bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, std.get(name.split(".")[-2], d ** -0.5))
 
     def generate(self, idx: Tensor, max_new_tokens: int, *, eos_id: int | None = None, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[int]:

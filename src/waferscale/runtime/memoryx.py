@@ -30,7 +30,6 @@ is its packed payload expanded, and a device that shares host memory computes fr
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -137,17 +136,6 @@ def return_freed_memory_to_os() -> None:
         pass
 
 
-def _init_like_reset(name: str, t: Tensor, n_layer: int, std: float) -> None:
-    """The rule of `CausalLM.reset_parameters`, applied to one parameter; called in `named_parameters()` order
-    so the global RNG draws the same numbers as a resident model built with the same seed."""
-    if t.ndim == 1:
-        t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
-    elif name.endswith(("o_proj.weight", "down_proj.weight")):
-        t.normal_(0.0, std / math.sqrt(2 * n_layer))
-    else:
-        t.normal_(0.0, std)
-
-
 # ---- the store -------------------------------------------------------------------------------------------
 
 class MemoryX:
@@ -163,13 +151,12 @@ class MemoryX:
                  pin_memory: bool = False, max_gradient_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
-        here as `reset_parameters` would, unit by unit); any other nn.Module with CPU weights and its `units`.
+        by the model's `init_parameter`, unit by unit); any other nn.Module with CPU weights and its `units`.
         optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters)."""
         if optimizer.optimizer_type == "Lamb":
             raise ConfigError("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit "
                               "fused update does not compute yet: use AdamW, Adam, SGD or Lion with weight "
                               "streaming, or --execution resident")
-        cfg = getattr(model, "config", None)
         self.stream_dtype = stream_dtype or torch.float32  # dtype of streamed matrices
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
@@ -209,8 +196,8 @@ class MemoryX:
             with torch.no_grad():
                 for e in lay.owned:
                     v = flat[e.offset:e.offset + e.numel].view(e.shape)
-                    if meta:
-                        _init_like_reset(e.name, v, cfg.n_layer, cfg.init_std)
+                    if meta:  # the model's own rule (`CausalLM.init_parameter`), one parameter at a time
+                        model.init_parameter(e.name, v)
                     else:
                         v.copy_(skeleton[e.name].detach())
             nb = sum(e.numel for e in lay.owned if e.matrix)
