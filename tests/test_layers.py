@@ -30,10 +30,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": _BOTTOM,  # models and data never import each other
     "data": _BOTTOM,
     "sparse": _BOTTOM,  # masks and algorithms, pure torch: below everything that applies them
-    "compiler": _BOTTOM | {"fabric", "models", "sparse"},  # sparse: a params file's section, read by capture
+    # sparse: a params file's section, read by capture; data: span corruption's lengths (a T5 target's tokens)
+    "compiler": _BOTTOM | {"fabric", "models", "sparse", "data"},
     "runtime": _L1 | {"compiler"},  # never pytorch, params, zoo, serve, cli
     "pytorch": _L1 | {"compiler", "runtime"},  # the cstorch API
-    "params": _BOTTOM | {"models", "sparse", "runtime"},  # the params YAML; read only by zoo and cli
+    "params": _BOTTOM | {"models", "data", "sparse", "runtime"},  # the params YAML; read only by zoo and cli
     "zoo": _L1 | {"compiler", "runtime", "pytorch", "params", "plots"},  # the Model Zoo runner (`wsc run`)
     "serve": _L1 | {"compiler", "runtime"},  # not pytorch, not zoo
     "plots": _BOTTOM,  # pictures; imported only by cli and zoo
