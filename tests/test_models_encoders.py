@@ -221,3 +221,17 @@ def test_model_zoo_section_keeps_an_encoder_preset_and_trains_masked_lm(corpus: 
     assert params.model.to_model_config() == PRESETS["bert-tiny"].replace(vocab_size=64, max_seq_len=32)
     summary = run(params, RunOptions(model_dir=tmp_path / "run", progress=False), out=io.StringIO())
     assert summary["model"] == "bert-tiny" and summary["final_step"] == 2
+
+
+def test_streamed_encoder_built_on_meta_gets_berts_initialisation() -> None:
+    """MemoryX initialises an encoder built on the meta device by BERT's rule: every matrix N(0, init_std) (no
+    GPT-style scaling of the residual projections), biases 0, norms 1, the padding token's embedding 0."""
+    from waferscale.runtime.memoryx import MemoryX
+    from waferscale.runtime.optim import OptimizerSpec
+
+    cfg = PRESETS["bert-base"].replace(n_layer=8, d_model=64, n_head=4, vocab_size=500)
+    w = MemoryX(build(cfg, device="meta"), OptimizerSpec("AdamW", 1e-3)).checkpoint_state()
+    for name in ("embed.tok.weight", "blocks.7.attn.o_proj.weight", "blocks.7.mlp.down_proj.weight"):
+        assert float(w[name].std()) == pytest.approx(cfg.init_std, rel=0.1), name
+    assert not w["embed.tok.weight"][cfg.pad_token_id].any()
+    assert float(w["blocks.3.mlp_norm.weight"].min()) == 1.0 and not w["blocks.3.attn.o_proj.bias"].any()

@@ -140,16 +140,16 @@ class BERT(CausalLM):
                           "cache (it fills masks, it does not generate)")
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """BERT's initialisation: every matrix and embedding N(0, init_std), biases 0, norms 1, the padding
-        token's embedding 0."""
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, 0.0, self.config.init_std)
-        if self.config.pad_token_id is not None:
-            self.embed.tok.weight[self.config.pad_token_id].zero_()
+    def init_parameter(self, name: str, t: Tensor) -> None:
+        """BERT's initialisation (`reset_parameters` applies it to each parameter, MemoryX to the weights of a
+        model built on the meta device): every matrix and embedding N(0, init_std), biases 0, norms 1, the
+        padding token's embedding 0."""
+        if t.ndim == 1:
+            t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
+            return
+        t.normal_(0.0, self.config.init_std)
+        if name == "embed.tok.weight" and self.config.pad_token_id is not None:
+            t[self.config.pad_token_id].zero_()
 
 
 class RoBERTa(BERT):
