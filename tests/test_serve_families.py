@@ -138,10 +138,21 @@ def test_sliding_window_frees_blocks_outside_it(path: str, tok, tmp_path_factory
             held.append(alloc.held("long"))
     assert got == want[0]
     assert max(held[1:]) <= math.ceil(window / bs) + 1 < math.ceil((len(prompts[0]) + new) / bs)
+    # a pool of 8 blocks (32 positions) serves the 105-position request: its window and a chunk fit
+    assert _engine(ours, tok, path, block_size=bs, num_blocks=8).generate([prompts[0]], params) == [want[0]]
     full = math.ceil((max(map(len, prompts)) + new) / bs)  # blocks one full cache would take
     e = _engine(ours, tok, path, block_size=bs, num_blocks=2 * full)
     assert e.generate(prompts, params) == want
     assert e.stats()["num_preemptions"] == 0 and e.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("key", ["mistral", "mixtral"])
+def test_pipelined_stages(key: str, path: str, tok, tmp_path_factory) -> None:
+    """Two stage processes, each over its layers and its own KV (the window's blocks freed per stage group)."""
+    theirs, ours = _models(key, tmp_path_factory)
+    with _engine(ours, tok, path, stages=2) as e:
+        assert e.generate(PROMPTS, GREEDY) == _reference(theirs, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("path", PATHS)
