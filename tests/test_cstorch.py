@@ -105,6 +105,18 @@ def test_streaming_clipping_and_lion_equal_resident(tmp_path):
     assert_close_weights(ws, wr, 1e-5)
 
 
+def test_adafactor_configured_by_name_streams_as_it_trains_resident(tmp_path):
+    """Model Zoo's spelling, Cerebras' defaults (relative_step False: the scheduler's rate, scaled by each
+    parameter's RMS); MemoryX steps each parameter whole and keeps the factored state, in torch's format."""
+    lr, wr, _ = train("CPU", lambda: build(TINY_GPT), opt="AdaFactor", tmp=tmp_path)
+    ls, ws, opt = train("CSX", lambda: build(TINY_GPT), opt="AdaFactor", tmp=tmp_path)
+    assert isinstance(opt, cstorch.optim.Adafactor) and not opt.defaults["relative_step"]
+    assert ls == pytest.approx(lr, rel=1e-5) and lr[-1] < lr[0]
+    assert max(float((wr[k] - ws[k]).abs().max()) for k in wr) < 1e-5
+    state = opt.state_dict()["state"]
+    assert any("exp_avg_sq_row" in st for st in state.values()) and not any("exp_avg" in st for st in state.values())
+
+
 def test_streaming_bf16_with_loss_scaling_tracks_resident(tmp_path):
     lr, _, _ = train("CPU", lambda: build(TINY_GPT), half="bfloat16", scaler=True, tmp=tmp_path)
     ls, _, opt = train("CSX", lambda: build(TINY_GPT), half="bfloat16", scaler=True, tmp=tmp_path)
@@ -262,7 +274,9 @@ def test_bad_input_is_named():
     with pytest.raises(ConfigError, match="function that returns"):
         cstorch.utils.data.DataLoader([1, 2])
     with pytest.raises(ConfigError, match="optimizer_type"):
-        cstorch.optim.configure_optimizer("Adafactor", [nn.Parameter(torch.zeros(1))])
+        cstorch.optim.configure_optimizer("Adafactr", [nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ConfigError, match="relative_step=True exclude"):  # (Cerebras' Adafactor takes its rate)
+        cstorch.optim.configure_optimizer("AdaFactor", [nn.Parameter(torch.zeros(1))], lr=0.1, relative_step=True)
 
 
 def _example(tmp: Path, *args: str) -> list[float]:

@@ -238,4 +238,4 @@ def test_runtime_takes_a_spec_and_canonical_schedules() -> None:
     with pytest.raises(ConfigError, match="must be a number"):
         rt.build_optimizer(Tiny().parameters(), opt_params(learning_rate=[linear(0.0, 1.0, 10)]))
     with pytest.raises(ConfigError, match="not one of"):
-        rt.OptimizerSpec(optimizer_type="Adafactor")
+        rt.OptimizerSpec(optimizer_type="Adafactr")

@@ -122,6 +122,7 @@ class InputParams:
 # ---- optimizer -------------------------------------------------------------------------------------------
 
 OPTIMIZERS = tuple(optim.OPTIMIZERS)  # the optimizers the runtime builds
+ADAFACTOR_KEYS = ("clip_threshold", "decay_rate", "beta1", "scale_parameter", "relative_step", "warmup_init")
 
 
 @dataclass
@@ -130,10 +131,11 @@ class OptimizerParams:
     other, each normalized: the canonical `scheduler` name first ('Linear', 'CosineDecay', ...; see
     `SCHEDULERS`), legacy spellings mapped, defaults filled in, unset optional keys left out."""
 
-    optimizer_type: Literal[OPTIMIZERS]  # type: ignore[valid-type]
+    optimizer_type: Literal[OPTIMIZERS]  # type: ignore[valid-type]  (any case, as Model Zoo: 'AdaFactor')
     learning_rate: float | list[dict[str, Any]] = field(metadata={"convert": convert_learning_rate})
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6  # cstorch's AdamW default (torch's is 1e-8)
+    # None: the optimizer's default, 1e-6 (cstorch's AdamW default; torch's is 1e-8), Adafactor's (1e-30, 1e-3)
+    eps: float | tuple[float, float] | None = None
     weight_decay: float = 0.0  # applied to parameters with ndim >= 2 only (see runtime.optim.param_groups)
     momentum: float = 0.0  # SGD
     nesterov: bool = False  # SGD
@@ -144,6 +146,13 @@ class OptimizerParams:
     steps_per_increase: int = 2000  # dynamic loss scaling: growth interval
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
+    # Adafactor's keys (cstorch.optim.Adafactor's arguments, its defaults; see runtime.optim.Adafactor)
+    clip_threshold: float = 1.0
+    decay_rate: float = -0.8
+    beta1: float | None = None
+    scale_parameter: bool = True
+    relative_step: bool = False
+    warmup_init: bool = False
 
     ALIASES: ClassVar[dict[str, str]] = {"weight_decay_rate": "weight_decay"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
@@ -157,7 +166,9 @@ class OptimizerParams:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
-        non_negative(self, "eps", "weight_decay", "momentum")
+        non_negative(self, "weight_decay", "momentum")
+        if self.eps is not None and min(self.eps if isinstance(self.eps, tuple) else (self.eps,)) < 0:
+            raise FieldError("eps", f"must be >= 0, got {self.eps}")
         if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
             raise FieldError("max_gradient_norm", f"must be > 0 (or left out for no clipping), "
                              f"got {self.max_gradient_norm}")
@@ -168,6 +179,24 @@ class OptimizerParams:
             raise FieldError("loss_scaling_factor", f"must be > 0 or 'dynamic', got {self.loss_scaling_factor}")
         if self.nesterov and self.optimizer_type != "SGD":
             raise FieldError("nesterov", f"applies to SGD only, not {self.optimizer_type}")
+        if self.optimizer_type != "Adafactor":
+            for key in ADAFACTOR_KEYS:
+                if getattr(self, key) != self.__dataclass_fields__[key].default:
+                    raise FieldError(key, f"applies to Adafactor only, not {self.optimizer_type}")
+        # Model Zoo schedules Adafactor's rate like any other (cstorch's Adafactor refuses relative_step and
+        # warmup_init): a learning_rate is always given, so the step-derived rate would silently ignore it
+        for key in ("relative_step", "warmup_init"):
+            if getattr(self, key):
+                raise FieldError(key, "true is not supported (as in Cerebras' Adafactor): the rate is "
+                                 "optimizer.learning_rate's schedule, scaled by each parameter's RMS")
+        try:
+            optim.OptimizerSpec(optimizer_type=self.optimizer_type, eps=self.eps)
+        except ConfigError as e:
+            raise FieldError("eps", str(e).removeprefix("optimizer.eps: ")) from None
+        if self.optimizer_type == "Adafactor" and (self.clip_threshold <= 0 or not (
+                self.beta1 is None or 0.0 <= self.beta1 < 1.0)):
+            raise FieldError("clip_threshold" if self.clip_threshold <= 0 else "beta1",
+                             "must be > 0 (clip_threshold) and in [0, 1) or left out (beta1)")
 
 
 # ---- runconfig -------------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@
                 as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
     optimizer   one torch optimizer per unit (fused CPU AdamW/Adam/SGD when torch has one), same hyper-parameters
                 and weight-decay groups as the resident run; it runs on a worker thread ("lane")
+    Adafactor   steps each parameter whole (its second moment is factored over the parameter's rows and columns
+                and its rate scales by the parameter's RMS), so each parameter is a tensor of its own shape for
+                it; its parameter-shaped state (`exp_avg`, with beta1) is a slot, the factored row and column
+                averages and the vectors' `exp_avg_sq` stay with the optimizer in RAM (a few values per row and
+                column); masks (weight sparsity) are refused: they cannot prune a factored average
 
 When does a unit update? Gradient clipping by global norm and fp16 overflow checks need every gradient of the
 step before any update, so MemoryX picks one of two exact policies:
@@ -51,15 +56,17 @@ from waferscale.runtime.optim import build_optimizer, set_lr
 
 __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
 
-# optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front)
+# optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front);
+# Adafactor's second moment is factored (rows + columns of each matrix, not counted), its exp_avg needs beta1
 STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1,
-               "Lion": 1, "Lamb": 2}
+               "Lion": 1, "Lamb": 2, "Adafactor": 0}
 
 
-def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) -> int:
-    """fp32 master weight + gradient + optimizer state per parameter (SGD without momentum keeps no state)."""
+def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: float | None = None) -> int:
+    """fp32 master weight + gradient + optimizer state per parameter (SGD without momentum keeps no state,
+    Adafactor with beta1 keeps one)."""
     slots = 0 if optimizer_type == "SGD" and not momentum else STATE_SLOTS.get(optimizer_type, 2)
-    return 4 * (2 + slots)
+    return 4 * (2 + slots + (optimizer_type == "Adafactor" and beta1 is not None))
 
 
 # ---- storage: RAM tensors or memory-mapped files ----------------------------------------------------------
@@ -164,7 +171,11 @@ class MemoryX:
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
         flash_dir = Path(flash_dir) if flash_dir is not None else None
-        self.bytes_per_param = state_bytes_per_param(optimizer.optimizer_type, optimizer.momentum)
+        self.bytes_per_param = state_bytes_per_param(optimizer.optimizer_type, optimizer.momentum,
+                                                     getattr(optimizer, "beta1", None))
+        # Adafactor steps each parameter whole (see the module's docstring); the others step a unit's matrices
+        # and its vectors as two flat tensors
+        self.per_parameter = optimizer.optimizer_type == "Adafactor"
         # tiers: the first units that fit the RAM budget stay in RAM, the rest go to flash
         if ram_budget_bytes is not None:
             return_freed_memory_to_os()
@@ -203,7 +214,10 @@ class MemoryX:
             nb = sum(e.numel for e in lay.owned if e.matrix)
             groups = []
             # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
-            for region, shape in ((slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))):
+            regions = [(slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))]
+            if self.per_parameter:  # (one leaf per owned entry, in order)
+                regions = [(slice(e.offset, e.offset + e.numel), e.shape) for e in lay.owned]
+            for region, shape in regions:
                 if region.stop > region.start:
                     leaf = torch.empty(0)
                     leaf.data = flat[region].view(shape)  # a plain leaf (a view would pin a flash mapping)
@@ -253,21 +267,29 @@ class MemoryX:
         return slots
 
     def _unbind(self, u: int) -> None:
-        opt = self.optimizers[u]
+        opt, store = self.optimizers[u], self.stores[u]
         for p, _ in self._groups[u]:
             p.grad = None
-            if self.stores[u].on_flash:  # (RAM units stay bound)
+            if store.on_flash:  # (RAM units stay bound)
                 p.data = torch.zeros(()).expand(p.shape)  # keeps the shape, holds one float
                 if opt is not None and p in opt.state:
                     for k, v in list(opt.state[p].items()):
-                        if torch.is_tensor(v) and v.ndim > 0:
+                        if torch.is_tensor(v) and v.ndim > 0 and store.has(k):  # (the rest lives in RAM only)
                             opt.state[p][k] = None
+
+    def _slot_keys(self, u: int) -> set[str]:
+        """Adafactor's state that takes a slot: the parameter-shaped tensors every parameter of unit u has."""
+        opt = self.optimizers[u]
+        shaped = [{k for k, shape in opt.state_shapes(p.shape, opt.defaults["beta1"]).items() if shape == p.shape}
+                  for p, _ in self._groups[u]]
+        return set.intersection(*shaped)
 
     def _adopt_state(self, u: int) -> None:
         """After the first update, move the optimizer's lazily made state tensors into flat slots."""
         opt, store = self.optimizers[u], self.stores[u]
         if opt is not None:
-            keys = sorted({k for p, _ in self._groups[u] for k, v in opt.state[p].items()
+            keys = sorted(self._slot_keys(u) if self.per_parameter else
+                          {k for p, _ in self._groups[u] for k, v in opt.state[p].items()
                            if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape})
             for k in keys:
                 flat = store.open(k) if store.has(k) else store.create(k)
@@ -461,8 +483,12 @@ class MemoryX:
             # before the first update the state is not in slots yet, and a zero gradient leaves it zero; the step
             # count is the unit's, so a parameter absent on some steps only is bias-corrected by the unit's count)
             kept = []
-            for e in self.layouts[u].owned:
-                if e.global_index not in got:
+            for i, e in enumerate(self.layouts[u].owned):
+                if e.global_index in got:
+                    continue
+                if self.per_parameter:  # its own tensor: skipped as the resident optimizer skips it
+                    self._groups[u][i][0].grad = None
+                else:
                     kept += [(t[e.offset:e.offset + e.numel], t[e.offset:e.offset + e.numel].clone())
                              for k, t in slots.items() if k != "grad"]
             set_lr(opt, lr)
@@ -504,6 +530,7 @@ class MemoryX:
         """Let `group` (waferscale.sparse) choose the masks: of the weights it was applied to on a module, or else
         of the masters it selects here (drawn now). MemoryX applies them to the masters, the optimizer state and
         the streamed payloads, and runs the group's update after every step."""
+        self._refuse_masks()
         if not group.params:
             owned = {e.name: e for lay in self.layouts for e in lay.owned}
             for name, _, algo in group.select([(n, torch.empty(e.shape, device="meta")) for n, e in owned.items()]):
@@ -538,8 +565,15 @@ class MemoryX:
             self._apply_mask(name, mask)
         self.unit_masks.refresh(self._masks)
 
+    def _refuse_masks(self) -> None:
+        if self.per_parameter:
+            raise ConfigError("weight sparsity with Adafactor is not supported: its second moment is factored into "
+                              "row and column averages, which a mask cannot prune; use AdamW, Adam, SGD or Lion "
+                              "with sparsity")
+
     def _apply_mask(self, name: str, mask: Tensor) -> None:
         """Record `name`'s mask and prune its master weights and optimizer state by it."""
+        self._refuse_masks()
         e = next((e for lay in self.layouts for e in lay.owned if e.name == name), None)
         if e is None:
             raise KeyError(f"no parameter named {name!r}")
@@ -607,10 +641,11 @@ class MemoryX:
             for g in opt.param_groups:
                 hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
             group_state = {p.ndim == 2: opt.state.get(p, {}) for p, _ in self._groups[u]}  # matrices: (1, n)
-            for e in lay.owned:
+            for i, e in enumerate(lay.owned):
                 members["decay" if e.matrix else "no_decay"].append(e.global_index)
                 st: dict[str, Any] = {}
-                for k, v in group_state.get(e.matrix, {}).items():
+                own = opt.state.get(self._groups[u][i][0], {}) if self.per_parameter else group_state.get(e.matrix, {})
+                for k, v in own.items():
                     if k in slots:
                         st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
                     elif v is not None:  # scalars (AdamW's "step") are per group here, per parameter there
@@ -638,6 +673,9 @@ class MemoryX:
         for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
             if opt is None:
                 continue
+            if self.per_parameter:
+                self._load_per_parameter(u, state)
+                continue
             keys = sorted({k for e in lay.owned for k, v in state.get(e.global_index, {}).items()
                            if torch.is_tensor(v) and v.ndim > 0})
             slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
@@ -660,3 +698,35 @@ class MemoryX:
             if keys:
                 self._adopted[u] = True
             del slots
+
+    def _load_per_parameter(self, u: int, state: dict[int, dict[str, Any]]) -> None:
+        """Unit u's Adafactor state from a checkpoint's: each parameter's tensors must be the ones Adafactor keeps
+        for its shape (a checkpoint of another optimizer, or of Adafactor with(out) beta1, is refused); the slot
+        ones go to their slots, the rest (factored averages, step) to the optimizer. A parameter with no state
+        starts afresh at its next gradient, as the resident optimizer's would."""
+        lay, store, opt = self.layouts[u], self.stores[u], self.optimizers[u]
+        keys = self._slot_keys(u)
+        slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
+        for (p, region), e in zip(self._groups[u], lay.owned):
+            given = state.get(e.global_index, {})
+            tensors = {k: v for k, v in given.items() if torch.is_tensor(v) and v.ndim > 0}
+            expected = opt.state_shapes(e.shape, opt.defaults["beta1"])
+            if given and {k: tuple(v.shape) for k, v in tensors.items()} != expected:
+                raise CheckpointError(f"optimizer state of {e.name}: {sorted(tensors)} with shapes "
+                                      f"{[tuple(v.shape) for v in tensors.values()]}; Adafactor keeps "
+                                      f"{', '.join(f'{k} {s}' for k, s in expected.items())}")
+            new: dict[str, Any] = {}
+            with torch.no_grad():
+                for k in keys:  # zeros where the parameter has no state yet
+                    view = slots[k][region]
+                    if k in tensors:
+                        view.copy_(tensors[k].reshape(-1))
+                    else:
+                        view.zero_()
+                    new[k] = None if store.on_flash else view.view(e.shape)
+            for k, v in given.items():
+                if k not in keys:
+                    new[k] = v.to(torch.float32).clone() if k in tensors else int(v)  # (the step count)
+            opt.state[p] = new
+        self._adopted[u] = True
+        del slots

@@ -323,15 +323,111 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor (Shazeer & Stern, 2018) as transformers' `Adafactor`, which Cerebras' `cstorch.optim.Adafactor`
+    ports: a parameter with ndim >= 2 keeps its second moment factored, an average over its last dimension
+    (`exp_avg_sq_row`, shape[:-1]) and one over its second-to-last (`exp_avg_sq_col`, shape[:-2] + shape[-1:]);
+    others keep it whole (`exp_avg_sq`); `exp_avg` (the gradient's average) only with beta1. Per parameter,
+    at its own step t (updates it took):
+
+        v = beta2t * v + (1 - beta2t) * (g^2 + eps[0])          beta2t = 1 - t ** decay_rate
+        u = g / sqrt(v)   (factored: v ~ row col^T / mean(row)), then u /= max(1, rms(u) / clip_threshold)
+        lr_t = rel * (max(eps[1], rms(p)) if scale_parameter else 1)
+        rel  = min(1e-6 t if warmup_init else 1e-2, 1 / sqrt(t)) if relative_step else lr
+        p -= lr_t * wd * p + lr_t * u   (u averaged by beta1 first when given; rms(p) is taken before the update)
+
+    Cerebras' port takes its rate from `lr` (a scheduler sets it every step; `relative_step` is False there,
+    with `relative_step`, `warmup_init`, beta1 and clip_threshold != 1 refused); transformers' further options
+    compute as transformers does. Every parameter is stepped whole, one at a time: the factors need its shape."""
+
+    def __init__(self, params: Any, lr: float | None = None, eps: tuple[float, float] = (1e-30, 1e-3),
+                 clip_threshold: float = 1.0, decay_rate: float = -0.8, beta1: float | None = None,
+                 weight_decay: float = 0.0, scale_parameter: bool = True, relative_step: bool = True,
+                 warmup_init: bool = False) -> None:
+        if lr is not None and relative_step:
+            raise ValueError("Adafactor: a learning rate and relative_step=True exclude each other (relative_step "
+                             "computes the rate from the step)")
+        if lr is None and not relative_step:
+            raise ValueError("Adafactor: relative_step=False needs a learning rate")
+        if warmup_init and not relative_step:
+            raise ValueError("Adafactor: warmup_init=True needs relative_step=True")
+        if len(eps) != 2 or min(eps) < 0 or clip_threshold <= 0 or (beta1 is not None and not 0.0 <= beta1 < 1.0):
+            raise ValueError(f"Adafactor needs eps two numbers >= 0, clip_threshold > 0 and beta1 in [0, 1) or "
+                             f"None, got eps={eps}, clip_threshold={clip_threshold}, beta1={beta1}")
+        super().__init__(params, {"lr": lr, "eps": tuple(eps), "clip_threshold": clip_threshold,
+                                  "decay_rate": decay_rate, "beta1": beta1, "weight_decay": weight_decay,
+                                  "scale_parameter": scale_parameter, "relative_step": relative_step,
+                                  "warmup_init": warmup_init})
+
+    @staticmethod
+    def state_shapes(shape: Sequence[int], beta1: float | None) -> dict[str, tuple[int, ...]]:
+        """The state tensors of a parameter of this shape, by name (checkpoints are checked against them)."""
+        shape = tuple(shape)
+        out = {"exp_avg": shape} if beta1 is not None else {}
+        if len(shape) >= 2:
+            return {**out, "exp_avg_sq_row": shape[:-1], "exp_avg_sq_col": shape[:-2] + shape[-1:]}
+        return {**out, "exp_avg_sq": shape}
+
+    @staticmethod
+    def _rms(t: torch.Tensor) -> torch.Tensor:
+        return t.norm(2) / t.numel() ** 0.5
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                if "step" not in state:  # (a holder such as MemoryX may have placed zeroed tensors already)
+                    state["step"] = 0
+                    for name, shape in self.state_shapes(p.shape, g["beta1"]).items():
+                        if state.get(name) is None:
+                            state[name] = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+                state["step"] += 1
+                t = state["step"]
+                rate = g["lr"]
+                if g["relative_step"]:
+                    rate = min(1e-6 * t if g["warmup_init"] else 1e-2, 1.0 / math.sqrt(t))
+                lr = rate * (torch.clamp(self._rms(p), min=g["eps"][1]) if g["scale_parameter"] else 1.0)
+                beta2t = 1.0 - math.pow(t, g["decay_rate"])
+                update = grad ** 2 + g["eps"][0]
+                if p.ndim >= 2:
+                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+                    row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
+                    col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+                    r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                    update = torch.mul(r_factor, col.unsqueeze(-2).rsqrt()).mul_(grad)
+                else:
+                    v = state["exp_avg_sq"]
+                    v.mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                    update = v.rsqrt().mul_(grad)
+                update.div_((self._rms(update) / g["clip_threshold"]).clamp_(min=1.0))
+                update.mul_(lr)
+                if g["beta1"] is not None:
+                    update = state["exp_avg"].mul_(g["beta1"]).add_(update, alpha=1.0 - g["beta1"])
+                if g["weight_decay"]:
+                    p.sub_(p * (g["weight_decay"] * lr))
+                p.sub_(update)
+        return loss
+
+
 # optimizer_type -> class; the torch ones get fused / foreach kernels (ours are multi-tensor already)
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
     "Adamax": torch.optim.Adamax, "NAdam": torch.optim.NAdam, "RAdam": torch.optim.RAdam,
-    "RMSprop": torch.optim.RMSprop, "Lamb": Lamb, "Lion": Lion,
+    "RMSprop": torch.optim.RMSprop, "Lamb": Lamb, "Lion": Lion, "Adafactor": Adafactor,
 }
 # the OptimizerSpec fields each optimizer takes besides lr and weight_decay (the others: betas and eps)
 _SPEC_FIELDS = {"SGD": ("momentum", "nesterov"), "Lion": ("betas",), "RMSprop": ("eps", "momentum"),
-                "Adagrad": ("eps",)}
+                "Adagrad": ("eps",), "Adafactor": ("eps", "clip_threshold", "decay_rate", "beta1",
+                                                   "scale_parameter", "relative_step", "warmup_init")}
+
+
+def default_eps(optimizer_type: str) -> float | tuple[float, float]:
+    """eps where none is given: cstorch's AdamW default 1e-6 (torch's is 1e-8), Adafactor's pair."""
+    return (1e-30, 1e-3) if optimizer_type == "Adafactor" else 1e-6
 
 
 @dataclass(frozen=True)
@@ -340,19 +436,37 @@ class OptimizerSpec:
 
     `learning_rate` is the rate of the first update (a schedule, if any, sets the later ones each step);
     `weight_decay` goes to parameters with ndim >= 2 only (`param_groups`); `momentum` / `nesterov` are SGD's
-    (`momentum` is also RMSprop's); betas and eps are used by the optimizers that take them."""
+    (`momentum` is also RMSprop's); betas and eps are used by the optimizers that take them. `eps` left out is
+    the optimizer's default: 1e-6 (cstorch's AdamW default; torch's is 1e-8), Adafactor's pair (1e-30, 1e-3).
+    The fields from clip_threshold on are Adafactor's, with cstorch's defaults (relative_step False: the
+    scheduled rate is used, scaled by the parameter's RMS where scale_parameter)."""
 
     optimizer_type: str
     learning_rate: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6  # cstorch's AdamW default (torch's is 1e-8)
+    eps: float | tuple[float, float] | None = None
     weight_decay: float = 0.0
     momentum: float = 0.0
     nesterov: bool = False
+    clip_threshold: float = 1.0
+    decay_rate: float = -0.8
+    beta1: float | None = None
+    scale_parameter: bool = True
+    relative_step: bool = False
+    warmup_init: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_type not in OPTIMIZERS:
             raise ConfigError(f"optimizer_type {self.optimizer_type!r} is not one of {', '.join(OPTIMIZERS)}")
+        pair = self.optimizer_type == "Adafactor"
+        if self.eps is None:
+            object.__setattr__(self, "eps", default_eps(self.optimizer_type))
+        elif pair != isinstance(self.eps, (tuple, list)):
+            want = ("two numbers, [regularizer of the squared gradient, floor of the parameter scale]" if pair
+                    else "one number")
+            raise ConfigError(f"optimizer.eps: {self.optimizer_type} takes {want}, got {self.eps!r}")
+        elif pair:
+            object.__setattr__(self, "eps", tuple(float(e) for e in self.eps))
 
 
 def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -372,8 +486,12 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
     kwargs: dict[str, Any] = {k: getattr(spec, k) for k in _SPEC_FIELDS.get(kind, ("betas", "eps"))}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if kind not in ("Lamb", "Lion"):  # (ours are multi-tensor already)
+    if "eps" in kwargs and kwargs["eps"] is None:  # (a params section read as a spec)
+        kwargs["eps"] = default_eps(kind)
+    if kind not in ("Lamb", "Lion", "Adafactor"):  # (ours are multi-tensor already, or per parameter)
         kwargs.update(fused_or_foreach(cls, groups))
+    if kind == "Adafactor" and spec.relative_step:  # the rate comes from the step count, not from lr
+        return cls(groups, lr=None, **kwargs)
     return cls(groups, lr=float(lr), **kwargs)
 
 
@@ -384,4 +502,4 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 __all__ = ["LRSchedule", "SCHEDULES", "canonical_scheduler", "build_schedule", "OptimizerSpec", "OPTIMIZERS",
-           "build_optimizer", "param_groups", "fused_or_foreach", "set_lr", "Lion", "Lamb"]
+           "build_optimizer", "param_groups", "fused_or_foreach", "set_lr", "Lion", "Lamb", "Adafactor"]

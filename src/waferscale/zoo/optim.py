@@ -9,6 +9,7 @@ import torch
 
 from waferscale.errors import ConfigError
 from waferscale.params import OptimizerParams, normalize_learning_rate
+from waferscale.params.schema import ADAFACTOR_KEYS
 from waferscale.runtime import optim as rt
 
 
@@ -19,7 +20,8 @@ def optimizer_spec(opt: OptimizerParams) -> rt.OptimizerSpec:
                           "set correct_bias: true")
     return rt.OptimizerSpec(optimizer_type=opt.optimizer_type, learning_rate=build_schedule(opt.learning_rate)(0),
                             betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                            momentum=opt.momentum, nesterov=opt.nesterov)
+                            momentum=opt.momentum, nesterov=opt.nesterov,
+                            **{k: getattr(opt, k) for k in ADAFACTOR_KEYS})
 
 
 def build_optimizer(params: Iterable[Any], opt: OptimizerParams) -> torch.optim.Optimizer:

@@ -17,11 +17,12 @@ from torch import nn
 
 from waferscale.errors import ConfigError
 from waferscale.pytorch.optim import lr_scheduler
+from waferscale.runtime.optim import Adafactor as _Adafactor
 from waferscale.runtime.optim import Lamb as _Lamb
 from waferscale.runtime.optim import Lion as _Lion
 from waferscale.runtime.optim import OptimizerSpec, build_schedule, fused_or_foreach
 
-__all__ = ["SGD", "Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
+__all__ = ["SGD", "Adam", "AdamW", "Lamb", "Lion", "Adafactor", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
            "configure_optimizer", "configure_lr_scheduler", "lr_scheduler"]
 
 _registry: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -126,11 +127,29 @@ class Lamb(_Streamable, _Lamb):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+class Adafactor(_Streamable, _Adafactor):
+    """Cerebras' signature: `lr` is required and `relative_step` defaults to False, so the rate is the one given
+    (a scheduler sets it each step), scaled by each parameter's RMS (`scale_parameter`); transformers' other
+    options compute as transformers does (`waferscale.runtime.optim.Adafactor`)."""
+
+    def __init__(self, params: Any, lr: float | None, eps: tuple[float, float] = (1e-30, 1e-3),
+                 clip_threshold: float = 1.0, decay_rate: float = -0.8, beta1: float | None = None,
+                 weight_decay: float = 0.0, scale_parameter: bool = True, relative_step: bool = False,
+                 warmup_init: bool = False) -> None:
+        try:
+            super().__init__(params, lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
+                             beta1=beta1, weight_decay=weight_decay, scale_parameter=scale_parameter,
+                             relative_step=relative_step, warmup_init=warmup_init)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 # torch's own signatures and defaults, made streamable
 Adagrad, Adamax, RMSprop, NAdam, RAdam = (type(c.__name__, (_Streamable, c), {}) for c in (
     torch.optim.Adagrad, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam))
 
-_BY_NAME = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Lamb, Lion, Adagrad, Adamax, RMSprop, NAdam, RAdam)}
+_BY_NAME = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Lamb, Lion, Adafactor, Adagrad, Adamax, RMSprop, NAdam,
+                                             RAdam)}
 
 
 def _no_bias_correction(correct_bias: bool) -> None:
@@ -196,12 +215,15 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
     for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
         if g0.get(flag):
             raise ConfigError(f"{kind}({flag}=True) is not supported with weight streaming")
-    kw: dict[str, Any] = {"optimizer_type": kind, "learning_rate": float(g0["lr"]),
+    kw: dict[str, Any] = {"optimizer_type": kind, "learning_rate": float(g0["lr"] or 0.0),  # (None: relative_step)
                           "weight_decay": next(iter(decay[True]), 0.0)}
     if "betas" in g0:
         kw["betas"] = tuple(g0["betas"])
     if "eps" in g0:
-        kw["eps"] = g0["eps"]
+        kw["eps"] = tuple(g0["eps"]) if kind == "Adafactor" else g0["eps"]
+    if kind == "Adafactor":
+        kw.update({k: g0[k] for k in ("clip_threshold", "decay_rate", "beta1", "scale_parameter", "relative_step",
+                                      "warmup_init")})
     if kind == "SGD":
         kw.update(momentum=g0["momentum"], nesterov=g0["nesterov"])
         if g0.get("dampening"):
