@@ -28,14 +28,13 @@ Both give the resident executor's numbers (same optimizer class, same per-elemen
 
 Masks (weight sparsity): the master weights are zero where their masks drop them, at every step: MemoryX
 prunes them (and the optimizer state) when it takes masks (`sync_masks`: a new group, a mask update, a
-checkpoint's masks, loaded weights; every step and evaluation begins with it) and after every update. So the dense payload of a masked unit
-is its packed payload expanded, and a device that shares host memory computes from the masters themselves
-(`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are written (`_accumulate`).
+checkpoint's masks, loaded weights; every step and evaluation begins with it) and after every update. So the
+dense payload of a masked unit is its packed payload expanded, and a device that shares host memory computes
+from the masters themselves (`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are written (`_accumulate`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +50,7 @@ from waferscale.runtime.lane import Lane, done_future
 from waferscale.runtime.layout import UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
+from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
 from waferscale.sparse import Group
 from waferscale.runtime.optim import build_optimizer, set_lr
 
@@ -67,80 +67,6 @@ def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: flo
     Adafactor with beta1 keeps one)."""
     slots = 0 if optimizer_type == "SGD" and not momentum else STATE_SLOTS.get(optimizer_type, 2)
     return 4 * (2 + slots + (optimizer_type == "Adafactor" and beta1 is not None))
-
-
-# ---- storage: RAM tensors or memory-mapped files ----------------------------------------------------------
-
-class _UnitStore:
-    """Flat buffers ("slots") of one unit, each `numel` long. RAM: resident tensors. Flash: one file per slot,
-    mapped by `open()` and unmapped when the caller drops the tensor (so its pages leave the process RSS)."""
-
-    def __init__(self, unit: int, numel: int, flash_dir: Path | None, pin: bool) -> None:
-        self.unit, self.numel, self.flash_dir, self.pin = unit, numel, flash_dir, pin
-        self._ram: dict[str, Tensor] = {}
-        self._files: dict[str, tuple[Path, torch.dtype]] = {}
-
-    @property
-    def on_flash(self) -> bool:
-        return self.flash_dir is not None
-
-    def has(self, slot: str) -> bool:
-        return slot in self._ram or slot in self._files
-
-    def slots(self) -> list[str]:
-        return list(self._ram) + list(self._files)
-
-    def create(self, slot: str, dtype: torch.dtype = torch.float32) -> Tensor:
-        """A zero-filled slot (returned mapped/resident)."""
-        if self.flash_dir is None:
-            t = torch.zeros(self.numel, dtype=dtype, pin_memory=self.pin)
-            self._ram[slot] = t
-            return t
-        path = self.flash_dir / f"unit{self.unit:04d}.{slot}.bin"
-        with open(path, "wb") as f:  # a sparse file of zeros
-            f.truncate(self.numel * torch.empty((), dtype=dtype).element_size())
-        self._files[slot] = (path, dtype)
-        return self.open(slot)
-
-    def open(self, slot: str) -> Tensor:
-        if slot in self._ram:
-            return self._ram[slot]
-        path, dtype = self._files[slot]
-        if self.numel == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.from_file(str(path), shared=True, size=self.numel, dtype=dtype)
-
-    def ram_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._ram.values())
-
-    def flash_bytes(self) -> int:
-        return sum(p.stat().st_size for p, _ in self._files.values())
-
-
-def _writable(d: Path) -> Path:
-    """The flash directory, created; a ConfigError if this process cannot write there."""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".probe-{os.getpid()}"
-        probe.write_bytes(b"0")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"flash directory {d} is not writable ({e.strerror}); pass a writable --flash_dir") from None
-    return d
-
-
-# ---- init that reproduces CausalLM.reset_parameters without materializing the model ------------------------
-
-def return_freed_memory_to_os() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, after which freed staging buffers stay in the
-    heap and keep counting in RSS. A flash tier exists to bound RSS, so pin the threshold at 1 MiB: buffers
-    that size and up are mmap-ed and go back to the OS when freed. No-op off glibc."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 # ---- the store -------------------------------------------------------------------------------------------
@@ -189,7 +115,7 @@ class MemoryX:
                                   f"MiB; give a flash directory (--flash_dir) or raise --memoryx_ram_mb")
             if not flash:
                 used += need
-            self.stores.append(_UnitStore(lay.index, lay.numel, _writable(flash_dir) if flash else None,
+            self.stores.append(UnitStore(lay.index, lay.numel, writable_dir(flash_dir) if flash else None,
                                           pin_memory and not flash))
         self._masks: dict[str, Tensor] = {}
         self.sparsity: Group | None = None  # the algorithms choosing the masks (None: masks set by hand)
@@ -301,8 +227,10 @@ class MemoryX:
         self._adopted[u] = True
 
     # ---- streaming in ----
-    def fetch(self, u: int, out_matrices: Tensor | None = None, out_vectors: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Unit u's payload: (matrices, vectors): the matrices in the stream dtype, vectors in fp32, in payload order.
+    def fetch(self, u: int, out_matrices: Tensor | None = None, out_vectors: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
+        """Unit u's payload: (matrices, vectors): the matrices in the stream dtype, vectors in fp32, in payload
+        order.
         Waits for pending updates of u and of the owners of weights it borrows."""
         lay = self.layouts[u]
         for o in {u, *(e.owner for e in lay.entries)}:
