@@ -30,7 +30,8 @@ Masks (weight sparsity): the master weights are zero where their masks drop them
 prunes them (and the optimizer state) when it takes masks (`sync_masks`: a new group, a mask update, a
 checkpoint's masks, loaded weights; every step and evaluation begins with it) and after every update. So the
 dense payload of a masked unit is its packed payload expanded, and a device that shares host memory computes
-from the masters themselves (`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are written (`_accumulate`).
+from the masters themselves (`fetch_view`), sparse or not. Gradients of masked weights are zeroed as they are
+written (`_accumulate`).
 """
 
 from __future__ import annotations
