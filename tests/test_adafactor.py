@@ -175,3 +175,14 @@ def test_memoryx_refuses_masks_and_foreign_state() -> None:
             mx.load_optimizer_state_dict(adamw.state_dict())
     finally:
         mx.close()
+
+
+def test_resident_sparsity_refuses_adafactor() -> None:
+    """The resident path (optimizer.apply(sparsity)) refuses Adafactor as MemoryX does: a mask cannot prune its
+    factored averages."""
+    from waferscale.sparse.hooks import sparsify_optimizer
+
+    model = nn.Linear(4, 3)
+    opt = rt.build_optimizer(model.parameters(), rt.OptimizerSpec(optimizer_type="Adafactor", learning_rate=0.1))
+    with pytest.raises(ConfigError, match="weight sparsity with Adafactor is not supported"):
+        sparsify_optimizer(None, opt)

@@ -340,6 +340,8 @@ class Adafactor(torch.optim.Optimizer):
     with `relative_step`, `warmup_init`, beta1 and clip_threshold != 1 refused); transformers' further options
     compute as transformers does. Every parameter is stepped whole, one at a time: the factors need its shape."""
 
+    factored_state = True  # state not shaped like the parameter: a sparsity mask cannot prune it
+
     def __init__(self, params: Any, lr: float | None = None, eps: tuple[float, float] = (1e-30, 1e-3),
                  clip_threshold: float = 1.0, decay_rate: float = -0.8, beta1: float | None = None,
                  weight_decay: float = 0.0, scale_parameter: bool = True, relative_step: bool = True,

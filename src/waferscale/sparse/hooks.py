@@ -91,11 +91,10 @@ def _grad_hook(group: Group, algo: SparsityAlgorithm, sp: Any) -> Any:
 
 def sparsify_optimizer(algorithm: SparsityAlgorithm, optimizer: torch.optim.Optimizer) -> None:
     """Prune the optimizer's state before each step; after it, prune the weights and update the masks."""
-    from waferscale.runtime.optim import Adafactor
-
-    if isinstance(optimizer, Adafactor):
-        raise ConfigError("weight sparsity with Adafactor is not supported: its second moment is factored into row "
-                          "and column averages, which a mask cannot prune; use AdamW, Adam, SGD or Lion with sparsity")
+    if getattr(optimizer, "factored_state", False):  # (runtime.optim.Adafactor)
+        raise ConfigError(f"weight sparsity with {type(optimizer).__name__} is not supported: its second moment is "
+                          "factored into row and column averages, which a mask cannot prune; use AdamW, Adam, SGD "
+                          "or Lion with sparsity")
     group = _as_group(algorithm)
     if not group.params:
         raise ConfigError("optimizer.apply(sparsity) needs model.apply(sparsity) first, with the same object "
