@@ -215,7 +215,8 @@ def test_still_unsupported_is_refused_by_name() -> None:
 @pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer (make setup)")
 def test_http_server_serves_a_mixture_of_experts(tmp_path) -> None:
     """`wsc serve` on a Mixtral directory (SmolLM2's tokenizer): the openai client's greedy completion of a
-    token-id prompt is transformers' generation, and /health reports the decode's weight bytes per token."""
+    token-id prompt is transformers' generation, and /health and /metrics report the decode's weight bytes per
+    token."""
     openai = pytest.importorskip("openai")
     from waferscale.data import load_tokenizer
 
@@ -242,7 +243,13 @@ def test_http_server_serves_a_mixture_of_experts(tmp_path) -> None:
         assert r.usage.completion_tokens == 12
         assert r.choices[0].text == tok.decode(want)
         engine = srv.get("/health")[1]["engine"]
+        metrics = dict(line.rsplit(" ", 1) for line in srv.get("/metrics")[1].splitlines()
+                       if line.startswith("wsc_") and "{" not in line)
     assert 0 < engine["decode_weight_bytes_per_token"] < engine["total_weight_bytes"]
+    assert int(metrics["wsc_decode_tokens_total"]) == engine["decode_tokens"] > 0
+    assert float(metrics["wsc_decode_weight_bytes_total"]) / engine["decode_tokens"] == pytest.approx(
+        float(metrics["wsc_decode_weight_bytes_per_token"]))
+    assert float(metrics["wsc_active_weight_bytes"]) < float(metrics["wsc_total_weight_bytes"])
 
 
 def test_moe_decodes_to_the_same_bits_alone_and_batched(tok, tmp_path_factory) -> None:

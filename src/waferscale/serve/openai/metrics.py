@@ -88,6 +88,17 @@ class Metrics:
                     ("kv_blocks_total", "wsc_kv_blocks_total", "KV-cache blocks in the pool.")):
                 if key in g:
                     lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {g[key]}"]
+            for key, name, kind, help_ in (  # the weight bytes decode reads (one stage: the engine's runner)
+                    ("decode_weight_bytes", "wsc_decode_weight_bytes_total", "counter",
+                     "Weight bytes read by decode steps (a batch reads its weights once for all its tokens)."),
+                    ("decode_tokens", "wsc_decode_tokens_total", "counter", "Tokens decoded by those steps."),
+                    ("decode_weight_bytes_per_token", "wsc_decode_weight_bytes_per_token", "gauge",
+                     "Weight bytes read per decoded token so far (a mixture of experts: its routed experts only)."),
+                    ("active_weight_bytes", "wsc_active_weight_bytes", "gauge",
+                     "Weight bytes of the parameters one token computes with (a mixture: k routed experts)."),
+                    ("total_weight_bytes", "wsc_total_weight_bytes", "gauge", "Weight bytes of all parameters.")):
+                if key in g:
+                    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {g[key]}"]
             for h, name, help_ in (
                     (self.ttft, "wsc_time_to_first_token_seconds", "Request arrival to first generated token."),
                     (self.itl, "wsc_inter_token_latency_seconds", "Time between consecutive generated tokens."),
