@@ -184,6 +184,8 @@ def test_errors_have_envelope_and_status(srv):
 
 
 def test_metrics_exposition(srv):
+    body = {"model": "tiny-chat", "messages": MSG, "max_completion_tokens": 2}
+    assert srv.post("/v1/chat/completions", body, KEY)[0] == 200  # (so that it holds alone: -k metrics)
     status, text = srv.get("/metrics")
     assert status == 200
     for name in ("wsc_requests_total{", "wsc_prompt_tokens_total", "wsc_generation_tokens_total",
