@@ -236,7 +236,7 @@ class Engine:
         seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params.max_tokens)
         eos = [] if params.ignore_eos else self.eos_ids
         req = _Request(seq, params, RequestSampler(params, eos, self.vocab_limit),
-                       Detokenizer(self.tokenizer, params.stop), ve,
+                       Detokenizer(self.tokenizer, params.stop, seq.prompt_ids), ve,
                        frozenset(eos) | frozenset(params.stop_token_ids))
         self._requests[request_id] = req
         self._schedulers[ve].add(seq)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,19 +216,26 @@ def logprob_entry(token_bytes: TokenBytes, token_id: int, logprobs: Tensor, top:
 class Detokenizer:
     """Turns a growing list of token ids into text deltas; finds stop strings, which it never emits.
 
-    Decodes only a short window (ids[prefix:]) per token, so the cost per token is constant. A trailing
-    U+FFFD (an incomplete UTF-8 sequence split across byte-level tokens) waits for the next token. Text that
-    could be the start of a stop string is withheld until it is resolved either way.
+    Decodes only a short window (ids[prefix:]) per token, so the cost per token is constant, and emits what
+    the newest tokens add to the window's text. The window starts on the prompt's last `PROMPT_CONTEXT` tokens:
+    a SentencePiece decoder (Llama 2, Mistral, T5: pieces like "▁the") drops the space of the first token it
+    decodes, so the first generated word decoded alone would lose its space; after the prompt's tail it keeps
+    it, and the deltas add up to decode(prompt + generated) minus decode(prompt), as vLLM's incremental
+    detokenizer does. A trailing U+FFFD (an incomplete UTF-8 sequence split across byte-level or byte-fallback
+    tokens) waits for the next token. Text that could be the start of a stop string is withheld until it is
+    resolved either way.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    PROMPT_CONTEXT = 5  # one token carries the space; a few (vLLM takes 5) also cover byte pieces of a character
+
+    def __init__(self, tokenizer: Any, stop: list[str], prompt_ids: Sequence[int] = ()) -> None:
         self.tok = tokenizer
         self.stop = list(stop)
         self.max_stop = max((len(s) for s in stop), default=0)
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] decode to text already appended
-        self.read = 0
-        self.text = ""  # all text decoded so far (sent + withheld)
+        self.ids: list[int] = list(prompt_ids[-self.PROMPT_CONTEXT:])  # the prompt's tail, then generated ids
+        self.prefix = 0  # ids[prefix:read] decode to text already appended (or to the prompt's tail)
+        self.read = len(self.ids)
+        self.text = ""  # all generated text decoded so far (sent + withheld)
         self.sent = 0  # len of text already emitted
 
     def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
