@@ -180,10 +180,10 @@ def test_bert_on_two_systems_equals_one(corpus: Path, tmp_path: Path) -> None:
     _same_training(tmp_path / "one", tmp_path / "two")
 
 
-# ---- parameters without gradients: BERT's next-sentence head under the masked-LM objective ---------------------
+# ---- a pretrained BertForPreTraining: its next-sentence head trains, streamed as resident ----------------------
 
 def _bert_with_nsp_head(tmp_path: Path) -> Path:
-    """A tiny BertForPreTraining directory: masked-LM training gives its next-sentence head no gradient."""
+    """A tiny BertForPreTraining directory: `wsc run` trains it on sentence pairs, the next-sentence head too."""
     from waferscale.models import hf
 
     torch.manual_seed(0)
@@ -193,9 +193,9 @@ def _bert_with_nsp_head(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("systems", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_parameters_without_gradients_are_left_alone_when_streamed(corpus: Path, tmp_path: Path, systems: int) -> None:
-    """Resident AdamW skips a parameter whose gradient is None; streaming (MemoryX steps a unit's parameters as
-    one flat tensor) and SwarmX must too: no weight decay on the next-sentence head, the same weights."""
+def test_pretrained_next_sentence_head_trains_streamed_as_resident(corpus: Path, tmp_path: Path, systems: int) -> None:
+    """The pretrained model's pooler and next-sentence classifier get the objective's gradients and step alike
+    resident, streamed (MemoryX steps a unit's parameters as one flat tensor) and on two systems."""
     pretrained = _bert_with_nsp_head(tmp_path)
     d = _params(corpus, tmp_path / "unused")
     d["model"]["pretrained"] = str(pretrained)
@@ -216,5 +216,5 @@ def test_parameters_without_gradients_are_left_alone_when_streamed(corpus: Path,
     assert len(nsp) == 4
     hf_names = {"head.nsp.weight": "cls.seq_relationship.weight", "head.nsp.bias": "cls.seq_relationship.bias",
                 "head.pooler.weight": "bert.pooler.dense.weight", "head.pooler.bias": "bert.pooler.dense.bias"}
-    assert all(torch.equal(v, start[hf_names[k]]) for k, v in nsp.items())  # resident: never stepped
+    assert not any(torch.equal(v, start[hf_names[k]]) for k, v in nsp.items())  # every one of them trained
     _same_training(tmp_path / "r", tmp_path / "s")  # streamed: the same, the head included

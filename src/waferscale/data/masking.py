@@ -54,6 +54,7 @@ class Masker:
     mask_fraction: float = 0.8  # of the chosen positions: the mask token
     random_fraction: float = 0.1  # of the chosen positions: a random token (the rest keep theirs)
     max_predictions: int | None = None  # at most this many chosen positions per sequence (None: no cap)
+    special_ids: tuple[int, ...] = ()  # tokens never chosen (sentence pairs' [CLS] and [SEP])
 
     def __post_init__(self) -> None:
         if not 0.0 < self.probability <= 1.0:
@@ -72,7 +73,10 @@ class Masker:
         rng = np.random.default_rng([self.seed, stream, k])
         ids = x.numpy()
         B, T = ids.shape
-        order = rng.random((B, T)).argsort(axis=1)[:, :self.per_sequence(T)]
+        keys = rng.random((B, T))
+        if self.special_ids:  # specials sort after every other position (keys are < 1), so they are never chosen
+            keys[np.isin(ids, self.special_ids)] = 2.0
+        order = keys.argsort(axis=1)[:, :self.per_sequence(T)]
         chosen = np.zeros((B, T), dtype=bool)
         np.put_along_axis(chosen, order, True, axis=1)
         u = rng.random((B, T))
@@ -90,8 +94,9 @@ class Masker:
 
     def state(self) -> dict[str, Any]:
         cap = {} if self.max_predictions is None else {"max_predictions": self.max_predictions}
+        specials = {"special_ids": list(self.special_ids)} if self.special_ids else {}
         return {"seed": self.seed, "probability": self.probability, "mask_id": self.mask_id,
-                "vocab_size": self.vocab_size, **cap}
+                "vocab_size": self.vocab_size, **cap, **specials}
 
 
 class MaskedBatches:

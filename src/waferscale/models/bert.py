@@ -23,7 +23,9 @@ from waferscale.models.layers import MLP, Attention, CausalLM, make_norm
 
 
 class EncoderEmbedding(nn.Module):
-    """Unit 0: token ids (B, T) (and token types, default 0) -> norm(token + type + position) (B, T, C)."""
+    """Unit 0: token ids (B, T) (and token types) -> norm(token + type + position) (B, T, C). Without explicit
+    token types, ids of type t arrive as t * vocab_size + id (data/sentence_pairs.py: the executors carry one
+    (B, T) input), so plain ids are type 0."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -32,13 +34,15 @@ class EncoderEmbedding(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len + cfg.position_offset, cfg.d_model)
         self.norm = make_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        self.max_seq_len = cfg.max_seq_len
+        self.max_seq_len, self.vocab_size = cfg.max_seq_len, cfg.vocab_size
         self.pad = cfg.pad_token_id if cfg.family == "roberta" else None
 
     def forward(self, idx: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         T = idx.shape[1]
         if T > self.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.max_seq_len}")
+        if token_type_ids is None and self.segment is not None:
+            token_type_ids, idx = idx // self.vocab_size, idx % self.vocab_size
         if self.pad is None:
             pos = torch.arange(T, device=idx.device)
         else:  # RoBERTa: the n-th non-padding token sits at pad + n, padding at pad (transformers does the same)
@@ -46,7 +50,7 @@ class EncoderEmbedding(nn.Module):
             pos = torch.cumsum(keep, dim=1) * keep + self.pad  # (B, T)
         x = self.tok(idx)  # (B, T, C)
         if self.segment is not None:
-            x = x + self.segment(token_type_ids if token_type_ids is not None else torch.zeros_like(idx))
+            x = x + self.segment(token_type_ids)
         return self.drop(self.norm(x + self.pos(pos)))
 
 
@@ -75,8 +79,9 @@ class EncoderBlock(nn.Module):
 
 
 class MaskedLMHead(nn.Module):
-    """Last unit: (B, T, C) -> masked-LM logits (B, T, V); holds the next-sentence head where the config has one
-    (`next_sentence`, not run by forward: the masked-LM objective trains without it)."""
+    """Last unit: (B, T, C) -> masked-LM logits (B, T, V); with the next-sentence head, (B, T + 1, V): the
+    masked-LM logits, then one row whose first two entries are the next-sentence logits (the rest 0), so that
+    the pretraining objective's two outputs travel as one tensor to the loss (`BERT.loss`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -87,8 +92,15 @@ class MaskedLMHead(nn.Module):
         self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.nsp_head else None
         self.nsp = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def masked_lm(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(self.act(self.dense(x))))
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.masked_lm(x)
+        if self.nsp is None:
+            return logits
+        nsp = F.pad(self.next_sentence(x).to(logits.dtype), (0, logits.shape[-1] - 2))
+        return torch.cat((logits, nsp[:, None]), dim=1)
 
     def next_sentence(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, 2) logits: is the second segment the one that followed the first ([CLS]'s state)."""
@@ -98,7 +110,9 @@ class MaskedLMHead(nn.Module):
 
 
 class BERT(CausalLM):
-    """An encoder with the masked-LM head: embedding -> blocks -> head, as units (see `CausalLM`)."""
+    """An encoder with the masked-LM head (and BERT's next-sentence head): embedding -> blocks -> head, as units
+    (see `CausalLM`). Training (`forward_aux`, the units) trains BERT's pretraining objective where the model has
+    the next-sentence head, the masked LM alone otherwise."""
 
     embedding_cls, block_cls, head_cls = EncoderEmbedding, EncoderBlock, MaskedLMHead
 
@@ -111,10 +125,10 @@ class BERT(CausalLM):
 
     def forward(self, idx: Tensor, token_type_ids: Tensor | None = None,
                 with_aux: bool = False) -> Tensor | tuple[Tensor, None]:
-        """idx (B, T) int64 -> masked-LM logits (B, T, V) at every position; `with_aux`: (logits, None), an
-        encoder has no auxiliary loss."""
-        logits = self.head(self.encode(idx, token_type_ids))
-        return (logits, None) if with_aux else logits
+        """idx (B, T) int64 -> masked-LM logits (B, T, V) at every position; `with_aux`: (the head unit's output,
+        None), what `loss` reads (an encoder has no auxiliary loss)."""
+        x = self.encode(idx, token_type_ids)
+        return (self.head(x), None) if with_aux else self.head.masked_lm(x)
 
     def forward_aux(self, idx: Tensor, token_type_ids: Tensor | None = None) -> tuple[Tensor, None]:
         return self(idx, token_type_ids, with_aux=True)
@@ -122,18 +136,26 @@ class BERT(CausalLM):
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """The masked-LM loss over the positions whose target is not -100: their mean cross-entropy or, with
         `mlm_loss_weight`, Model Zoo's weight x their sum / the number of sequences (a mean over sequences, so
-        micro-batches and systems split it as they split the mean)."""
+        micro-batches and systems split it as they split the mean). With the next-sentence head, `logits` is the
+        head unit's (B, T + 1, V) and the targets' first column ([CLS]) holds the next-sentence labels: the loss
+        adds their mean cross-entropy, as Model Zoo's BertPretrainModelLoss (cerebras/modelzoo/losses) and
+        transformers' BertForPreTraining do (total = masked-LM loss + next-sentence loss)."""
+        nsp = None
+        if self.config.nsp_head:
+            logits, nsp = logits[:, :-1], logits[:, -1, :2]
+            targets, nsp_labels = targets.clone(), targets[:, 0]
+            targets[:, 0] = -100
         w = self.config.mlm_loss_weight
-        if w is None:
-            return super().loss(logits, targets)
-        total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
-                                reduction="sum")
-        return w * total / targets.shape[0]
+        mlm = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                              reduction="mean" if w is None else "sum")
+        if w is not None:
+            mlm = w * mlm / targets.shape[0]
+        return mlm if nsp is None else mlm + F.cross_entropy(nsp.float(), nsp_labels)
 
     def pretraining_logits(self, idx: Tensor, token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(masked-LM logits (B, T, V), next-sentence logits (B, 2)), what BertForPreTraining returns."""
         x = self.encode(idx, token_type_ids)
-        return self.head(x), self.head.next_sentence(x)
+        return self.head.masked_lm(x), self.head.next_sentence(x)
 
     def make_kv_caches(self, *args, **kwargs):
         raise ConfigError(f"model {self.config.name!r} is an encoder: it reads whole sequences and keeps no KV "

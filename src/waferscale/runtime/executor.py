@@ -151,7 +151,7 @@ class ResidentExecutor(Executor):
         self.model.eval()
         x, y = x.to(self.device), y.to(self.device)
         with self._autocast():
-            return float(self.model.loss(self.model(x), y))
+            return float(self.model.loss(self.model.forward_aux(x)[0], y))  # the units' output, as training's
 
     def model_for_checkpoint(self) -> torch.nn.Module:
         return self.model

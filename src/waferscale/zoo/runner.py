@@ -32,6 +32,7 @@ import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
 from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
                              read_documents, tokenizer_with_mask)
+from waferscale.data.sentence_pairs import PairBatches, SentencePairs, pair_token_ids, tokenizer_with_pair_tokens
 from waferscale.data.span_corruption import (T5_EXTRA_IDS, SpanCorruptedBatches, SpanCorruptor, sentinel_ids,
                                              tokenizer_with_sentinels)
 from waferscale.errors import CheckpointError, ConfigError, DataError
@@ -109,6 +110,7 @@ class Data:
     seq_len: int
     masker: Masker | None = None  # the objective: None, next-token prediction (decoders); a Masker, masked LM
     corruptor: SpanCorruptor | None = None  # encoder-decoders: span corruption (windows of seq_len tokens)
+    pairs: SentencePairs | None = None  # BERT with the next-sentence head: masked sentence pairs (masker's draws)
 
     @property
     def packed_len(self) -> int:
@@ -119,8 +121,10 @@ class Data:
 
 def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     """The token splits and the objective the model's family trains on: encoders read every position, so they
-    predict masked tokens (dynamic masking from the run's seed); encoder-decoders (T5) write the spans dropped from
-    their input (span corruption, from the run's seed); decoders predict the next token."""
+    predict masked tokens (dynamic masking from the run's seed), and BERT with the next-sentence head also tells a
+    segment's continuation from a random one (BERT's pretraining objective on masked sentence pairs, from the run's
+    seed); encoder-decoders (T5) write the spans dropped from their input (span corruption, from the run's seed);
+    decoders predict the next token."""
     inp = params.train_input
     if inp.src_vocab_file is not None and not inp.src_vocab_file.endswith(".json"):
         raise ConfigError(f"train_input.src_vocab_file {inp.src_vocab_file!r}: Model Zoo's SentencePiece vocabulary "
@@ -129,6 +133,8 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
     if cfg.is_encoder:
         tok = tokenizer_with_mask(tok)
+    if cfg.nsp_head:
+        tok = tokenizer_with_pair_tokens(tok)
     if cfg.is_encoder_decoder:
         tok = tokenizer_with_sentinels(tok, inp.extra_ids or T5_EXTRA_IDS)
     if tok.vocab_size > cfg.vocab_size:
@@ -149,12 +155,18 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"train_input.max_sequence_length {seq_len} exceeds the model's max_position_embeddings "
                           f"{cfg.max_seq_len}; lower it or raise model.max_position_embeddings")
-    masker = None
+    masker = pairs = None
     if cfg.is_encoder:
+        specials = pair_token_ids(tok) if cfg.nsp_head else ()  # ([CLS], [SEP]): tokenizer_with_pair_tokens
+        if specials and cfg.type_vocab_size < 2:
+            raise ConfigError(f"the next-sentence objective reads two segments; the model has {cfg.type_vocab_size} "
+                              "token types: set model.num_segments (type_vocab_size) to 2, or disable_nsp: true")
         masker = Masker(tok.mask_id, tok.vocab_size, seed=params.runconfig.seed,
                         probability=inp.masked_lm_prob or Masker.probability,
-                        max_predictions=inp.max_predictions_per_seq)
-    return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len, masker=masker)
+                        max_predictions=inp.max_predictions_per_seq, special_ids=specials)
+        if specials:
+            pairs = SentencePairs(*specials, cfg.vocab_size, masker, seq_len)
+    return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len, masker=masker, pairs=pairs)
 
 
 def build_model(params: Params) -> CausalLM:
@@ -182,7 +194,9 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
     if not batches:
         raise DataError(f"the validation split has {len(data.val)} tokens, fewer than one batch of "
                         f"{batch_size}x{data.seq_len + 1}; lower batch_size/max_sequence_length or raise val_fraction")
-    if data.masker is not None:
+    if data.pairs is not None:
+        batches = data.pairs.eval_batches(batches, data.val)
+    elif data.masker is not None:
         batches = data.masker.eval_batches(batches)
     if data.corruptor is not None:
         batches = data.corruptor.eval_batches(batches)
@@ -241,13 +255,12 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
                         f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
-    loader: BatchLoader | MaskedBatches | SpanCorruptedBatches = BatchLoader(
+    loader: BatchLoader | MaskedBatches | PairBatches | SpanCorruptedBatches = BatchLoader(
         data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
-    if data.masker is not None:
+    if data.pairs is not None:
+        loader = PairBatches(loader, data.pairs)
+    elif data.masker is not None:
         loader = MaskedBatches(loader, data.masker)
-        if cfg.nsp_head:
-            print("note: the next-sentence head is not trained: wsc run trains the masked-LM objective only (its "
-                  "text has no sentence pairs)", file=out)
     if data.corruptor is not None:
         loader = SpanCorruptedBatches(loader, data.corruptor)
 

@@ -1,7 +1,8 @@
 """`CharTokenizer`: one id per character, for tiny experiments (vocabulary = the characters of the text), and
 optionally special tokens after the characters: a mask token (a string such as "[MASK]", the id after the
 characters) for masked-LM encoders; for T5's span corruption an EOS token ("</s>") and `extra_ids` sentinels
-<extra_id_0>, <extra_id_1>, ... counting down from the top of the vocabulary, as T5's vocabulary has them."""
+<extra_id_0>, <extra_id_1>, ... counting down from the top of the vocabulary, as T5's vocabulary has them; for
+BERT's sentence pairs "[CLS]" and "[SEP]" (after the mask and EOS tokens)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ __all__ = ["CharTokenizer"]
 
 class CharTokenizer(Tokenizer):
     def __init__(self, chars: list[str] | str, mask_token: str | None = None, eos_token: str | None = None,
-                 extra_ids: int = 0):
+                 extra_ids: int = 0, pair_tokens: bool = False):
         chars = list(chars)
         if not chars:
             raise DataError("character tokenizer needs a non-empty vocabulary (got no characters)")
@@ -33,10 +34,14 @@ class CharTokenizer(Tokenizer):
         if extra_ids < 0:
             raise DataError(f"character tokenizer extra_ids must be >= 0, got {extra_ids}")
         self.chars, self.mask_token_str, self.eos_token_str, self.extra_ids = chars, mask_token, eos_token, extra_ids
+        self.pair_tokens = pair_tokens
         self.mask_id = len(chars) if mask_token is not None else None
         self.eos_id = len(chars) + (mask_token is not None) if eos_token is not None else None
-        self.vocab_size = len(chars) + (mask_token is not None) + (eos_token is not None) + extra_ids
+        n = len(chars) + (mask_token is not None) + (eos_token is not None)
+        self.vocab_size = n + 2 * pair_tokens + extra_ids
         self.specials = {t: i for t, i in ((mask_token, self.mask_id), (eos_token, self.eos_id)) if t is not None}
+        if pair_tokens:
+            self.specials.update({"[CLS]": n, "[SEP]": n + 1})
         self.specials.update({f"<extra_id_{k}>": self.vocab_size - 1 - k for k in range(extra_ids)})
         self._split = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")") if self.specials else None
         self.stoi = {c: i for i, c in enumerate(chars)}
@@ -54,12 +59,17 @@ class CharTokenizer(Tokenizer):
     def with_mask_token(self, mask_token: str = "[MASK]") -> CharTokenizer:
         """This vocabulary plus a mask token (itself if it has one already)."""
         return self if self.mask_id is not None else CharTokenizer(self.chars, mask_token, self.eos_token_str,
-                                                                   self.extra_ids)
+                                                                   self.extra_ids, self.pair_tokens)
+
+    def with_pair_tokens(self) -> CharTokenizer:
+        """This vocabulary plus "[CLS]" and "[SEP]" (itself if it has them), what BERT's sentence pairs read."""
+        return self if self.pair_tokens else CharTokenizer(self.chars, self.mask_token_str, self.eos_token_str,
+                                                           self.extra_ids, pair_tokens=True)
 
     def with_sentinels(self, extra_ids: int, eos_token: str = "</s>") -> CharTokenizer:
         """This vocabulary plus an EOS token (if it has none) and `extra_ids` sentinels (if it has none)."""
         return CharTokenizer(self.chars, self.mask_token_str, self.eos_token_str or eos_token,
-                             self.extra_ids or extra_ids)
+                             self.extra_ids or extra_ids, self.pair_tokens)
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
@@ -104,7 +114,8 @@ class CharTokenizer(Tokenizer):
 
     def _tokenizer_json(self) -> str:
         extra = {k: v for k, v in (("mask_token", self.mask_token_str), ("eos_token", self.eos_token_str),
-                                   ("extra_ids", self.extra_ids or None)) if v is not None}
+                                   ("extra_ids", self.extra_ids or None), ("pair_tokens", self.pair_tokens or None))
+                 if v is not None}
         return json.dumps({"type": "char", "version": 1, "vocab": self.chars, **extra}, ensure_ascii=False)
 
     @classmethod
@@ -113,10 +124,13 @@ class CharTokenizer(Tokenizer):
         if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
             raise DataError(f"{source}: a char tokenizer file needs 'vocab': a list of single characters")
         mask, eos, extra = data.get("mask_token"), data.get("eos_token"), data.get("extra_ids", 0)
+        pair = data.get("pair_tokens", False)
         for key, value in (("mask_token", mask), ("eos_token", eos)):
             if value is not None and not isinstance(value, str):
                 raise DataError(f"{source}: a char tokenizer's {key!r} must be a string, got {value!r}")
         if not isinstance(extra, int):
             raise DataError(f"{source}: a char tokenizer's 'extra_ids' must be an integer, got {extra!r}")
-        return cls(vocab, mask, eos, extra)
+        if not isinstance(pair, bool):
+            raise DataError(f"{source}: a char tokenizer's 'pair_tokens' must be true or false, got {pair!r}")
+        return cls(vocab, mask, eos, extra, pair)
 
