@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import TEXT, tiny_params, wsc
 from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
+from train_helpers import assert_same_training
 from waferscale.data.tokenizer import CharTokenizer
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import hf
@@ -205,16 +206,7 @@ def _train(corpus: Path, model_dir: Path, **opts: object) -> dict:
 
 
 def _same_training(a: Path, b: Path) -> None:
-    ra = [json.loads(ln) for ln in (a / "metrics.jsonl").read_text().splitlines()]
-    rb = [json.loads(ln) for ln in (b / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [1, 2, 3, 4]
-    for x, y in zip(ra, rb):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-    wa, wb = (load_file(str(d / "checkpoint_4.safetensors")) for d in (a, b))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
+    assert_same_training(a, b)
 
 
 def test_t5_trains_span_corruption_resident_and_streaming_alike(corpus: Path, tmp_path: Path) -> None:
