@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file
 
-from conftest import tiny_params
+from conftest import tiny_params, wsc
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import hf
 from waferscale.models.config import ModelConfig
@@ -251,14 +249,73 @@ def test_streaming_equals_resident_with_the_load_balancing_loss(corpus: Path, tm
     assert _metrics(tmp_path / "r")[0]["loss"] > 5.5
 
 
+def _sparse_experts(corpus: Path, model_dir: Path) -> dict:
+    """64 experts, one per token, 64 tokens per micro-batch: several experts get no token in a step."""
+    d = _params(corpus, model_dir)
+    d["model"]["moe"] = {"num_experts": 64, "top_k": 1, "load_balancing_loss_coef": 1.0}
+    d["runconfig"].update(save_initial_checkpoint=True, checkpoint_steps=1)
+    return d
+
+
+def _same_weights(a: Path, b: Path, step: int = 4) -> None:
+    wa, wb = (load_file(str(d / f"checkpoint_{step}.safetensors")) for d in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
+
+
+def test_experts_without_tokens_are_left_alone_when_streamed(corpus: Path, tmp_path: Path) -> None:
+    """An expert the router gives no token this step gets no gradient: resident AdamW skips it (no weight decay,
+    no moment decay, no step counted: its bias correction uses its own count when it gets tokens again), and
+    streaming must too, in RAM and on flash, resumed from its own checkpoint or from a resident one (whose
+    experts differ in step count)."""
+    d = _sparse_experts(corpus, tmp_path / "unused")
+
+    def go(name: str, execution: str, **opts: object) -> None:
+        run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / name, progress=False,
+                                                           execution=execution, **opts), out=io.StringIO())
+
+    go("r", "resident")
+    for _ in range(2):  # 2 steps, then 2 more from the checkpoint
+        go("s", "streaming", num_steps=2)
+    go("m", "resident", num_steps=2)
+    go("m", "streaming", num_steps=2)
+    # on flash (from a resident checkpoint: a flash tier's units are initialised otherwise), then from its own
+    go("f", "resident", num_steps=1)
+    for n in (2, 1):
+        go("f", "streaming", num_steps=n, memoryx_ram_mb=0.001, flash_dir=str(tmp_path / "flash"))
+    assert any((tmp_path / "flash").glob("unit*.exp_avg.bin"))
+    # step 2 (the first at a rate above 0) changed some experts and left others, which had no token, alone
+    ckpt = {k: load_file(str(tmp_path / "r" / f"checkpoint_{k}.safetensors")) for k in (1, 2)}
+    unchanged = [torch.equal(ckpt[1][k], ckpt[2][k]) for k in ckpt[1] if ".experts." in k]
+    assert any(unchanged) and not all(unchanged)
+    for name in "sfm":
+        _same(tmp_path / "r", tmp_path / name)
+        _same_weights(tmp_path / "r", tmp_path / name)
+
+
+@pytest.mark.slow
+def test_experts_without_tokens_on_two_systems(corpus: Path, tmp_path: Path) -> None:
+    """As above with --num_csx 2: an expert neither system gave a token to is left alone (SwarmX reduces, per
+    parameter, the number of systems that computed a gradient)."""
+    d = _sparse_experts(corpus, tmp_path / "unused")
+    run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / "r", progress=False,
+                                                       execution="resident"), out=io.StringIO())
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump(d))
+    r = wsc("run", "-p", str(p), "-o", str(tmp_path / "two"), "--no_progress", "--num_csx", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _metrics(tmp_path / "two")[0]["num_csx"] == 2
+    _same(tmp_path / "r", tmp_path / "two")
+    _same_weights(tmp_path / "r", tmp_path / "two")
+
+
 @pytest.mark.slow
 def test_two_systems_equal_one(corpus: Path, tmp_path: Path) -> None:
     _library_run(corpus, tmp_path / "r", "resident")
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(_params(corpus, tmp_path / "unused")))
-    r = subprocess.run([sys.executable, "-m", "waferscale", "run", "-p", str(p), "-o", str(tmp_path / "two"),
-                        "--no_progress", "--num_csx", "2"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=300)
+    r = wsc("run", "-p", str(p), "-o", str(tmp_path / "two"), "--no_progress", "--num_csx", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert _metrics(tmp_path / "two")[0]["num_csx"] == 2
     _same(tmp_path / "r", tmp_path / "two")

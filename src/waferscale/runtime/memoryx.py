@@ -7,11 +7,18 @@
                 as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
     optimizer   one torch optimizer per unit (fused CPU AdamW/Adam/SGD when torch has one), same hyper-parameters
                 and weight-decay groups as the resident run; it runs on a worker thread ("lane")
+    leaves      the optimizer steps a unit's matrices and its vectors as two flat tensors, until one of the unit's
+                parameters goes without a gradient in a step (an expert its router gave no token, a head the
+                objective does not use): from then on the unit has one leaf per parameter, each with its own
+                state, made lazily as torch makes it (a parameter first stepped later starts afresh then), so it
+                is skipped as the resident optimizer skips it and its step count (Adam's bias correction) is its
+                own; its parameter-shaped state tensors live in the unit's slots like the flat ones. A checkpoint
+                whose parameters of one unit differ in step count or in having state loads per parameter alike
     Adafactor   steps each parameter whole (its second moment is factored over the parameter's rows and columns
-                and its rate scales by the parameter's RMS), so each parameter is a tensor of its own shape for
-                it; its parameter-shaped state (`exp_avg`, with beta1) is a slot, the factored row and column
-                averages and the vectors' `exp_avg_sq` stay with the optimizer in RAM (a few values per row and
-                column); masks (weight sparsity) are refused: they cannot prune a factored average
+                and its rate scales by the parameter's RMS), so it has one leaf per parameter from the start; its
+                parameter-shaped state (`exp_avg`, with beta1) is a slot, the factored row and column averages
+                and the vectors' `exp_avg_sq` stay with the optimizer in RAM (a few values per row and column);
+                masks (weight sparsity) are refused: they cannot prune a factored average
 
 When does a unit update? Gradient clipping by global norm and fp16 overflow checks need every gradient of the
 step before any update, so MemoryX picks one of two exact policies:
@@ -53,7 +60,7 @@ from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
 from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
 from waferscale.sparse import Group
-from waferscale.runtime.optim import build_optimizer, set_lr
+from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, set_lr
 
 __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
 
@@ -100,9 +107,11 @@ class MemoryX:
         flash_dir = Path(flash_dir) if flash_dir is not None else None
         self.bytes_per_param = state_bytes_per_param(optimizer.optimizer_type, optimizer.momentum,
                                                      getattr(optimizer, "beta1", None))
-        # Adafactor steps each parameter whole (see the module's docstring); the others step a unit's matrices
-        # and its vectors as two flat tensors
-        self.per_parameter = optimizer.optimizer_type == "Adafactor"
+        self._spec = optimizer
+        # state not shaped like the parameter (Adafactor's): each parameter is stepped whole, and masks are refused
+        self._factored = getattr(OPTIMIZERS[optimizer.optimizer_type], "factored_state", False)
+        # per unit: one optimizer leaf per owned parameter, or two flat ones (see the module's docstring)
+        self.per_parameter = [self._factored] * self.n_units
         # tiers: the first units that fit the RAM budget stay in RAM, the rest go to flash
         if ram_budget_bytes is not None:
             return_freed_memory_to_os()
@@ -122,10 +131,9 @@ class MemoryX:
         self.sparsity: Group | None = None  # the algorithms choosing the masks (None: masks set by hand)
         self._mask_version = -1
         self.unit_masks = UnitMasks(self.layouts)  # the kept payload elements of units with masked matrices
-        # the optimizer sees two flat tensors per unit, [matrices] and [vectors] (the owned layout puts them
-        # in that order): the decay / no-decay groups of the resident optimizer, as one fused call each
-        self._groups: list[list[tuple[Tensor, slice]]] = []  # per unit: (leaf, region of the flat slots)
-        self.optimizers: list[torch.optim.Optimizer | None] = []
+        self._groups: list[list[tuple[Tensor, slice]]] = [[] for _ in self.layouts]  # (leaf, region of the slots)
+        self.optimizers: list[torch.optim.Optimizer | None] = [None] * self.n_units
+        self._adopted: list[set[int]] = [set() for _ in self.layouts]  # per unit: leaves whose state is in slots
         skeleton = dict(model.named_parameters())
         meta = next(iter(skeleton.values())).is_meta
         for lay, store in zip(self.layouts, self.stores):
@@ -138,20 +146,7 @@ class MemoryX:
                         model.init_parameter(e.name, v)
                     else:
                         v.copy_(skeleton[e.name].detach())
-            nb = sum(e.numel for e in lay.owned if e.matrix)
-            groups = []
-            # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
-            regions = [(slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))]
-            if self.per_parameter:  # (one leaf per owned entry, in order)
-                regions = [(slice(e.offset, e.offset + e.numel), e.shape) for e in lay.owned]
-            for region, shape in regions:
-                if region.stop > region.start:
-                    leaf = torch.empty(0)
-                    leaf.data = flat[region].view(shape)  # a plain leaf (a view would pin a flash mapping)
-                    groups.append((leaf.requires_grad_(True), region))
-            self._groups.append(groups)
-            self.optimizers.append(build_optimizer([(f"{lay.name}.{k}", t) for k, (t, _) in enumerate(groups)],
-                                                   optimizer) if groups else None)
+            self._make_leaves(lay.index, flat)
             if store.on_flash:
                 self._unbind(lay.index)
             del flat
@@ -160,7 +155,56 @@ class MemoryX:
         self.begin_step(0.0)
         self._stats_lock = threading.Lock()
         self._stats = self._zero_stats()
-        self._adopted = [False] * self.n_units
+
+    def _make_leaves(self, u: int, flat: Tensor) -> None:
+        """Unit u's optimizer and its leaves over the parameter slot `flat`: per parameter (in owned order), or
+        two flat tensors, [matrices] and [vectors] (the owned layout puts them in that order): the decay /
+        no-decay groups of the resident optimizer, as one fused call each."""
+        lay = self.layouts[u]
+        if self.per_parameter[u]:
+            regions = [(slice(e.offset, e.offset + e.numel), e.shape) for e in lay.owned]
+        else:  # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
+            nb = sum(e.numel for e in lay.owned if e.matrix)
+            regions = [(slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))]
+            regions = [(region, shape) for region, shape in regions if region.stop > region.start]
+        groups = []
+        for region, shape in regions:
+            leaf = torch.empty(0)
+            leaf.data = flat[region].view(shape)  # a plain leaf (a view would pin a flash mapping)
+            groups.append((leaf.requires_grad_(True), region))
+        self._groups[u] = groups
+        self.optimizers[u] = build_optimizer([(f"{lay.name}.{k}", t) for k, (t, _) in enumerate(groups)],
+                                             self._spec) if groups else None
+        self._adopted[u] = set()
+
+    def _to_per_parameter(self, u: int) -> None:
+        """Give unit u one leaf per parameter, each taking its share of the flat leaves' state: exact, as every
+        parameter of a flat unit has been stepped on the same steps (the unit splits before the first step one
+        of them is absent from)."""
+        old_opt, old_groups, old_adopted, store = self.optimizers[u], self._groups[u], self._adopted[u], self.stores[u]
+        self.per_parameter[u] = True
+        self._make_leaves(u, store.open("param"))
+        opt = self.optimizers[u]
+        for i, (p, region) in enumerate(old_groups):
+            st = old_opt.state.get(p)
+            if not st:
+                continue
+            for j, (q, r) in enumerate(self._groups[u]):
+                if not region.start <= r.start < region.stop:
+                    continue
+                new: dict[str, Any] = {}
+                for k, v in st.items():
+                    if i in old_adopted and store.has(k):  # a slot: the parameter's part of it
+                        new[k] = None if store.on_flash else store.open(k)[r].view(q.shape)
+                    elif torch.is_tensor(v) and v.ndim > 0:  # (state made before the first update: Adagrad's)
+                        new[k] = v.reshape(-1)[r.start - region.start:r.stop - region.start].view(q.shape).clone()
+                    else:  # the step count and other scalars
+                        new[k] = v.clone() if torch.is_tensor(v) else v
+                opt.state[q] = new
+                if i in old_adopted:
+                    self._adopted[u].add(j)
+        if store.on_flash:
+            self._unbind(u)
 
     # ---- sizes ----
     @property
@@ -182,50 +226,56 @@ class MemoryX:
         store = self.stores[u]
         slots = {s: store.open(s) for s in store.slots()}
         opt = self.optimizers[u]
-        for p, region in self._groups[u]:
+        for i, (p, region) in enumerate(self._groups[u]):
             if store.on_flash:
                 p.data = slots["param"][region].view(p.shape)
             p.grad = slots["grad"][region].view(p.shape)
-            if opt is not None and self._adopted[u]:
+            if i in self._adopted[u]:
                 st = opt.state[p]
-                for k, v in slots.items():
-                    if k not in ("param", "grad"):
-                        st[k] = v[region].view(p.shape)
+                for k in st:
+                    if k in slots and k not in ("param", "grad"):
+                        st[k] = slots[k][region].view(p.shape)
         return slots
 
     def _unbind(self, u: int) -> None:
         opt, store = self.optimizers[u], self.stores[u]
-        for p, _ in self._groups[u]:
+        for i, (p, _) in enumerate(self._groups[u]):
             p.grad = None
             if store.on_flash:  # (RAM units stay bound)
                 p.data = torch.zeros(()).expand(p.shape)  # keeps the shape, holds one float
-                if opt is not None and p in opt.state:
-                    for k, v in list(opt.state[p].items()):
-                        if torch.is_tensor(v) and v.ndim > 0 and store.has(k):  # (the rest lives in RAM only)
-                            opt.state[p][k] = None
+                if i in self._adopted[u]:
+                    st = opt.state[p]
+                    for k in st:
+                        if store.has(k):  # (the rest lives in RAM only)
+                            st[k] = None
 
-    def _slot_keys(self, u: int) -> set[str]:
-        """Adafactor's state that takes a slot: the parameter-shaped tensors every parameter of unit u has."""
-        opt = self.optimizers[u]
-        shaped = [{k for k, shape in opt.state_shapes(p.shape, opt.defaults["beta1"]).items() if shape == p.shape}
-                  for p, _ in self._groups[u]]
-        return set.intersection(*shaped)
+    def _slot_keys(self, u: int, p: Tensor, st: dict[str, Any]) -> list[str]:
+        """The state of leaf p of unit u that takes a slot: its parameter-shaped tensors; with factored state
+        (Adafactor), those every parameter of the unit has (a vector's exp_avg_sq is a matrix's row average)."""
+        if self._factored:
+            opt = self.optimizers[u]
+            shaped = [{k for k, shape in opt.state_shapes(q.shape, opt.defaults["beta1"]).items() if shape == q.shape}
+                      for q, _ in self._groups[u]]
+            return sorted(set.intersection(*shaped))
+        return sorted(k for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape)
 
     def _adopt_state(self, u: int) -> None:
-        """After the first update, move the optimizer's lazily made state tensors into flat slots."""
+        """After an update, move the state the optimizer made for leaves that had none (lazily, at their first
+        gradient) into flat slots."""
         opt, store = self.optimizers[u], self.stores[u]
-        if opt is not None:
-            keys = sorted(self._slot_keys(u) if self.per_parameter else
-                          {k for p, _ in self._groups[u] for k, v in opt.state[p].items()
-                           if torch.is_tensor(v) and v.ndim > 0 and v.shape == p.shape})
-            for k in keys:
-                flat = store.open(k) if store.has(k) else store.create(k)
-                for p, region in self._groups[u]:
-                    view = flat[region].view(p.shape)
-                    if opt.state[p].get(k) is not None:
-                        view.copy_(opt.state[p][k])
-                    opt.state[p][k] = view
-        self._adopted[u] = True
+        flats: dict[str, Tensor] = {}
+        for i, (p, region) in enumerate(self._groups[u]):
+            st = opt.state.get(p)
+            if i in self._adopted[u] or not st:
+                continue
+            for k in self._slot_keys(u, p, st):
+                if k not in flats:
+                    flats[k] = store.open(k) if store.has(k) else store.create(k)
+                view = flats[k][region].view(p.shape)
+                if st.get(k) is not None:
+                    view.copy_(st[k])
+                st[k] = view
+            self._adopted[u].add(i)
 
     # ---- streaming in ----
     def fetch(self, u: int, out_matrices: Tensor | None = None, out_vectors: Tensor | None = None
@@ -396,39 +446,31 @@ class MemoryX:
                 dense[e.name] = dense[e.name] + g if e.name in dense else g.clone()
 
     def _update(self, u: int, lr: float, coef: float, inv_scale: float, got: set[int]) -> None:
-        opt = self.optimizers[u]
-        if opt is None:
+        if self.optimizers[u] is None:
             return
         t0 = time.perf_counter()
+        owned = self.layouts[u].owned
+        absent = [i for i, e in enumerate(owned) if e.global_index not in got]
+        if len(absent) == len(owned):  # nothing to step (nor to split: they stay alike)
+            return
+        if absent and not self.per_parameter[u]:  # a flat step would decay (and count a step for) them too
+            self._to_per_parameter(u)
+        opt = self.optimizers[u]
         slots = self._bind(u)
-        grads = [p.grad for p, _ in self._groups[u]]
+        for i in absent:  # skipped as the resident optimizer skips a parameter whose grad is None
+            self._groups[u][i][0].grad = None
+        grads = [p.grad for p, _ in self._groups[u] if p.grad is not None]
         with torch.no_grad():
             if inv_scale != 1.0:
                 torch._foreach_mul_(grads, inv_scale)
             if self.max_gradient_norm:
                 torch._foreach_mul_(grads, coef)
-            # the optimizer steps the unit's parameters as one flat tensor: those without a gradient this step
-            # get their weights and state back afterwards (weight decay and moment decay must not touch them;
-            # before the first update the state is not in slots yet, and a zero gradient leaves it zero; the step
-            # count is the unit's, so a parameter absent on some steps only is bias-corrected by the unit's count)
-            kept = []
-            for i, e in enumerate(self.layouts[u].owned):
-                if e.global_index in got:
-                    continue
-                if self.per_parameter:  # its own tensor: skipped as the resident optimizer skips it
-                    self._groups[u][i][0].grad = None
-                else:
-                    kept += [(t[e.offset:e.offset + e.numel], t[e.offset:e.offset + e.numel].clone())
-                             for k, t in slots.items() if k != "grad"]
             set_lr(opt, lr)
             opt.step()
-            for region, before in kept:
-                region.copy_(before)
-            for e in self.layouts[u].owned:
+            for e in owned:
                 if e.name in self._masks:
                     slots["param"][e.offset:e.offset + e.numel].mul_(self._masks[e.name].reshape(-1))
-        if not self._adopted[u]:
-            self._adopt_state(u)
+        self._adopt_state(u)
         del slots, grads
         self._unbind(u)
         with self._stats_lock:
@@ -495,7 +537,7 @@ class MemoryX:
         self.unit_masks.refresh(self._masks)
 
     def _refuse_masks(self) -> None:
-        if self.per_parameter:
+        if self._factored:
             raise ConfigError("weight sparsity with Adafactor is not supported: its second moment is factored into "
                               "row and column averages, which a mask cannot prune; use AdamW, Adam, SGD or Lion "
                               "with sparsity")
@@ -569,17 +611,22 @@ class MemoryX:
             slots = {s: store.open(s) for s in store.slots() if s not in ("param", "grad")}
             for g in opt.param_groups:
                 hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
-            group_state = {p.ndim == 2: opt.state.get(p, {}) for p, _ in self._groups[u]}  # matrices: (1, n)
-            for i, e in enumerate(lay.owned):
+            for e in lay.owned:
                 members["decay" if e.matrix else "no_decay"].append(e.global_index)
-                st: dict[str, Any] = {}
-                own = opt.state.get(self._groups[u][i][0], {}) if self.per_parameter else group_state.get(e.matrix, {})
-                for k, v in own.items():
-                    if k in slots:
-                        st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
-                    elif v is not None:  # scalars (AdamW's "step") are per group here, per parameter there
-                        st[k] = v.clone() if torch.is_tensor(v) else v
-                if st:
+            for i, (p, region) in enumerate(self._groups[u]):
+                own = opt.state.get(p)
+                if not own:
+                    continue
+                for e in (e for e in lay.owned if region.start <= e.offset < region.stop):
+                    at = slice(e.offset - region.start, e.offset - region.start + e.numel)
+                    st: dict[str, Any] = {}
+                    for k, v in own.items():
+                        if i in self._adopted[u] and k in slots:
+                            st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
+                        elif torch.is_tensor(v) and v.ndim > 0:  # factored, or made before the first update
+                            st[k] = v.clone() if self.per_parameter[u] else v.reshape(-1)[at].view(e.shape).clone()
+                        elif v is not None:  # scalars (AdamW's "step"): a flat leaf's are each of its parameters'
+                            st[k] = v.clone() if torch.is_tensor(v) else v
                     state[e.global_index] = st
         param_groups = [{**hyper[n], "lr": self._lr, "params": sorted(members[n])}
                         for n in ("decay", "no_decay") if members[n]]
@@ -602,17 +649,20 @@ class MemoryX:
         for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
             if opt is None:
                 continue
-            if self.per_parameter:
-                self._load_per_parameter(u, state)
+            given = [state.get(e.global_index, {}) for e in lay.owned]
+            if not self.per_parameter[u] and len({_scalars(st) if st else None for st in given}) > 1:
+                self._to_per_parameter(u)  # parameters stepped on different steps (or not yet): each its own leaf
+            if self.per_parameter[u]:
+                self._load_per_parameter(u, given)
                 continue
-            keys = sorted({k for e in lay.owned for k, v in state.get(e.global_index, {}).items()
-                           if torch.is_tensor(v) and v.ndim > 0})
+            keys = sorted({k for st in given for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0})
             slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
-            for p, region in self._groups[u]:
-                entries = [e for e in lay.owned if region.start <= e.offset < region.stop]
+            for i, (p, region) in enumerate(self._groups[u]):
                 new: dict[str, Any] = {}
-                for e in entries:
-                    for k, v in state.get(e.global_index, {}).items():
+                for e, st in zip(lay.owned, given):
+                    if not region.start <= e.offset < region.stop:
+                        continue
+                    for k, v in st.items():
                         if k in slots:
                             if tuple(v.shape) != e.shape:
                                 raise CheckpointError(f"optimizer state {k} of {e.name} has shape "
@@ -620,42 +670,63 @@ class MemoryX:
                             with torch.no_grad():
                                 slots[k][e.offset:e.offset + e.numel].copy_(v.reshape(-1))
                             new[k] = None if store.on_flash else slots[k][region].view(p.shape)
-                        elif k not in new:  # scalars such as "step": equal across a group
+                        elif k not in new:  # scalars such as "step": equal across the unit (else per parameter)
                             new[k] = v.to(torch.float32).clone() if torch.is_tensor(v) else v
                 if new:
                     opt.state[p] = new
-            if keys:
-                self._adopted[u] = True
+                    self._adopted[u].add(i)
+                else:
+                    opt.state.pop(p, None)
+                    self._adopted[u].discard(i)
             del slots
 
-    def _load_per_parameter(self, u: int, state: dict[int, dict[str, Any]]) -> None:
-        """Unit u's Adafactor state from a checkpoint's: each parameter's tensors must be the ones Adafactor keeps
-        for its shape (a checkpoint of another optimizer, or of Adafactor with(out) beta1, is refused); the slot
-        ones go to their slots, the rest (factored averages, step) to the optimizer. A parameter with no state
-        starts afresh at its next gradient, as the resident optimizer's would."""
+    def _load_per_parameter(self, u: int, given: list[dict[str, Any]]) -> None:
+        """Unit u's per-parameter state from a checkpoint's (`given`, in owned order): parameter-shaped tensors go
+        to their slots, the rest (Adafactor's factored averages, the step count) to the optimizer; a parameter
+        with no state gets none, so it starts afresh at its next gradient, as the resident optimizer's would.
+        With factored state each parameter's tensors must be the ones Adafactor keeps for its shape (a
+        checkpoint of another optimizer, or of Adafactor with(out) beta1, is refused)."""
         lay, store, opt = self.layouts[u], self.stores[u], self.optimizers[u]
-        keys = self._slot_keys(u)
-        slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
-        for (p, region), e in zip(self._groups[u], lay.owned):
-            given = state.get(e.global_index, {})
-            tensors = {k: v for k, v in given.items() if torch.is_tensor(v) and v.ndim > 0}
-            expected = opt.state_shapes(e.shape, opt.defaults["beta1"])
-            if given and {k: tuple(v.shape) for k, v in tensors.items()} != expected:
-                raise CheckpointError(f"optimizer state of {e.name}: {sorted(tensors)} with shapes "
-                                      f"{[tuple(v.shape) for v in tensors.values()]}; Adafactor keeps "
-                                      f"{', '.join(f'{k} {s}' for k, s in expected.items())}")
+        slots: dict[str, Tensor] = {}
+        self._adopted[u] = set()
+        for i, ((p, region), e, st) in enumerate(zip(self._groups[u], lay.owned, given)):
+            opt.state.pop(p, None)
+            if not st:
+                continue
+            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0}
+            if self._factored:
+                expected = opt.state_shapes(e.shape, opt.defaults["beta1"])
+                if {k: tuple(v.shape) for k, v in tensors.items()} != expected:
+                    raise CheckpointError(f"optimizer state of {e.name}: {sorted(tensors)} with shapes "
+                                          f"{[tuple(v.shape) for v in tensors.values()]}; Adafactor keeps "
+                                          f"{', '.join(f'{k} {s}' for k, s in expected.items())}")
+            else:
+                for k, v in tensors.items():
+                    if tuple(v.shape) != e.shape:
+                        raise CheckpointError(f"optimizer state {k} of {e.name} has shape {tuple(v.shape)}, "
+                                              f"expected {e.shape}")
+            keys = self._slot_keys(u, p, st)
             new: dict[str, Any] = {}
             with torch.no_grad():
-                for k in keys:  # zeros where the parameter has no state yet
-                    view = slots[k][region]
-                    if k in tensors:
-                        view.copy_(tensors[k].reshape(-1))
+                for k, v in st.items():
+                    if k in keys:
+                        if k not in slots:
+                            slots[k] = store.open(k) if store.has(k) else store.create(k)
+                        view = slots[k][region]
+                        view.copy_(v.reshape(-1))
+                        new[k] = None if store.on_flash else view.view(e.shape)
+                    elif k in tensors:
+                        new[k] = v.to(torch.float32).clone()
+                    elif self._factored:  # (Adafactor's step count is an int)
+                        new[k] = int(v)
                     else:
-                        view.zero_()
-                    new[k] = None if store.on_flash else view.view(e.shape)
-            for k, v in given.items():
-                if k not in keys:
-                    new[k] = v.to(torch.float32).clone() if k in tensors else int(v)  # (the step count)
+                        new[k] = v.to(torch.float32).clone() if torch.is_tensor(v) else v
             opt.state[p] = new
-        self._adopted[u] = True
+            self._adopted[u].add(i)
         del slots
+
+
+def _scalars(st: dict[str, Any]) -> tuple:
+    """A parameter's optimizer state less its tensors (its step count, ...), comparable."""
+    return tuple(sorted((k, float(v) if torch.is_tensor(v) else v) for k, v in st.items()
+                        if not (torch.is_tensor(v) and v.ndim > 0)))
