@@ -294,6 +294,19 @@ def test_experts_without_tokens_are_left_alone_when_streamed(corpus: Path, tmp_p
         _same_weights(tmp_path / "r", tmp_path / name)
 
 
+@pytest.mark.parametrize("optimizer", ["SGD", "Lion", "RMSprop"])
+def test_experts_without_tokens_with_other_optimizers(corpus: Path, tmp_path: Path, optimizer: str) -> None:
+    """Each optimizer leaves an expert without tokens alone, resident and streamed alike; SGD with momentum
+    runs although some experts have a momentum buffer and others not yet (torch's fused SGD refuses that)."""
+    d = _sparse_experts(corpus, tmp_path / "unused")
+    d["optimizer"].update(optimizer_type=optimizer, **({"momentum": 0.9} if optimizer != "Lion" else {}))
+    for name, execution in (("r", "resident"), ("s", "streaming")):
+        run(params_from_dict(d, source="test"), RunOptions(model_dir=tmp_path / name, progress=False,
+                                                           execution=execution), out=io.StringIO())
+    _same(tmp_path / "r", tmp_path / "s")
+    _same_weights(tmp_path / "r", tmp_path / "s")
+
+
 @pytest.mark.slow
 def test_experts_without_tokens_on_two_systems(corpus: Path, tmp_path: Path) -> None:
     """As above with --num_csx 2: an expert neither system gave a token to is left alone (SwarmX reduces, per

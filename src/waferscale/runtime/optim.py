@@ -492,6 +492,10 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
         kwargs["eps"] = default_eps(kind)
     if kind not in ("Lamb", "Lion", "Adafactor"):  # (ours are multi-tensor already, or per parameter)
         kwargs.update(fused_or_foreach(cls, groups))
+        if kind == "SGD" and spec.momentum and kwargs.get("fused"):
+            # torch's fused SGD fails (TypeError) on a step where some parameters have a momentum buffer and
+            # others do not yet (an expert its router first gives tokens later); foreach computes the same
+            kwargs = {**kwargs, "fused": False, "foreach": True}
     if kind == "Adafactor" and spec.relative_step:  # the rate comes from the step count, not from lr
         return cls(groups, lr=None, **kwargs)
     return cls(groups, lr=float(lr), **kwargs)
