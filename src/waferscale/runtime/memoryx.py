@@ -150,7 +150,7 @@ class MemoryX:
             if store.on_flash:
                 self._unbind(lay.index)
             del flat
-        self._lane = Lane("memoryx-optimizer")
+        self._lane = Lane("memoryx-optimizer", share_cores=not pin_memory)  # (pinned: the device is CUDA)
         self._update_done: list[Future] = [done_future() for _ in self.layouts]
         self.begin_step(0.0)
         self._stats_lock = threading.Lock()
