@@ -53,10 +53,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from waferscale.errors import CheckpointError, ConfigError
+from waferscale.errors import ConfigError
 from waferscale.runtime.lane import Lane, done_future
 from waferscale.runtime.layout import UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
+from waferscale.runtime.memoryx_state import OptimizerStateIO
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
 from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
 from waferscale.sparse import Group
@@ -79,7 +80,7 @@ def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: flo
 
 # ---- the store -------------------------------------------------------------------------------------------
 
-class MemoryX:
+class MemoryX(OptimizerStateIO):
     """fp32 master weights + gradients + optimizer state of a CausalLM, per unit, in RAM and flash.
 
     Thread model: `fetch` runs on the caller's (prefetch) thread and only reads; gradient write-back and
@@ -598,135 +599,3 @@ class MemoryX:
             for name, m in self._masks.items():
                 e = owned[name]
                 self.stores[e.owner].open("param")[e.offset:e.offset + e.numel].mul_(m.reshape(-1))
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state-dict format with the resident optimizer's parameter indices."""
-        self.synchronize()
-        state: dict[int, dict[str, Any]] = {}
-        hyper: dict[str, dict[str, Any]] = {}
-        members: dict[str, list[int]] = {"decay": [], "no_decay": []}
-        for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
-            if opt is None:
-                continue
-            slots = {s: store.open(s) for s in store.slots() if s not in ("param", "grad")}
-            for g in opt.param_groups:
-                hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
-            for e in lay.owned:
-                members["decay" if e.matrix else "no_decay"].append(e.global_index)
-            for i, (p, region) in enumerate(self._groups[u]):
-                own = opt.state.get(p)
-                if not own:
-                    continue
-                for e in (e for e in lay.owned if region.start <= e.offset < region.stop):
-                    at = slice(e.offset - region.start, e.offset - region.start + e.numel)
-                    st: dict[str, Any] = {}
-                    for k, v in own.items():
-                        if i in self._adopted[u] and k in slots:
-                            st[k] = slots[k][e.offset:e.offset + e.numel].view(e.shape)
-                        elif torch.is_tensor(v) and v.ndim > 0:  # factored, or made before the first update
-                            st[k] = v.clone() if self.per_parameter[u] else v.reshape(-1)[at].view(e.shape).clone()
-                        elif v is not None:  # scalars (AdamW's "step"): a flat leaf's are each of its parameters'
-                            st[k] = v.clone() if torch.is_tensor(v) else v
-                    state[e.global_index] = st
-        param_groups = [{**hyper[n], "lr": self._lr, "params": sorted(members[n])}
-                        for n in ("decay", "no_decay") if members[n]]
-        out: dict[str, Any] = {"state": state, "param_groups": param_groups}
-        if self.scaler is not None:
-            out["grad_scaler"] = self.scaler.state_dict()
-        return out
-
-    def load_optimizer_state_dict(self, sd: dict[str, Any]) -> None:
-        self.synchronize()
-        sd = dict(sd)
-        scaler = sd.pop("grad_scaler", None)
-        if scaler is not None and self.scaler is not None:
-            self.scaler.load_state_dict(scaler)
-        state = {int(k): v for k, v in sd["state"].items()}
-        n_expected = sum(len(lay.owned) for lay in self.layouts)
-        n_given = sum(len(g["params"]) for g in sd["param_groups"])
-        if n_given != n_expected:
-            raise CheckpointError(f"the optimizer state holds {n_given} parameters, this model has {n_expected}")
-        for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
-            if opt is None:
-                continue
-            given = [state.get(e.global_index, {}) for e in lay.owned]
-            if not self.per_parameter[u] and len({_scalars(st) if st else None for st in given}) > 1:
-                self._to_per_parameter(u)  # parameters stepped on different steps (or not yet): each its own leaf
-            if self.per_parameter[u]:
-                self._load_per_parameter(u, given)
-                continue
-            keys = sorted({k for st in given for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0})
-            slots = {k: (store.open(k) if store.has(k) else store.create(k)) for k in keys}
-            for i, (p, region) in enumerate(self._groups[u]):
-                new: dict[str, Any] = {}
-                for e, st in zip(lay.owned, given):
-                    if not region.start <= e.offset < region.stop:
-                        continue
-                    for k, v in st.items():
-                        if k in slots:
-                            if tuple(v.shape) != e.shape:
-                                raise CheckpointError(f"optimizer state {k} of {e.name} has shape "
-                                                      f"{tuple(v.shape)}, expected {e.shape}")
-                            with torch.no_grad():
-                                slots[k][e.offset:e.offset + e.numel].copy_(v.reshape(-1))
-                            new[k] = None if store.on_flash else slots[k][region].view(p.shape)
-                        elif k not in new:  # scalars such as "step": equal across the unit (else per parameter)
-                            new[k] = v.to(torch.float32).clone() if torch.is_tensor(v) else v
-                if new:
-                    opt.state[p] = new
-                    self._adopted[u].add(i)
-                else:
-                    opt.state.pop(p, None)
-                    self._adopted[u].discard(i)
-            del slots
-
-    def _load_per_parameter(self, u: int, given: list[dict[str, Any]]) -> None:
-        """Unit u's per-parameter state from a checkpoint's (`given`, in owned order): parameter-shaped tensors go
-        to their slots, the rest (Adafactor's factored averages, the step count) to the optimizer; a parameter
-        with no state gets none, so it starts afresh at its next gradient, as the resident optimizer's would.
-        With factored state each parameter's tensors must be the ones Adafactor keeps for its shape (a
-        checkpoint of another optimizer, or of Adafactor with(out) beta1, is refused)."""
-        lay, store, opt = self.layouts[u], self.stores[u], self.optimizers[u]
-        slots: dict[str, Tensor] = {}
-        self._adopted[u] = set()
-        for i, ((p, region), e, st) in enumerate(zip(self._groups[u], lay.owned, given)):
-            opt.state.pop(p, None)
-            if not st:
-                continue
-            tensors = {k: v for k, v in st.items() if torch.is_tensor(v) and v.ndim > 0}
-            if self._factored:
-                expected = opt.state_shapes(e.shape, opt.defaults["beta1"])
-                if {k: tuple(v.shape) for k, v in tensors.items()} != expected:
-                    raise CheckpointError(f"optimizer state of {e.name}: {sorted(tensors)} with shapes "
-                                          f"{[tuple(v.shape) for v in tensors.values()]}; Adafactor keeps "
-                                          f"{', '.join(f'{k} {s}' for k, s in expected.items())}")
-            else:
-                for k, v in tensors.items():
-                    if tuple(v.shape) != e.shape:
-                        raise CheckpointError(f"optimizer state {k} of {e.name} has shape {tuple(v.shape)}, "
-                                              f"expected {e.shape}")
-            keys = self._slot_keys(u, p, st)
-            new: dict[str, Any] = {}
-            with torch.no_grad():
-                for k, v in st.items():
-                    if k in keys:
-                        if k not in slots:
-                            slots[k] = store.open(k) if store.has(k) else store.create(k)
-                        view = slots[k][region]
-                        view.copy_(v.reshape(-1))
-                        new[k] = None if store.on_flash else view.view(e.shape)
-                    elif k in tensors:
-                        new[k] = v.to(torch.float32).clone()
-                    elif self._factored:  # (Adafactor's step count is an int)
-                        new[k] = int(v)
-                    else:
-                        new[k] = v.to(torch.float32).clone() if torch.is_tensor(v) else v
-            opt.state[p] = new
-            self._adopted[u].add(i)
-        del slots
-
-
-def _scalars(st: dict[str, Any]) -> tuple:
-    """A parameter's optimizer state less its tensors (its step count, ...), comparable."""
-    return tuple(sorted((k, float(v) if torch.is_tensor(v) else v) for k, v in st.items()
-                        if not (torch.is_tensor(v) and v.ndim > 0)))
