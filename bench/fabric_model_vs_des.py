@@ -1,4 +1,4 @@
-"""Analytic cycle model (fabric/cost.py) vs the wavelet-level event simulation (fabric/sim.py), side by side.
+"""Analytic cycle model (fabric/cost*.py) vs the wavelet-level event simulation (fabric/sim.py), side by side.
 
     python bench/fabric_model_vs_des.py
 
@@ -17,6 +17,8 @@ from collections import defaultdict
 import numpy as np
 
 from waferscale.fabric import cost as K
+from waferscale.fabric import cost_collectives as KC
+from waferscale.fabric import cost_matmul as KM
 from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
 from waferscale.fabric.mesh import Mesh
@@ -39,17 +41,17 @@ def main() -> None:
     for tgt, (R, C) in itertools.product(("wse2", "wse3"), [(4, 4), (4, 8), (6, 5), (8, 8)]):
         sp = fabric_from_name(tgt, pes=(R, C))
         for m, k in itertools.product([16, 32, 64, 100, 128, 256], [16, 64, 100, 256]):
-            case("gemv", lambda: K.gemv_cycles(sp, m, k, R, C), lambda: S.sim_gemv(sp, m, k, R, C))
+            case("gemv", lambda: KM.gemv_cycles(sp, m, k, R, C), lambda: S.sim_gemv(sp, m, k, R, C))
         for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16), (256, 256, 4), (64, 64, 32)]:
-            case("gemm", lambda: K.gemm_cycles(sp, m, k, n, R, C), lambda: S.sim_gemm(sp, m, k, n, R, C))
+            case("gemm", lambda: KM.gemm_cycles(sp, m, k, n, R, C), lambda: S.sim_gemm(sp, m, k, n, R, C))
         for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 128, 512)):
-            case(f"allreduce-{algo}", lambda: K.allreduce_cycles(sp, n, R, C, algo),
+            case(f"allreduce-{algo}", lambda: KC.allreduce_cycles(sp, n, R, C, algo),
                  lambda: S.sim_allreduce(sp, n, R, C, algo))
         for n in (1, 64, 500):
-            case("broadcast", lambda: K.broadcast_cycles(sp, n, R, C), lambda: S.sim_broadcast(sp, n, R, C))
+            case("broadcast", lambda: KC.broadcast_cycles(sp, n, R, C), lambda: S.sim_broadcast(sp, n, R, C))
         for m, k, s in [(64, 64, 0.9), (256, 256, 0.9), (128, 128, 0.5), (256, 128, 0.99)]:
             W = random_sparse(m, k, s, rng)
-            case("spmv", lambda: K.spmv_cycles(sp, m, k, int((W != 0).sum()), R, C),
+            case("spmv", lambda: KM.spmv_cycles(sp, m, k, int((W != 0).sum()), R, C),
                  lambda: S.sim_gemm(sp, m, k, 1, R, C, nnz_cols=S.nnz_columns(W, R, C)))
         for n in (100, 4096):
             case("elementwise", lambda: K.elementwise_cycles(sp, n, R, C, 2), lambda: S.sim_elementwise(sp, n, R, C, 2))
@@ -70,18 +72,18 @@ def main() -> None:
         mesh = Mesh.build(sp, rate, seed=seed)
         R, C = mesh.logical_rows, mesh.logical_cols
         for m, k in [(64, 64), (256, 128)]:
-            case("gemv+defects", lambda: K.gemv_cycles(sp, m, k, R, C, mesh=mesh),
+            case("gemv+defects", lambda: KM.gemv_cycles(sp, m, k, R, C, mesh=mesh),
                  lambda: S.sim_gemv(sp, m, k, R, C, mesh=mesh))
-        case("gemm+defects", lambda: K.gemm_cycles(sp, 64, 64, 8, R, C, mesh=mesh),
+        case("gemm+defects", lambda: KM.gemm_cycles(sp, 64, 64, 8, R, C, mesh=mesh),
              lambda: S.sim_gemm(sp, 64, 64, 8, R, C, mesh=mesh))
         for m, k, s in [(64, 64, 0.9), (256, 128, 0.5)]:
             W = random_sparse(m, k, s, rng)
-            case("spmv+defects", lambda: K.spmv_cycles(sp, m, k, int((W != 0).sum()), R, C, mesh=mesh),
+            case("spmv+defects", lambda: KM.spmv_cycles(sp, m, k, int((W != 0).sum()), R, C, mesh=mesh),
                  lambda: S.sim_gemm(sp, m, k, 1, R, C, mesh=mesh, nnz_cols=S.nnz_columns(W, R, C)))
         for algo in ("chain", "2d", "tree"):
-            case("allreduce+defects", lambda: K.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
+            case("allreduce+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
-        case("broadcast+defects", lambda: K.broadcast_cycles(sp, 64, R, C, mesh=mesh),
+        case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
     print(f"{'kernel':20s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
           f"{'DES/model':>9s}")

@@ -11,7 +11,7 @@ from waferscale.compiler import (Plan, compile_model, estimate_memory, estimate_
                                  write_outputs)
 from waferscale.compiler.capture import capture_module, capture_zoo
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost
+from waferscale.fabric import cost_matmul
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.params import load_params
 from waferscale.zoo.wafer import params_graph
@@ -67,7 +67,7 @@ def test_decode_golden_compute_bound_matrix():
     p = _single_matrix_plan(512, 512)
     spec = fabric_from_name("wse3", pes=(8, 8))
     (r,) = p.regions
-    cyc = cost.gemv_cycles(spec, 512, 512, r.rows, r.cols).total
+    cyc = cost_matmul.gemv_cycles(spec, 512, 512, r.rows, r.cols).total
     assert p.projection["decode_latency_s_per_token"] == pytest.approx((cyc + 2 * 2 + 1) / 1.1e9)
     roof = 64 * 16 * 1.1e9 / (2 * 512 * 512)  # PEs x FLOP/cycle x clock / FLOPs per token
     tps = p.projection["decode_tokens_per_s_per_user"]

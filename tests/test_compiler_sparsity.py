@@ -15,7 +15,7 @@ from waferscale.compiler import sparsity as sp
 from waferscale.compiler.capture import capture_zoo, measure_sparsity, section_sparsity
 from waferscale.compiler.ir import MatMul
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost
+from waferscale.fabric import cost_matmul
 from waferscale.fabric.kernel_run import run_kernel
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.models import build, config_from_name
@@ -45,28 +45,28 @@ def test_sparse_gemm_speedup_near_linear_then_saturating():
     """A compute-bound GEMM: one multiply-add per non-zero makes the speedup proportional to 1/d (times the
     index read's overhead) at moderate density, then the fixed costs flatten it."""
     spec = fabric_from_name("wse3", pes=(8, 8))
-    dense = cost.gemm_cycles(spec, 1024, 1024, 256, 8, 8).total
-    s = {d: dense / cost.sparse_gemm_cycles(spec, 1024, 1024, 256, 8, 8, density=d).total
+    dense = cost_matmul.gemm_cycles(spec, 1024, 1024, 256, 8, 8).total
+    s = {d: dense / cost_matmul.sparse_gemm_cycles(spec, 1024, 1024, 256, 8, 8, density=d).total
          for d in (*DENSITIES, 0.001)}
     assert s[1.0] == 1.0
     assert all(s[a] < s[b] for a, b in zip(DENSITIES, DENSITIES[1:]))  # monotone
     for d in (0.5, 0.25, 0.1):  # near-linear: about 2/3 of 1/d (3 reads per non-zero against 2 per weight)
         assert 0.5 < s[d] * d < 0.8
     assert s[0.001] / s[0.01] < 2  # a 10x lower density buys less than 2x: saturated
-    assert cost.sparse_gemm_cycles(spec, 1024, 1024, 256, 8, 8).total == dense
+    assert cost_matmul.sparse_gemm_cycles(spec, 1024, 1024, 256, 8, 8).total == dense
 
 
 def test_imbalance_and_activation_skipping():
     spec = fabric_from_name("wse2")
-    assert cost.sparse_imbalance(spec, 2048, 8192, 994, 750, 0.1) > 1.3  # tiny tiles: the busiest PE lags
-    assert 1.0 <= cost.sparse_imbalance(spec, 2048, 8192, 62, 46, 0.1) < 1.3  # big tiles: binomials concentrate
+    assert cost_matmul.sparse_imbalance(spec, 2048, 8192, 994, 750, 0.1) > 1.3  # tiny tiles: the busiest PE lags
+    assert 1.0 <= cost_matmul.sparse_imbalance(spec, 2048, 8192, 62, 46, 0.1) < 1.3  # big tiles: binomials concentrate
     small = fabric_from_name("wse3", pes=(8, 8))
-    dense = cost.gemm_cycles(small, 512, 512, 64, 8, 8).total
-    act = [cost.sparse_gemm_cycles(small, 512, 512, 64, 8, 8, act_density=a).total for a in (1.0, 0.5, 0.3)]
+    dense = cost_matmul.gemm_cycles(small, 512, 512, 64, 8, 8).total
+    act = [cost_matmul.sparse_gemm_cycles(small, 512, 512, 64, 8, 8, act_density=a).total for a in (1.0, 0.5, 0.3)]
     assert act[0] == dense and dense > act[1] > act[2]
     assert dense / act[2] < 1 / 0.3  # the wavelets' tasks and the partial sums are not skipped
     with pytest.raises(ConfigError, match="density"):
-        cost.sparse_gemm_cycles(small, 64, 64, 1, 8, 8, density=0.0)
+        cost_matmul.sparse_gemm_cycles(small, 64, 64, 1, 8, 8, density=0.0)
 
 
 def test_spmv_stays_exact_tile_by_tile():

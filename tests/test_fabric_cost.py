@@ -10,6 +10,8 @@ import pytest
 
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost as K
+from waferscale.fabric import cost_collectives as KC
+from waferscale.fabric import cost_matmul as KM
 from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
 from waferscale.fabric.mesh import Mesh
@@ -31,18 +33,18 @@ def _close(model: float, des: float, what: str) -> float:
 def test_gemv_gemm_model_vs_des(target, R, C):
     spec = fabric_from_name(target, pes=(R, C))
     for m, k in itertools.product([16, 64, 100, 256], [16, 64, 256]):
-        _close(K.gemv_cycles(spec, m, k, R, C).total, S.sim_gemv(spec, m, k, R, C), f"gemv {m}x{k} on {R}x{C}")
+        _close(KM.gemv_cycles(spec, m, k, R, C).total, S.sim_gemv(spec, m, k, R, C), f"gemv {m}x{k} on {R}x{C}")
     for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16)]:
-        _close(K.gemm_cycles(spec, m, k, n, R, C).total, S.sim_gemm(spec, m, k, n, R, C), f"gemm {m}x{k}x{n}")
+        _close(KM.gemm_cycles(spec, m, k, n, R, C).total, S.sim_gemm(spec, m, k, n, R, C), f"gemm {m}x{k}x{n}")
 
 
 @pytest.mark.parametrize("R,C", MESHES)
 def test_collectives_model_vs_des(R, C):
     spec = fabric_from_name("wse2", pes=(R, C))
     for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 256)):
-        _close(K.allreduce_cycles(spec, n, R, C, algo).total, S.sim_allreduce(spec, n, R, C, algo), f"{algo} n={n}")
+        _close(KC.allreduce_cycles(spec, n, R, C, algo).total, S.sim_allreduce(spec, n, R, C, algo), f"{algo} n={n}")
     for n in (1, 100):
-        _close(K.broadcast_cycles(spec, n, R, C).total, S.sim_broadcast(spec, n, R, C), f"broadcast n={n}")
+        _close(KC.broadcast_cycles(spec, n, R, C).total, S.sim_broadcast(spec, n, R, C), f"broadcast n={n}")
 
 
 @pytest.mark.parametrize("R,C", [(4, 4), (8, 8)])
@@ -51,7 +53,7 @@ def test_spmv_elementwise_rows_model_vs_des(R, C):
     rng = np.random.default_rng(0)
     for m, k, sp in [(64, 64, 0.9), (256, 256, 0.9), (128, 128, 0.5)]:
         W = random_sparse(m, k, sp, rng)
-        _close(K.spmv_cycles(spec, m, k, int((W != 0).sum()), R, C).total,
+        _close(KM.spmv_cycles(spec, m, k, int((W != 0).sum()), R, C).total,
                S.sim_gemm(spec, m, k, 1, R, C, nnz_cols=S.nnz_columns(W, R, C)), f"spmv {m}x{k} {sp}")
     for n in (100, 4096):
         _close(K.elementwise_cycles(spec, n, R, C, 2).total, S.sim_elementwise(spec, n, R, C, 2), f"elementwise {n}")
@@ -80,19 +82,19 @@ def test_model_vs_des_with_defects(rate, seed):
     R, C = mesh.logical_rows, mesh.logical_cols
     rng = np.random.default_rng(seed)
     for m, k in [(64, 64), (256, 128)]:
-        _close(K.gemv_cycles(spec, m, k, R, C, mesh=mesh).total, S.sim_gemv(spec, m, k, R, C, mesh=mesh), "gemv")
-    _close(K.gemm_cycles(spec, 64, 64, 8, R, C, mesh=mesh).total, S.sim_gemm(spec, 64, 64, 8, R, C, mesh=mesh), "gemm")
+        _close(KM.gemv_cycles(spec, m, k, R, C, mesh=mesh).total, S.sim_gemv(spec, m, k, R, C, mesh=mesh), "gemv")
+    _close(KM.gemm_cycles(spec, 64, 64, 8, R, C, mesh=mesh).total, S.sim_gemm(spec, 64, 64, 8, R, C, mesh=mesh), "gemm")
     for m, k, sp in [(64, 64, 0.9), (256, 128, 0.5)]:
         W = random_sparse(m, k, sp, rng)
-        _close(K.spmv_cycles(spec, m, k, int((W != 0).sum()), R, C, mesh=mesh).total,
+        _close(KM.spmv_cycles(spec, m, k, int((W != 0).sum()), R, C, mesh=mesh).total,
                S.sim_gemm(spec, m, k, 1, R, C, mesh=mesh, nnz_cols=S.nnz_columns(W, R, C)), f"spmv {m}x{k} {sp}")
     for algo in ("chain", "2d", "tree"):
-        _close(K.allreduce_cycles(spec, 64, R, C, algo, mesh=mesh).total,
+        _close(KC.allreduce_cycles(spec, 64, R, C, algo, mesh=mesh).total,
                S.sim_allreduce(spec, 64, R, C, algo, mesh=mesh), algo)
-    _close(K.broadcast_cycles(spec, 64, R, C, mesh=mesh).total, S.sim_broadcast(spec, 64, R, C, mesh=mesh), "bcast")
+    _close(KC.broadcast_cycles(spec, 64, R, C, mesh=mesh).total, S.sim_broadcast(spec, 64, R, C, mesh=mesh), "bcast")
     # detours cost: the defective mesh's latency terms are at least the perfect mesh's
-    perfect = K.gemv_cycles(spec, 64, 64, R, C)
-    assert K.gemv_cycles(spec, 64, 64, R, C, mesh=mesh).total >= perfect.total
+    perfect = KM.gemv_cycles(spec, 64, 64, R, C)
+    assert KM.gemv_cycles(spec, 64, 64, R, C, mesh=mesh).total >= perfect.total
 
 
 def test_spmv_model_is_the_expectation():
@@ -101,7 +103,7 @@ def test_spmv_model_is_the_expectation():
     spec = fabric_from_name("wse3", pes=(6, 5))
     des = [S.sim_gemm(spec, 64, 64, 1, 6, 5, nnz_cols=S.nnz_columns(random_sparse(64, 64, 0.9, np.random.default_rng(s)),
                                                                      6, 5)) for s in range(12)]
-    model = K.spmv_cycles(spec, 64, 64, round(64 * 64 * 0.1), 6, 5).total
+    model = KM.spmv_cycles(spec, 64, 64, round(64 * 64 * 0.1), 6, 5).total
     assert min(des) <= model <= max(des) and abs(model - np.mean(des)) / np.mean(des) < 0.05
 
 
@@ -118,9 +120,9 @@ def test_big_region_detours_are_charged():
         assert (est >= 1).all() and abs(int(est.sum()) - int(exact.sum())) <= 0.02 * exact.sum()
     sub = mesh.subregion(10, 20, 30, 40)
     assert sub.logical_rows == 30 and sub.physical(0, 0) == mesh.physical(10, 20)
-    for f in (lambda mm: K.gemv_cycles(spec, 4096, 4096, R, C, mesh=mm),
-              lambda mm: K.allreduce_cycles(spec, 64, R, C, "2d", mesh=mm),
-              lambda mm: K.broadcast_cycles(spec, 64, R, C, mesh=mm)):
+    for f in (lambda mm: KM.gemv_cycles(spec, 4096, 4096, R, C, mesh=mm),
+              lambda mm: KC.allreduce_cycles(spec, 64, R, C, "2d", mesh=mm),
+              lambda mm: KC.broadcast_cycles(spec, 64, R, C, mesh=mm)):
         assert f(mesh).total > f(None).total
 
 
@@ -158,21 +160,21 @@ def test_des_is_a_real_simulation():
 
 def test_cycles_contract():
     spec = fabric_from_name("wse2")
-    c = K.gemv_cycles(spec, 4096, 4096, 994, 750)
+    c = KM.gemv_cycles(spec, 4096, 4096, 994, 750)
     assert c.bottleneck in K.BOTTLENECKS and c.total > 0
     assert c.seconds(spec) == pytest.approx(c.total / 1.1e9)
-    big = K.gemm_cycles(fabric_from_name("wse2", pes=(8, 8)), 256, 256, 64, 8, 8)
+    big = KM.gemm_cycles(fabric_from_name("wse2", pes=(8, 8)), 256, 256, 64, 8, 8)
     assert big.bottleneck in ("compute", "SRAM")  # many streamed vectors: the PEs are the limit
-    assert K.allreduce_cycles(spec, 16, 994, 750, "tree").bottleneck == "routing"  # 20 levels > 18 colors
+    assert KC.allreduce_cycles(spec, 16, 994, 750, "tree").bottleneck == "routing"  # 20 levels > 18 colors
     assert (c + c).total == 2 * c.total
     for f in (K.norm_cycles(spec, 4096 * 8, 4096, 64, 64), K.softmax_cycles(spec, 1024 * 4, 1024, 64, 64),
               K.attention_decode_cycles(spec, 32, 128, 4096, 32, 256), K.elementwise_cycles(spec, 1 << 20, 64, 64),
-              K.broadcast_cycles(spec, 4096, 64, 64), K.spmv_cycles(spec, 4096, 4096, 1 << 20, 512, 512)):
+              KC.broadcast_cycles(spec, 4096, 64, 64), KM.spmv_cycles(spec, 4096, 4096, 1 << 20, 512, 512)):
         assert f.total > 0 and f.bottleneck in K.BOTTLENECKS
 
 
 def test_cost_bad_input():
     with pytest.raises(ConfigError):
-        K.gemv_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 64, 9, 8)
+        KM.gemv_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 64, 9, 8)
     with pytest.raises(ConfigError):
-        K.allreduce_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 8, 8, "ring")
+        KC.allreduce_cycles(fabric_from_name("wse2", pes=(8, 8)), 64, 8, 8, "ring")

@@ -26,7 +26,7 @@ _L1 = _BOTTOM | {"fabric", "models", "data", "sparse"}
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "util": {"errors"},
-    "fabric": _BOTTOM,  # numpy only (THIRD_PARTY below); cost.py never loads sim.py (MODULE_RULES)
+    "fabric": _BOTTOM,  # numpy only (THIRD_PARTY below); cost*.py never load sim.py (MODULE_RULES)
     "models": _BOTTOM,  # models and data never import each other
     "data": _BOTTOM,
     "sparse": _BOTTOM,  # masks and algorithms, pure torch: below everything that applies them
@@ -50,6 +50,10 @@ THIRD_PARTY: dict[str, set[str] | None] = {"fabric": {"numpy"}, "errors": set()}
 # (importer module, imported module): never, not even through other modules at import time.
 MODULE_RULES: list[tuple[str, str, str]] = [
     ("waferscale.fabric.cost", "waferscale.fabric.sim",
+     "the fast cost model must not load the event simulation that judges it"),
+    ("waferscale.fabric.cost_matmul", "waferscale.fabric.sim",
+     "the fast cost model must not load the event simulation that judges it"),
+    ("waferscale.fabric.cost_collectives", "waferscale.fabric.sim",
      "the fast cost model must not load the event simulation that judges it"),
 ]
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from waferscale.compiler.ir import Unit
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost
+from waferscale.fabric import cost, cost_collectives, cost_matmul
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -81,11 +81,12 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
     m = dict(mesh=mesh)
     try:
         for mm in matmuls:
-            c = cost.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1 \
-                else cost.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m)
+            c = cost_matmul.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1 \
+                else cost_matmul.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m)
             if mm.sparse:  # the sparse kernel where it is faster (a barely sparse matrix on tiny tiles is not)
-                c = min(c, cost.sparse_gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, density=mm.density,
-                                                   act_density=mm.act_density, **m), key=lambda x: x.total)
+                c = min(c, cost_matmul.sparse_gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype,
+                                                          density=mm.density, act_density=mm.act_density, **m),
+                        key=lambda x: x.total)
             out.append(c)
         for heads, kvh, actx in attns:
             if not heads or actx <= 0:
@@ -95,17 +96,17 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
                                                         n_kv_heads=kvh, **m))
             else:  # prefill / training: QK^T and PV as GEMMs with K (then V) stationary, softmax between
                 q = n_tokens * heads
-                out.append(cost.gemm_cycles(spec, actx, head_dim, q, rows, cols, dtype, **m))
+                out.append(cost_matmul.gemm_cycles(spec, actx, head_dim, q, rows, cols, dtype, **m))
                 out.append(cost.softmax_cycles(spec, q * actx, actx, rows, cols, **m))
-                out.append(cost.gemm_cycles(spec, head_dim, actx, q, rows, cols, dtype, **m))
+                out.append(cost_matmul.gemm_cycles(spec, head_dim, actx, q, rows, cols, dtype, **m))
         if norm_width and n_norms:
             out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols, **m)] * n_norms
         if ew:
             out.append(cost.elementwise_cycles(spec, ew * n_tokens, rows, cols, 1, dtype))
         if kind == "embed":  # the looked-up row fans out over the region to the next stage's edge
-            out.append(cost.broadcast_cycles(spec, d_out * n_tokens, rows, cols, dtype, **m))
+            out.append(cost_collectives.broadcast_cycles(spec, d_out * n_tokens, rows, cols, dtype, **m))
         if kind == "head" and decode:  # sampling: a max-reduce over the vocabulary spread across the region
-            out.append(cost.allreduce_cycles(spec, n_tokens, rows, cols, **m))
+            out.append(cost_collectives.allreduce_cycles(spec, n_tokens, rows, cols, **m))
     except ConfigError:
         return None
     return tuple((c.bottleneck, float(c.total)) for c in out)

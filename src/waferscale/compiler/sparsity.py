@@ -6,7 +6,7 @@ section its own filters (resolved by `capture.section_sparsity`). Activation spa
 the matrices that read an FFN activation: the fraction of exact zeros entering each block's down-projection,
 given or measured by `wsc sparsity-report`. The cores skip exact zeros only.
 
-`fabric.cost.sparse_gemm_cycles` charges one multiply-add per non-zero weight (and per non-zero input when
+`fabric.cost_matmul.sparse_gemm_cycles` charges one multiply-add per non-zero weight (and per non-zero input when
 zeros are filtered) plus what does not shrink: fills and hops, one task per arriving wavelet, the dense partial
 sums and their reduction, the dense units (attention, norms, embedding, head), the I/O, and the busiest PE of a
 random pattern. `explain` sweeps the density on the chosen placement: with F the time left at vanishing
@@ -28,7 +28,7 @@ from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import FFN_DOWN, Graph, MatMul, Unit
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost
+from waferscale.fabric import cost_matmul
 
 DENSITY_GRID = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 FLOOR_DENSITY = 1e-4  # "vanishing density": the fixed costs F
@@ -187,7 +187,7 @@ def explain(ctx: CompileContext, reproject: Callable[[list[Unit]], tuple[pj.Time
         work = dense.s - floor.s
         knee = floor.s / work if work > 0 else math.inf
         at = knee if knee < 0.5 else 0.1
-        imb = cost.sparse_imbalance(spec, biggest.m, biggest.k, *region, max(at, 0.01), g.dtype)
+        imb = cost_matmul.sparse_imbalance(spec, biggest.m, biggest.k, *region, max(at, 0.01), g.dtype)
         this = reproject(_at(units, wkeys, None, act=False))[0].s
         out["weight"] = {"matrices": len(mats), "sparse_params": n_sparse, "params": g.params,
                          "mean_density": mean_d, "time_s": this, "speedup": dense.s / this, "sweep": sweep,

@@ -20,7 +20,7 @@ from waferscale.compiler.plan import Region
 from waferscale.compiler.seq2seq import model_flops_per_token
 from waferscale.compiler.strategy import gb
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost
+from waferscale.fabric import cost_collectives
 from waferscale.fabric.spec import SystemSpec
 
 
@@ -55,7 +55,7 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
             if gg > 1:  # reduce the copies' gradient tiles across the g-way grid (tile per PE, grid hops)
                 gr = R // box.rows
                 tile = max(1, math.ceil(u.nonzero_params / (box.rows * box.cols)))  # only kept weights' grads
-                red.add_cycles(cost.reduce_cycles(spec, tile, gr, gg // gr), spec.clock_hz)
+                red.add_cycles(cost_collectives.reduce_cycles(spec, tile, gr, gg // gr), spec.clock_hz)
                 red.add("fabric latency", (R + Cc) * spec.hop_latency_cycles / spec.clock_hz)
             t = (f.s * (3 + recompute) if not u.act_sparse else f.s + bwd.s) + red.s
             if best is None or t < best[0]:
@@ -88,8 +88,8 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
 def _dispatch_time(spec, u: Unit, t_mb: int, R: int, C: int, dtype: str) -> pj.Time:
     """An MoE block's routing on the wafer: each of the micro-batch's t_mb tokens sends its activations to its
     k experts' tokens and their outputs come back, two all-to-alls over the whole wafer
-    (`fabric.cost.alltoall_cycles`)."""
-    cyc = cost.alltoall_cycles(spec, t_mb * u.experts_per_token * u.d_out, R, C, dtype)
+    (`fabric.cost_collectives.alltoall_cycles`)."""
+    cyc = cost_collectives.alltoall_cycles(spec, t_mb * u.experts_per_token * u.d_out, R, C, dtype)
     return pj.Time().add("routing", 2 * cyc.total / spec.clock_hz)
 
 

@@ -1,4 +1,4 @@
-"""`wsc kernel`: one fabric kernel projected on a target by the cost model (`cost.py`) on the target's mesh
+"""`wsc kernel`: one fabric kernel projected on a target by the cost model (`cost*.py`) on the target's mesh
 (with defects), optionally verified tile by tile (`kernels/`) against numpy, and reported with its assumptions.
 """
 
@@ -9,7 +9,9 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric import kernels as KN
 from waferscale.fabric import pe as PE
-from waferscale.fabric.cost import allreduce_cycles, check_positive, gemm_cycles, gemv_cycles, spmv_cycles
+from waferscale.fabric.cost import check_positive
+from waferscale.fabric.cost_collectives import allreduce_cycles
+from waferscale.fabric.cost_matmul import gemm_cycles, gemv_cycles, spmv_cycles
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.fabric.schedules import used
@@ -73,7 +75,7 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
             "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
             **({"algo": algo} if kind == "allreduce" else {}),
             **({"sparsity": sparsity} if kind == "spmv" else {}),
-            "model": "analytic (fabric/cost.py), validated against the wavelet-level event simulation (sim.py)",
+            "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim.py)",
         },
     }
     if verify:

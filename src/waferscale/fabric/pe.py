@@ -1,4 +1,4 @@
-"""The micro-model of one PE, shared by the analytic cost model (`cost.py`) and the event simulation (`sim.py`).
+"""The micro-model of one PE, shared by the analytic cost model (`cost*.py`) and the event simulation (`sim.py`).
 
 One *task* (a dataflow task fired by arriving wavelets) costs
 

@@ -1,7 +1,7 @@
 """The schedules of the fabric kernels, as data: who sends to whom, in what order, in which phases.
 
 One home for what the three views of a kernel share — the functional tile-level execution (`kernels/`), the
-analytic cycle model (`cost.py`) and the wavelet-level event simulation that judges it (`sim.py`) — so the
+analytic cycle model (`cost*.py`) and the wavelet-level event simulation that judges it (`sim.py`) — so the
 model never needs the simulation to know what it models: tile splits, the reduction trees into PE (0, 0), and
 the per-row phase lists of the row programs (`sim.sim_row_program` runs them, `cost.row_program_cycles`
 models them; task lengths come from `pe.py`). Numpy-free pure functions of the sizes and the `FabricSpec`.

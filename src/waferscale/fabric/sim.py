@@ -1,4 +1,4 @@
-"""Discrete-event simulation of the fabric kernels at wavelet granularity (the slow reference for `cost.py`).
+"""Discrete-event simulation of the fabric kernels at wavelet granularity (the slow reference for `cost*.py`).
 
 What is simulated, event by event (a heap ordered by cycle):
 

@@ -1,6 +1,7 @@
 """Kernels on the mesh, each a functional tile-level execution in numpy (see `tiles.py`).
 
-Cycle models live in `waferscale.fabric.cost`, the wavelet-level event simulation in `waferscale.fabric.sim`.
+Cycle models live in `waferscale.fabric.cost` (with `cost_matmul` and `cost_collectives`), the wavelet-level event
+simulation in `waferscale.fabric.sim`.
 """
 
 from waferscale.fabric.kernels.attention import attention_decode, attention_reference

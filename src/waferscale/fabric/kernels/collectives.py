@@ -1,6 +1,7 @@
 """Broadcast, reduce and all-reduce on a rows x cols region, moved hop by hop along the mesh routes.
 
-Algorithms (the same schedules `sim.py` simulates and `cost.py` models; the trees are `schedules.reduce_parents`):
+Algorithms (the same schedules `sim.py` simulates and `cost_collectives.py` models; the trees are
+`schedules.reduce_parents`):
 
 * broadcast: the root (0, 0) multicasts East along row 0, and every router of row 0 also multicasts South down
   its column (hardware multicast on one color, Fabric row of WSE.md).

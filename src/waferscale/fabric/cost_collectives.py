@@ -1,0 +1,174 @@
+"""Cycle models of the collectives: reduce, broadcast, all-reduce and all-to-all on a rows x cols region (the
+schedules of `kernels/collectives.py`, trees from `schedules.reduce_parents`, judged by `sim.sim_allreduce` and
+`sim.sim_broadcast`); conventions and shared pieces in `cost.py`.
+
+A reduction tree is evaluated node by node (`_node_times`): a PE's first wavelet leaves after its slowest
+child's first has arrived and been added, its last after the slowest child's last or after its fan-in times
+nw add tasks, whichever is later, each edge costing ramp out + hops + ramp in (`_edge`). This is the HPDC'24
+form of the Fabric row of WSE.md, T = max(C, E/N) + L + (2 T_R + 1) D, taken per node. On a defective mesh the
+real detoured routes are used and edges sharing a physical link queue on it (`_tree_finish`).
+"""
+
+from __future__ import annotations
+
+from waferscale.errors import ConfigError
+from waferscale.fabric import pe as PE
+from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, detour_extra, exact_routes,
+                                    fluid_finish, make_cycles, multicast_latency)
+from waferscale.fabric.mesh import Mesh
+from waferscale.fabric.schedules import reduce_parents
+from waferscale.fabric.spec import FabricSpec
+
+
+def _node_times(arrivals: list[tuple[float, float]], nw: int, add_c: int) -> tuple[float, float]:
+    """(first, last) send time of a PE given its children's (first, last) wavelet arrival times: it adds every
+    child's wavelet (add_c cycles each, at most one wavelet per cycle through its ramp). Its first wavelet waits
+    for the slowest child's first; its last for the slowest child's last, or for all fan_in * nw adds counted
+    from the first arrival, whichever is later. A leaf sends its nw wavelets one per cycle from t = 0."""
+    if not arrivals:
+        return 0.0, float(nw - 1)
+    r = max(1, add_c)
+    first = max(f for f, _ in arrivals) + add_c
+    last = max(max(l for _, l in arrivals) + add_c, min(f for f, _ in arrivals) + len(arrivals) * nw * r)
+    return first, last
+
+
+def _edge(times: tuple[float, float], hops: int, spec: FabricSpec) -> tuple[float, float]:
+    d = 2 * spec.ramp_latency_cycles + hops * spec.hop_latency_cycles  # ramp out, hops, ramp in
+    return times[0] + d, times[1] + d
+
+
+def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: FabricSpec) -> float:
+    """Critical path of a reduction tree given as child -> parent: `last` of the root (all wavelets summed).
+
+    Detoured routes may make several tree edges share a physical link. Whether they contend depends on when
+    they carry their wavelets (a chain's far-apart stages never overlap in time), so the tree is evaluated
+    twice: first as if every link were private, which gives each edge's sending window [first, last]; then
+    each edge's last wavelet is delayed by the wavelets the other edges on its busiest link send inside its
+    window (the overlap of the windows times the other edge's rate)."""
+    kids: dict = {}
+    for c, p in parents.items():
+        kids.setdefault(p, []).append(c)
+    links: dict = {c: list(zip(mesh.route(c, p), mesh.route(c, p)[1:])) for c, p in parents.items()}
+    users: dict = {}
+    for c, ls in links.items():
+        for link in ls:
+            users.setdefault(link, []).append(c)
+    order, stack = [], [root]
+    while stack:  # iterative post-order
+        v = stack.pop()
+        order.append(v)
+        stack.extend(kids.get(v, ()))
+
+    def evaluate(windows: dict | None) -> dict:
+        times: dict = {}
+
+        def edge(c, v):
+            f, last = _edge(times[c], mesh.hops(c, v), spec)
+            if windows is not None:  # FCFS fluid queue on each link of the route: the last wavelet of c
+                for link in links[c]:  # leaves when all work that arrived on the link before it is served
+                    last = max(last, fluid_finish([windows[o] for o in users[link]], windows[c][1], nw) + (
+                        f - windows[c][0]))
+            return f, last
+
+        for v in reversed(order):
+            times[v] = _node_times([edge(c, v) for c in kids.get(v, ())], nw, add_c)
+        return times
+
+    times = evaluate(None)
+    for _ in range(3):
+        times = evaluate(times)
+    return times[root][1]
+
+
+def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec) -> float:
+    """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then column 0."""
+    if algo == "chain":
+        return nw - 1 + (R * C - 1) * (2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c)
+
+    def into_root(n: int, inputs: list) -> list:
+        """Arrivals at position 0 of a line of n PEs reducing by `algo`, each PE also combining `inputs`."""
+        kids: dict = {}
+        for (_, c), (_, p) in reduce_parents(algo, 1, n).items():
+            kids.setdefault(p, []).append(c)
+        times: dict = {}
+        for v in range(n - 1, 0, -1):  # children are always after their parent
+            times[v] = _node_times(inputs + [_edge(times[c], c - v, spec) for c in kids.get(v, ())], nw, add_c)
+        return [_edge(times[c], c, spec) for c in kids.get(0, ())]
+
+    row_in = into_root(C, [])  # every row's partials into column 0 (all rows alike), then up column 0
+    return _node_times(row_in + into_root(R, row_in), nw, add_c)[1]
+
+
+def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32", *,
+                  mesh: Mesh | None = None) -> Cycles:
+    """Reduce (sum) of one n_elems vector per PE into PE (0, 0). The HPDC'24 form (Fabric row of WSE.md),
+
+        T = max(C, E/N) + L + (2 T_R + 1) D,
+
+    is evaluated node by node up the tree: a PE's last wavelet leaves after its slowest child's last one arrives
+    (L + (2 T_R + 1) D along the path: hops, ramp out and in, one add per stage) or after its fan-in times nw
+    adds counted from its first arrival (the contention C), whichever is later. E/N (= nw per active link) never
+    exceeds C here. With a defective `mesh`, hops are the real detoured routes."""
+    check_positive(n_elems=n_elems)
+    R, C = check_region(spec, rows, cols, mesh)
+    nw = PE.wavelets(n_elems, spec, dtype)
+    add_c = PE.add_task(spec, dtype, PE.elems_per_wavelet(spec, dtype))
+    if algo not in ("chain", "2d", "tree"):
+        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use chain, tree or 2d")
+    if R * C == 1:
+        return make_cycles(compute=0, sram=0, fabric=0, total=0)
+    fan_in = {"chain": 1, "2d": 2 if R > 1 and C > 1 else 1,
+              "tree": (C - 1).bit_length() + (R - 1).bit_length()}[algo]
+    colors = {"chain": 2, "2d": 4, "tree": fan_in}[algo]  # chains alternate 2 colors; a tree uses one per level
+    if exact_routes(mesh, R, C):
+        total = _tree_finish(reduce_parents(algo, R, C), (0, 0), mesh, nw, add_c, spec)
+    else:
+        total = _regular_finish(algo, R, C, nw, add_c, spec)
+        if mesh is not None and mesh.has_defects:  # big region: the detours' extra hops on the critical path
+            row_max, row_sum, col = detour_extra(mesh, R, C)
+            total += (row_sum + col if algo == "chain" else row_max + col) * spec.hop_latency_cycles
+    passes = color_passes(spec, colors)
+    if passes > 1:  # levels beyond the available colors wait for the previous group: pay the fill again
+        total += (passes - 1) * (total - (nw - 1) * fan_in * max(1, add_c))
+    return make_cycles(compute=fan_in * nw * add_c, sram=fan_in * nw * add_c, fabric=fan_in * nw,
+                       total=total, passes=passes)
+
+
+def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp32", *,
+                     mesh: Mesh | None = None) -> Cycles:
+    """PE (0, 0) multicasts n_elems along row 0 and down every column (1 color): fill + one wavelet per cycle."""
+    check_positive(n_elems=n_elems)
+    R, C = check_region(spec, rows, cols, mesh)
+    nw = PE.wavelets(n_elems, spec, dtype)
+    if R * C == 1:
+        return make_cycles(compute=0, sram=0, fabric=0, total=0)
+    if exact_routes(mesh, R, C):  # the real multicast tree: row 0, then every column
+        tree = mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
+        hops = mesh.tree_depth(tree, mesh.physical(0, 0))
+    else:  # row 0 then a column; a big defective region adds the extra hops of its worst row chain and column 0
+        row_max, _, col = detour_extra(mesh, R, C) if mesh is not None and mesh.has_defects else (0, 0, 0)
+        hops = (C - 1) + (R - 1) + row_max + col
+    return make_cycles(compute=0, sram=0, fabric=nw, total=multicast_latency(spec, hops, nw))
+
+
+def allreduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
+                     *, mesh: Mesh | None = None) -> Cycles:
+    """Reduce into (0, 0) (`reduce_cycles`, HPDC'24 form), then broadcast the sum (`broadcast_cycles`);
+    algo in {"chain", "tree", "2d"}. The broadcast starts when the root holds the whole sum."""
+    return reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh) + \
+        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh)
+
+
+def alltoall_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp16") -> Cycles:
+    """n_elems spread evenly over the region, each sent to a uniformly random PE of it (a mixture of experts'
+    dispatch of tokens to the experts' PEs): a quarter of the data crosses the region's narrower bisection each
+    way, min(R, C) links wide, one wavelet per link per cycle, after the diameter's hops. A bandwidth bound:
+    no contention beyond the bisection's is modelled."""
+    check_positive(n_elems=n_elems)
+    R, C = check_region(spec, rows, cols, None)
+    if R * C == 1:
+        return make_cycles(compute=0, sram=0, fabric=0, total=0)
+    nw = -(-PE.wavelets(n_elems, spec, dtype) // (4 * min(R, C)))
+    return make_cycles(compute=0, sram=0, fabric=nw, total=nw + (R + C - 2) * spec.hop_latency_cycles)
+
