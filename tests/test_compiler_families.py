@@ -13,7 +13,6 @@ import pytest
 
 from waferscale.cli.main import main
 from waferscale.compiler import capture, compile_model, moe
-from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.models import config_from_name
 
@@ -99,7 +98,7 @@ def _mixtral_systems() -> int:
     """Systems whose SRAM holds every expert's fp16 weights: params x 2 B over the data bytes of a WSE-3
     (its PEs x (SRAM per PE - the compiler's stated program reserve))."""
     cfg, spec = config_from_name("mixtral-8x7b"), fabric_from_name("wse3")
-    return math.ceil(cfg.num_params * 2 / (spec.pes * (spec.sram_bytes_per_pe - PROGRAM_RESERVE_BYTES_PER_PE)))
+    return math.ceil(cfg.num_params * 2 / (spec.pes * (spec.sram_bytes_per_pe - spec.program_reserve_bytes_per_pe)))
 
 
 def test_mixtral_inference_needs_the_systems_its_weights_need(capsys):

@@ -183,6 +183,7 @@ def _report_plan(plan: "Plan", out: Path | None, as_json: bool) -> None:
 
 def cmd_compile(a: argparse.Namespace) -> int:
     from waferscale.compiler import compile_model
+    from waferscale.fabric.assumptions import parse_assume
     from waferscale.fabric.presets import parse_pes
 
     if (a.model is None) == (a.params is None):
@@ -201,7 +202,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
                          systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
                          batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
                          context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
-                         clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity)
+                         clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity,
+                         assume=parse_assume(a.assume))
     _report_plan(plan, Path(a.out) if a.out else None, as_json=a.json)
     return 0
 
@@ -415,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--defects", type=float, default=0.0, help="random defect rate in [0, 1)")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--clock_hz", type=float, default=None, help="override the assumed clock")
+            p.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
+                           help="change one of the target's unpublished hardware assumptions (repeatable; the plan's "
+                                "assumptions.unpublished lists them)")
             p.add_argument("--out", default=None, help="write plan.json, wafer.png, wafer.svg, trace.json here")
             p.add_argument("--json", action="store_true")
             p.add_argument("--sparsity", type=float, default=None,

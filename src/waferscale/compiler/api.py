@@ -11,7 +11,7 @@ from typing import Any
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
 from waferscale.compiler.sparsity import summary_lines
-from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, data_bytes_per_pe
 from waferscale.errors import ConfigError
 from waferscale.util.files import atomic_write_bytes
 
@@ -120,7 +120,7 @@ def plan_summary(plan: Plan) -> str:
     lines += summary_lines(plan.extra["sparsity"]) if "sparsity" in plan.extra else []
     lines.append(f"  assumptions   clock {a['clock_hz'] / 1e9:.3g} GHz, {a['fp16_flops_per_cycle_per_pe']} fp16 "
                  f"FLOP/cycle/PE, link {a['link_bytes_per_cycle']} B/cycle, SRAM {a['sram_bytes_per_pe'] // 1024} KiB/PE "
-                 f"({a['program_reserve_bytes_per_pe'] // 1024} KiB program reserve), I/O "
+                 f"({a['program_reserve_bytes_per_pe'] / 1024:g} KiB program reserve), I/O "
                  f"{a['io_bytes_per_s'] / 1e9:.0f} GB/s + {a['io_latency_s'] * 1e6:.0f} us/hop, "
                  f"peak {_si(a['peak_fp16_flops_per_wafer'], 'FLOP/s')} per wafer")
     lines.append("  why")
@@ -190,7 +190,7 @@ def estimate_memory(*, model: str | None = None, graph: Graph | None = None, tar
             "training_bytes": total, "training_bytes_per_param": w + gr + master + m1 + m2,
             "optimizer_state_bytes": n * (master + m1 + m2), "inference_weight_bytes": infer,
             "sram_bytes": spec.sram_bytes, "usable_sram_bytes": usable,
-            "program_reserve_bytes_per_pe": PROGRAM_RESERVE_BYTES_PER_PE,
+            "program_reserve_bytes_per_pe": spec.program_reserve_bytes_per_pe,
             "training_fits_in_sram": total <= usable, "inference_fits_in_sram": infer <= usable,
             "training_verdict": ("fits in SRAM (weights, gradients and optimizer state; activations come on top)"
                                  if total <= usable else

@@ -28,9 +28,10 @@ from waferscale.compiler.ir import Graph
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Plan, Region
 from waferscale.compiler.seq2seq import plan_seq2seq
-from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, data_bytes_per_pe
+from waferscale.compiler.strategy import data_bytes_per_pe
 from waferscale.compiler.training import plan_training
 from waferscale.errors import ConfigError
+from waferscale.fabric import assumptions as hw
 from waferscale.fabric.presets import fabric_from_name
 
 MODES = {"inference": "inference", "infer": "inference", "train": "train", "training": "train"}
@@ -41,7 +42,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                   batch_size: int | None = None, seq_len: int | None = None, prompt_len: int | None = None,
                   context_len: int | None = None, users: int | None = None, defects: float = 0.0, seed: int = 0,
                   clock_hz: float | None = None, sparsity: float | Mapping[str, float] | None = None,
-                  activation_sparsity: Any = None) -> Plan:
+                  activation_sparsity: Any = None, assume: Mapping[str, float] | None = None) -> Plan:
     """Compile a zoo model (`model`), a captured graph (`graph`: a params file's comes from
     `waferscale.zoo.wafer.params_graph`) or an nn.Module (`module`, or `(module, sample_input_shape)`) for
     `systems` x `target` wafers. Raises ConfigError on bad input or an impossible request (the message has the
@@ -50,7 +51,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     sparsity: the fraction of zero weights in the matrices Cerebras' default filter takes, or per matrix
     ("unit.matmul" -> fraction: `capture.section_sparsity` for a params file's section). activation_sparsity:
     the fraction of zeros entering the FFN down-projections (`sparsity.activation_sparsity` lists the forms).
-    Without either the plan is the dense one, byte for byte."""
+    Without either the plan is the dense one, byte for byte. assume: new values of the target's unpublished
+    hardware assumptions (`fabric.assumptions`, name -> value)."""
     if sum(x is not None for x in (model, graph, module)) != 1:
         raise ConfigError("give exactly one of --model NAME, --params P.yaml (or a module)")
     mode_key = MODES.get(str(mode).lower())
@@ -63,6 +65,10 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     if not isinstance(defects, (int, float)) or not 0.0 <= defects < 1.0:
         raise ConfigError(f"--defects must be a rate in [0, 1), got {defects!r}")
     spec = fabric_from_name(target, pes=tuple(pes) if pes else None, clock_hz=clock_hz)
+    if assume:
+        if clock_hz is not None and "clock_hz" in assume:
+            raise ConfigError("the clock is given twice (--clock_hz and --assume clock_hz=...); give one")
+        spec = hw.apply(spec, target, assume)
 
     from waferscale.compiler import capture  # the only torch import, deferred
 
@@ -120,8 +126,9 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         assumptions["defect_detours"] = ("charged per placed region on its own routes (fabric.mesh: exact routes for "
                                          "regions up to 4,096 PEs, Manhattan + 2 hops per blocked segment above); "
                                          "placement searches shapes on the defect-free logical mesh")
-    assumptions.update(program_reserve_bytes_per_pe=PROGRAM_RESERVE_BYTES_PER_PE,
-                       data_bytes_per_pe=data_bytes_per_pe(spec), **out.pop("assumptions", {}))
+    assumptions.update(program_reserve_bytes_per_pe=spec.program_reserve_bytes_per_pe,
+                       data_bytes_per_pe=data_bytes_per_pe(spec), unpublished=hw.describe(spec, target),
+                       **out.pop("assumptions", {}))
     return Plan(model=g.name, source=g.source, target=spec.name, systems=systems, mode=mode_key,
                 strategy=out["strategy"], replicas=out["replicas"], wafers_per_pipeline=out["wafers_per_pipeline"],
                 fits_in_sram=out["fits_in_sram"], fabric=dataclasses.asdict(spec),

@@ -17,7 +17,7 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, split_groups, with_detours
 from waferscale.compiler.placement import grid_boxes
-from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, check_routing, data_bytes_per_pe, gb
+from waferscale.compiler.strategy import check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
 REPLICA_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
@@ -41,8 +41,8 @@ def plan_encode(ctx: CompileContext, seq_len: int | None) -> dict:
         need = wpp or math.ceil(sum(mem) / cap_w)
         raise ConfigError(f"{g.name} encoding needs {gb(sum(mem))} on-wafer (weights + a {T}-token sequence's "
                           f"activations), but {ctx.systems} x {spec.name} hold {gb(ctx.systems * cap_w)} for data "
-                          f"after a {PROGRAM_RESERVE_BYTES_PER_PE // 1024} KiB/PE program reserve; it needs at least "
-                          f"{need} systems (--systems {need})")
+                          f"after a {spec.program_reserve_bytes_per_pe / 1024:g} KiB/PE program reserve; it needs at "
+                          f"least {need} systems (--systems {need})")
     ctx.say(f"encoder: bidirectional attention (each of a sequence's {T} tokens attends to all {T}), so inference "
             f"is one forward pass per sequence (encode), with no decode and no KV cache; the masked-LM head's "
             f"logits come out for every token")

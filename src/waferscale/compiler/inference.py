@@ -27,7 +27,7 @@ from waferscale.compiler.ir import Graph, Unit
 from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, StageTime, chain, crossing_time, decode_latency,
                                           depth, handoff, occupancy, place_pipelines, split_groups, with_detours)
 from waferscale.compiler.placement import grid_boxes
-from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
+from waferscale.compiler.strategy import Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
 REPLICA_CANDIDATES = (1, 2, 3, 4, 6, 8, 9, 12, 16, 20, 24, 25, 32, 36, 48, 49, 64)  # copies per wafer tried
@@ -141,7 +141,7 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
             f"{g.name} inference needs {gb(sum(wb))} of {g.dtype} weights + {gb(kv_tok * C)} of KV cache (one user, "
             f"context {C}) on-wafer, but {ctx.systems} x {spec.name} hold {gb(ctx.systems * cap_w)} for data "
             f"({min(w.usable_pes for w in ctx.wafers):,} PEs x {cap_pe:,} B after a "
-            f"{PROGRAM_RESERVE_BYTES_PER_PE // 1024} KiB/PE program reserve); it needs at least {need} systems "
+            f"{spec.program_reserve_bytes_per_pe / 1024:g} KiB/PE program reserve); it needs at least {need} systems "
             f"(--systems {need}); streaming weights from MemoryX for decode would be I/O-bound (WSE.md), so "
             f"inference keeps them on-wafer" + (f". Why so many: {_moe_why(g)}" if g.moe else ""))
     sys_reps = ctx.systems // wpp

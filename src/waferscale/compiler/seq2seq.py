@@ -27,7 +27,7 @@ from waferscale.compiler.ir import Graph, Unit
 from waferscale.compiler.pipeline import (MAX_REPLICAS_PER_WAFER, crossing_time, decode_latency, handoff,
                                           place_pipelines, split_groups, with_detours)
 from waferscale.compiler.placement import grid_boxes
-from waferscale.compiler.strategy import PROGRAM_RESERVE_BYTES_PER_PE, Layout, check_routing, data_bytes_per_pe, gb
+from waferscale.compiler.strategy import Layout, check_routing, data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
 
 DEFAULT_OUTPUT_TOKENS = 128  # decode context of an inference request when --context_len is not given
@@ -89,8 +89,8 @@ def plan_seq2seq(ctx: CompileContext, prompt_len: int | None, context_len: int |
         raise ConfigError(f"{g.name} inference needs {gb(sum(weights))} of {g.dtype} weights + {gb(sum(per_user))} "
                           f"per user (decoder KV cache for {C} output tokens, cross-attention keys and values of a "
                           f"{P}-token input) on-wafer, but {ctx.systems} x {spec.name} hold "
-                          f"{gb(ctx.systems * cap_w)} for data after a {PROGRAM_RESERVE_BYTES_PER_PE // 1024} KiB/PE "
-                          f"program reserve; it needs at least {need} systems (--systems {need})")
+                          f"{gb(ctx.systems * cap_w)} for data after a {spec.program_reserve_bytes_per_pe / 1024:g} "
+                          f"KiB/PE program reserve; it needs at least {need} systems (--systems {need})")
     dec_depth = sum(u.stack != "encoder" for u in units)
     sys_reps = ctx.systems // wpp
 

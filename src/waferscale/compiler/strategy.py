@@ -1,8 +1,9 @@
 """Strategy helpers shared by the plans: region sizing (`waterfill`), one pipeline copy placed in a box
 (`place_replica`), routing colors, and the memory a PE has for data.
 
-A per-PE program reserve (code, routing configuration, queues) is not available to data; what each plan keeps
-on the wafer is in its module's docstring (`inference.py`, `training.py`, `weight_streaming.py`).
+A per-PE program reserve (code, routing configuration, queues: `FabricSpec.program_reserve_bytes_per_pe`, an
+assumption) is not available to data; what each plan keeps on the wafer is in its module's docstring
+(`inference.py`, `training.py`, `weight_streaming.py`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ from waferscale.compiler.placement import Rect, snake
 from waferscale.compiler.plan import Region
 from waferscale.fabric.spec import FabricSpec
 
-# Assumption (not published): each PE keeps this much of its SRAM for code, routing tables, queues and
-# stack; the rest holds data. Stated in every plan's assumptions.
-PROGRAM_RESERVE_BYTES_PER_PE = 6 * 1024
 ADAM_STATE_BYTES_PER_PARAM = {"mixed": (2, 2, 4, 4, 4), "fp32": (4, 4, 0, 4, 4)}  # weight, grad, master, m, v
 
 
 def data_bytes_per_pe(spec: FabricSpec) -> int:
-    return spec.sram_bytes_per_pe - PROGRAM_RESERVE_BYTES_PER_PE
+    """SRAM a PE has for data: its SRAM less the program reserve (an assumption, stated in every plan)."""
+    return spec.sram_bytes_per_pe - spec.program_reserve_bytes_per_pe
 
 
 def gb(x: float) -> str:

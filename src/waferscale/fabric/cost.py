@@ -221,7 +221,7 @@ def norm_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int
 def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int, dtype: str = "fp32", *,
                    mesh: Mesh | None = None) -> Cycles:
     """Softmax over rows of `width`: a max all-reduce and a sum all-reduce along each mesh row; exp() is
-    assumed to cost `schedules.EXP_OPS` SIMD ops (not in WSE.md: an assumption)."""
+    assumed to cost `spec.exp_ops` SIMD ops (not in WSE.md: an assumption, fabric/assumptions.py)."""
     R, C, tokens_per_row, width_per_pe = _rows_region(spec, n_elems, width, rows, cols, mesh)
     return row_program_cycles(spec, softmax_phases(spec, tokens_per_row, width_per_pe, dtype), R, C, dtype, mesh,
                               colors=5)

@@ -15,8 +15,6 @@ from waferscale.fabric.spec import FabricSpec
 
 Coord = tuple[int, int]  # a logical PE (row, col), as `mesh.Coord`
 
-EXP_OPS = 8  # assumed SIMD ops per exp() (a polynomial); not in WSE.md — an assumption, printed by cost.py
-
 
 # ---- tiling ---------------------------------------------------------------------------------------------
 def used(n: int, parts: int) -> int:
@@ -71,11 +69,11 @@ def norm_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, rms: b
 
 
 def softmax_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, dtype: str) -> list[tuple]:
-    """Softmax: local max, row max all-reduce, exp (`EXP_OPS` ops per value) and local sum, row sum
-    all-reduce, divide."""
+    """Softmax: local max, row max all-reduce, exp (`spec.exp_ops` ops per value: an assumption) and local
+    sum, row sum all-reduce, divide."""
     n_loc = tokens_per_row * width_per_pe
     lmax = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=tokens_per_row)
-    lexp = PE.task_cycles(spec, dtype, ops=(EXP_OPS + 1) * n_loc, read_elems=n_loc, write_elems=n_loc)
+    lexp = PE.task_cycles(spec, dtype, ops=(spec.exp_ops + 1) * n_loc, read_elems=n_loc, write_elems=n_loc)
     ldiv = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=n_loc)
     return [("local", lmax), ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", lexp),
             ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", ldiv)]
@@ -85,7 +83,7 @@ def attention_phases(spec: FabricSpec, heads_per_row: int, ctx_per_pe: int, head
     """q multicast along the row; scores (ctx*d FMAs per head), exp, P.V (ctx*d FMAs per head); the (m, l, o)
     partials merge East->West (a rescale FMA on each side per value: 2 ops + exps amortised); out = o / l."""
     h, c, d = heads_per_row, ctx_per_pe, head_dim
-    local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (EXP_OPS + 2) * h * c,
+    local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (spec.exp_ops + 2) * h * c,
                            read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2))
     div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d)
     return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("local0", div)]

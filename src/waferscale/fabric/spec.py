@@ -1,7 +1,8 @@
 """Wafer fabric specifications: frozen, typed, every number citing its row in shared/WSE.md.
 
 Units are in the names: *_bytes, *_hz, *_per_cycle, *_cycles, *_s. The clock of the WSE-3 is not published
-and the WSE-2's has two published values, so `clock_hz` is a parameter (`with_clock`).
+and the WSE-2's has two published values, so `clock_hz` is a parameter (`with_clock`); every value WSE.md does
+not publish is listed per generation in `fabric/assumptions.py`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,19 @@ class FabricSpec:
     io_bytes_per_s: float  # system I/O (weights / activations into the wafer edges)
     io_latency_s: float  # one inter-system hop
     power_w: float
+    # unpublished (fabric/assumptions.py says where each value comes from); fields so a changed value reaches
+    # every kernel and plan through the spec
+    program_reserve_bytes_per_pe: int = 6 * 1024  # SRAM kept for code, routing tables, queues and stack
+    exp_ops: float = 8  # SIMD ops per exp() (a polynomial)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
                 raise ConfigError(f"fabric spec {self.name!r}: {f.name} must be a positive number, got {v!r}")
+        if self.program_reserve_bytes_per_pe >= self.sram_bytes_per_pe:
+            raise ConfigError(f"fabric spec {self.name!r}: the program reserve ({self.program_reserve_bytes_per_pe} "
+                              f"B) leaves no SRAM for data of the {self.sram_bytes_per_pe} B per PE")
 
     # ---- derived ---------------------------------------------------------------------------------------
     @property

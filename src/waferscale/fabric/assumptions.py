@@ -1,0 +1,95 @@
+"""The unpublished hardware assumptions of each generation: the values a projection rests on that shared/WSE.md
+does not publish (or publishes only as a bound, or twice with different values).
+
+Every other number of a preset cites its WSE.md row (`presets.py`). Each assumption here names the
+`FabricSpec` field that carries it, so a changed value (`apply`: `wsc compile --assume NAME=VALUE`, or the
++-10% of `wsc compile --sensitivity`) reaches every kernel and plan through the spec, and says where the
+assumed value comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from waferscale.errors import ConfigError
+from waferscale.fabric.presets import preset_key
+from waferscale.fabric.spec import FabricSpec
+
+
+@dataclass(frozen=True)
+class Assumption:
+    name: str  # the FabricSpec field that carries it
+    unit: str
+    source: str  # where the assumed value comes from
+    integer: bool = False  # a count of bytes or cycles: a changed value is rounded
+
+    def value(self, spec: FabricSpec) -> float:
+        return getattr(spec, self.name)
+
+
+_CLOCK_UNPUBLISHED = Assumption(
+    "clock_hz", "Hz", "Chip row: clock not published for this generation; WSE-2's published maximum, 1.1 GHz")
+_IO_LATENCY = Assumption(
+    "io_latency_s", "s", "System row: 'CS-3 I/O latency < 5 us per hop' (V), taken at the bound for every "
+                         "generation (the only published figure)")
+_SRAM_READ = Assumption(
+    "sram_read_bytes_per_cycle", "B/cycle", "PE row: '2x64-bit reads + 1x64-bit write per cycle' is stated for "
+                                            "WSE-2; assumed unchanged in this generation")
+_SRAM_WRITE = Assumption("sram_write_bytes_per_cycle", "B/cycle", _SRAM_READ.source)
+_COMMON = (
+    Assumption("program_reserve_bytes_per_pe", "B", "not in WSE.md: SRAM a PE keeps for code, routing tables, "
+                                                    "queues and stack (PE row: SRAM holds code and data); 6 KiB of "
+                                                    "the 48 KiB", integer=True),
+    Assumption("exp_ops", "ops", "not in WSE.md: SIMD ops per exp() in softmax and attention, a polynomial "
+                                 "evaluation of about 8 multiply-adds"),
+)
+
+UNPUBLISHED: dict[str, tuple[Assumption, ...]] = {
+    "wse1": (_CLOCK_UNPUBLISHED,
+             Assumption("io_bytes_per_s", "B/s", "System row: '12 x 100 GbE = 1.2 Tb/s ~ 150 GB/s' is stated for "
+                                                 "CS-2/CS-3; assumed for CS-1"),
+             _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
+    "wse2": (Assumption("clock_hz", "Hz", "Chip row: 'max 1.1 GHz (papers, Hot Chips)' while the SDK benchmarks "
+                                          "convert cycles at 850 MHz; the sustained clock is assumed at the maximum"),
+             _IO_LATENCY, *_COMMON),
+    "wse3": (_CLOCK_UNPUBLISHED, _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
+}
+
+
+def unpublished(target: str) -> tuple[Assumption, ...]:
+    """The unpublished assumptions of `target`'s generation (ConfigError for an unknown target)."""
+    return UNPUBLISHED[preset_key(target)]
+
+
+def apply(spec: FabricSpec, target: str, values: Mapping[str, float]) -> FabricSpec:
+    """`spec` with some of its generation's unpublished assumptions changed (name -> value); a count is rounded.
+    ConfigError for a name that is not one of them or a value the spec refuses."""
+    known = {a.name: a for a in unpublished(target)}
+    changed = {}
+    for name, v in values.items():
+        if name not in known:
+            raise ConfigError(f"{name!r} is not an unpublished assumption of {preset_key(target)}; its assumptions "
+                              f"are {', '.join(known)} (the published values cite shared/WSE.md and stay fixed)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"assumption {name} must be a positive number, got {v!r}")
+        changed[name] = max(1, round(v)) if known[name].integer else float(v)
+    return dataclasses.replace(spec, **changed)
+
+
+def parse_assume(items: list[str]) -> dict[str, float]:
+    """--assume NAME=VALUE (repeated) -> {NAME: VALUE}."""
+    out = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        try:
+            out[name.strip()] = float(text)
+        except ValueError:
+            raise ConfigError(f"--assume must look like NAME=VALUE (e.g. clock_hz=0.85e9), got {item!r}") from None
+    return out
+
+
+def describe(spec: FabricSpec, target: str) -> dict[str, dict]:
+    """name -> {value, unit, source} of every unpublished assumption, as `spec` has it (for the plan)."""
+    return {a.name: {"value": a.value(spec), "unit": a.unit, "source": a.source} for a in unpublished(target)}
