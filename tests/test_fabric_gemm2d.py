@@ -10,6 +10,7 @@ import pytest
 from waferscale.errors import ConfigError
 from waferscale.fabric.cost_gemm2d import gemm2d_cycles
 from waferscale.fabric.cost_matmul import gemm_cycles
+from waferscale.fabric.kernel_run import run_kernel
 from waferscale.fabric.kernels.gemm2d import gemm2d
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
@@ -101,3 +102,12 @@ def test_when_each_wins_against_weight_stationary():
         assert gemm2d_cycles(small, mm, kk, n, P, P).total <= gemm2d_cycles(small, mm, kk, n, P, P,
                                                                            algo="cannon").total
     assert few["summa"] <= few["cannon"] and many["summa"] <= many["cannon"]
+
+
+def test_wsc_kernel_gemm_algo():
+    for algo in ALGOS:
+        d = run_kernel("gemm", m=50, k=70, n=40, target="wse3", pes=(6, 5), algo=algo, verify=True)
+        assert d["verified"] and d["assumptions"]["algo"] == algo
+        assert d["region"] == ("6x5" if algo == "summa" else "5x5")  # Cannon: the largest square
+    with pytest.raises(ConfigError, match="gemm --algo"):
+        run_kernel("gemm", m=50, k=70, n=40, target="wse3", pes=(6, 5), algo="fox")

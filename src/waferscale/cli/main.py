@@ -229,7 +229,8 @@ def cmd_kernel(a: argparse.Namespace) -> int:
         raise ConfigError(f"--density must be in (0, 1], got {a.density}")
     sparsity = a.sparsity if a.density is None else 1.0 - a.density
     d = run_kernel(a.kind, m=a.m, k=a.k, n=a.n, target=a.target, pes=parse_pes(a.pes) if a.pes else None,
-                   defects=a.defects, seed=a.seed, verify=a.verify, sparsity=sparsity, clock_hz=a.clock_hz)
+                   defects=a.defects, seed=a.seed, verify=a.verify, sparsity=sparsity, clock_hz=a.clock_hz,
+                   algo=a.algo or "2d")
     print(json.dumps(d, indent=1) if a.json else format_kernel_report(d))
     return 1 if a.verify and not d.get("verified") else 0
 
@@ -473,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")
     from waferscale.cli.appliance import register
+            p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d (default 2d); gemm: summa | "
+                                                        "cannon | cannon_folded (W, X, Y in 2D blocks; default: "
+                                                        "W stationary, the n vectors streamed)")
 
     register(sub, _run_flags)
     return parser

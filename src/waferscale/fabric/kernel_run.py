@@ -9,9 +9,12 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric import kernels as KN
 from waferscale.fabric import pe as PE
+from waferscale.fabric import schedules_gemm2d as G2
 from waferscale.fabric.cost import check_positive
 from waferscale.fabric.cost_collectives import allreduce_cycles
+from waferscale.fabric.cost_gemm2d import gemm2d_cycles
 from waferscale.fabric.cost_matmul import gemm_cycles, gemv_cycles, spmv_cycles
+from waferscale.fabric.kernels.gemm2d import gemm2d
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.fabric.schedules import used
@@ -24,9 +27,10 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
                defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
                clock_hz: float | None = None, algo: str = "2d") -> dict:
     """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
-    n streamed vectors; allreduce of an m-element fp32 vector per PE (k, n unused). Without `pes` the whole
-    (logical, defect-free part of the) wafer is used. `verify` runs the functional tile-level execution on the
-    same mesh and compares it with numpy."""
+    n streamed vectors (weight-stationary), or with algo summa | cannon | cannon_folded Y(m, n) = W X with W, X
+    and Y in 2D blocks (Cannon on the largest square of the mesh); allreduce of an m-element fp32 vector per PE
+    (k, n unused). Without `pes` the whole (logical, defect-free part of the) wafer is used. `verify` runs the
+    functional tile-level execution on the same mesh and compares it with numpy."""
     if kind not in KERNELS:
         raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
     check_positive(m=m, k=k)
@@ -34,6 +38,10 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
         check_positive(n=n)
     if kind == "gemm" and n is None:
         raise ConfigError("gemm needs --n (the number of streamed input vectors)")
+    gemm2d_algo = kind == "gemm" and algo in G2.ALGOS
+    if kind == "gemm" and not gemm2d_algo and algo != "2d":
+        raise ConfigError(f"gemm --algo must be one of {', '.join(G2.ALGOS)} (or none: weight-stationary streaming), "
+                          f"got {algo!r}")
     if not 0.0 <= sparsity < 1.0:
         raise ConfigError(f"--sparsity must be in [0, 1), got {sparsity}")
     spec = fabric_from_name(target, pes=pes, clock_hz=clock_hz)
@@ -42,9 +50,14 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     dtype = "fp32" if kind == "allreduce" else "fp16"
     rng = np.random.default_rng(seed)
     W = None
-    used_pes = R * C if kind == "allreduce" else used(m, R) * used(k, C)
+    region = (R, C) if kind == "allreduce" else (used(m, R), used(k, C))
     if kind == "gemv":
         cyc, flops = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k
+    elif gemm2d_algo:
+        if algo != "summa":
+            R = C = min(R, C)
+        cyc, flops = gemm2d_cycles(spec, m, k, n, R, C, dtype, algo=algo, mesh=mesh), 2 * m * k * n
+        region = G2.region(algo, m, k, n, R, C)
     elif kind == "gemm":
         cyc, flops = gemm_cycles(spec, m, k, n, R, C, dtype, mesh=mesh), 2 * m * k * n
     elif kind == "spmv":
@@ -54,13 +67,14 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     else:
         cyc, flops = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1)
     ws_bytes = -(-m // used(m, R)) * -(-k // used(k, C)) * PE.dtype_bytes(dtype) if kind != "allreduce" else 0
-    if kind in ("gemv", "gemm") and ws_bytes > spec.sram_bytes_per_pe:
+    used_pes = region[0] * region[1]
+    if kind in ("gemv", "gemm") and not gemm2d_algo and ws_bytes > spec.sram_bytes_per_pe:
         need = -(-m * k * PE.dtype_bytes(dtype) // spec.sram_bytes_per_pe)
         raise ConfigError(f"mesh too small: a {m}x{k} {dtype} W needs {ws_bytes:,} B per PE on {R}x{C} PEs, over "
                           f"the {spec.sram_bytes_per_pe:,} B SRAM; use at least {need:,} PEs (a larger --pes)")
     out = {
         "kernel": kind, "target": spec.name,
-        "region": f"{R}x{C}" if kind == "allreduce" else f"{used(m, R)}x{used(k, C)}", "pes": int(used_pes),
+        "region": f"{region[0]}x{region[1]}", "pes": int(used_pes),
         "usable_pes": mesh.usable_pes, "cycles": cyc.total, "time_s": cyc.seconds(spec), "flops": int(flops),
         "flops_per_s": flops / cyc.seconds(spec) if cyc.total else 0.0,
         "bottleneck": cyc.bottleneck, "breakdown": cyc.as_dict(),
@@ -73,7 +87,7 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
             "link_bytes_per_cycle": spec.link_bytes_per_cycle, "hop_latency_cycles": spec.hop_latency_cycles,
             "ramp_latency_cycles": spec.ramp_latency_cycles, "colors": spec.colors,
             "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
-            **({"algo": algo} if kind == "allreduce" else {}),
+            **({"algo": algo} if kind == "allreduce" or gemm2d_algo else {}),
             **({"sparsity": sparsity} if kind == "spmv" else {}),
             "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim.py)",
         },
@@ -96,7 +110,10 @@ def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str, 
         W = rng.standard_normal((m, k)).astype(np.float32) if W is None else W
         if kind == "gemm":
             X = rng.standard_normal((k, n)).astype(np.float32)
-            got, ref = KN.gemm(mesh, W, X).out, W.astype(np.float64) @ X
+            square = min(R, C)  # Cannon runs on the largest square of the mesh
+            run = KN.gemm(mesh, W, X) if algo not in G2.ALGOS else \
+                gemm2d(mesh, W, X, algo, *((R, C) if algo == "summa" else (square, square)))
+            got, ref = run.out, W.astype(np.float64) @ X
         else:
             x = rng.standard_normal(k).astype(np.float32)
             got = (KN.gemv if kind == "gemv" else KN.spmv)(mesh, W, x).out
@@ -110,7 +127,8 @@ def format_kernel_report(d: dict) -> str:
     """A short human summary of `run_kernel`'s result, with its assumptions."""
     b, a = d["breakdown"], d["assumptions"]
     lines = [
-        f"{d['kernel']} on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
+        f"{d['kernel']}" + (f" ({a['algo']})" if "algo" in a else "")
+        + f" on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
         f"  {d['cycles']:,.0f} cycles = {d['time_s'] * 1e6:,.3f} us at {a['clock_hz'] / 1e9:g} GHz;  "
         f"{d['flops']:,} FLOP -> {d['flops_per_s'] / 1e12:,.3f} TFLOP/s",
         f"  bottleneck: {d['bottleneck']}  (compute {b['compute']:,.0f}, SRAM {b['sram']:,.0f}, "
