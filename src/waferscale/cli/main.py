@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--density", type=float, default=None, help="spmv: fraction of non-zero weights "
                                                                           "(1 - --sparsity)")
             p.add_argument("--clock_hz", type=float, default=None)
+            p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d (default 2d); gemm: summa | "
+                                                        "cannon | cannon_folded (W, X, Y in 2D blocks; default: "
+                                                        "W stationary, the n vectors streamed)")
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
         elif name == "serve":
@@ -474,9 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")
     from waferscale.cli.appliance import register
-            p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d (default 2d); gemm: summa | "
-                                                        "cannon | cannon_folded (W, X, Y in 2D blocks; default: "
-                                                        "W stationary, the n vectors streamed)")
 
     register(sub, _run_flags)
     return parser
