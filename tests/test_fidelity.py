@@ -1,0 +1,100 @@
+"""bench/fidelity.py: the table of published measurements is complete, a row runs through the compiler, the
+outputs are written atomically, and bad input exits 2 with a message."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def fid():
+    return _load("fidelity")
+
+
+def test_table_rows_sources_and_conditions(fid):
+    t = sys.modules["fidelity_table"]
+    rows = t.ROWS
+    assert len(rows) >= 12
+    assert len({r.source for r in rows}) >= 3
+    assert len({r.id for r in rows}) == len(rows), "row ids must be unique"
+    for r in rows:
+        src = t.SOURCES[r.source]
+        assert src.title and src.venue and src.url.startswith("http") and src.via, r.id
+        for f in ("where", "date", "quantity", "unit", *t.CONDITIONS):
+            assert isinstance(getattr(r, f), str) and getattr(r, f).strip(), f"{r.id}: condition {f!r} is empty"
+        assert r.value > 0, r.id
+        assert r.projection in fid.PROJECTORS, r.id
+        fields = {f.name for f in dataclasses.fields(t.Row)}
+        assert set(t.CONDITIONS) <= fields
+
+
+def test_a_waferllm_row_runs_through_the_compiler(fid):
+    row = next(r for r in fid.ROWS if r.id == "WL-DEC-72B-420")
+    res = fid.run_row(row)
+    assert res["projected"] > 0 and "not_reached" not in res
+    assert res["error"] == pytest.approx(res["projected"] / row.value - 1)
+    assert res["layout_chosen"] == "model_parallel 420x420"
+    assert res["parts_unit"] == "share" and sum(res["parts"].values()) == pytest.approx(1, abs=0.01)
+    assert "4 layers compiled x 20" in res["detail"]
+
+
+def test_waferllm_graph_pads_like_their_config(fid):
+    # their llama8B_4k_1_420.json: dim 4200, ffn_dim 14700, seq_len 4200, n_heads 1, n_kv_heads 1
+    g, ctx, n_layers = fid.waferllm_graph("llama3-8b", 420, 1)
+    block = next(u for u in g.units if u.kind == "block")
+    assert (ctx, n_layers, block.d_in, block.n_heads, block.kv_heads, block.head_dim) == (4200, 32, 4200, 1, 1, 4200)
+    assert sorted(mm.m for mm in block.matmuls)[-1] == 2 * 14700  # gate and up fused
+
+
+def test_a_refused_row_is_not_reached_with_its_reason(fid):
+    row = next(r for r in fid.ROWS if r.id == "CS-70B")
+    res = fid.run_row(dataclasses.replace(row, args=dict(row.args, systems=1)))
+    assert res["projected"] is None and res["error"] is None
+    assert "systems" in res["not_reached"]
+    s = fid.summarize([res])
+    assert (s["reached"], s["not_reached"], s["within_band"]) == (0, 1, 0)
+
+
+def test_out_files_written_atomically(fid, tmp_path, capsys):
+    out = tmp_path / "fid"
+    assert fid.main(["--only", "SC20-AR", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["fidelity.json", "fidelity.png"]  # no temporary file left
+    data = json.loads((out / "fidelity.json").read_text())
+    assert [r["id"] for r in data["rows"]] == ["SC20-AR"] and data["summary"]["reached"] == 1
+    assert (out / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "SC20-AR" in capsys.readouterr().out
+
+
+def test_bad_out_exits_2_with_a_message(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    src = str(BENCH.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, str(BENCH / "fidelity.py"), "--out", str(blocker / "sub")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 2
+    assert "--out" in p.stderr and "cannot create the directory" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_unknown_row_id_exits_2(fid, capsys):
+    assert fid.main(["--only", "NOPE"]) == 2
+    assert "unknown row id(s) NOPE" in capsys.readouterr().err
