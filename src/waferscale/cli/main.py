@@ -198,12 +198,21 @@ def cmd_compile(a: argparse.Namespace) -> int:
         params = load_params(a.params)
         graph = params_graph(params)
         sparsity = sparsity if sparsity is not None else _params_sparsity(params)
-    plan = compile_model(model=a.model, graph=graph, target=a.target,
-                         systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
-                         batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
-                         context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
-                         clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity,
-                         assume=parse_assume(a.assume))
+    if a.sensitivity is not None and a.model:  # one capture for the plan and every recompile
+        from waferscale.compiler.capture import capture_zoo
+
+        graph, a.model = capture_zoo(a.model), None
+    request = dict(model=a.model, graph=graph, target=a.target,
+                   systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
+                   batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
+                   context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
+                   clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity,
+                   assume=parse_assume(a.assume))
+    plan = compile_model(**request)
+    if a.sensitivity is not None:
+        from waferscale.compiler.sensitivity import sensitivity
+
+        plan.extra["sensitivity"] = sensitivity(request, plan, a.sensitivity)
     _report_plan(plan, Path(a.out) if a.out else None, as_json=a.json)
     return 0
 
@@ -421,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
                            help="change one of the target's unpublished hardware assumptions (repeatable; the plan's "
                                 "assumptions.unpublished lists them)")
+            p.add_argument("--sensitivity", type=float, nargs="?", const=10.0, default=None, metavar="PCT",
+                           help="recompile with each unpublished assumption at -PCT%% and +PCT%% (default 10) and "
+                                "show how the headline figures move")
             p.add_argument("--out", default=None, help="write plan.json, wafer.png, wafer.svg, trace.json here")
             p.add_argument("--json", action="store_true")
             p.add_argument("--sparsity", type=float, default=None,

@@ -10,6 +10,7 @@ from typing import Any
 
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
+from waferscale.compiler.sensitivity import summary_lines as sensitivity_lines
 from waferscale.compiler.sparsity import summary_lines
 from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, data_bytes_per_pe
 from waferscale.errors import ConfigError
@@ -44,6 +45,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
              fingerprint=plan.fingerprint())
     if "sparsity" in plan.extra:
         d["sparsity"] = plan.extra["sparsity"]
+    if "sensitivity" in plan.extra:
+        d["sensitivity"] = plan.extra["sensitivity"]
     if "moe" in p:
         d["moe"] = p["moe"]
     return d
@@ -118,6 +121,7 @@ def plan_summary(plan: Plan) -> str:
         shares = p.get("time_shares", {})
     lines.append(f"  bottleneck    {plan.bottleneck}  (" + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) + ")")
     lines += summary_lines(plan.extra["sparsity"]) if "sparsity" in plan.extra else []
+    lines += sensitivity_lines(plan.extra["sensitivity"]) if "sensitivity" in plan.extra else []
     lines.append(f"  assumptions   clock {a['clock_hz'] / 1e9:.3g} GHz, {a['fp16_flops_per_cycle_per_pe']} fp16 "
                  f"FLOP/cycle/PE, link {a['link_bytes_per_cycle']} B/cycle, SRAM {a['sram_bytes_per_pe'] // 1024} KiB/PE "
                  f"({a['program_reserve_bytes_per_pe'] / 1024:g} KiB program reserve), I/O "
