@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from waferscale.errors import ConfigError
-from waferscale.fabric.cost_gemm2d import gemm2d_cycles
+from waferscale.fabric.cost_gemm2d import EXACT_PES, gemm2d_cycles
 from waferscale.fabric.cost_matmul import gemm_cycles
 from waferscale.fabric.kernel_run import run_kernel
 from waferscale.fabric.kernels.gemm2d import gemm2d
@@ -111,3 +111,16 @@ def test_wsc_kernel_gemm_algo():
         assert d["region"] == ("6x5" if algo == "summa" else "5x5")  # Cannon: the largest square
     with pytest.raises(ConfigError, match="gemm --algo"):
         run_kernel("gemm", m=50, k=70, n=40, target="wse3", pes=(6, 5), algo="fox")
+
+
+def test_grouped_evaluation_of_large_meshes():
+    """Above EXACT_PES PEs the model evaluates g x g groups of PEs, each as its latest member: never faster than
+    the per-PE evaluation, and close to it (equal when compute-bound; a few hops more per panel or step when
+    the blocks are small enough for latency to matter)."""
+    spec = fabric_from_name("wse2")
+    assert 160 * 160 > EXACT_PES  # so the default evaluates 2 x 2 groups
+    for m, k, n in [(2048, 2048, 1024), (320, 320, 320), (160, 1600, 160)]:
+        for algo in ALGOS:
+            grouped = gemm2d_cycles(spec, m, k, n, 160, 160, algo=algo).total
+            exact = gemm2d_cycles(spec, m, k, n, 160, 160, algo=algo, group=1).total
+            assert exact <= grouped <= 1.10 * exact, f"{algo} {m}x{k}x{n}: grouped {grouped} vs per PE {exact}"

@@ -18,12 +18,20 @@ transfer in closed form:
   link in that direction has carried them all.
 
 `total` is the latest end of a last product over PEs; compute/SRAM are the busiest PE's; fabric the busiest
-ramp or link. Omitted (beyond `cost.py`'s list): the route switches between SUMMA's panels (owners change every
-panel; assumed free: a control wavelet), link sharing between consecutive panels' multicasts, and link
-contention of the Cannon steps on detoured routes.
+ramp or link. Meshes of more than `EXACT_PES` PEs (prefill on a large part of the wafer) are evaluated in g x g
+groups of PEs, each standing for its latest member: the largest block of the group, the longest route into it,
+and (Cannon) both the neighbour group and itself as the sender of its next blocks; this bounds the per-PE
+evaluation from above (tests/test_fabric_gemm2d.py measures how closely).
+
+Omitted (beyond `cost.py`'s list): the route switches between SUMMA's panels (owners change every panel;
+assumed free: a control wavelet), link sharing between consecutive panels' multicasts and between the Cannon
+skew and its first steps, and on detoured routes when the streams sharing a link send (a link's load is charged
+as if they all sent at once).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -36,31 +44,35 @@ from waferscale.fabric.schedules_gemm2d import (block_product, check_algo, check
 from waferscale.fabric.spec import FabricSpec
 
 COLORS = 4  # W and X each on 2 alternating colors (consecutive panels/steps, or the skew and the steps)
+EXACT_PES = 128 * 128  # larger meshes: evaluated in groups of PEs (cost ~ steps x groups instead of x PEs)
 
 
 def gemm2d_cycles(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str = "fp16", *,
-                  algo: str = "summa", mesh: Mesh | None = None) -> Cycles:
+                  algo: str = "summa", mesh: Mesh | None = None, group: int | None = None) -> Cycles:
     """Y (m, n) = W (m, k) X (k, n) with W, X and Y in rows x cols blocks (block (i, j) on PE (i, j)); algo in
-    summa, cannon, cannon_folded. Raises ConfigError when the blocks and buffers overflow a PE's SRAM."""
+    summa, cannon, cannon_folded. Raises ConfigError when the blocks and buffers overflow a PE's SRAM.
+    `group`: PEs per side of an evaluation group (default 1 up to `EXACT_PES` PEs, then the smallest g giving
+    at most that many groups)."""
     check_positive(m=m, k=k, n=n)
     check_algo(algo)
     R, C = check_region(spec, rows, cols, mesh)
     R, C = region(algo, m, k, n, R, C)
     check_sram(spec, algo, m, k, n, R, C, dtype)
+    g = group if group is not None else max(1, math.ceil(math.sqrt(R * C / EXACT_PES)))
+    check_positive(group=g)
     rowpos, colpos = _positions(mesh, R, C)
-    shared = mesh if exact_routes(mesh, R, C) else None  # detours may make streams share links
+    shared = mesh if exact_routes(mesh, R, C) and g == 1 else None  # detours may make streams share links
     mts, nts = np.array(tile_sizes(m, R)), np.array(tile_sizes(n, C))
-    per_k = np.array([[block_product(spec, dtype, int(a), 1, int(b)) for b in nts] for a in mts])  # (R, C, 3)
+    prod = {(a, b): block_product(spec, dtype, a, 1, b) for a in set(mts.tolist()) for b in set(nts.tolist())}
+    per_k = prod[int(mts.max()), int(nts.max())]  # the busiest PE's (cycles, compute, SRAM) per unit of k
     if algo == "summa":
-        total, recv, link = _summa(spec, k, R, C, dtype, mts, nts, per_k[..., 0], rowpos, colpos, shared)
-        kw = np.array([w for _, w, _, _ in summa_panels(k, R, C)]).sum()
+        total, recv, link = _summa(spec, k, R, C, dtype, mts, nts, prod, rowpos, colpos, shared, g)
     else:
-        total, recv, link = _cannon(spec, k, R, dtype, mts, nts, per_k[..., 0], rowpos, colpos,
-                                    algo == "cannon_folded", shared)
-        kw = k
+        total, recv, link = _cannon(spec, k, R, dtype, mts, nts, prod, rowpos, colpos, algo == "cannon_folded",
+                                    shared, g)
     passes = color_passes(spec, COLORS)
-    return make_cycles(compute=float(per_k[..., 1].max()) * kw, sram=float(per_k[..., 2].max()) * kw,
-                       fabric=max(recv, link), total=total * passes, passes=passes)
+    return make_cycles(compute=per_k[1] * k, sram=per_k[2] * k, fabric=max(recv, link), total=total * passes,
+                       passes=passes)
 
 
 def _positions(mesh: Mesh | None, R: int, C: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,6 +81,18 @@ def _positions(mesh: Mesh | None, R: int, C: int) -> tuple[np.ndarray, np.ndarra
     if mesh is None or not mesh.has_defects:
         return np.broadcast_to(np.arange(C), (R, C)), np.broadcast_to(np.arange(R)[:, None], (R, C))
     return mesh.chain_hops_cumulative(R, C, axis=1), mesh.chain_hops_cumulative(R, C, axis=0)
+
+
+def _grouped(a: np.ndarray, g: int, fn=np.maximum, axes=(0, 1)) -> np.ndarray:
+    """`fn` over the g x g groups of a 2D array (g consecutive indices along each of `axes`; the last smaller)."""
+    for ax in axes:
+        a = fn.reduceat(a, np.arange(0, a.shape[ax], g), axis=ax)
+    return a
+
+
+def _work(prod: dict, mt: np.ndarray, nt: np.ndarray) -> np.ndarray:
+    """(len(mt), len(nt)) cycles of a block product per unit of k."""
+    return np.array([[prod[a, b][0] for b in nt.tolist()] for a in mt.tolist()], np.float64)
 
 
 class _Sharing:
@@ -113,54 +137,68 @@ def _received(spec: FabricSpec, a, la, na, b, lb, nb, free) -> np.ndarray:
     return np.where(na + nb > 0, last + spec.ramp_latency_cycles, -inf)
 
 
-def _summa(spec, k, R, C, dtype, mts, nts, per_k, rowpos, colpos, mesh) -> tuple[float, float, float]:
+def _summa(spec, k, R, C, dtype, mts, nts, prod, rowpos, colpos, mesh, g) -> tuple[float, float, float]:
     r, h = spec.ramp_latency_cycles, spec.hop_latency_cycles
     epw = PE.elems_per_wavelet(spec, dtype)
-    ii, jj = np.indices((R, C))
-    start = np.zeros((R, C))  # when each PE started its current product (owners send the next panel then)
-    end = np.zeros((R, C))
-    out_free = np.zeros((R, C))  # first cycle each PE's outgoing ramp is free
-    in_free = np.full((R, C), -np.inf)  # last cycle each PE's incoming ramp was busy
-    recv = np.zeros((R, C))
-    w_link = np.zeros((R, 2 * max(C - 1, 1)))  # W wavelets per row link: East-bound c -> c+1, West-bound
-    x_link = np.zeros((2 * max(R - 1, 1), C))
+    mt, nt = np.maximum.reduceat(mts, np.arange(0, R, g)), np.maximum.reduceat(nts, np.arange(0, C, g))
+    Rg, Cg = len(mt), len(nt)
+    single_r = [min(g, R - I * g) == 1 for I in range(Rg)]  # a group of one PE: its owner receives nothing
+    single_c = [min(g, C - J * g) == 1 for J in range(Cg)]
+    work = _work(prod, mt, nt)
+    # the spread of route positions in each group, and of the owner's position within a group of rows/columns
+    rmin, rmax = _grouped(rowpos, g, np.minimum), _grouped(rowpos, g)
+    omin, omax = _grouped(rowpos, g, np.minimum, (0,)), _grouped(rowpos, g, np.maximum, (0,))  # (Rg, C)
+    cmin, cmax = _grouped(colpos, g, np.minimum), _grouped(colpos, g)
+    xmin, xmax = _grouped(colpos, g, np.minimum, (1,)), _grouped(colpos, g, np.maximum, (1,))  # (R, Cg)
+    start = np.zeros((Rg, Cg))  # when each PE started its current product (owners send the next panel then)
+    end = np.zeros((Rg, Cg))
+    out_free = np.zeros((Rg, Cg))  # first cycle each PE's outgoing ramp is free
+    in_free = np.full((Rg, Cg), -np.inf)  # last cycle each PE's incoming ramp was busy
+    recv = np.zeros((Rg, Cg))
+    w_owned, x_owned = np.zeros((R, C)), np.zeros((R, C))  # W (X) wavelets each PE multicasts, over all panels
     sharing: dict = {}  # (W owner column, X owner row) -> _Sharing of that panel's multicasts
     ids: dict = {}
     for p, (_, kb, cw, rx) in enumerate(summa_panels(k, R, C)):
-        nw = -(-mts * kb // epw) * (C > 1)  # (R,) W panel wavelets sent along each row
-        nx = -(-nts * kb // epw) * (R > 1)  # (C,) X panel wavelets sent down each column
-        t = start if p else np.zeros((R, C))
-        # W owners (i, cw), X owners (rx, j); (rx, cw) sends both, alternating
-        nw_o, nx_o = np.zeros((R, C), np.int64), np.zeros((R, C), np.int64)
-        nw_o[:, cw], nx_o[rx, :] = nw, nx
-        d0 = np.maximum(t, out_free)
-        w_last, x_first, x_last = _departures(d0, nw_o, nx_o)
-        out_free = np.where(nw_o + nx_o > 0, d0 + nw_o + nx_o, out_free)
-        w_last, x_last = w_last[:, [cw]], x_last[[rx], :]
+        Jo, Io = cw // g, rx // g
+        nw = -(-mt * kb // epw) * (C > 1)  # (Rg,) W panel wavelets sent along each row
+        nx = -(-nt * kb // epw) * (R > 1)  # (Cg,) X panel wavelets sent down each column
+        # W owners (i, cw), X owners (rx, j), sending once their ramp is free; (rx, cw) sends both, alternating
+        d0w = np.maximum(start[:, Jo] if p else 0.0, out_free[:, Jo])
+        d0x = np.maximum(start[Io, :] if p else 0.0, out_free[Io, :])
+        w_last, x_first, x_last = d0w + nw - 1, d0x.copy(), d0x + nx - 1
+        both = _departures(d0w[Io:Io + 1], nw[Io:Io + 1], nx[Jo:Jo + 1])
+        w_last[Io], x_first[Jo], x_last[Jo] = (float(v[0]) for v in both)
+        out_free[:, Jo] = np.where(nw > 0, d0w + nw, out_free[:, Jo])
+        out_free[Io, :] = np.where(nx > 0, d0x + nx, out_free[Io, :])
+        out_free[Io, Jo] = d0w[Io] + nw[Io] + nx[Jo] if nw[Io] + nx[Jo] else out_free[Io, Jo]
+        w_last, x_first, x_last, d0w = w_last[:, None], x_first[None, :], x_last[None, :], d0w[:, None]
         if mesh is not None:  # a multicast is no faster than the busiest link its tree shares with others
             if (cw, rx) not in sharing:
                 sharing[cw, rx] = _Sharing(mesh, [_line_hops(i, cw, C, True) for i in range(R)]
                                            + [_line_hops(j, rx, R, False) for j in range(C)], ids)
             busy = sharing[cw, rx].busiest(np.concatenate([nw, nx]).astype(np.float64))
-            w_last = np.maximum(w_last, d0[:, [cw]] + busy[:R, None] - 1)
-            x_last = np.maximum(x_last, x_first[[rx], :] + busy[None, R:] - 1)
-        hw = np.abs(rowpos - rowpos[:, [cw]]) * h
-        hx = np.abs(colpos - colpos[[rx], :]) * h
-        nw_in = np.where(jj != cw, nw[:, None], 0)
-        nx_in = np.where(ii != rx, nx[None, :], 0)
-        got = _received(spec, d0[:, [cw]] + r + hw, w_last + r + hw, nw_in,
-                        x_first[[rx], :] + r + hx, x_last + r + hx, nx_in, in_free)
+            w_last = np.maximum(w_last, d0w + busy[:R, None] - 1)
+            x_last = np.maximum(x_last, x_first + busy[None, R:] - 1)
+        hw = np.maximum(rmax - omin[:, [cw]], omax[:, [cw]] - rmin) * h  # the farthest member from the owner
+        hx = np.maximum(cmax - xmin[[rx], :], xmax[[rx], :] - cmin) * h
+        nw_in = np.repeat(nw[:, None], Cg, axis=1)
+        nx_in = np.repeat(nx[None, :], Rg, axis=0)
+        if single_c[Jo]:
+            nw_in[:, Jo] = 0
+        if single_r[Io]:
+            nx_in[Io, :] = 0
+        got = _received(spec, d0w + r + hw, w_last + r + hw, nw_in, x_first + r + hx, x_last + r + hx, nx_in,
+                        in_free)
         in_free = np.where(nw_in + nx_in > 0, got - r, in_free)
         recv += nw_in + nx_in
         start = np.maximum(end, got)
-        end = start + kb * per_k
-        if C > 1:  # East-bound links c -> c+1 carry the panel when cw <= c, West-bound ones when cw > c
-            w_link[:, :C - 1] += np.where(np.arange(C - 1) >= cw, nw[:, None], 0)
-            w_link[:, C - 1:] += np.where(np.arange(C - 1) < cw, nw[:, None], 0)
-        if R > 1:
-            x_link[:R - 1] += np.where(np.arange(R - 1)[:, None] >= rx, nx[None, :], 0)
-            x_link[R - 1:] += np.where(np.arange(R - 1)[:, None] < rx, nx[None, :], 0)
-    return float(end.max()), float(recv.max()), float(max(w_link.max(), x_link.max()))
+        end = start + kb * work
+        w_owned[:, cw] += -(-mts * kb // epw) * (C > 1)
+        x_owned[rx, :] += -(-nts * kb // epw) * (R > 1)
+    # row link c -> c+1 (East) carries the panels owned at columns <= c, c+1 -> c (West) those beyond; columns alike
+    links = [np.cumsum(w_owned, axis=1)[:, :-1], w_owned.sum(axis=1, keepdims=True) - np.cumsum(w_owned, axis=1),
+             np.cumsum(x_owned, axis=0)[:-1], x_owned.sum(axis=0, keepdims=True) - np.cumsum(x_owned, axis=0)]
+    return float(end.max()), float(recv.max()), max(float(a.max(initial=0)) for a in links)
 
 
 def _line_hops(line: int, owner: int, length: int, along_row: bool) -> list[tuple[Coord, Coord]]:
@@ -182,7 +220,7 @@ def _line_load(src: np.ndarray, dst: np.ndarray, waves: np.ndarray, width: int) 
     return np.cumsum(east, axis=1)[:, :width - 1], np.cumsum(west, axis=1)[:, :width - 1]
 
 
-def _cannon(spec, k, P, dtype, mts, nts, per_k, rowpos, colpos, folded, mesh) -> tuple[float, float, float]:
+def _cannon(spec, k, P, dtype, mts, nts, prod, rowpos, colpos, folded, mesh, g) -> tuple[float, float, float]:
     r, h = spec.ramp_latency_cycles, spec.hop_latency_cycles
     epw = PE.elems_per_wavelet(spec, dtype)
     kts = np.array(tile_sizes(k, P))
@@ -196,11 +234,10 @@ def _cannon(spec, k, P, dtype, mts, nts, per_k, rowpos, colpos, folded, mesh) ->
     def x_waves(l):
         return -(-kts[l] * nts[None, :] // epw)
 
-    # the skew: W (i, j) to ring (i, j - i), X (i, j) to ring (i - j, j), all at t = 0
+    # the skew (every PE at once, t = 0): W (i, j) to ring (i, j - i), X (i, j) to ring (i - j, j)
     nw0, nx0 = w_waves(jj) * (ii > 0), x_waves(ii) * (jj > 0)
     w_dst, x_dst = (jj - ii) % P, (ii - jj) % P  # ring positions the skew sends to
     w_last, x_first, x_last = _departures(np.zeros((P, P)), nw0, nx0)
-    out_free = (nw0 + nx0).astype(np.float64)
     east, west = _line_load(rpos, rpos[ii, w_dst], nw0, int(rowpos.max()) + 1)  # rows (by ring row i)
     south, north = _line_load(cpos.T, cpos[x_dst, jj].T, nx0.T, int(colpos.max()) + 1)  # columns (ring col j)
     # the busiest link of its row (column) in the direction a block travels bounds when its last wavelet can
@@ -220,19 +257,33 @@ def _cannon(spec, k, P, dtype, mts, nts, per_k, rowpos, colpos, folded, mesh) ->
                          + [[(pe[i, j], pe[(i - 1) % P, j])] for i in range(P) for j in range(P)])
     # receiver (i, j) gets W from ring (i, j + i) and X from ring (i + j, j) (busy: by sender)
     ws, xs = (ii, (jj + ii) % P), ((ii + jj) % P, jj)
-    w_busy, x_busy = w_busy[ws], x_busy[xs]
     hw, hx = np.abs(rpos[ws] - rpos) * h, np.abs(cpos[xs] - cpos) * h
-    got = _received(spec, r + hw, np.maximum(w_last[ws], w_busy - 1) + r + hw, nw0[ws],
-                    x_first[xs] + r + hx, np.maximum(x_last[xs], x_busy - 1) + r + hx, nx0[xs],
+    got = _received(spec, r + hw, np.maximum(w_last, w_busy - 1)[ws] + r + hw, nw0[ws],
+                    x_first[xs] + r + hx, np.maximum(x_last, x_busy - 1)[xs] + r + hx, nx0[xs],
                     np.full((P, P), -np.inf))
-    in_free = got - r
-    recv = nw0[ws] + nx0[xs]
-    start = np.maximum(got, 0)
-    end = start + kts[(ii + jj) % P] * per_k  # tiles follow ring positions
     link = float(max(east.max(initial=0), west.max(initial=0), south.max(initial=0), north.max(initial=0)))
+    # the steps, per group of PEs (g = 1: per PE): W comes from the East ring neighbour, X from the South one
+    mt, nt = np.maximum.reduceat(mts, np.arange(0, P, g)), np.maximum.reduceat(nts, np.arange(0, P, g))
+    Pg, work = len(mt), _work(prod, mt, nt)
+    many = np.array([min(g, P - q * g) > 1 for q in range(Pg)])
+    # hops into each group's members from a sender in the same group / in the neighbour group (-1: none)
+    inner_w, inner_x = (jj + 1) % P // g == jj // g, (ii + 1) % P // g == ii // g
+    hw_w, hx_x = np.abs(rpos[ii, (jj + 1) % P] - rpos) * h, np.abs(cpos[(ii + 1) % P, jj] - cpos) * h
+    hw_in, hw = _grouped(np.where(inner_w, hw_w, -1), g), _grouped(np.where(inner_w, -1, hw_w), g)
+    hx_in, hx = _grouped(np.where(inner_x, hx_x, -1), g), _grouped(np.where(inner_x, -1, hx_x), g)
+    start = np.maximum(_grouped(got, g), 0)
+    in_free = _grouped(got, g) - r
+    out_free = _grouped((nw0 + nx0).astype(np.float64), g)
+    recv = _grouped(nw0[ws] + nx0[xs], g)
+    I, J = np.indices((Pg, Pg))
+
+    def kt_at(s):  # a group's largest k block at step s (a group of one PE: its own)
+        return np.where(many[:, None] | many[None, :], kts.max(), kts[(I * g + J * g + s) % P])
+
+    end = start + kt_at(0) * work
     for s in range(1, P):
-        l_prev = (ii + jj + s - 1) % P  # the block each PE computed at step s - 1, passed on when it began
-        nw, nx = w_waves(l_prev), x_waves(l_prev)
+        kl = kt_at(s - 1)  # the block each PE computed at step s - 1, passed on when it began
+        nw, nx = -(-mt[:, None] * kl // epw), -(-kl * nt[None, :] // epw)
         d0 = np.maximum(start, out_free)
         w_last, x_first, x_last = _departures(d0, nw, nx)
         if mesh is not None:
@@ -240,13 +291,20 @@ def _cannon(spec, k, P, dtype, mts, nts, per_k, rowpos, colpos, folded, mesh) ->
             w_last = np.maximum(w_last, d0 + busy[:P * P].reshape(P, P) - 1)
             x_last = np.maximum(x_last, x_first + busy[P * P:].reshape(P, P) - 1)
         out_free = d0 + nw + nx
-        ws, xs = (ii, (jj + 1) % P), ((ii + 1) % P, jj)  # W comes from the East ring neighbour, X from the South
-        hw, hx = np.abs(rpos[ws] - rpos) * h, np.abs(cpos[xs] - cpos) * h
-        got = _received(spec, d0[ws] + r + hw, w_last[ws] + r + hw, nw[ws],
-                        x_first[xs] + r + hx, x_last[xs] + r + hx, nx[xs], in_free)
+        east_of, south_of = (I, (J + 1) % Pg), ((I + 1) % Pg, J)
+        # first and last arrival at the router: from the neighbour group, or (inside a group) from the group itself
+        a, la = d0[east_of] + hw, w_last[east_of] + hw
+        b, lb = x_first[south_of] + hx, x_last[south_of] + hx
+        if g > 1:
+            inner_a, inner_b = hw_in >= 0, hx_in >= 0
+            a, la = (np.where(inner_a, np.maximum(a, d0 + hw_in), a),
+                     np.where(inner_a, np.maximum(la, w_last + hw_in), la))
+            b, lb = (np.where(inner_b, np.maximum(b, x_first + hx_in), b),
+                     np.where(inner_b, np.maximum(lb, x_last + hx_in), lb))
+        got = _received(spec, a + r, la + r, nw[east_of], b + r, lb + r, nx[south_of], in_free)
         in_free = got - r
-        recv = recv + nw[ws] + nx[xs]
+        recv = recv + nw[east_of] + nx[south_of]
         start = np.maximum(end, got)
-        end = start + kts[(ii + jj + s) % P] * per_k
+        end = start + kt_at(s) * work
         link += max(float(nw.max()), float(nx.max()))  # a step's shifts use distinct links: a block per link
     return float(end.max()), float(recv.max()), link
