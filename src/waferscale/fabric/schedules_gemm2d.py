@@ -17,7 +17,12 @@ columns, and k over the mesh columns for W and over the mesh rows for X. Block (
   a torus the wrap-around is a real route across the row (P - 1 hops). "cannon_folded" places ring position l
   at mesh slot `ring_slot(l)` (0, P-1, 1, P-2, ... interleaved, as WaferLLM's MeshGEMM does) so that every ring
   neighbour, the wrap-around included, is at most 2 hops away; W, X and Y then live in that interleaved layout
-  (a placement the compiler chooses once, like the weight tiles themselves).
+  (a placement the compiler chooses once, like the weight tiles themselves). The wrap-around's latency is paid
+  once per trip around the ring, not once per step: each PE waits only for its own neighbour, so the PEs drift
+  apart by their distance from the wrap and stay there (the event simulation shows folding gaining at most a few
+  percent, tests/test_fabric_gemm2d.py). When a step computes longer than a block takes to arrive, that drift
+  stays within one step and two buffers suffice; with smaller blocks a real PE would stall its sender for a
+  buffer (back-pressure, omitted by the simulation and the model alike).
 
 A local block product is one AXPY task per X wavelet (`pe.axpy_task`: y[:, c] += W[:, l] * X[l, c] for the
 values it carries); nothing else runs on the core while it computes.
