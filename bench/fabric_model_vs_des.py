@@ -1,10 +1,12 @@
-"""Analytic cycle model (fabric/cost*.py) vs the wavelet-level event simulation (fabric/sim.py), side by side.
+"""Analytic cycle model (fabric/cost*.py) vs the wavelet-level event simulation (fabric/sim*.py), side by side.
 
     python bench/fabric_model_vs_des.py
 
 Prints, per kernel family, the number of cases, the worst and mean |model - DES| / DES, and the wall time of
 each side (the model is the fast backend; the event simulation the slow reference). The "+defects" families
 run on 10x10 meshes with 1-10% dead cores and links (spare-remapped, detoured routes), 4 seeds per rate.
+"gemv-allreduce-*" is the GEMV of the in-layer model-parallel layout (x already on its column, the partials
+all-reduced along the rows by a chain or by K-ary trees of fan-in 2, 3 and 4).
 SpMV is judged one random matrix at a time, while its model is the expectation over such matrices (the
 spread of single instances is a few percent on small meshes)."""
 
@@ -24,8 +26,10 @@ from waferscale.fabric.kernels import random_sparse
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.fabric.schedules import attention_phases, norm_phases, softmax_phases, used
+from waferscale.fabric.sim_gemv import sim_gemv_allreduce
 
 errs: dict = defaultdict(list)
+GEMV_AR = [("chain", 2), ("ktree", 2), ("ktree", 3), ("ktree", 4)]  # the GEMV all-reduce's (algorithm, fan-in)
 wall: dict = defaultdict(lambda: [0.0, 0.0])
 
 
@@ -42,6 +46,9 @@ def main() -> None:
         sp = fabric_from_name(tgt, pes=(R, C))
         for m, k in itertools.product([16, 32, 64, 100, 128, 256], [16, 64, 100, 256]):
             case("gemv", lambda: KM.gemv_cycles(sp, m, k, R, C), lambda: S.sim_gemv(sp, m, k, R, C))
+        for (m, k), (algo, fan) in itertools.product([(16, 64), (100, 256), (256, 64), (1024, 128)], GEMV_AR):
+            case(f"gemv-allreduce-{algo}", lambda: KM.gemv_allreduce_cycles(sp, m, k, R, C, algo=algo, fan_in=fan),
+                 lambda: sim_gemv_allreduce(sp, m, k, R, C, "fp16", algo, fan))
         for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16), (256, 256, 4), (64, 64, 32)]:
             case("gemm", lambda: KM.gemm_cycles(sp, m, k, n, R, C), lambda: S.sim_gemm(sp, m, k, n, R, C))
         for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 128, 512)):
@@ -74,6 +81,10 @@ def main() -> None:
         for m, k in [(64, 64), (256, 128)]:
             case("gemv+defects", lambda: KM.gemv_cycles(sp, m, k, R, C, mesh=mesh),
                  lambda: S.sim_gemv(sp, m, k, R, C, mesh=mesh))
+        for (m, k), (algo, fan) in itertools.product([(64, 64), (256, 128), (1024, 64)], GEMV_AR):
+            case(f"gemv-allreduce-{algo}+defects",
+                 lambda: KM.gemv_allreduce_cycles(sp, m, k, R, C, algo=algo, fan_in=fan, mesh=mesh),
+                 lambda: sim_gemv_allreduce(sp, m, k, R, C, "fp16", algo, fan, mesh=mesh))
         case("gemm+defects", lambda: KM.gemm_cycles(sp, 64, 64, 8, R, C, mesh=mesh),
              lambda: S.sim_gemm(sp, 64, 64, 8, R, C, mesh=mesh))
         for m, k, s in [(64, 64, 0.9), (256, 128, 0.5)]:
@@ -85,11 +96,11 @@ def main() -> None:
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
-    print(f"{'kernel':20s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
+    print(f"{'kernel':28s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
           f"{'DES/model':>9s}")
     for name, e in errs.items():
         m_s, d_s = wall[name]
-        print(f"{name:20s} {len(e):5d} {max(e):8.1%} {np.mean(e):8.1%} {m_s:8.3f} {d_s:8.3f} "
+        print(f"{name:28s} {len(e):5d} {max(e):8.1%} {np.mean(e):8.1%} {m_s:8.3f} {d_s:8.3f} "
               f"{d_s / max(m_s, 1e-9):9.0f}x")
 
 

@@ -239,7 +239,7 @@ def cmd_kernel(a: argparse.Namespace) -> int:
     sparsity = a.sparsity if a.density is None else 1.0 - a.density
     d = run_kernel(a.kind, m=a.m, k=a.k, n=a.n, target=a.target, pes=parse_pes(a.pes) if a.pes else None,
                    defects=a.defects, seed=a.seed, verify=a.verify, sparsity=sparsity, clock_hz=a.clock_hz,
-                   algo=a.algo or "2d")
+                   algo=a.algo, fan_in=a.fan_in)
     print(json.dumps(d, indent=1) if a.json else format_kernel_report(d))
     return 1 if a.verify and not d.get("verified") else 0
 
@@ -471,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--clock_hz", type=float, default=None)
             p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d (default 2d); gemm: summa | "
                                                         "cannon | cannon_folded (W, X, Y in 2D blocks; default: "
-                                                        "W stationary, the n vectors streamed)")
+                                                        "W stationary, the n vectors streamed); gemv: chain | ktree "
+                                                        "(x already on its column, y all-reduced along the rows; "
+                                                        "default: x streamed into stationary W)")
+            p.add_argument("--fan_in", type=int, default=2, help="gemv --algo ktree: PEs per reduction group")
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
         elif name == "serve":

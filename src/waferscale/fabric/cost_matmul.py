@@ -22,10 +22,11 @@ import numpy as np
 
 from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
-from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, exact_routes, fluid_finish,
-                                    longest_chain_hops, make_cycles, multicast_latency)
+from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, detour_extra, exact_routes,
+                                    fluid_finish, longest_chain_hops, make_cycles, multicast_latency)
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.schedules import tile_sizes, used
+from waferscale.fabric.schedules_gemv import check_row_reduce, row_reduce_parents
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -332,3 +333,168 @@ def sparse_imbalance(spec: FabricSpec, m: int, k: int, rows: int, cols: int, den
             pes += int(cm * ck)
     return _expected_max(groups) / (total / pes)
 
+
+
+# ---- GEMV of the in-layer model-parallel layout (schedules_gemv.py) -------------------------------------
+def _node_window(ready: float, arrivals: list[tuple[float, float]], adds: list[int]) -> tuple[float, float]:
+    """(first, last) time a PE of a row tree has a wavelet of its partial fully summed, given its own partial's
+    ready time and its children's (first, last) wavelet arrivals. Every arriving wavelet fires one add task
+    (`adds[w]` cycles for wavelet w), run one at a time and not before `ready`. The first wavelet waits for
+    every child's first, added in arrival order; the last for the last arrival plus its add, or for the work
+    queued behind the busy period that starts at `ready` or at a child's first arrival (each child's wavelets
+    spread evenly over its window). A leaf sends its wavelets one per cycle from `ready`."""
+    if not arrivals:
+        return ready, ready + len(adds) - 1
+    t = ready
+    for f in sorted(f for f, _ in arrivals):
+        t = max(t, f) + adds[0]
+    per_child = sum(adds)
+    last = max(max(la for _, la in arrivals) + adds[-1], ready + len(arrivals) * per_child)
+    for s in {f for f, _ in arrivals if f > ready}:  # a busy period starting at a later first arrival
+        later = sum(min(1.0, max(0.0, (la - s + 1) / (la - f + 1))) for f, la in arrivals)
+        last = max(last, s + later * per_child)
+    return t, last
+
+
+def _row_tree_times(spec: FabricSpec, parents: dict[int, int], ready: list[float], adds: list[int],
+                    hops: dict[int, int], row: int = 0, links: dict | None = None,
+                    windows: dict | None = None) -> dict:
+    """Send windows (first, last) of every position of one row's tree (children are East of their parents, so
+    positions are evaluated from the East end). An edge costs ramp out + its hops + ramp in. With `windows`
+    from an earlier evaluation, an edge whose route shares a physical link with others (`links`: (row, child)
+    -> links, and link -> users) has its last wavelet delayed by a first-come-first-served fluid queue over
+    their sending windows (`fluid_finish`), as `cost_collectives._tree_finish` does."""
+    kids: dict = {}
+    for c, p in parents.items():
+        kids.setdefault(p, []).append(c)
+    times: dict = {}
+    nw = len(adds)
+    for p in range(len(ready) - 1, -1, -1):
+        arr = []
+        for c in kids.get(p, ()):
+            f, la = times[row, c]
+            d = 2 * spec.ramp_latency_cycles + hops[c] * spec.hop_latency_cycles
+            fa, la = f + d, la + d
+            if windows is not None:
+                for link in links["edge"][row, c]:
+                    us = links["users"][link]
+                    if len(us) > 1:
+                        done = fluid_finish([windows[o] for o in us], windows[row, c][1], nw)
+                        la = max(la, done + fa - windows[row, c][0])
+            arr.append((fa, la))
+        times[row, p] = _node_window(ready[p], arr, adds)
+    return times
+
+
+def _multicast_queueing(mcast: dict, done: np.ndarray, ny: list[int]) -> np.ndarray:
+    """Per row, the wait of its multicast's last wavelet where detours make its tree share a physical link with
+    other rows' multicasts (`mcast`: row -> (link, cycles from the root's send to the link)): a first-come-
+    first-served fluid queue over their windows (`fluid_finish`); the worst link holds back the rest of the
+    tree. (The reductions are over by then on the critical row, so only multicasts meet.)"""
+    users: dict = {}
+    for i, ls in mcast.items():
+        for link, off in ls:
+            users.setdefault(link, []).append(i)
+    extra = np.zeros(len(done))
+    for i, ls in mcast.items():
+        for link, off in ls:
+            if len(users[link]) > 1:
+                end = done[i] + off + ny[i] - 1
+                wins = [(done[o] + off, done[o] + off + ny[o] - 1) for o in users[link]]
+                extra[i] = max(extra[i], fluid_finish(wins, end, [ny[o] for o in users[link]]) - end)
+    return extra
+
+
+def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str = "fp16", *,
+                          algo: str = "ktree", fan_in: int = 2, mesh: Mesh | None = None) -> Cycles:
+    """y(m) = W(m, k) x(k) in the in-layer model-parallel layout (`schedules_gemv.py`): x_j already on every
+    PE of column j, W in rows x cols tiles; every PE runs its AXPY tasks (one per x wavelet's worth of local
+    x values, `pe.axpy_task`) from t = 0, then the row all-reduce ("chain" or "ktree" of `fan_in`) sums the
+    partials into column 0, which multicasts y_i back along its row once it holds all of it.
+
+    The critical path is evaluated node by node up each row's tree (`_node_window`: arrival order of first
+    wavelets, the adds a PE of fan-in n must do, pipelining of the ny = ceil(mt / values per wavelet)
+    wavelets), then the multicast (ramp out, the row's hops, ramp in, ny wavelets). Rows with the same tile
+    height are alike on a perfect mesh; a defective mesh takes each row's real (detoured) routes and the
+    queueing where detours make edges share a link (regions up to 64x64 PEs), or adds the worst row's detour
+    hops to the reduction and to the multicast (bigger regions). Colors: the chain alternates 2, the tree
+    takes one per (level, member) offset; the multicast one more. A schedule needing more colors than a
+    program has runs its reduction once per pass."""
+    check_positive(m=m, k=k)
+    check_row_reduce(algo, fan_in)
+    R, C = check_region(spec, rows, cols, mesh)
+    R, C = used(m, R), used(k, C)
+    mts, kts = tile_sizes(m, R), tile_sizes(k, C)
+    epw = PE.elems_per_wavelet(spec, dtype)
+    parents = row_reduce_parents(algo, C, fan_in)
+    n_kids = np.bincount(list(parents.values()), minlength=C) if C > 1 else np.zeros(1, np.int64)
+
+    def x_work(mt: int, kt: int) -> tuple[int, int, int]:  # (cycles, compute, SRAM) of a PE's AXPY tasks
+        full, rem = divmod(kt, epw)
+        cyc = comp = sram = 0
+        for e, cnt in ((epw, full), (rem, 1 if rem else 0)):
+            c, s = PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt, write_elems=e * mt)
+            cyc, comp, sram = cyc + cnt * PE.axpy_task(spec, dtype, e, mt), comp + cnt * c, sram + cnt * s
+        return cyc, comp, sram
+
+    def adds(mt: int) -> list[int]:
+        return [PE.add_task(spec, dtype, min(epw, mt - s)) for s in range(0, mt, epw)]
+
+    exact = C > 1 and exact_routes(mesh, R, C)
+    done = np.zeros(R)  # per row: the time column 0 holds the whole sum
+    mcast_hops = np.full(R, C - 1)
+    if C == 1:
+        done[:] = [x_work(mt, kts[0])[0] for mt in mts]
+    elif not exact:  # rows of the same tile height are alike
+        hops = {c: c - p for c, p in parents.items()}
+        for mt in set(mts):
+            ready = [x_work(mt, kt)[0] for kt in kts]
+            done[np.array(mts) == mt] = _row_tree_times(spec, parents, ready, adds(mt), hops)[0, 0][1]
+        if mesh is not None and mesh.has_defects:  # big region: the worst row's detours, on the way in and out
+            row_max = detour_extra(mesh, R, C)[0]
+            done += row_max * spec.hop_latency_cycles
+            mcast_hops += row_max
+    else:
+        hops, links, mcast = {}, {"edge": {}, "users": {}}, {}
+        for i in range(R):
+            for c, p in parents.items():
+                route = mesh.route((i, c), (i, p))
+                hops[i, c] = len(route) - 1
+                links["edge"][i, c] = list(zip(route, route[1:]))
+                for link in links["edge"][i, c]:
+                    links["users"].setdefault(link, []).append((i, c))
+            tree = mesh.multicast_tree([(i, j) for j in range(C)])
+            depth = mesh.tree_depths(tree, mesh.physical(i, 0))
+            mcast_hops[i] = max(depth[node] for node in tree[1])
+            mcast[i] = [((a, b), spec.ramp_latency_cycles + depth[a] * spec.hop_latency_cycles)
+                        for a, bs in tree[0].items() for b in bs]
+        readies = [[x_work(mts[i], kt)[0] for kt in kts] for i in range(R)]
+        windows = None
+        for _ in range(4):  # private links first, then queueing over the previous evaluation's windows
+            new = {}
+            for i in range(R):
+                new.update(_row_tree_times(spec, parents, readies[i], adds(mts[i]),
+                                           {c: hops[i, c] for c in parents}, i, links, windows))
+            windows = new
+        done = np.array([windows[i, 0][1] for i in range(R)], np.float64)
+        done += _multicast_queueing(mcast, done, [len(adds(mt)) for mt in mts])
+    ny = np.array([len(adds(mt)) for mt in mts])
+    passes = 1
+    if C > 1:
+        passes = color_passes(spec, (2 if algo == "chain" else len({c - p for c, p in parents.items()})) + 1)
+        first_ready = min(x_work(mt, kt)[0] for mt in set(mts) for kt in set(kts))
+        done = done + (passes - 1) * (done - first_ready)  # the reduction once per pass
+        done = done + [multicast_latency(spec, int(h), int(n)) for h, n in zip(mcast_hops, ny)]
+    comp = sram = 0
+    for mt in set(mts):
+        add_parts = [PE.task_parts(spec, dtype, ops=e, read_elems=e, write_elems=e)
+                     for e in (min(epw, mt - s) for s in range(0, mt, epw))]
+        for j, kt in enumerate(kts):  # a PE's AXPY tasks, then the adds of its children's partials
+            _, xc, xs = x_work(mt, kt)
+            comp = max(comp, xc + n_kids[j] * sum(c for c, _ in add_parts))
+            sram = max(sram, xs + n_kids[j] * sum(s_ for _, s_ in add_parts))
+    cross = np.zeros(C)
+    for c, p in parents.items():  # partials crossing each West-bound link (q+1 -> q), or entering a PE
+        cross[p:c] += 1
+    fabric = float(ny.max()) * max(cross.max(), n_kids.max())
+    return make_cycles(compute=comp, sram=sram, fabric=fabric, total=float(done.max()), passes=passes)

@@ -13,11 +13,12 @@ from waferscale.fabric import schedules_gemm2d as G2
 from waferscale.fabric.cost import check_positive
 from waferscale.fabric.cost_collectives import allreduce_cycles
 from waferscale.fabric.cost_gemm2d import gemm2d_cycles
-from waferscale.fabric.cost_matmul import gemm_cycles, gemv_cycles, spmv_cycles
+from waferscale.fabric.cost_matmul import gemm_cycles, gemv_allreduce_cycles, gemv_cycles, spmv_cycles
 from waferscale.fabric.kernels.gemm2d import gemm2d
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.fabric.schedules import used
+from waferscale.fabric.schedules_gemv import ROW_REDUCE_ALGOS, check_row_reduce
 
 KERNELS = ("gemv", "gemm", "spmv", "allreduce")
 VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PEs (numpy, tile by tile)
@@ -25,12 +26,15 @@ VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PE
 
 def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tuple[int, int] | None,
                defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
-               clock_hz: float | None = None, algo: str = "2d") -> dict:
+               clock_hz: float | None = None, algo: str | None = None, fan_in: int = 2) -> dict:
     """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
     n streamed vectors (weight-stationary), or with algo summa | cannon | cannon_folded Y(m, n) = W X with W, X
-    and Y in 2D blocks (Cannon on the largest square of the mesh); allreduce of an m-element fp32 vector per PE
-    (k, n unused). Without `pes` the whole (logical, defect-free part of the) wafer is used. `verify` runs the
-    functional tile-level execution on the same mesh and compares it with numpy."""
+    and Y in 2D blocks (Cannon on the largest square of the mesh); gemv with algo chain | ktree (of `fan_in`) is
+    the GEMV of the in-layer model-parallel layout (x already on every PE of its column, a row all-reduce leaves
+    y on every PE of its row; without algo: x streamed into stationary W); allreduce of an m-element fp32 vector
+    per PE (k, n unused; algo chain | tree | 2d, the default). Without `pes` the whole (logical, defect-free
+    part of the) wafer is used. `verify` runs the functional tile-level execution on the same mesh and compares
+    it with numpy."""
     if kind not in KERNELS:
         raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
     check_positive(m=m, k=k)
@@ -39,9 +43,16 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     if kind == "gemm" and n is None:
         raise ConfigError("gemm needs --n (the number of streamed input vectors)")
     gemm2d_algo = kind == "gemm" and algo in G2.ALGOS
-    if kind == "gemm" and not gemm2d_algo and algo != "2d":
+    if kind == "gemm" and not gemm2d_algo and algo is not None:
         raise ConfigError(f"gemm --algo must be one of {', '.join(G2.ALGOS)} (or none: weight-stationary streaming), "
                           f"got {algo!r}")
+    if kind == "gemv" and algo is not None:
+        check_row_reduce(algo, fan_in)
+    if fan_in != 2 and not (kind == "gemv" and algo == "ktree"):
+        raise ConfigError(f"--fan_in applies to gemv --algo ktree only (got {kind} with --algo {algo})")
+    if kind == "spmv" and algo is not None:
+        raise ConfigError(f"spmv takes no --algo (gemv: {', '.join(ROW_REDUCE_ALGOS)}; gemm: {', '.join(G2.ALGOS)})")
+    algo = "2d" if kind == "allreduce" and algo is None else algo
     if not 0.0 <= sparsity < 1.0:
         raise ConfigError(f"--sparsity must be in [0, 1), got {sparsity}")
     spec = fabric_from_name(target, pes=pes, clock_hz=clock_hz)
@@ -51,7 +62,10 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     rng = np.random.default_rng(seed)
     W = None
     region = (R, C) if kind == "allreduce" else (used(m, R), used(k, C))
-    if kind == "gemv":
+    if kind == "gemv" and algo is not None:
+        cyc = gemv_allreduce_cycles(spec, m, k, R, C, dtype, algo=algo, fan_in=fan_in, mesh=mesh)
+        flops = 2 * m * k
+    elif kind == "gemv":
         cyc, flops = gemv_cycles(spec, m, k, R, C, dtype, mesh=mesh), 2 * m * k
     elif gemm2d_algo:
         if algo != "summa":
@@ -87,17 +101,19 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
             "link_bytes_per_cycle": spec.link_bytes_per_cycle, "hop_latency_cycles": spec.hop_latency_cycles,
             "ramp_latency_cycles": spec.ramp_latency_cycles, "colors": spec.colors,
             "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
-            **({"algo": algo} if kind == "allreduce" or gemm2d_algo else {}),
+            **({"algo": algo} if algo is not None else {}),
+            **({"fan_in": fan_in} if kind == "gemv" and algo == "ktree" else {}),
             **({"sparsity": sparsity} if kind == "spmv" else {}),
-            "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim.py)",
+            "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim*.py)",
         },
     }
     if verify:
-        out.update(_verify(kind, mesh, m, k, n, W, algo, rng, used_pes))
+        out.update(_verify(kind, mesh, m, k, n, W, algo, fan_in, rng, used_pes))
     return out
 
 
-def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str, rng, used_pes: int) -> dict:
+def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str | None, fan_in: int, rng,
+            used_pes: int) -> dict:
     if used_pes > VERIFY_MAX_PES:
         raise ConfigError(f"--verify runs the tile-by-tile numpy execution; {used_pes:,} PEs is too many "
                           f"(limit {VERIFY_MAX_PES:,}); add --pes 8x8 (or another small mesh)")
@@ -114,6 +130,10 @@ def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str, 
             run = KN.gemm(mesh, W, X) if algo not in G2.ALGOS else \
                 gemm2d(mesh, W, X, algo, *((R, C) if algo == "summa" else (square, square)))
             got, ref = run.out, W.astype(np.float64) @ X
+        elif kind == "gemv" and algo is not None:  # y as every column of PEs holds it
+            x = rng.standard_normal(k).astype(np.float32)
+            got = KN.gemv_allreduce(mesh, W, x, algo=algo, fan_in=fan_in).out
+            ref = np.broadcast_to(W.astype(np.float64) @ x, got.shape)
         else:
             x = rng.standard_normal(k).astype(np.float32)
             got = (KN.gemv if kind == "gemv" else KN.spmv)(mesh, W, x).out
@@ -127,7 +147,8 @@ def format_kernel_report(d: dict) -> str:
     """A short human summary of `run_kernel`'s result, with its assumptions."""
     b, a = d["breakdown"], d["assumptions"]
     lines = [
-        f"{d['kernel']}" + (f" ({a['algo']})" if "algo" in a else "")
+        f"{d['kernel']}" + (f" ({a['algo']}" + (f", fan-in {a['fan_in']}" if "fan_in" in a else "") + ")"
+                            if "algo" in a else "")
         + f" on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
         f"  {d['cycles']:,.0f} cycles = {d['time_s'] * 1e6:,.3f} us at {a['clock_hz'] / 1e9:g} GHz;  "
         f"{d['flops']:,} FLOP -> {d['flops_per_s'] / 1e12:,.3f} TFLOP/s",

@@ -6,10 +6,10 @@ simulation in `waferscale.fabric.sim`.
 
 from waferscale.fabric.kernels.attention import attention_decode, attention_reference
 from waferscale.fabric.kernels.collectives import ALGOS, allreduce, broadcast, reduce
-from waferscale.fabric.kernels.gemv import gemm, gemv, random_sparse, spmv
+from waferscale.fabric.kernels.gemv import gemm, gemv, gemv_allreduce, random_sparse, spmv
 from waferscale.fabric.kernels.pointwise import ELEMENTWISE_OPS, elementwise, layernorm, rmsnorm, softmax
 from waferscale.fabric.kernels.tiles import TileRun, Tiles
 
 __all__ = ["ALGOS", "ELEMENTWISE_OPS", "TileRun", "Tiles", "allreduce", "attention_decode", "attention_reference",
-           "broadcast", "elementwise", "gemm", "gemv", "layernorm", "random_sparse", "reduce", "rmsnorm", "softmax",
-           "spmv"]
+           "broadcast", "elementwise", "gemm", "gemv", "gemv_allreduce", "layernorm", "random_sparse", "reduce",
+           "rmsnorm", "softmax", "spmv"]
