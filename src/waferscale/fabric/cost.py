@@ -1,9 +1,9 @@
 """Analytic cycle models of the fabric kernels (the fast backend; `sim.py` is the slow reference that judges it).
 
 The models live in three modules: this one (`Cycles`, the pieces every model shares, and the element-wise
-kernel and row programs: norms, softmax, decode attention), `cost_matmul.py` (weight-stationary GEMV/GEMM/SpMV)
-and `cost_collectives.py` (reduce, broadcast, all-reduce, all-to-all). Every model follows the schedule of its
-kernel in `kernels/` and charges:
+kernel and row programs: norms, softmax, decode attention), `cost_matmul.py` (weight-stationary GEMV/GEMM/SpMV
+and the GEMV of the in-layer model-parallel layout) and `cost_collectives.py` (reduce, broadcast, all-reduce,
+all-to-all). Every model follows the schedule of its kernel in `kernels/` and charges:
 
 * compute — FMAC/op cycles of the busiest PE at its SIMD width (Chip row: 4-wide fp16 FMAC on WSE-1/2, 8-wide
   on WSE-3, 1 fp32 FMAC) — and SRAM-port cycles (PE row: 16 B read + 8 B write per cycle), per task, through the

@@ -10,6 +10,10 @@ Unstructured sparsity makes a PE's work random (binomial non-zeros per task): th
 of the maximum over independent PEs, exactly from the work distribution (`_task_pmf`, `_expected_max`), which
 is where SpMV's load imbalance comes from. Detours on a defective mesh lengthen the routes and can make two
 rows' chains share a physical link (`_chain_contention`, a fluid queue).
+
+`gemv_allreduce_cycles` is the GEMV of the in-layer model-parallel layout (`schedules_gemv.py`): x already on
+every PE of its column, the partials summed by a row all-reduce (a chain or a K-ary tree into column 0, then a
+multicast back); judged by `sim_gemv.sim_gemv_allreduce`.
 """
 
 from __future__ import annotations
@@ -332,7 +336,6 @@ def sparse_imbalance(spec: FabricSpec, m: int, k: int, rows: int, cols: int, den
             total += (w0 + float((pmf * np.arange(len(pmf))).sum())) * cm * ck
             pes += int(cm * ck)
     return _expected_max(groups) / (total / pes)
-
 
 
 # ---- GEMV of the in-layer model-parallel layout (schedules_gemv.py) -------------------------------------
