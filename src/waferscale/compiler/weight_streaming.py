@@ -3,13 +3,15 @@
 Per micro-batch, every layer's weights arrive through SwarmX (a layer's compute hides its transfer, or waits
 for it), its forward and backward (2 forward-equivalents, +1 when the forward is recomputed) run on the whole
 wafer, or on g copies of it when a layer is too small to keep every PE busy, and its gradients stream out;
-the optimizer runs in MemoryX. On-wafer: one layer's weights double-buffered + its gradients, and the micro-batch's
-activations (all layers, or layer-boundary checkpoints + one layer's with recomputation). Times in seconds.
+the optimizer runs in MemoryX (`OptimizerUpdate`: by the bytes Adam moves, at an assumed MemoryX bandwidth).
+On-wafer: one layer's weights double-buffered + its gradients, and the micro-batch's activations (all layers, or
+layer-boundary checkpoints + one layer's with recomputation). Times in seconds.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
@@ -18,7 +20,7 @@ from waferscale.compiler.ir import Unit
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Region
 from waferscale.compiler.seq2seq import model_flops_per_token
-from waferscale.compiler.strategy import gb
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, gb
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost_collectives
 from waferscale.fabric.spec import SystemSpec
@@ -85,6 +87,21 @@ def _stream_micro(ctx: CompileContext, units: list[Unit], t_mb: int, seq: int, b
     return total, comp, io, groups, per
 
 
+def _explain_update(ctx: CompileContext, upd: OptimizerUpdate, per: list[float], step: float) -> None:
+    w = upd.window(per)
+    exposed = upd.exposed(per)
+    ctx.say(f"optimizer update in MemoryX: Adam moves {upd.bytes_per_param} B per parameter (reads gradient, master, "
+            f"moments; writes master, moments, the streamed weight): {gb(upd.params * upd.bytes_per_param)} for "
+            f"{upd.params / 1e9:.3g} B parameters at {upd.bytes_per_s / 1e9:.0f} GB/s (MemoryX's I/O rate, an "
+            f"assumption) = {upd.seconds * 1e3:.1f} ms per step; it runs while the last backward and the next "
+            f"forward pass the layers below the top one ({w * 1e3:.1f} ms), "
+            + (f"so the step waits only for the first layer's update ({upd.first_s * 1e3:.2f} ms: its gradients "
+               f"arrive last and its weights are needed first)" if exposed == upd.first_s else
+               f"too short: the step waits {exposed * 1e3:.1f} ms for it ({exposed / step:.0%} of the step; MemoryX "
+               f"would need {(upd.params - upd.first_params) * upd.bytes_per_param / max(w, 1e-30) / 1e9:.0f} GB/s "
+               f"to hide all but the first layer's)"))
+
+
 def _dispatch_time(spec, u: Unit, t_mb: int, R: int, C: int, dtype: str) -> pj.Time:
     """An MoE block's routing on the wafer: each of the micro-batch's t_mb tokens sends its activations to its
     k experts' tokens and their outputs come back, two all-to-alls over the whole wafer
@@ -93,15 +110,61 @@ def _dispatch_time(spec, u: Unit, t_mb: int, R: int, C: int, dtype: str) -> pj.T
     return pj.Time().add("routing", 2 * cyc.total / spec.clock_hz)
 
 
+def _first(units: list[Unit]) -> Unit:
+    """The layer whose gradients reach MemoryX last and whose weights the next step needs first: backward ends
+    where the next forward begins."""
+    return next((u for u in units if u.params), units[0])
+
+
 def _step_boundary(ctx: CompileContext, units: list[Unit], b: int, n_systems: int) -> pj.Time:
-    """What a step cannot overlap: the last backward layer's gradients reach MemoryX through the SwarmX reduce
-    tree, the optimizer updates it there (time not modelled: MemoryX's CPU is not in WSE.md), and the next
-    step's first layer comes back through the broadcast tree. Within a step the next layer is always
-    prefetched; across micro-batches the weights do not change, so only the step boundary waits."""
+    """What a step cannot overlap on the links: the last backward layer's gradients reach MemoryX through the
+    SwarmX reduce tree and, once updated there (`OptimizerUpdate`), come back through the broadcast tree as the
+    next step's first layer. Within a step the next layer is always prefetched; across micro-batches the weights
+    do not change, so only the step boundary waits."""
     sx = SystemSpec(ctx.spec, n_systems)
-    first = next((u for u in units if u.params), units[0])  # backward ends where the next forward begins
-    return pj.Time().add("I/O", 2 * first.streamed_weight_bytes(b) / sx.swarmx_bytes_per_s
+    return pj.Time().add("I/O", 2 * _first(units).streamed_weight_bytes(b) / sx.swarmx_bytes_per_s
                          + 2 * sx.swarmx_hops * ctx.spec.io_latency_s)
+
+
+@dataclass(frozen=True)
+class OptimizerUpdate:
+    """Adam in MemoryX, once per step on the gradients summed over micro-batches and systems, by the bytes it
+    moves: per parameter it reads the gradient, the fp32 master (the weight itself in fp32 training) and both
+    moments, and writes the master, the moments and the weight streamed next step, at MemoryX's bandwidth
+    (`FabricSpec.memoryx_bytes_per_s`, an assumption). A layer's update can start when its last gradients
+    arrive and must end before the next step streams it, so the step waits for the first layer's update (its
+    gradients arrive last, its weights are needed first) or, when the whole update is longer than the time it
+    can overlap (the last micro-batch's backward and the next one's forward of every layer below the top one),
+    for the excess."""
+
+    params: int  # parameters updated (the kept ones when sparse)
+    first_params: int  # those whose gradients are complete only when the step's backward ends
+    bytes_per_param: int
+    bytes_per_s: float
+
+    @classmethod
+    def of(cls, ctx: CompileContext, units: list[Unit]) -> "OptimizerUpdate":
+        w, g, master, m, v = ADAM_STATE_BYTES_PER_PARAM["mixed" if ctx.g.dtype != "fp32" else "fp32"]
+        first = _first(units)  # a matrix it shares with the head has its last gradients from it too
+        return cls(sum(u.nonzero_params for u in units), first.nonzero_params + first.tied_params,
+                   (g + (master or w) + m + v) + (w + master + m + v), ctx.spec.memoryx_bytes_per_s)
+
+    @property
+    def seconds(self) -> float:
+        return self.params * self.bytes_per_param / self.bytes_per_s
+
+    @property
+    def first_s(self) -> float:
+        return self.first_params * self.bytes_per_param / self.bytes_per_s
+
+    @staticmethod
+    def window(per: list[float]) -> float:
+        """Seconds the update overlaps: every layer's forward and backward below the top one (`per`: seconds per
+        layer of one micro-batch, forward + backward)."""
+        return sum(per[:-1])
+
+    def exposed(self, per: list[float]) -> float:
+        return max(self.first_s, self.seconds - self.window(per))
 
 
 def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, micro: int, seq: int, workload: dict,
@@ -145,7 +208,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     n_micro = per_sys // micro
     act = (act_tok_ckpt if recompute else act_tok_all)
     free = cap_w - act * t_mb
-    total, comp, io, groups, _ = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
+    total, comp, io, groups, per = _stream_micro(ctx, units, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
+    upd = OptimizerUpdate.of(ctx, units)
     R0, C0 = ctx.wafers[0].rows, ctx.wafers[0].cols
     if ctx.defective:
         ctx.say("detours: the streamed layers' kernels are projected on the wafer's own routes around its dead "
@@ -167,11 +231,22 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
                 f"picks per layer a g-way split of the wafer (g copies multicast from one stream, each on t/g "
                 f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
 
-    def step_at(n: int) -> float:  # one step on n systems, each doing the same work (weak scaling)
-        tot = total if n == ctx.systems else _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free, tok, actx)[0]
-        return n_micro * tot.s + _step_boundary(ctx, units, b, n).s
+    steps: dict[int, pj.Time] = {}
+
+    def step_time(n: int) -> pj.Time:  # one step on n systems, each doing the same work (weak scaling)
+        if n not in steps:
+            tot, per_n = (total, per) if n == ctx.systems else \
+                _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free, tok, actx)[::4]
+            steps[n] = tot.scaled(n_micro)
+            steps[n] += _step_boundary(ctx, units, b, n)
+            steps[n].add("MemoryX update", upd.exposed(per_n))
+        return steps[n]
+
+    def step_at(n: int) -> float:
+        return step_time(n).s
 
     step = step_at(ctx.systems)
+    _explain_update(ctx, upd, per, step)
     tps = workload["tokens_per_step"] / step
     flops = g.model_flops_per_token(seq, training=True, nonzero=g.sparse) if tok is None else \
         model_flops_per_token(units, tok, actx, seq, training=True)
@@ -184,6 +259,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
     for r in scaling:
         r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
+        r["memoryx_update_exposed_s"] = steps[r["systems"]].parts["MemoryX update"]
     levels = SystemSpec(ctx.spec, ctx.systems).swarmx_levels
     ctx.say(f"data parallel (weak scaling): each system keeps {per_sys} sequences per step ({n_micro} micro-batches "
             f"of {micro}), so the global batch is {per_sys} x N; every system runs the same layer-by-layer "
@@ -193,8 +269,13 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
             f"what compute does not hide is the only loss"
             + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
-            "weights_streamed": True, "recompute": recompute, "bottleneck": total.bottleneck(),
-            "time_shares": total.shares(), "compute_time_per_micro_batch_s": comp.s, "io_time_per_micro_batch_s": io.s,
+            "weights_streamed": True, "recompute": recompute, "bottleneck": steps[ctx.systems].bottleneck(),
+            "time_shares": steps[ctx.systems].shares(), "compute_time_per_micro_batch_s": comp.s,
+            "io_time_per_micro_batch_s": io.s, "micro_batch_time_shares": total.shares(),
+            "optimizer_update": {"params": upd.params, "bytes_per_param": upd.bytes_per_param,
+                                 "memoryx_bytes_per_s": upd.bytes_per_s, "update_s": upd.seconds,
+                                 "first_layer_update_s": upd.first_s, "overlap_window_s": upd.window(per),
+                                 "exposed_s": steps[ctx.systems].parts["MemoryX update"]},
             "micro_batches_per_step": n_micro, "layer_copies": groups, "tokens_per_micro_batch": t_mb,
             "model_flops_per_token": flops, "no_stall_met": t_mb >= t_min, **common, "scaling": scaling}
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
@@ -206,11 +287,13 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
         t, _, _, _, per = _stream_micro(ctx, us, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
         t = t.scaled(n_micro)
         t += _step_boundary(ctx, us, b, ctx.systems)
+        t.add("MemoryX update", OptimizerUpdate.of(ctx, us).exposed(per))
         return t, [n_micro * x for x in per]
 
     return {"strategy": "weight_streaming", "replicas": ctx.systems, "wafers_per_pipeline": 1, "fits_in_sram": False,
             "workload": workload, "projection": proj, "regions": regions, "reproject": reproject,
-            "assumptions": {"optimizer_update": "in MemoryX, overlapped with the next step's streaming",
+            "assumptions": {"optimizer_update": "Adam in MemoryX by bytes at memoryx_bytes_per_s, overlapped with "
+                                                "the last backward and the next forward except the first layer's",
                             "gradients_out": "on the egress direction of the same links, concurrent with weights in",
                             "swarmx": "tree of 1:4 broadcast-reduce nodes, 100 Gb/s ports at line rate (12 parallel "
                                       "trees = the system's I/O bandwidth for any N), one I/O latency per level",

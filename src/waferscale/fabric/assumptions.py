@@ -44,6 +44,10 @@ _COMMON = (
                                                     "the 48 KiB", integer=True),
     Assumption("exp_ops", "ops", "not in WSE.md: SIMD ops per exp() in softmax and attention, a polynomial "
                                  "evaluation of about 8 multiply-adds"),
+    Assumption("memoryx_bytes_per_s", "B/s", "System row: 'MemoryX ... runs the optimizer update, its I/O at least "
+                                             "matches the CS-2's 1.2 Tb/s' (V); its update is assumed to read and "
+                                             "write optimizer state at that rate, 150 GB/s (its DRAM and CPUs are "
+                                             "not published)"),
 )
 
 UNPUBLISHED: dict[str, tuple[Assumption, ...]] = {

@@ -36,6 +36,7 @@ class FabricSpec:
     # every kernel and plan through the spec
     program_reserve_bytes_per_pe: int = 6 * 1024  # SRAM kept for code, routing tables, queues and stack
     exp_ops: float = 8  # SIMD ops per exp() (a polynomial)
+    memoryx_bytes_per_s: float = 150e9  # optimizer state MemoryX reads and writes per second in its update
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
