@@ -24,6 +24,7 @@ import io
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -94,8 +95,22 @@ def _waferllm_plan(model: str, side: int, layers: int | None, prompt_len: int | 
     g, ctx, n_layers = waferllm_graph(model, side, layers)
     plan = _compile_fewest(range(1, MAX_SYSTEMS_TRIED + 1), graph=g, target="wse2", pes=(side, side),
                            layout="model_parallel", users=1, context_len=ctx, prompt_len=prompt_len)
-    blocks = [i for i, u in enumerate(plan.graph["units"]) if u["kind"] == "block"]
-    return plan, blocks, n_layers / len(blocks), ctx
+    blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
+    return plan, g, blocks, n_layers / len(blocks), ctx
+
+
+def _layer_shares(plan, g, blocks: list[int], time_of) -> dict[str, float]:
+    """Where the layers' time goes (the plan's shares cover the whole step: embedding, head, hops, I/O):
+    `time_of(cc, unit)` is the model-parallel module's own per-unit time on the plan's window."""
+    from waferscale.compiler.context import CompileContext
+    from waferscale.compiler.project import Time
+    from waferscale.fabric.spec import FabricSpec
+
+    cc = CompileContext(g, FabricSpec(**plan.fabric), [], plan.systems, [])
+    t = Time()
+    for i in blocks:
+        t += time_of(cc, g.units[i])
+    return t.shares()
 
 
 def _where(plan, blocks: list[int], scale: float, ctx: int) -> str:
@@ -107,21 +122,27 @@ def _where(plan, blocks: list[int], scale: float, ctx: int) -> str:
 def waferllm_decode(model: str, side: int, layers: int | None = None) -> Projection:
     """Their method: the block units' decode times summed (no embedding, head or hops between windows) and
     scaled to all layers; tokens/s = 1 / that. The shares are the whole decode step's."""
-    plan, blocks, scale, ctx = _waferllm_plan(model, side, layers, None)
+    from waferscale.compiler.model_parallel import unit_time
+
+    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, None)
     p = plan.projection
     t = sum(p["unit_times_s"][i] for i in blocks) * scale
+    shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_time(cc, u, side, side, 1, ctx))
     whole = f"; whole step (embedding, head, hops) {p['decode_tokens_per_s_per_user']:,.0f} tok/s" if scale == 1 else ""
-    return Projection(1 / t, dict(p["decode_time_shares"]), "share", f"{p['layout']} {p['window']}",
+    return Projection(1 / t, shares, "share", f"{p['layout']} {p['window']}",
                       _where(plan, blocks, scale, ctx) + f"; GEMV all-reduce {p.get('gemv_allreduce')}" + whole)
 
 
 def waferllm_prefill(model: str, side: int, layers: int | None = None) -> Projection:
     """Their method: TPR = 4096 / the block units' prefill times summed and scaled to all layers."""
-    plan, blocks, scale, ctx = _waferllm_plan(model, side, layers, WAFERLLM_PROMPT)
+    from waferscale.compiler.model_parallel import unit_prefill
+
+    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, WAFERLLM_PROMPT)
     p = plan.projection
     t = sum(p["unit_prefill_s"][i] for i in blocks) * scale
+    shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_prefill(cc, u, side, side, WAFERLLM_PROMPT))
     whole = f"; whole prompt incl. embedding/head {p['time_to_first_token_s'] * 1e3:.1f} ms" if scale == 1 else ""
-    return Projection(WAFERLLM_PROMPT / t, dict(p["prefill_time_shares"]), "share", f"{p['layout']} {p['window']}",
+    return Projection(WAFERLLM_PROMPT / t, shares, "share", f"{p['layout']} {p['window']}",
                       _where(plan, blocks, scale, ctx) + whole)
 
 
@@ -144,8 +165,12 @@ def _plan_layout(p: dict) -> str:
 
 def _plan_detail(plan) -> str:
     p = plan.projection
+    cands = "; ".join(f"{k}: " + (f"refused ({v['refused'][:80]})" if "refused" in v else
+                                  f"{v['decode_tokens_per_s_per_user']:,.0f} tok/s/user x {v['users']}, "
+                                  f"TTFT {v['time_to_first_token_s'] * 1e3:.1f} ms")
+                      for k, v in p.get("layouts", {}).items())
     return (f"{plan.systems} x {plan.target}, {p['users_in_flight']} user(s) in flight, context {p['context_len']}, "
-            f"prompt {p['prompt_len']}")
+            f"prompt {p['prompt_len']}" + (f"; layouts compared: {cands}" if cands else ""))
 
 
 def zoo(model: str, systems: int | None, quantity: str, prompt_len: int | None = None) -> Projection:
@@ -247,12 +272,15 @@ def run_row(row: Row) -> dict[str, Any]:
     """The row, its projection (or why it is not reached) and the signed error."""
     out: dict[str, Any] = {"id": row.id, "source": dataclasses.asdict(SOURCES[row.source]) | {"key": row.source},
                            **{k: v for k, v in dataclasses.asdict(row).items() if k != "source"}}
+    t0 = time.perf_counter()
     try:
         p = PROJECTORS[row.projection](**row.args)
     except ConfigError as e:
-        return out | {"projected": None, "error": None, "not_reached": str(e)}
+        return out | {"projected": None, "error": None, "not_reached": str(e),
+                      "wall_s": round(time.perf_counter() - t0, 2)}
     return out | {"projected": p.value, "error": p.value / row.value - 1, "parts": p.parts,
-                  "parts_unit": p.parts_unit, "layout_chosen": p.layout, "detail": p.detail}
+                  "parts_unit": p.parts_unit, "layout_chosen": p.layout, "detail": p.detail,
+                  "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 def summarize(results: list[dict]) -> dict[str, Any]:
@@ -268,6 +296,8 @@ def _num(x: float) -> str:
 
 
 def _parts(r: dict) -> str:
+    if not r["parts"]:
+        return "(the plan gives no breakdown of this time)"
     if r["parts_unit"] == "share":
         return ", ".join(f"{k} {v:.0%}" for k, v in r["parts"].items())
     return ", ".join(f"{k} {v:,.0f}" for k, v in r["parts"].items()) + " cycles"

@@ -92,7 +92,8 @@ _WL_DEC = dict(_WL, context="4K KV cache (4096 padded to a multiple of P: 4200 a
                method="one decoder layer's device cycles (TSC, 100 timed runs) x n_layers at 1.1 GHz; no "
                       "embedding or head; dims padded to multiples of P, 1 head, n_kv_heads 1, head_dim = dim")
 _WL_PF = dict(_WL, context="the 4096-token prompt", prompt_len="4096",
-              method="TPR = 4096 / prefill time of the layers at 1.1 GHz (no embedding or head)")
+              method="TPR = 4096 / prefill time at 1.1 GHz (cycles measured on device; layers only, as for decode "
+                     "-- an assumption: the prefill launcher was not read)")
 _SUBSET = "a subset of layers measured and scaled to all layers (paper: 'uniform layer structure')"
 _PADDING = ("padding by the rule of their Llama3-8B configs (no config of this model is published): dims and "
             "context up to multiples of P")
