@@ -183,6 +183,7 @@ def _report_plan(plan: "Plan", out: Path | None, as_json: bool) -> None:
 
 def cmd_compile(a: argparse.Namespace) -> int:
     from waferscale.compiler import compile_model
+    from waferscale.compiler.speculative import speculation
     from waferscale.fabric.assumptions import parse_assume
     from waferscale.fabric.presets import parse_pes
 
@@ -207,7 +208,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
                    batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
                    context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
                    clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity,
-                   assume=parse_assume(a.assume))
+                   assume=parse_assume(a.assume),
+                   speculative=speculation(a.speculative, a.draft_model, a.num_speculative_tokens, a.acceptance))
     plan = compile_model(**request)
     if a.sensitivity is not None:
         from waferscale.compiler.sensitivity import sensitivity
@@ -433,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--sensitivity", type=float, nargs="?", const=10.0, default=None, metavar="PCT",
                            help="recompile with each unpublished assumption at -PCT%% and +PCT%% (default 10) and "
                                 "show how the headline figures move")
+            p.add_argument("--speculative", default=None, metavar="draft|ngram",
+                           help="project speculative decoding: a draft model sharing the wafer (--draft_model) or "
+                                "prompt lookup (ngram: drafts cost nothing on the wafer)")
+            p.add_argument("--draft_model", default=None, help="--speculative draft: a smaller zoo model, same "
+                                                               "vocabulary")
+            p.add_argument("--num_speculative_tokens", type=int, default=None, metavar="K",
+                           help="tokens drafted per verification round")
+            p.add_argument("--acceptance", type=float, default=None, metavar="A",
+                           help="probability that a draft token is accepted (i.i.d.), in [0, 1)")
             p.add_argument("--out", default=None, help="write plan.json, wafer.png, wafer.svg, trace.json here")
             p.add_argument("--json", action="store_true")
             p.add_argument("--sparsity", type=float, default=None,

@@ -49,6 +49,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         d["sensitivity"] = plan.extra["sensitivity"]
     if "moe" in p:
         d["moe"] = p["moe"]
+    if "speculative" in p:
+        d["speculative"] = p["speculative"]
     return d
 
 
@@ -71,6 +73,16 @@ def _experts(graph: dict) -> bool:
     return any(u.get("expert_of") for u in graph["units"])
 
 
+def _speculative_lines(p: dict) -> list[str]:
+    if "speculative" not in p:
+        return []
+    s = p["speculative"]
+    how = f"draft {s['draft_model']}" if s["draft_model"] else "ngram (prompt lookup)"
+    return [f"  speculative   {s['tokens_per_s_per_user']:,.0f} tokens/s per user with {how}, K = "
+            f"{s['num_speculative_tokens']}, acceptance {s['acceptance']:g}: {s['expected_tokens_per_round']:.2f} "
+            f"tokens per {_t(s['round_s'])} round (x{s['speedup_vs_plain']:.2f} the plain decode)"]
+
+
 def plan_summary(plan: Plan) -> str:
     """One screen: what was placed where, the projection, the bottleneck, the assumptions, and why."""
     p, a = plan.projection, plan.assumptions
@@ -91,6 +103,7 @@ def plan_summary(plan: Plan) -> str:
     elif plan.mode == "inference":
         lines += [f"  decode        {p['decode_tokens_per_s_per_user']:,.0f} tokens/s per user "
                   f"({_t(p['decode_latency_s_per_token'])}/token, context {p['context_len']})",
+                  *_speculative_lines(p),
                   f"  aggregate     {p['aggregate_decode_tokens_per_s']:,.0f} tokens/s with {p['users_in_flight']} users "
                   f"in flight (limit {p['pipeline_limit_tokens_per_s']:,.0f}; {p['aggregate_bottleneck']})",
                   f"  prefill       {p['prefill_tokens_per_s']:,.0f} tokens/s; time to first token "

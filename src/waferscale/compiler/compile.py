@@ -20,6 +20,7 @@ from typing import Any
 
 from waferscale.compiler import project as pj
 from waferscale.compiler import sparsity as sp
+from waferscale.compiler import speculative as spec_dec
 from waferscale.compiler._fabric import wafer_map
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.encode import plan_encode
@@ -42,7 +43,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                   batch_size: int | None = None, seq_len: int | None = None, prompt_len: int | None = None,
                   context_len: int | None = None, users: int | None = None, defects: float = 0.0, seed: int = 0,
                   clock_hz: float | None = None, sparsity: float | Mapping[str, float] | None = None,
-                  activation_sparsity: Any = None, assume: Mapping[str, float] | None = None) -> Plan:
+                  activation_sparsity: Any = None, assume: Mapping[str, float] | None = None,
+                  speculative: spec_dec.Speculation | None = None) -> Plan:
     """Compile a zoo model (`model`), a captured graph (`graph`: a params file's comes from
     `waferscale.zoo.wafer.params_graph`) or an nn.Module (`module`, or `(module, sample_input_shape)`) for
     `systems` x `target` wafers. Raises ConfigError on bad input or an impossible request (the message has the
@@ -52,7 +54,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     ("unit.matmul" -> fraction: `capture.section_sparsity` for a params file's section). activation_sparsity:
     the fraction of zeros entering the FFN down-projections (`sparsity.activation_sparsity` lists the forms).
     Without either the plan is the dense one, byte for byte. assume: new values of the target's unpublished
-    hardware assumptions (`fabric.assumptions`, name -> value)."""
+    hardware assumptions (`fabric.assumptions`, name -> value). speculative: project speculative decoding
+    (`speculative.py`; a draft model takes a band of the mesh, the target is placed on the rest)."""
     if sum(x is not None for x in (model, graph, module)) != 1:
         raise ConfigError("give exactly one of --model NAME, --params P.yaml (or a module)")
     mode_key = MODES.get(str(mode).lower())
@@ -87,6 +90,11 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                           f"compiles dense (drop --sparsity / --activation_sparsity)")
     if weight or act:
         g = sp.apply(g, weight, act)
+    draft = None
+    if speculative is not None:  # before the target is placed: the draft's band of rows comes off its mesh
+        draft, spec, users = spec_dec.place_draft(speculative, g, spec, dict(
+            target=target, mode=mode_key, systems=systems, users=users, prompt_len=prompt_len,
+            context_len=context_len, defects=defects, clock_hz=clock_hz, assume=assume))
     wafers = [wafer_map(spec, defects, seed + s) for s in range(systems)]
     ctx = CompileContext(g, spec, wafers, systems, [])
     usable = min(w.usable_pes for w in wafers)
@@ -119,6 +127,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         out = plan_inference(ctx, prompt_len, context_len, users)
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
+    if speculative is not None:
+        proj["speculative"] = spec_dec.project(ctx, speculative, draft, regions, proj)
     extra = {"sparsity": sp.explain(ctx, out["reproject"], _probe(g, regions, proj, wafers[0]),
                                     "decode token" if mode_key == "inference" else "training step")} if g.sparse else {}
     assumptions = pj.assumptions(spec, systems, g.dtype)
