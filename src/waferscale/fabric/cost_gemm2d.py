@@ -15,7 +15,10 @@ transfer in closed form:
   Cannon PE passes its blocks on when it starts computing with them;
 * Cannon's skew sends every block at once along its row (W) or column (X): a link carries the wavelets of every
   block whose route crosses it, so a block's last wavelet arrives no earlier than the row's (column's) busiest
-  link in that direction has carried them all.
+  link in that direction has carried them all;
+* on a defective mesh with real routes (`cost.exact_routes`: up to 64x64 PEs) every block follows its real
+  route (multicast tree) through first-come-first-served link queues (`_LinkQueue`), so detours that make
+  streams share a link delay the later ones, within a panel or step and across them.
 
 `total` is the latest end of a last product over PEs; compute/SRAM are the busiest PE's; fabric the busiest
 ramp or link. Meshes of more than `EXACT_PES` PEs (prefill on a large part of the wafer) are evaluated in g x g
@@ -24,9 +27,10 @@ and (Cannon) both the neighbour group and itself as the sender of its next block
 evaluation from above (tests/test_fabric_gemm2d.py measures how closely).
 
 Omitted (beyond `cost.py`'s list): the route switches between SUMMA's panels (owners change every panel;
-assumed free: a control wavelet), link sharing between consecutive panels' multicasts and between the Cannon
-skew and its first steps, and on detoured routes when the streams sharing a link send (a link's load is charged
-as if they all sent at once).
+assumed free: a control wavelet); on a defect-free mesh, link sharing between consecutive panels' multicasts
+and between the Cannon skew and its first steps; in the link queues, blocks sharing a link pass it one after
+the other rather than wavelet by wavelet interleaved (the last wavelet is right, the earlier ones late); on
+defective meshes beyond 64x64 PEs, link sharing by detours (their extra hops are charged).
 """
 
 from __future__ import annotations
@@ -95,25 +99,48 @@ def _work(prod: dict, mt: np.ndarray, nt: np.ndarray) -> np.ndarray:
     return np.array([[prod[a, b][0] for b in nt.tolist()] for a in mt.tolist()], np.float64)
 
 
-class _Sharing:
-    """Streams whose detoured routes share physical links (a defective mesh with real routes, `exact_routes`):
-    each stream is a list of (from, to) logical hops; `busiest(waves)` gives, per stream, the wavelets that the
-    busiest link on its route carries when every stream sends its `waves` at once (itself included)."""
+class _LinkQueue:
+    """The physical links of a defective mesh with real routes (`exact_routes`) as first-come-first-served queues
+    at block granularity: a block of n wavelets crossing a link holds it for n cycles from when its first wavelet
+    arrives or the link frees up, whichever is later; blocks take a link in the order they are offered (the
+    callers offer them by send time). So detours that make streams share a link, within a step or across steps,
+    delay the later ones."""
 
-    def __init__(self, mesh: Mesh, streams: list[list[tuple[Coord, Coord]]], ids: dict | None = None) -> None:
-        self.ids = {} if ids is None else ids
-        link_idx, stream_idx = [], []
-        for s, hops in enumerate(streams):
-            links = {(p, q) for a, b in hops for p, q in zip(mesh.route(a, b), mesh.route(a, b)[1:])}
-            link_idx += [self.ids.setdefault(link, len(self.ids)) for link in links]
-            stream_idx += [s] * len(links)
-        self.link, self.stream, self.n = np.array(link_idx, np.int64), np.array(stream_idx, np.int64), len(streams)
+    def __init__(self, spec: FabricSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh, self.free, self.trees = spec, mesh, {}, {}
 
-    def busiest(self, waves: np.ndarray) -> np.ndarray:
-        load = np.bincount(self.link, weights=waves[self.stream], minlength=len(self.ids))
-        out = np.zeros(self.n)
-        np.maximum.at(out, self.stream, load[self.link])
+    def tree(self, pes: list[Coord], back: list[Coord] = ()) -> tuple[dict, dict]:
+        key = (tuple(pes), tuple(back))
+        if key not in self.trees:
+            self.trees[key] = self.mesh.multicast_tree(pes, [back] if back else [])
+        return self.trees[key]
+
+    def send(self, tree: tuple[dict, dict], src: Coord, first: float, last: float, n: int) -> dict:
+        """A block of n wavelets leaving logical `src`'s ramp from `first` to `last` into multicast `tree`:
+        {logical PE: (first, last) arrival at its router} for every PE the tree delivers to."""
+        (children, deliver), r, h = tree, self.spec.ramp_latency_cycles, self.spec.hop_latency_cycles
+        out, todo = {}, [(self.mesh.physical(*src), first + r, last + r)]
+        while todo:
+            node, f, l = todo.pop()
+            if node in deliver:
+                out[deliver[node]] = (f, l)
+            for q in children.get(node, ()):
+                start = max(f, self.free.get((node, q), -np.inf))
+                l_q = max(l, start + n - 1)
+                self.free[node, q] = l_q + 1
+                todo.append((q, start + h, l_q + h))
         return out
+
+
+def _offer(queue: _LinkQueue, streams: list, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Offer streams (send time, tree, src, first, last, n, kind 0/1) to the queue in order of send time:
+    per kind, (first, last) arrival arrays of `shape` at the receivers' routers (inf/-inf where none)."""
+    arr = [np.full(shape, np.inf), np.full(shape, -np.inf), np.full(shape, np.inf), np.full(shape, -np.inf)]
+    for _, tree, src, first, last, n, kind in sorted(streams, key=lambda s: s[0]):
+        if n > 0:
+            for pe, (f, l) in queue.send(tree, src, first, last, n).items():
+                arr[2 * kind][pe], arr[2 * kind + 1][pe] = f, l
+    return tuple(arr)
 
 
 def _departures(d0: np.ndarray, na: np.ndarray, nb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -156,8 +183,7 @@ def _summa(spec, k, R, C, dtype, mts, nts, prod, rowpos, colpos, mesh, g) -> tup
     in_free = np.full((Rg, Cg), -np.inf)  # last cycle each PE's incoming ramp was busy
     recv = np.zeros((Rg, Cg))
     w_owned, x_owned = np.zeros((R, C)), np.zeros((R, C))  # W (X) wavelets each PE multicasts, over all panels
-    sharing: dict = {}  # (W owner column, X owner row) -> _Sharing of that panel's multicasts
-    ids: dict = {}
+    queue = _LinkQueue(spec, mesh) if mesh is not None else None
     for p, (_, kb, cw, rx) in enumerate(summa_panels(k, R, C)):
         Jo, Io = cw // g, rx // g
         nw = -(-mt * kb // epw) * (C > 1)  # (Rg,) W panel wavelets sent along each row
@@ -171,24 +197,24 @@ def _summa(spec, k, R, C, dtype, mts, nts, prod, rowpos, colpos, mesh, g) -> tup
         out_free[:, Jo] = np.where(nw > 0, d0w + nw, out_free[:, Jo])
         out_free[Io, :] = np.where(nx > 0, d0x + nx, out_free[Io, :])
         out_free[Io, Jo] = d0w[Io] + nw[Io] + nx[Jo] if nw[Io] + nx[Jo] else out_free[Io, Jo]
-        w_last, x_first, x_last, d0w = w_last[:, None], x_first[None, :], x_last[None, :], d0w[:, None]
-        if mesh is not None:  # a multicast is no faster than the busiest link its tree shares with others
-            if (cw, rx) not in sharing:
-                sharing[cw, rx] = _Sharing(mesh, [_line_hops(i, cw, C, True) for i in range(R)]
-                                           + [_line_hops(j, rx, R, False) for j in range(C)], ids)
-            busy = sharing[cw, rx].busiest(np.concatenate([nw, nx]).astype(np.float64))
-            w_last = np.maximum(w_last, d0w + busy[:R, None] - 1)
-            x_last = np.maximum(x_last, x_first + busy[None, R:] - 1)
-        hw = np.maximum(rmax - omin[:, [cw]], omax[:, [cw]] - rmin) * h  # the farthest member from the owner
-        hx = np.maximum(cmax - xmin[[rx], :], xmax[[rx], :] - cmin) * h
+        if queue is not None:  # the real multicast trees, through the queues of their links (g = 1 here)
+            a, la, b, lb = _offer(queue, [
+                (d0w[i], queue.tree([(i, c) for c in range(cw, C)], [(i, c) for c in range(cw, -1, -1)]), (i, cw),
+                 d0w[i], w_last[i], nw[i], 0) for i in range(R)] + [
+                (d0x[j], queue.tree([(q, j) for q in range(rx, R)], [(q, j) for q in range(rx, -1, -1)]), (rx, j),
+                 x_first[j], x_last[j], nx[j], 1) for j in range(C)], (R, C))
+        else:  # straight routes; a group's farthest member from the owner
+            hw = np.maximum(rmax - omin[:, [cw]], omax[:, [cw]] - rmin) * h
+            hx = np.maximum(cmax - xmin[[rx], :], xmax[[rx], :] - cmin) * h
+            a, la = d0w[:, None] + r + hw, w_last[:, None] + r + hw
+            b, lb = x_first[None, :] + r + hx, x_last[None, :] + r + hx
         nw_in = np.repeat(nw[:, None], Cg, axis=1)
         nx_in = np.repeat(nx[None, :], Rg, axis=0)
         if single_c[Jo]:
             nw_in[:, Jo] = 0
         if single_r[Io]:
             nx_in[Io, :] = 0
-        got = _received(spec, d0w + r + hw, w_last + r + hw, nw_in, x_first + r + hx, x_last + r + hx, nx_in,
-                        in_free)
+        got = _received(spec, a, la, nw_in, b, lb, nx_in, in_free)
         in_free = np.where(nw_in + nx_in > 0, got - r, in_free)
         recv += nw_in + nx_in
         start = np.maximum(end, got)
@@ -199,12 +225,6 @@ def _summa(spec, k, R, C, dtype, mts, nts, prod, rowpos, colpos, mesh, g) -> tup
     links = [np.cumsum(w_owned, axis=1)[:, :-1], w_owned.sum(axis=1, keepdims=True) - np.cumsum(w_owned, axis=1),
              np.cumsum(x_owned, axis=0)[:-1], x_owned.sum(axis=0, keepdims=True) - np.cumsum(x_owned, axis=0)]
     return float(end.max()), float(recv.max()), max(float(a.max(initial=0)) for a in links)
-
-
-def _line_hops(line: int, owner: int, length: int, along_row: bool) -> list[tuple[Coord, Coord]]:
-    """The hops of a multicast from `owner` to both ends of row (or column) `line`."""
-    hops = [(q, q + 1) for q in range(owner, length - 1)] + [(q, q - 1) for q in range(owner, 0, -1)]
-    return [((line, a), (line, b)) if along_row else ((a, line), (b, line)) for a, b in hops]
 
 
 def _line_load(src: np.ndarray, dst: np.ndarray, waves: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -240,27 +260,26 @@ def _cannon(spec, k, P, dtype, mts, nts, prod, rowpos, colpos, folded, mesh, g) 
     w_last, x_first, x_last = _departures(np.zeros((P, P)), nw0, nx0)
     east, west = _line_load(rpos, rpos[ii, w_dst], nw0, int(rowpos.max()) + 1)  # rows (by ring row i)
     south, north = _line_load(cpos.T, cpos[x_dst, jj].T, nx0.T, int(colpos.max()) + 1)  # columns (ring col j)
-    # the busiest link of its row (column) in the direction a block travels bounds when its last wavelet can
-    # arrive; with detours, the busiest link on its own route, whatever else crosses it
-    if mesh is None:
+    # receiver (i, j) gets W from ring (i, j + i) and X from ring (i + j, j)
+    ws, xs = (ii, (jj + ii) % P), ((ii + jj) % P, jj)
+    if mesh is None:  # the busiest link of its row (column) in the block's direction bounds its last wavelet
         w_busy = np.where(rpos[ii, w_dst] < rpos, west.max(axis=1, initial=0)[:, None],
                           east.max(axis=1, initial=0)[:, None])
         x_busy = np.where(cpos[x_dst, jj] < cpos, north.max(axis=1, initial=0)[None, :],
                           south.max(axis=1, initial=0)[None, :])
-    else:
+        hw, hx = np.abs(rpos[ws] - rpos) * h, np.abs(cpos[xs] - cpos) * h
+        a, la = r + hw, np.maximum(w_last, w_busy - 1)[ws] + r + hw
+        b, lb = x_first[xs] + r + hx, np.maximum(x_last, x_busy - 1)[xs] + r + hx
+    else:  # the real routes, through the queues of their links
+        queue = _LinkQueue(spec, mesh)
         pe = {(i, j): (int(slot[i]), int(slot[j])) for i in range(P) for j in range(P)}
-        busy = _Sharing(mesh, [[(pe[i, j], pe[i, int(w_dst[i, j])])] for i in range(P) for j in range(P)]
-                        + [[(pe[i, j], pe[int(x_dst[i, j]), j])] for i in range(P) for j in range(P)]).busiest(
-            np.concatenate([nw0.ravel(), nx0.ravel()]).astype(np.float64))
-        w_busy, x_busy = busy[:P * P].reshape(P, P), busy[P * P:].reshape(P, P)
-        steps = _Sharing(mesh, [[(pe[i, j], pe[i, (j - 1) % P])] for i in range(P) for j in range(P)]
-                         + [[(pe[i, j], pe[(i - 1) % P, j])] for i in range(P) for j in range(P)])
-    # receiver (i, j) gets W from ring (i, j + i) and X from ring (i + j, j) (busy: by sender)
-    ws, xs = (ii, (jj + ii) % P), ((ii + jj) % P, jj)
-    hw, hx = np.abs(rpos[ws] - rpos) * h, np.abs(cpos[xs] - cpos) * h
-    got = _received(spec, r + hw, np.maximum(w_last, w_busy - 1)[ws] + r + hw, nw0[ws],
-                    x_first[xs] + r + hx, np.maximum(x_last, x_busy - 1)[xs] + r + hx, nx0[xs],
-                    np.full((P, P), -np.inf))
+        ring = np.ix_(slot, slot)  # mesh-indexed arrays -> ring-indexed
+        a, la, b, lb = (v[ring] for v in _offer(queue, [
+            (0, queue.tree([pe[i, j], pe[i, int(w_dst[i, j])]]), pe[i, j], 0, w_last[i, j], nw0[i, j], 0)
+            for i in range(P) for j in range(P)] + [
+            (0, queue.tree([pe[i, j], pe[int(x_dst[i, j]), j]]), pe[i, j], x_first[i, j], x_last[i, j], nx0[i, j], 1)
+            for i in range(P) for j in range(P)], (P, P)))
+    got = _received(spec, a, la, nw0[ws], b, lb, nx0[xs], np.full((P, P), -np.inf))
     link = float(max(east.max(initial=0), west.max(initial=0), south.max(initial=0), north.max(initial=0)))
     # the steps, per group of PEs (g = 1: per PE): W comes from the East ring neighbour, X from the South one
     mt, nt = np.maximum.reduceat(mts, np.arange(0, P, g)), np.maximum.reduceat(nts, np.arange(0, P, g))
@@ -286,16 +305,18 @@ def _cannon(spec, k, P, dtype, mts, nts, prod, rowpos, colpos, folded, mesh, g) 
         nw, nx = -(-mt[:, None] * kl // epw), -(-kl * nt[None, :] // epw)
         d0 = np.maximum(start, out_free)
         w_last, x_first, x_last = _departures(d0, nw, nx)
-        if mesh is not None:
-            busy = steps.busiest(np.concatenate([nw.ravel(), nx.ravel()]).astype(np.float64))
-            w_last = np.maximum(w_last, d0 + busy[:P * P].reshape(P, P) - 1)
-            x_last = np.maximum(x_last, x_first + busy[P * P:].reshape(P, P) - 1)
         out_free = d0 + nw + nx
         east_of, south_of = (I, (J + 1) % Pg), ((I + 1) % Pg, J)
         # first and last arrival at the router: from the neighbour group, or (inside a group) from the group itself
         a, la = d0[east_of] + hw, w_last[east_of] + hw
         b, lb = x_first[south_of] + hx, x_last[south_of] + hx
-        if g > 1:
+        if mesh is not None:  # g = 1: the real routes, through the queues of their links
+            a, la, b, lb = (v[ring] - r for v in _offer(queue, [
+                (d0[i, j], queue.tree([pe[i, j], pe[i, (j - 1) % P]]), pe[i, j], d0[i, j], w_last[i, j], nw[i, j], 0)
+                for i in range(P) for j in range(P)] + [
+                (d0[i, j], queue.tree([pe[i, j], pe[(i - 1) % P, j]]), pe[i, j], x_first[i, j], x_last[i, j],
+                 nx[i, j], 1) for i in range(P) for j in range(P)], (P, P)))
+        elif g > 1:
             inner_a, inner_b = hw_in >= 0, hx_in >= 0
             a, la = (np.where(inner_a, np.maximum(a, d0 + hw_in), a),
                      np.where(inner_a, np.maximum(la, w_last + hw_in), la))
