@@ -58,3 +58,9 @@ def test_memoryx_bandwidth_is_in_the_sensitivity_table(plan, gpt):
     row = next(r for r in s["rows"] if r["name"] == "memoryx_bytes_per_s")
     assert row["value"] == 150e9 and "1.2 Tb/s" in row["source"]
     assert row["minus"]["step_time_s"] > 0 > row["plus"]["step_time_s"]
+    # MemoryX outlasts the wafer's work, so the step does not follow the clock (the batch is held at the plan's)
+    assert plan.bottleneck == "MemoryX update"
+    clock = next(r for r in s["rows"] if r["name"] == "clock_hz")
+    for side in ("minus", "plus"):
+        assert abs(clock[side]["step_time_s"]) < 1
+        assert 1 + clock[side]["tokens_per_s"] / 100 == pytest.approx(1 / (1 + clock[side]["step_time_s"] / 100))

@@ -3,8 +3,10 @@
 
 Each assumption of the generation (`fabric.assumptions.unpublished`) is set to -p% and +p% of the plan's value,
 one at a time, and the whole request is compiled again (placement included: a smaller program reserve may
-fit another replica), so the table shows what each figure rests on. A perturbed request that no longer
-compiles (e.g. the weights stop fitting) is reported as such, with the compiler's reason.
+fit another replica), so the table shows what each figure rests on. The workload is held at the plan's (its
+batch and sequence length, or its users, prompt and context), so a default that follows the hardware (the
+no-stall batch follows the clock) does not move with it. A perturbed request that no longer compiles (e.g. the
+users' KV caches stop fitting) is reported as such, with the compiler's reason.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ DECODE = (("decode_tokens_per_s_per_user", "decode/user", False),
 ENCODE = (("encode_tokens_per_s", "tokens/s", False), ("encode_latency_s", "latency", True))
 TRAIN = (("tokens_per_s", "tokens/s", False), ("step_time_s", "step time", True))
 SPECULATIVE = ("speculative_tokens_per_s_per_user", "speculative/user", False)
+WORKLOAD = ("batch_size", "seq_len", "prompt_len", "context_len", "users")  # compile_model's workload arguments
 
 
 def headlines(plan: Plan) -> list[tuple[str, str, bool]]:
@@ -48,6 +51,7 @@ def sensitivity(request: dict[str, Any], base: Plan, pct: float = 10.0) -> dict[
     if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct < 100:
         raise ConfigError(f"--sensitivity takes a percentage in (0, 100), got {pct!r}")
     target = request.get("target", "wse3")
+    request = {**request, **{k: base.workload[k] for k in WORKLOAD if k in base.workload and request.get(k) is None}}
     keys = headlines(base)
     baseline = {k: figure(base, k) for k, _, _ in keys}
     rows, t0, n = [], time.perf_counter(), 0

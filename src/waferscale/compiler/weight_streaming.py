@@ -97,8 +97,8 @@ def _explain_update(ctx: CompileContext, upd: OptimizerUpdate, per: list[float],
             f"forward pass the layers below the top one ({w * 1e3:.1f} ms), "
             + (f"so the step waits only for the first layer's update ({upd.first_s * 1e3:.2f} ms: its gradients "
                f"arrive last and its weights are needed first)" if exposed == upd.first_s else
-               f"too short: the step waits {exposed * 1e3:.1f} ms for it ({exposed / step:.0%} of the step; MemoryX "
-               f"would need {(upd.params - upd.first_params) * upd.bytes_per_param / max(w, 1e-30) / 1e9:.0f} GB/s "
+               f"too short: the step waits {exposed * 1e3:.1f} ms for it ({exposed / step:.0%} of the step) and is "
+               f"bound by MemoryX, not by the wafer (MemoryX would need {(upd.params - upd.first_params) * upd.bytes_per_param / max(w, 1e-30) / 1e9:.0f} GB/s "
                f"to hide all but the first layer's)"))
 
 
@@ -269,7 +269,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
             f"what compute does not hide is the only loss"
             + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
-            "weights_streamed": True, "recompute": recompute, "bottleneck": steps[ctx.systems].bottleneck(),
+            "weights_streamed": True, "recompute": recompute,
+            "bottleneck": "MemoryX update" if upd.exposed(per) > upd.first_s else steps[ctx.systems].bottleneck(),
             "time_shares": steps[ctx.systems].shares(), "compute_time_per_micro_batch_s": comp.s,
             "io_time_per_micro_batch_s": io.s, "micro_batch_time_shares": total.shares(),
             "optimizer_update": {"params": upd.params, "bytes_per_param": upd.bytes_per_param,
