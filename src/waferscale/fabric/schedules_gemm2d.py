@@ -114,8 +114,11 @@ def sram_bytes(algo: str, m: int, k: int, n: int, R: int, C: int, value_bytes: i
 
 
 def check_sram(spec: FabricSpec, algo: str, m: int, k: int, n: int, R: int, C: int, dtype: str) -> None:
+    """Refuse blocks and buffers that overflow a PE's SRAM less the program reserve (code, routing tables)."""
     need = sram_bytes(algo, m, k, n, R, C, PE.dtype_bytes(dtype))
-    if need > spec.sram_bytes_per_pe:
+    have = spec.sram_bytes_per_pe - spec.program_reserve_bytes_per_pe
+    if need > have:
         raise ConfigError(f"{algo} GEMM {m}x{k}x{n} ({dtype}) on {R}x{C} PEs needs {need:,} B per PE (W, X, Y "
-                          f"blocks and {BUFFERS} buffers each), over the {spec.sram_bytes_per_pe:,} B SRAM; use "
-                          f"more PEs (a larger --pes) or a smaller problem")
+                          f"blocks and {BUFFERS} buffers each), over the {have:,} B a PE has for data "
+                          f"({spec.sram_bytes_per_pe:,} B SRAM less {spec.program_reserve_bytes_per_pe:,} B for its "
+                          f"program); use more PEs (a larger --pes) or a smaller problem")
