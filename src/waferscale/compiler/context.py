@@ -21,6 +21,7 @@ class CompileContext:
     wafers: list[WaferMap]
     systems: int
     decisions: list[str]
+    full_spec: FabricSpec | None = None  # the target's whole program rectangle when --pes chose a smaller mesh
     _meshes: dict = field(default_factory=dict)
 
     def say(self, text: str) -> None:
@@ -31,6 +32,19 @@ class CompileContext:
         """The logical mesh every system has: a pipeline copy placed in it fits on any of the wafers (spare
         remapping leaves each wafer its own logical size)."""
         return Rect(0, 0, min(w.rows for w in self.wafers), min(w.cols for w in self.wafers))
+
+    @property
+    def wafer_spec(self) -> FabricSpec:
+        """The target with its whole program rectangle (the same PE as `spec`)."""
+        return self.full_spec or self.spec
+
+    @property
+    def full_box(self) -> Rect:
+        """The whole wafer a layout may spread over: the target's program rectangle (`--pes` narrows only the
+        mesh a layer runs on, `common_box`)."""
+        if self.full_spec is None:
+            return self.common_box
+        return Rect(0, 0, self.full_spec.rows, self.full_spec.cols)
 
     @property
     def defective(self) -> bool:

@@ -432,6 +432,7 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     parents = row_reduce_parents(algo, C, fan_in)
     n_kids = np.bincount(list(parents.values()), minlength=C) if C > 1 else np.zeros(1, np.int64)
 
+    @lru_cache(maxsize=None)  # a call meets few distinct tile sizes, each asked for by many rows and columns
     def x_work(mt: int, kt: int) -> tuple[int, int, int]:  # (cycles, compute, SRAM) of a PE's AXPY tasks
         full, rem = divmod(kt, epw)
         cyc = comp = sram = 0
@@ -440,7 +441,8 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
             cyc, comp, sram = cyc + cnt * PE.axpy_task(spec, dtype, e, mt), comp + cnt * c, sram + cnt * s
         return cyc, comp, sram
 
-    def adds(mt: int) -> list[int]:
+    @lru_cache(maxsize=None)
+    def adds(mt: int) -> list[int]:  # callers only read it
         return [PE.add_task(spec, dtype, min(epw, mt - s)) for s in range(0, mt, epw)]
 
     exact = C > 1 and exact_routes(mesh, R, C)
@@ -492,10 +494,11 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     for mt in set(mts):
         add_parts = [PE.task_parts(spec, dtype, ops=e, read_elems=e, write_elems=e)
                      for e in (min(epw, mt - s) for s in range(0, mt, epw))]
+        add_c, add_s = sum(c for c, _ in add_parts), sum(s_ for _, s_ in add_parts)
         for j, kt in enumerate(kts):  # a PE's AXPY tasks, then the adds of its children's partials
             _, xc, xs = x_work(mt, kt)
-            comp = max(comp, xc + n_kids[j] * sum(c for c, _ in add_parts))
-            sram = max(sram, xs + n_kids[j] * sum(s_ for _, s_ in add_parts))
+            comp = max(comp, xc + n_kids[j] * add_c)
+            sram = max(sram, xs + n_kids[j] * add_s)
     cross = np.zeros(C)
     for c, p in parents.items():  # partials crossing each West-bound link (q+1 -> q), or entering a PE
         cross[p:c] += 1
