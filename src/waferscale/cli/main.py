@@ -208,7 +208,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
                    batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,
                    context_len=a.context_len, users=a.users, defects=a.defects, seed=a.seed,
                    clock_hz=a.clock_hz, sparsity=sparsity, activation_sparsity=a.activation_sparsity,
-                   assume=parse_assume(a.assume),
+                   assume=parse_assume(a.assume), layout=a.layout,
                    speculative=speculation(a.speculative, a.draft_model, a.num_speculative_tokens, a.acceptance))
     plan = compile_model(**request)
     if a.sensitivity is not None:
@@ -419,7 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--params", default=None, help="a params YAML (Model Zoo layout)")
             p.add_argument("--target", default="wse3", help="wse1 | wse2 | wse3")
             p.add_argument("--systems", type=int, default=1, help="number of wafers (CS systems)")
-            p.add_argument("--pes", default=None, help="use a ROWSxCOLS mesh instead of the full wafer")
+            p.add_argument("--pes", default=None, help="the ROWSxCOLS mesh a layer runs on: the pipelined layout "
+                                                       "carves its regions from one such mesh; the model-parallel "
+                                                       "layout runs each layer on a window of this size, the "
+                                                       "windows spread over the whole wafer")
+            p.add_argument("--layout", default="auto", choices=["auto", "pipelined", "model_parallel"],
+                           help="a decoder's inference layout: one pipelined region per layer, each layer "
+                                "model-parallel across a mesh, or auto (both compared, the better kept)")
             p.add_argument("--mode", default="inference", choices=["inference", "train"])
             p.add_argument("--batch_size", type=int, default=None)
             p.add_argument("--seq_len", type=int, default=None)
