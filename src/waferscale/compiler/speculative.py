@@ -213,5 +213,5 @@ def _explain(ctx: CompileContext, sp: Speculation, draft: Draft | None, s: dict)
             f"{s['round_s'] * 1e6:.1f} us in all; at acceptance {sp.acceptance:g} a round yields "
             f"(1 - a^(K+1)) / (1 - a) = {s['expected_tokens_per_round']:.2f} tokens: "
             f"{s['tokens_per_s_per_user']:,.0f} tokens/s per user against "
-            f"{s['plain_decode_tokens_per_s_per_user']:,.0f} decoding plainly on the same placement (x{s['speedup_vs_plain']:.2f}); {ctx.g.name} and its draft serve "
-            f"{s['users']} user(s) (--users; 1 when not given: the draft holds each user's KV cache too)")
+            f"{s['plain_decode_tokens_per_s_per_user']:,.0f} decoding plainly on the same placement (x{s['speedup_vs_plain']:.2f}); {s['users']} user(s) (--users; 1 "
+            f"when not given" + (": the draft holds each user's KV cache too)" if draft else ")"))
