@@ -1,6 +1,6 @@
 """Fidelity suite: published wafer-scale measurements run through the compiler under the same conditions.
 
-    python bench/fidelity.py [--out DIR] [--json] [--only ID,ID..]
+    python bench/fidelity.py [--out DIR] [--json | --markdown] [--only ID,ID..]
 
 Every row of `fidelity_table.ROWS` (a published value, its source and its conditions) is projected by the
 compiler (`compile_model`) or, for a kernel measurement, by the fabric cost model the compiler composes
@@ -326,17 +326,29 @@ def table(results: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
-def figure_png(results: list[dict]) -> bytes:
-    """Log-log projected vs published, the +-25% band, one marker per source, each point labelled."""
-    import matplotlib
+def markdown(results: list[dict], summary: dict) -> str:
+    """The README's table: every row, its source and conditions in brief, published, projected, error."""
+    lines = ["| row | source | quantity (conditions) | published | projected | error | layout / window |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        cond = f"{r['model']}, {r['target']}, mesh {r['mesh']}, systems {r['systems']}"
+        got = ("not reached: " + r["not_reached"].replace("|", "/")) if r["error"] is None else \
+            f"{_num(r['projected'])} | {r['error']:+.1%} | {r['layout_chosen']}"
+        lines.append(f"| {r['id']} | [{r['source']['key']}]({r['source']['url']}), {r['where']} | {r['quantity']} "
+                     f"({cond}) | {_num(r['value'])} {r['unit']} | " + (got if r["error"] is not None else
+                                                                          f"- | - | {got}") + " |")
+    s = summary
+    if s["reached"]:
+        lines.append(f"\n{s['reached']} of {s['rows']} rows projected; median |error| {s['median_abs_error']:.1%}, "
+                     f"worst {s['worst_abs_error']:.1%}; {s['within_band']} within +-{BAND:.0%}.")
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    got = [r for r in results if r["error"] is not None]
-    fig, ax = plt.subplots(figsize=(9, 8))
-    vals = [v for r in got for v in (r["value"], r["projected"])] or [1.0]
-    lo, hi = min(vals) / 3, max(vals) * 3
+ZOOM = (250.0, 6000.0)  # the right panel: the decode rates (tokens/s), crowded on the full range
+
+
+def _panel(ax, got: list[dict], lo: float, hi: float, label) -> None:
+    """One log-log panel over [lo, hi]: the +-25% band, the diagonal, one marker per source, labelled points."""
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
     ax.fill_between(xs, [x * (1 - BAND) for x in xs], [x * (1 + BAND) for x in xs], color="tab:green", alpha=0.15,
                     label=f"+-{BAND:.0%}")
@@ -345,17 +357,35 @@ def figure_png(results: list[dict]) -> bytes:
     for key in SOURCES:
         pts = [r for r in got if r["source"]["key"] == key]
         if pts:
-            ax.scatter([r["value"] for r in pts], [r["projected"] for r in pts], marker=markers[key], s=45,
+            ax.scatter([r["value"] for r in pts], [r["projected"] for r in pts], marker=markers[key], s=40,
                        label=f"{key} ({SOURCES[key].venue})")
         for r in pts:
-            ax.annotate(f"{r['id']} [{r['unit']}]", (r["value"], r["projected"]), fontsize=6,
-                        xytext=(4, 2), textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="published", ylabel="projected",
-           title=f"Projected vs published ({len(got)} of {len(results)} rows projected; units per label)")
-    ax.legend(fontsize=7, loc="upper left")
+            if label(r):
+                ax.annotate(f"{r['id']} [{r['unit']}]", (r["value"], r["projected"]), fontsize=6,
+                            xytext=(4, 2), textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="published", ylabel="projected")
     ax.grid(True, which="both", alpha=0.2)
+
+
+def figure_png(results: list[dict]) -> bytes:
+    """Log-log projected vs published with the +-25% band, one marker per source, each point labelled: every
+    row on the left (units per label), the decode rates enlarged on the right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    got = [r for r in results if r["error"] is not None]
+    zoomed = lambda r: r["unit"] == "tokens/s" and ZOOM[0] <= r["value"] <= ZOOM[1]  # noqa: E731
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, 8))
+    vals = [v for r in got for v in (r["value"], r["projected"])] or [1.0]
+    _panel(left, got, min(vals) / 3, max(vals) * 3, lambda r: not zoomed(r))
+    left.set_title(f"Projected vs published: {len(got)} of {len(results)} rows projected")
+    left.legend(fontsize=7, loc="lower right")
+    _panel(right, [r for r in got if zoomed(r)], ZOOM[0], ZOOM[1], lambda r: True)
+    right.set_title(f"decode tokens/s, published {ZOOM[0]:g}..{ZOOM[1]:g}")
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=140, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=130, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
@@ -384,7 +414,9 @@ def write_outputs(out: Path, results: list[dict], summary: dict) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write fidelity.json and fidelity.png into this directory")
-    ap.add_argument("--json", action="store_true", help="print the rows and summary as JSON instead of the table")
+    form = ap.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="print the rows and summary as JSON instead of the table")
+    form.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
     ap.add_argument("--only", help="comma-separated row ids to run (default: all)")
     a = ap.parse_args(argv)
     try:
@@ -404,8 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"summary": summary, "rows": results}, indent=1, default=str) if a.json
-          else table(results, summary))
+    if a.json:
+        print(json.dumps({"summary": summary, "rows": results}, indent=1, default=str))
+    else:
+        print(markdown(results, summary) if a.markdown else table(results, summary))
     return 0
 
 

@@ -71,6 +71,7 @@ def test_a_refused_row_is_not_reached_with_its_reason(fid):
     assert "systems" in res["not_reached"]
     s = fid.summarize([res])
     assert (s["reached"], s["not_reached"], s["within_band"]) == (0, 1, 0)
+    assert "not reached:" in fid.table([res], s) and "| - | - | not reached:" in fid.markdown([res], s)
 
 
 def test_out_files_written_atomically(fid, tmp_path, capsys):
@@ -98,3 +99,9 @@ def test_bad_out_exits_2_with_a_message(tmp_path):
 def test_unknown_row_id_exits_2(fid, capsys):
     assert fid.main(["--only", "NOPE"]) == 2
     assert "unknown row id(s) NOPE" in capsys.readouterr().err
+
+
+def test_markdown_table_has_every_row(fid, capsys):
+    assert fid.main(["--only", "SC20-AR", "--markdown"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("| row | source |") and "| SC20-AR |" in text
