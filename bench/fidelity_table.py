@@ -95,41 +95,43 @@ _WL_PF = dict(_WL, context="the 4096-token prompt", prompt_len="4096",
               method="TPR = 4096 / prefill time at 1.1 GHz (cycles measured on device; layers only, as for decode "
                      "-- an assumption: the prefill launcher was not read)")
 _SUBSET = "a subset of layers measured and scaled to all layers (paper: 'uniform layer structure')"
-_PADDING = ("padding by the rule of their Llama3-8B configs (no config of this model is published): dims and "
+_PADDING = ("padding by the rule of their Llama3-8B configs (none published for this model and mesh): dims and "
             "context up to multiples of P")
+# (tag, model key of fidelity.WAFERLLM_MODELS, as the paper names it, layers compiled (None: all), Table 4's decode
+# TPR by mesh side, Table 3's prefill TPR by mesh side)
+_WL_TABLES = (
+    ("8B", "llama3-8b", "Llama3-8B (32 layers)", None,
+     {420: 2699.9, 540: 2501.5, 660: 2243.3}, {480: 20320.6, 600: 25037.2, 720: 27686.5}),
+    ("13B", "llama2-13b", "Llama2-13B (40 layers; 4K limit removed)", None,
+     {420: 2039.2, 540: 1899.4, 660: 1739.8}, {480: 13685.1, 600: 16854.2, 720: 17498.3}),
+    ("34B", "codellama-34b", f"CodeLlama-34B (48 layers; {_SUBSET})", 4,
+     {420: 1450.8, 540: 1407.7, 660: 1359.2}, {480: 5471.4, 600: 7540.1, 720: 8526.0}),
+    ("72B", "qwen2-72b", f"Qwen2-72B (80 layers; {_SUBSET})", 4,
+     {420: 839.7, 540: 824.3, 660: 787.1}, {480: 2785.2, 600: 3775.5, 720: 4421.6}),
+)
+
+
+def _wl_notes(model: str, side: int, layers: int | None) -> str:
+    padding = "padding as their published config" if model == "llama3-8b" and side in (420, 660) else _PADDING
+    subset = f"; {layers} layers compiled and scaled to all, as the paper scaled its subset" if layers else ""
+    bias = "; no q/k/v bias (their kernel has none)" if model == "qwen2-72b" else ""
+    return padding + subset + bias
+
+
 _CS = dict(precision="16-bit", target="WSE-3 (CS-3)", mesh="not stated", context="not stated (compiler default)",
            users="not stated (a public service: the compiler picks)")
 
 ROWS: list[Row] = [
-    # ---- WaferLLM decode, Table 4 ------------------------------------------------------------------------
-    *[Row(f"WL-DEC-8B-{p}", "WaferLLM", "Table 4 (decode TPR)", "2025-07", "decode tokens/s per request", v,
-          "tokens/s", model="Llama3-8B (32 layers)", mesh=f"{p}x{p}", **_WL_DEC,
-          projection="waferllm_decode", args=dict(model="llama3-8b", side=p),
-          notes="padding as their published config" if p in (420, 660) else _PADDING)
-      for p, v in ((420, 2699.9), (540, 2501.5), (660, 2243.3))],
-    *[Row(f"WL-DEC-13B-{p}", "WaferLLM", "Table 4 (decode TPR)", "2025-07", "decode tokens/s per request", v,
-          "tokens/s", model="Llama2-13B (40 layers; 4K limit removed)", mesh=f"{p}x{p}", **_WL_DEC,
-          projection="waferllm_decode", args=dict(model="llama2-13b", side=p), notes=_PADDING)
-      for p, v in ((420, 2039.2), (540, 1899.4), (660, 1739.8))],
-    *[Row(f"WL-DEC-34B-{p}", "WaferLLM", "Table 4 (decode TPR)", "2025-07", "decode tokens/s per request", v,
-          "tokens/s", model=f"CodeLlama-34B (48 layers; {_SUBSET})", mesh=f"{p}x{p}", **_WL_DEC,
-          projection="waferllm_decode", args=dict(model="codellama-34b", side=p, layers=4),
-          notes=_PADDING + "; 4 layers compiled and scaled x 48/4, as the paper scaled its subset")
-      for p, v in ((420, 1450.8), (540, 1407.7), (660, 1359.2))],
-    *[Row(f"WL-DEC-72B-{p}", "WaferLLM", "Table 4 (decode TPR)", "2025-07", "decode tokens/s per request", v,
-          "tokens/s", model=f"Qwen2-72B (80 layers; {_SUBSET})", mesh=f"{p}x{p}", **_WL_DEC,
-          projection="waferllm_decode", args=dict(model="qwen2-72b", side=p, layers=4),
-          notes=_PADDING + "; 4 layers compiled and scaled x 80/4; no q/k/v bias (their kernel has none)")
-      for p, v in ((420, 839.7), (540, 824.3), (660, 787.1))],
-    # ---- WaferLLM prefill, Table 3 -----------------------------------------------------------------------
-    *[Row(f"WL-PF-8B-{p}", "WaferLLM", "Table 3 (prefill TPR, 4096-token prompt)", "2025-07",
-          "prefill tokens/s per request", v, "tokens/s", model="Llama3-8B (32 layers)", mesh=f"{p}x{p}", **_WL_PF,
-          projection="waferllm_prefill", args=dict(model="llama3-8b", side=p), notes=_PADDING)
-      for p, v in ((480, 20320.6), (720, 27686.5))],
-    Row("WL-PF-72B-720", "WaferLLM", "Table 3 (prefill TPR, 4096-token prompt)", "2025-07",
-        "prefill tokens/s per request", 4421.6, "tokens/s", model=f"Qwen2-72B (80 layers; {_SUBSET})",
-        mesh="720x720", **_WL_PF, projection="waferllm_prefill", args=dict(model="qwen2-72b", side=720, layers=4),
-        notes=_PADDING + "; 4 layers compiled and scaled x 80/4"),
+    # ---- WaferLLM decode (Table 4) and prefill (Table 3) ---------------------------------------------------
+    *[Row(f"WL-DEC-{tag}-{p}", "WaferLLM", "Table 4 (decode TPR)", "2025-07", "decode tokens/s per request", v,
+          "tokens/s", model=name, mesh=f"{p}x{p}", **_WL_DEC, projection="waferllm_decode",
+          args=dict(model=key, side=p, layers=layers), notes=_wl_notes(key, p, layers))
+      for tag, key, name, layers, dec, _ in _WL_TABLES for p, v in dec.items()],
+    *[Row(f"WL-PF-{tag}-{p}", "WaferLLM", "Table 3 (prefill TPR, 4096-token prompt)", "2025-07",
+          "prefill tokens/s per request", v, "tokens/s", model=name, mesh=f"{p}x{p}", **_WL_PF,
+          projection="waferllm_prefill", args=dict(model=key, side=p, layers=layers),
+          notes=_wl_notes(key, p, layers))
+      for tag, key, name, layers, _, pf in _WL_TABLES for p, v in pf.items()],
     # ---- WaferLLM GEMV, Table 6 --------------------------------------------------------------------------
     *[Row(f"WL-GEMV-{n // 1024}K", "WaferLLM", "Table 6 (MeshGEMV, WSE-2 time)", "2025-07",
           f"GEMV [1,{n // 1024}K] x [{n // 1024}K,{n // 1024}K] time", v, "us", model="kernel", precision="fp16",
