@@ -44,6 +44,11 @@ def test_draft_shares_the_mesh_and_a_round_adds_up(mini):
     assert s["expected_tokens_per_round"] == 1
     assert s["tokens_per_s_per_user"] < s["plain_decode_tokens_per_s_per_user"]
     assert s["plain_decode_tokens_per_s_per_user"] == plan.projection["decode_tokens_per_s_per_user"]
+    alone = compile_model(graph=mini, **MESH, users=1)  # no draft: the whole mesh, the best layout
+    assert s["plain_decode_alone_tokens_per_s_per_user"] == alone.projection["decode_tokens_per_s_per_user"]
+    assert s["speedup_vs_alone"] == pytest.approx(s["tokens_per_s_per_user"] / alone.projection[
+        "decode_tokens_per_s_per_user"])
+    assert plan.projection.get("layout", "pipelined") == "pipelined"
     assert plan.workload["users"] == 1 and any(d.startswith("speculative decoding: draft gpt-tiny")
                                                for d in plan.decisions)
 
@@ -81,6 +86,8 @@ def test_bad_requests(mini):
         compile_model(model="gpt3-125m", speculative=Speculation("draft", 4, 0.5, "gpt-tiny"))
     with pytest.raises(ConfigError, match="not smaller"):
         compile_model(graph=capture_zoo("gpt-tiny"), **MESH, speculative=Speculation("draft", 4, 0.5, "gpt-mini"))
+    with pytest.raises(ConfigError, match="--layout pipelined"):
+        compile_model(graph=mini, **MESH, layout="model_parallel", speculative=Speculation("ngram", 4, 0.5))
     with pytest.raises(ConfigError, match="inference"):
         compile_model(graph=mini, **MESH, mode="train", speculative=Speculation("ngram", 4, 0.5))
     with pytest.raises(ConfigError, match="do not fit together"):  # 8B's band leaves too little for 70B

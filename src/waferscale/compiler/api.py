@@ -80,7 +80,8 @@ def _speculative_lines(p: dict) -> list[str]:
     how = f"draft {s['draft_model']}" if s["draft_model"] else "ngram (prompt lookup)"
     return [f"  speculative   {s['tokens_per_s_per_user']:,.0f} tokens/s per user with {how}, K = "
             f"{s['num_speculative_tokens']}, acceptance {s['acceptance']:g}: {s['expected_tokens_per_round']:.2f} "
-            f"tokens per {_t(s['round_s'])} round (x{s['speedup_vs_plain']:.2f} the plain decode)"]
+            f"tokens per {_t(s['round_s'])} round (x{s['speedup_vs_plain']:.2f} the plain decode on the same "
+            f"placement, x{s['speedup_vs_alone']:.2f} the target alone on the whole mesh)"]
 
 
 def plan_summary(plan: Plan) -> str:

@@ -95,8 +95,11 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     draft = None
     if speculative is not None:  # before the target is placed: the draft's band of rows comes off its mesh
         draft, spec, users = spec_dec.place_draft(speculative, g, spec, dict(
-            target=target, mode=mode_key, systems=systems, users=users, prompt_len=prompt_len,
+            target=target, pes=pes, mode=mode_key, systems=systems, users=users, prompt_len=prompt_len,
             context_len=context_len, defects=defects, clock_hz=clock_hz, assume=assume))
+        if layout == "model_parallel":
+            raise ConfigError("--speculative verifies drafts as a chunk through a pipeline; use --layout pipelined")
+        layout = "pipelined"
     wafers = [wafer_map(spec, defects, seed + s) for s in range(systems)]
     full = fabric_from_name(target)  # the program rectangle a model-parallel layout's windows spread over
     ctx = CompileContext(g, spec, wafers, systems, [],

@@ -12,7 +12,9 @@ the pass yields one more token of its own, so a round gives (1 - a^(K+1)) / (1 -
   wafer; the K ids enter and the verified ids leave through the system I/O.
 
 The verification pass is a chunk of K + 1 tokens through the target's pipeline, as a prefill chunk is
-(`pipeline.chain`), with every query attending over the whole context. Times in seconds.
+(`pipeline.chain`), with every query attending over the whole context, so the target takes the pipelined
+layout. The plan compares the rate with the target decoding plainly on the same placement, and alone on the
+whole mesh in its best layout (what speculation has to beat). Times in seconds.
 """
 
 from __future__ import annotations
@@ -83,19 +85,22 @@ def speculation(method: str | None, draft_model: str | None, k: int | None, acce
 
 @dataclass(frozen=True)
 class Draft:
-    """The draft model's own plan on a band of `rows` rows below the target's mesh (system 0)."""
+    """The draft model's own plan on a band of `rows` rows below the target's mesh (system 0; None and 0 rows
+    for ngram), and the target's plain decode rate alone on the whole mesh in its best layout (what speculation
+    has to beat)."""
 
-    plan: Plan
+    plan: Plan | None
     rows: int
     row0: int  # its first row on the wafer
+    alone_tokens_per_s: float
 
 
-def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> tuple[Draft | None, FabricSpec, int]:
+def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> tuple[Draft, FabricSpec, int]:
     """Before the target is placed: the draft's band of rows (the fewest, from its bytes up, on which it
-    compiles) and the target's spec on the rows left. Returns (the draft or None for ngram, the target's spec,
-    the users both serve: --users or 1). `request`: compile_model's target, mode, systems, users, prompt_len,
-    context_len, defects, clock_hz and assume. ConfigError when the draft does not suit the target or the two
-    do not fit together."""
+    compiles) and the target's spec on the rows left. Returns (the draft, the target's spec, the users both
+    serve: --users or 1). `request`: compile_model's target, pes, mode, systems, users,
+    prompt_len, context_len, defects, clock_hz and assume. ConfigError when the draft does not suit the target
+    or the two do not fit together."""
     from waferscale.compiler.capture import capture_zoo
     from waferscale.compiler.compile import compile_model
 
@@ -104,8 +109,13 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
     if request["defects"]:
         raise ConfigError("--speculative places the draft and the target on a defect-free wafer; drop --defects")
     users = request["users"] or 1
+    C, P = _context_and_prompt(g, request["prompt_len"], request["context_len"])
+    hw = dict(target=request["target"], users=users, context_len=C, prompt_len=P, clock_hz=request["clock_hz"],
+              assume=request["assume"])
+    alone = compile_model(graph=g, pes=request["pes"], systems=request["systems"], **hw)
+    alone_tps = alone.projection["decode_tokens_per_s_per_user"]
     if sp.method == "ngram":
-        return None, spec, users
+        return Draft(None, 0, spec.rows, alone_tps), spec, users
     d = capture_zoo(sp.draft_model)
     if d.arch != "decoder" or d.units[-1].d_out != g.units[-1].d_out:
         raise ConfigError(f"--draft_model {d.name} must be a decoder with {g.name}'s vocabulary "
@@ -113,7 +123,6 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
     if d.params >= g.params:
         raise ConfigError(f"--draft_model {d.name} ({d.params / 1e9:.3g} B parameters) is not smaller than "
                           f"{g.name} ({g.params / 1e9:.3g} B): it would draft slower than the target decodes")
-    C, P = _context_and_prompt(g, request["prompt_len"], request["context_len"])
     if C > d.max_seq_len:
         raise ConfigError(f"--draft_model {d.name} reads at most {d.max_seq_len} tokens, less than the context {C}; "
                           f"lower --context_len")
@@ -131,14 +140,14 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
     last = None
     while rows < spec.rows:  # placement needs some slack beyond the bytes: grow the band until it places
         try:
-            plan = compile_model(graph=d, target=request["target"], pes=(rows, spec.cols), users=users,
-                                 context_len=C, prompt_len=P, clock_hz=request["clock_hz"], assume=request["assume"])
-            left = spec.rows - rows
-            name = f"{preset_key(request['target'])}[{left}x{spec.cols}]"
-            return Draft(plan, rows, left), dataclasses.replace(spec, name=name, rows=left), users
+            plan = compile_model(graph=d, pes=(rows, spec.cols), layout="pipelined", **hw)  # within its band
         except ConfigError as e:
             last = e
             rows = max(rows + 1, math.ceil(rows * 1.05))
+            continue
+        left = spec.rows - rows
+        name = f"{preset_key(request['target'])}[{left}x{spec.cols}]"
+        return Draft(plan, rows, left, alone_tps), dataclasses.replace(spec, name=name, rows=left), users
     raise ConfigError(f"the draft {d.name} needs {gb(need)} ({users} user(s) at context {C}) and does not place on "
                       f"fewer than the mesh's {spec.rows} rows ({last}); the target would have no room")
 
@@ -166,16 +175,14 @@ def _ids(ctx: CompileContext, a: tuple[int, int, int], z: tuple[int, int, int], 
     return pj.handoff_time(ctx.spec, n, ID_BYTES, 1, abs(a[1] - z[1]) + abs(a[2] - z[2]))
 
 
-def project(ctx: CompileContext, sp: Speculation, draft: Draft | None, regions: list[Region], proj: dict) -> dict:
+def project(ctx: CompileContext, sp: Speculation, draft: Draft, regions: list[Region], proj: dict) -> dict:
     """The speculative figures of the placed target (`regions`, its plain projection `proj`), and a decision."""
-    if proj.get("layout", "pipelined") != "pipelined":
-        raise ConfigError("the speculative projection verifies on the pipelined layout; add --layout pipelined")
     regs = [r for r in regions if r.replica == 0]
     C, K = proj["context_len"], sp.k
     verify = _verify(ctx, regs, K + 1, C)
     first, last = regs[0], regs[-1]
     head = (last.system, last.row, last.col)
-    if draft is None:  # the host looks the drafts up: ids in, verified ids out, through the system I/O
+    if draft.plan is None:  # the host looks the drafts up: ids in, verified ids out, through the system I/O
         draft_s = 0.0
         hand = pj.io_time(ctx.spec, ID_BYTES * K).s + pj.io_time(ctx.spec, ID_BYTES * (K + 1)).s
     else:
@@ -191,8 +198,10 @@ def project(ctx: CompileContext, sp: Speculation, draft: Draft | None, regions: 
            "acceptance": sp.acceptance, "expected_tokens_per_round": sp.tokens_per_round, "round_s": round_s,
            "draft_s_per_token": draft_s, "verify_s": verify.s, "verify_time_shares": verify.shares(),
            "ids_handoff_s": hand, "tokens_per_s_per_user": tps, "plain_decode_tokens_per_s_per_user": plain,
-           "speedup_vs_plain": tps / plain, "users": proj["users_in_flight"]}
-    if draft is not None:
+           "speedup_vs_plain": tps / plain, "users": proj["users_in_flight"],
+           "plain_decode_alone_tokens_per_s_per_user": draft.alone_tokens_per_s}
+    out["speedup_vs_alone"] = tps / out["plain_decode_alone_tokens_per_s_per_user"]
+    if draft.plan is not None:
         out.update(draft_rows=draft.rows, draft_pes=draft.rows * ctx.spec.cols,
                    draft_decode_tokens_per_s=draft.plan.projection["decode_tokens_per_s_per_user"],
                    draft_weight_bytes=draft.plan.projection["weight_bytes"])
@@ -200,18 +209,23 @@ def project(ctx: CompileContext, sp: Speculation, draft: Draft | None, regions: 
     return out
 
 
-def _explain(ctx: CompileContext, sp: Speculation, draft: Draft | None, s: dict) -> None:
+def _explain(ctx: CompileContext, sp: Speculation, draft: Draft, s: dict) -> None:
     spec, K = ctx.spec, sp.k
     where = "drafts by prompt lookup on the host (nothing on the wafer; ids through the system I/O)" \
-        if draft is None else \
+        if draft.plan is None else \
         (f"draft {sp.draft_model} on rows {draft.row0}-{draft.row0 + draft.rows - 1} of system 0 "
          f"({draft.rows} x {spec.cols} PEs, sized by its {gb(s['draft_weight_bytes'])} of weights and the users' KV "
          f"caches; {s['draft_s_per_token'] * 1e6:.1f} us per draft token), the target on the {spec.rows} x "
          f"{spec.cols} rows left of every system")
     ctx.say(f"speculative decoding: {where}; a round drafts K = {K} tokens and verifies them in one pass of "
-            f"{K + 1} tokens over the context ({s['verify_s'] * 1e6:.1f} us, as a prefill chunk), "
+            f"{K + 1} tokens through the target's pipelined layout over the context ({s['verify_s'] * 1e6:.1f} us, "
+            f"as a prefill chunk), "
             f"{s['round_s'] * 1e6:.1f} us in all; at acceptance {sp.acceptance:g} a round yields "
             f"(1 - a^(K+1)) / (1 - a) = {s['expected_tokens_per_round']:.2f} tokens: "
             f"{s['tokens_per_s_per_user']:,.0f} tokens/s per user against "
-            f"{s['plain_decode_tokens_per_s_per_user']:,.0f} decoding plainly on the same placement (x{s['speedup_vs_plain']:.2f}); {s['users']} user(s) (--users; 1 "
-            f"when not given" + (": the draft holds each user's KV cache too)" if draft else ")"))
+            f"{s['plain_decode_tokens_per_s_per_user']:,.0f} decoding plainly on the same placement "
+            f"(x{s['speedup_vs_plain']:.2f})"
+            + f" and {s['plain_decode_alone_tokens_per_s_per_user']:,.0f} with the whole mesh, no draft and "
+              f"its best layout (x{s['speedup_vs_alone']:.2f})"
+            + f"; {s['users']} user(s) (--users; 1 when not given"
+            + (": the draft holds each user's KV cache too)" if draft.plan else ")"))
