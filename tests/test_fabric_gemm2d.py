@@ -47,6 +47,19 @@ def test_model_vs_des_summa_rectangular_and_fp32():
                sim_gemm2d(spec, 40, 40, 40, 6, 6, "fp32", algo), f"{algo} fp32")
 
 
+def test_model_vs_des_defective_meshes():
+    """Detours make blocks share links (the model's link queues): within 15% on 10x10 meshes with 3-10% dead
+    cores and links (bench/fabric_model_vs_des.py: the wider sweep)."""
+    spec = fabric_from_name("wse2", pes=(10, 10))
+    for rate, seed in [(0.03, 0), (0.1, 1)]:
+        mesh = Mesh.build(spec, rate, seed=seed)
+        P = min(mesh.logical_rows, mesh.logical_cols)
+        for algo in ALGOS:
+            model = gemm2d_cycles(spec, 64, 64, 64, P, P, algo=algo, mesh=mesh).total
+            des = sim_gemm2d(spec, 64, 64, 64, P, P, "fp16", algo, mesh=mesh)
+            assert abs(model - des) / des <= 0.15, f"{algo} on {mesh.summary()}: model {model} vs {des}"
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_tiles_equal_numpy(algo):
     rng = np.random.default_rng(1)
@@ -119,7 +132,7 @@ def test_grouped_evaluation_of_large_meshes():
     the blocks are small enough for latency to matter)."""
     spec = fabric_from_name("wse2")
     assert 160 * 160 > EXACT_PES  # so the default evaluates 2 x 2 groups
-    for m, k, n in [(2048, 2048, 1024), (320, 320, 320), (160, 1600, 160)]:
+    for m, k, n in [(2048, 2048, 1024), (320, 320, 320)]:
         for algo in ALGOS:
             grouped = gemm2d_cycles(spec, m, k, n, 160, 160, algo=algo).total
             exact = gemm2d_cycles(spec, m, k, n, 160, 160, algo=algo, group=1).total

@@ -17,7 +17,7 @@ transfer in closed form:
   block whose route crosses it, so a block's last wavelet arrives no earlier than the row's (column's) busiest
   link in that direction has carried them all;
 * on a defective mesh with real routes (`cost.exact_routes`: up to 64x64 PEs) every block follows its real
-  route (multicast tree) through first-come-first-served link queues (`_LinkQueue`), so detours that make
+  route (multicast tree) through work-conserving link queues (`_LinkQueue`), so detours that make
   streams share a link delay the later ones, within a panel or step and across them.
 
 `total` is the latest end of a last product over PEs; compute/SRAM are the busiest PE's; fabric the busiest
@@ -28,9 +28,8 @@ evaluation from above (tests/test_fabric_gemm2d.py measures how closely).
 
 Omitted (beyond `cost.py`'s list): the route switches between SUMMA's panels (owners change every panel;
 assumed free: a control wavelet); on a defect-free mesh, link sharing between consecutive panels' multicasts
-and between the Cannon skew and its first steps; in the link queues, blocks sharing a link pass it one after
-the other rather than wavelet by wavelet interleaved (the last wavelet is right, the earlier ones late); on
-defective meshes beyond 64x64 PEs, link sharing by detours (their extra hops are charged).
+and between the Cannon skew and its first steps; on defective meshes beyond 64x64 PEs, link sharing by detours
+(their extra hops are charged).
 """
 
 from __future__ import annotations
@@ -100,11 +99,12 @@ def _work(prod: dict, mt: np.ndarray, nt: np.ndarray) -> np.ndarray:
 
 
 class _LinkQueue:
-    """The physical links of a defective mesh with real routes (`exact_routes`) as first-come-first-served queues
-    at block granularity: a block of n wavelets crossing a link holds it for n cycles from when its first wavelet
-    arrives or the link frees up, whichever is later; blocks take a link in the order they are offered (the
-    callers offer them by send time). So detours that make streams share a link, within a step or across steps,
-    delay the later ones."""
+    """The physical links of a defective mesh with real routes (`exact_routes`) as work-conserving queues at block
+    granularity: a link serves one wavelet per cycle, so a block of n wavelets reaching it when earlier blocks
+    still have work there finishes crossing it only after that work and its own n (its last wavelet is delayed;
+    its first is not: wavelets of blocks sharing a link interleave). Blocks are offered in order of send time
+    (the callers sort them), so detours that make streams share a link, within a step or across steps, delay
+    the later ones."""
 
     def __init__(self, spec: FabricSpec, mesh: Mesh) -> None:
         self.spec, self.mesh, self.free, self.trees = spec, mesh, {}, {}
@@ -126,9 +126,8 @@ class _LinkQueue:
                 out[deliver[node]] = (f, l)
             for q in children.get(node, ()):
                 start = max(f, self.free.get((node, q), -np.inf))
-                l_q = max(l, start + n - 1)
-                self.free[node, q] = l_q + 1
-                todo.append((q, start + h, l_q + h))
+                self.free[node, q] = start + n  # the link's work so far (wavelets of other blocks interleave)
+                todo.append((q, f + h, max(l, start + n - 1) + h))
         return out
 
 
