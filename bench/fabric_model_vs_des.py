@@ -18,14 +18,19 @@ from collections import defaultdict
 
 import numpy as np
 
+from waferscale.errors import ConfigError
 from waferscale.fabric import cost as K
 from waferscale.fabric import cost_collectives as KC
+from waferscale.fabric import cost_gemm2d as KG
 from waferscale.fabric import cost_matmul as KM
 from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
 from waferscale.fabric.schedules import attention_phases, norm_phases, softmax_phases, used
+from waferscale.fabric.schedules_gemm2d import ALGOS as GEMM2D
+from waferscale.fabric.schedules_gemm2d import check_sram, region
+from waferscale.fabric.sim_gemm2d import sim_gemm2d
 from waferscale.fabric.sim_gemv import sim_gemv_allreduce
 
 errs: dict = defaultdict(list)
@@ -96,12 +101,46 @@ def main() -> None:
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
+    gemm2d_cases()
     print(f"{'kernel':28s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
           f"{'DES/model':>9s}")
     for name, e in errs.items():
         m_s, d_s = wall[name]
         print(f"{name:28s} {len(e):5d} {max(e):8.1%} {np.mean(e):8.1%} {m_s:8.3f} {d_s:8.3f} "
               f"{d_s / max(m_s, 1e-9):9.0f}x")
+
+
+def _fits(sp, algo: str, m: int, k: int, n: int, R: int, C: int) -> bool:
+    """The 2D GEMM's blocks and buffers fit a PE's SRAM (the model refuses the rest)."""
+    try:
+        check_sram(sp, algo, m, k, n, *region(algo, m, k, n, R, C), "fp16")
+    except ConfigError:
+        return False
+    return True
+
+
+def gemm2d_cases() -> None:
+    """GEMM on 2D-distributed operands (SUMMA, Cannon, folded Cannon) on square meshes 2x2..16x16, SUMMA also on
+    rectangular ones; then 10x10 meshes with 1-10% defects (4 seeds per rate, the largest square of the logical
+    mesh)."""
+    shapes = [(30, 50, 70), (100, 40, 20), (64, 64, 64), (17, 33, 65), (96, 96, 96), (32, 32, 32), (16, 200, 16),
+              (120, 120, 120), (60, 100, 200), (200, 64, 200)]
+    for tgt, P, (m, k, n), algo in itertools.product(("wse2", "wse3"), (2, 3, 5, 8, 12, 16), shapes, GEMM2D):
+        sp = fabric_from_name(tgt, pes=(P, P))
+        if not _fits(sp, algo, m, k, n, P, P):
+            continue
+        case(f"gemm2d-{algo}", lambda: KG.gemm2d_cycles(sp, m, k, n, P, P, algo=algo),
+             lambda: sim_gemm2d(sp, m, k, n, P, P, "fp16", algo))
+    for (R, C), (m, k, n) in itertools.product([(2, 5), (6, 3), (4, 12), (12, 7)], shapes[:6]):
+        sp = fabric_from_name("wse2", pes=(R, C))
+        case("gemm2d-summa", lambda: KG.gemm2d_cycles(sp, m, k, n, R, C), lambda: sim_gemm2d(sp, m, k, n, R, C))
+    sp = fabric_from_name("wse2", pes=(10, 10))
+    for rate, seed in itertools.product((0.01, 0.03, 0.05, 0.1), range(4)):
+        mesh = Mesh.build(sp, rate, seed=seed)
+        P = min(mesh.logical_rows, mesh.logical_cols)
+        for (m, k, n), algo in itertools.product([(64, 64, 64), (16, 160, 16), (120, 60, 90)], GEMM2D):
+            case(f"gemm2d-{algo}+defects", lambda: KG.gemm2d_cycles(sp, m, k, n, P, P, algo=algo, mesh=mesh),
+                 lambda: sim_gemm2d(sp, m, k, n, P, P, "fp16", algo, mesh=mesh))
 
 
 if __name__ == "__main__":
