@@ -109,7 +109,12 @@ def plan_summary(plan: Plan) -> str:
                   f"in flight (limit {p['pipeline_limit_tokens_per_s']:,.0f}; {p['aggregate_bottleneck']})",
                   f"  prefill       {p['prefill_tokens_per_s']:,.0f} tokens/s; time to first token "
                   f"{_t(p['time_to_first_token_s'])} for a {p['prompt_len']}-token prompt",
-                  f"  memory        weights {p['weight_bytes'] / 1e9:.2f} GB, KV cache {p['kv_cache_bytes'] / 1e9:.2f} GB"]
+                  f"  memory        weights {p['weight_bytes'] / 1e9:.2f} GB, KV cache {p['kv_cache_bytes'] / 1e9:.2f} GB"
+                  + (f" (fits up to {p['max_context_tokens']:,} tokens of context)" if "max_context_tokens" in p
+                     else "")]
+        if "window" in p:
+            lines.append(f"  layout        each layer model-parallel on a {p['window']} window, layers in sequence "
+                         f"(most loaded PE {p['peak_bytes_per_pe'] / 1024:.1f} KiB)")
         if "moe" in p:
             m = p["moe"]
             lines.append(f"  experts       {m['experts_per_token']} of {m['experts_per_layer']} per token in "

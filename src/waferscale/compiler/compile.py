@@ -142,7 +142,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         proj["speculative"] = spec_dec.project(ctx, speculative, draft, regions, proj)
     extra = {"sparsity": sp.explain(ctx, out["reproject"], _probe(g, regions, proj, wafers[0]),
                                     "decode token" if mode_key == "inference" else "training step")} if g.sparse else {}
-    assumptions = pj.assumptions(spec, systems, g.dtype)
+    spread = out["strategy"] == "model_parallel"  # its windows lie anywhere on the full wafer (not only --pes)
+    assumptions = pj.assumptions(ctx.wafer_spec if spread else spec, systems, g.dtype)
     if defects:
         assumptions["defect_detours"] = ("charged per placed region on its own routes (fabric.mesh: exact routes for "
                                          "regions up to 4,096 PEs, Manhattan + 2 hops per blocked segment above); "
@@ -150,7 +151,6 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     assumptions.update(program_reserve_bytes_per_pe=spec.program_reserve_bytes_per_pe,
                        data_bytes_per_pe=data_bytes_per_pe(spec), unpublished=hw.describe(spec, target),
                        **out.pop("assumptions", {}))
-    spread = out["strategy"] == "model_parallel"  # its windows lie anywhere on the full wafer (not only --pes)
     full = ctx.full_box
     return Plan(model=g.name, source=g.source, target=ctx.wafer_spec.name if spread else spec.name, systems=systems,
                 mode=mode_key,

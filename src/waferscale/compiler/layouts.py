@@ -128,6 +128,11 @@ def _model_parallel(ctx: CompileContext, prompt_len: int | None, context_len: in
     ctx.say("GEMVs: partial sums all-reduced along the window's rows or columns, alternating: "
             + ", ".join(f"{n} matrices by {a}" for a, n in sorted(algos.items()))
             + " (the faster by the cost model; the chain's latency grows with the window's width)")
+    longest = mp.max_context(ctx, units, R, Cc, B)
+    ctx.say(f"KV cache: each layer's cache spread evenly over its window (positions along one axis, its width along "
+            f"the other; a cache that shifts its oldest entries on as it grows stays even), "
+            f"{kv_tok * C * B / 1e9:.2f} GB for {B} user(s) at context {C}; the longest context that still fits is "
+            f"{longest:,} tokens")
     if not users:
         ctx.say(f"users in flight: {B} decode together (each matrix multiplies {B} vectors), the count with the "
                 f"highest aggregate rate whose KV caches fit")
@@ -143,6 +148,7 @@ def _model_parallel(ctx: CompileContext, prompt_len: int | None, context_len: in
         "aggregate_bottleneck": f"latency of the sequential layers ({step.bottleneck()})",
         "stage_times_s": [], "window": f"{R}x{Cc}", "peak_bytes_per_pe": pl.peak_bytes_per_pe,
         "gemv_allreduce": algos, "prefill_time_shares": pre.shares(),
+        "max_context_tokens": longest,
         "unit_times_s": [mp.unit_time(ctx, u, *w[3:], B, C).s for u, w in zip(units, pl.at)],
         "unit_prefill_s": [mp.unit_prefill(ctx, u, *w[3:], P).s for u, w in zip(units, pl.at)],
     }

@@ -20,8 +20,9 @@ Per decoded token, per unit on its window (`_unit_time`):
 * norms (an all-reduce of one statistic per token, then local work) and element-wise work on the window.
 B users decode together: each matrix multiplies B vectors through its stationary tiles, which costs what one
 vector of B times the rows does (the same multiply-adds per PE, B times the partial sums to all-reduce).
-Prefill runs the prompt through each unit as GEMMs (`project.unit_time`: the faster of the 2D schedules and
-the weight-stationary streamed GEMM on the window). Times in seconds.
+Prefill runs the whole prompt through each unit as GEMMs (`project.unit_time`: per matrix the fastest of the
+weight-stationary streamed GEMM and the 2D-blocked SUMMA and folded Cannon on the window). Omitted: the SRAM the
+2D schedules' blocks take beside the windows' weights (each schedule checks only its own blocks). Times in seconds.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ class Placement:
 # ---- one unit on its window ------------------------------------------------------------------------------
 
 @lru_cache(maxsize=65536)
-def _gemv(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str) -> tuple[str, float, str]:
-    """(bottleneck, cycles, algorithm) of the fastest GEMV + row all-reduce of W (m, k) on rows x cols."""
+def _gemv(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str) -> tuple[K.Cycles, str]:
+    """The fastest GEMV + row all-reduce of W (m, k) on rows x cols, and its algorithm's name."""
     best = None
     for algo, fan_in in GEMV_ALGOS:
         c = CM.gemv_allreduce_cycles(spec, m, k, rows, cols, dtype, algo=algo, fan_in=fan_in)
-        if best is None or c.total < best[1]:
-            best = (c.bottleneck, c.total, algo if algo == "chain" else f"{fan_in}-way tree")
+        if best is None or c.total < best[0].total:
+            best = (c, algo if algo == "chain" else f"{fan_in}-way tree")
     return best
 
 
@@ -81,38 +82,44 @@ def _transposed(spec: FabricSpec) -> FabricSpec:
 
 
 @lru_cache(maxsize=65536)
-def _row_allreduce(spec: FabricSpec, n: int, cols: int) -> tuple[str, float]:
+def _row_allreduce(spec: FabricSpec, n: int, cols: int) -> K.Cycles:
     """An all-reduce of n fp32 values along a row of `cols` PEs (a softmax or norm statistic): the faster tree."""
-    c = min((CC.allreduce_cycles(spec, n, 1, cols, algo) for algo in ("chain", "tree")), key=lambda x: x.total)
-    return c.bottleneck, c.total
+    return min((CC.allreduce_cycles(spec, n, 1, cols, algo) for algo in ("chain", "tree")), key=lambda x: x.total)
+
+
+def _parts(c: K.Cycles) -> list[tuple[str, float]]:
+    """A kernel's cycles split for the breakdown: its busiest PE's work (compute or SRAM), and the rest of its
+    critical path (hops, ramps, the reduction's depth, pipeline fill: "fabric latency", or "routing" when colors
+    forced extra passes)."""
+    busy, label = (c.compute, "compute") if c.compute >= c.sram else (c.sram, "SRAM")
+    busy = min(busy, c.total)
+    return [(label, busy), ("routing" if c.passes > 1 else "fabric latency", c.total - busy)]
 
 
 @lru_cache(maxsize=65536)
 def unit_cycles(spec: FabricSpec, ukey: tuple, rows: int, cols: int, users: int, ctx: int,
                 dtype: str) -> tuple[tuple[str, float], ...]:
     """(label, cycles) of every kernel of one decode step of `users` tokens through one unit (`project._key`)
-    on its rows x cols window; the matrices alternate orientation (see the module docstring)."""
+    on its rows x cols window, split by `_parts`; the matrices alternate orientation (module docstring)."""
     kind, matmuls, n_heads, head_dim, kv_heads, norm_width, n_norms, ew, d_out = ukey[:9]
-    out = []
+    out: list[K.Cycles] = []
     along = [(spec, rows, cols), (_transposed(spec), cols, rows)]  # a transposed matrix reduces down the columns
     for i, mm in enumerate(matmuls):
         sp, r, c = along[i % 2]
-        out.append(_gemv(sp, mm.m * users, mm.k, r, c, dtype)[:2])
+        out.append(_gemv(sp, mm.m * users, mm.k, r, c, dtype)[0])
     if n_heads and ctx > 0:  # the cache: positions along the rows axis, its width (kv_heads x head_dim) along columns
         group = n_heads // max(1, kv_heads)
-        out.append(_gemv(spec, ctx * group * users, kv_heads * head_dim, rows, cols, dtype)[:2])  # scores = K q
+        out.append(_gemv(spec, ctx * group * users, kv_heads * head_dim, rows, cols, dtype)[0])  # scores = K q
         out += [_row_allreduce(_transposed(spec), n_heads * users, rows)] * 2  # softmax: max, sum over positions
-        out.append(_gemv(_transposed(spec), n_heads * head_dim * users, ctx, cols, rows, dtype)[:2])  # V^T p
+        out.append(_gemv(_transposed(spec), n_heads * head_dim * users, ctx, cols, rows, dtype)[0])  # V^T p
     for _ in range(n_norms if norm_width else 0):  # sum of squares all-reduced, then scaled locally
         out.append(_row_allreduce(spec, users, cols))
-        e = K.elementwise_cycles(spec, -(-norm_width * users // rows), 1, cols, 3, dtype)
-        out.append((e.bottleneck, e.total))
+        out.append(K.elementwise_cycles(spec, -(-norm_width * users // rows), 1, cols, 3, dtype))
     if ew:
-        e = K.elementwise_cycles(spec, -(-ew * users // rows), 1, cols, 1, dtype)
-        out.append((e.bottleneck, e.total))
+        out.append(K.elementwise_cycles(spec, -(-ew * users // rows), 1, cols, 1, dtype))
     if kind == "head":  # sampling: the arg-max all-reduced over the vocabulary's PEs
         out.append(_row_allreduce(spec, users, cols))
-    return tuple(out)
+    return tuple(part for c in out for part in _parts(c) if part[1] > 0)
 
 
 def unit_time(ctx: CompileContext, u: Unit, rows: int, cols: int, users: int, context: int) -> pj.Time:
@@ -260,10 +267,22 @@ def _hop(ctx: CompileContext, a: tuple, z: tuple, elems: int, b: int) -> pj.Time
     return pj.handoff_time(ctx.spec, elems, b, min(a[3], z[3]), max(1, hops))
 
 
+def max_context(ctx: CompileContext, units: list[Unit], rows: int, cols: int, users: int) -> int:
+    """The longest context whose `users` KV caches still place on rows x cols windows (binary search on
+    `plan_windows`): the KV cache grows evenly over each window's PEs, so capacity is SRAM, not a single PE."""
+    lo, hi = 0, 1
+    while hi <= 1 << 24 and plan_windows(ctx, units, rows, cols, users, hi) is not None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan_windows(ctx, units, rows, cols, users, mid) is not None else (lo, mid)
+    return lo
+
+
 def unit_prefill(ctx: CompileContext, u: Unit, rows: int, cols: int, P: int) -> pj.Time:
     """A P-token prompt through one unit on its rows x cols window (its matrices as GEMMs)."""
     return pj.unit_time(ctx.wafer_spec, u, rows, cols, n_tokens=P, attn_ctx=max(1, P // 2), dtype=ctx.g.dtype,
-                        decode=False)
+                        decode=False, gemm2d=True)
 
 
 def prefill(ctx: CompileContext, units: list[Unit], pl: Placement, P: int) -> pj.Time:
@@ -329,6 +348,6 @@ def gemv_algorithms(ctx: CompileContext, units: list[Unit], rows: int, cols: int
     for u in units:
         for i, mm in enumerate(u.matmuls):  # on the blocks' window shape (the embedding and head counted alike)
             sp, r, c = ((spec, rows, cols), (_transposed(spec), cols, rows))[i % 2]
-            algo = _gemv(sp, mm.m * users, mm.k, r, c, ctx.g.dtype)[2]
+            algo = _gemv(sp, mm.m * users, mm.k, r, c, ctx.g.dtype)[1]
             count[algo] = count.get(algo, 0) + 1
     return count

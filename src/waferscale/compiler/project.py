@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from waferscale.compiler.ir import Unit
 from waferscale.errors import ConfigError
-from waferscale.fabric import cost, cost_collectives, cost_matmul
+from waferscale.fabric import cost, cost_collectives, cost_gemm2d, cost_matmul
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -65,16 +65,33 @@ def _key(u: Unit) -> tuple:
 
 @lru_cache(maxsize=65536)
 def _unit_cycles(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: int, attn_ctx: int,
-                 dtype: str, decode: bool) -> tuple[tuple[str, float], ...] | None:
+                 dtype: str, decode: bool, gemm2d: bool = False) -> tuple[tuple[str, float], ...] | None:
     """`_unit_parts` on a defect-free region (memoized: placement asks for the same shapes many times)."""
-    return _unit_parts(spec, ukey, rows, cols, n_tokens, attn_ctx, dtype, decode, None)
+    return _unit_parts(spec, ukey, rows, cols, n_tokens, attn_ctx, dtype, decode, None, gemm2d)
+
+
+GEMM2D_ALGOS = ("summa", "cannon_folded")  # the 2D schedules a large mesh's prefill may use instead
+
+
+def _gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str, mesh, gemm2d: bool):
+    """Y = W X of n tokens: the weight-stationary streamed GEMM, or (gemm2d) the fastest of it and the 2D
+    schedules with X and Y cut into blocks too (`cost_gemm2d`; a schedule whose blocks overflow SRAM is out)."""
+    c = cost_matmul.gemm_cycles(spec, m, k, n, rows, cols, dtype, mesh=mesh)
+    for algo in GEMM2D_ALGOS if gemm2d else ():
+        try:
+            c = min(c, cost_gemm2d.gemm2d_cycles(spec, m, k, n, rows, cols, dtype, algo=algo, mesh=mesh),
+                    key=lambda x: x.total)
+        except ConfigError:
+            continue
+    return c
 
 
 def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: int, attn_ctx: int,
-                dtype: str, decode: bool, mesh) -> tuple[tuple[str, float], ...] | None:
+                dtype: str, decode: bool, mesh, gemm2d: bool = False) -> tuple[tuple[str, float], ...] | None:
     """(label, cycles) of every kernel a unit runs; None if the fabric cost model refuses the region
     (e.g. a KV-cache slice larger than a PE's SRAM). `mesh`: the region as a `fabric.mesh.Mesh` of its own
-    (`Mesh.subregion`), so detours around its defects are charged; None = a perfect region."""
+    (`Mesh.subregion`), so detours around its defects are charged; None = a perfect region. `gemm2d`: the
+    matrices of several tokens may also run as 2D-blocked GEMMs (`_gemm`)."""
     kind, matmuls, n_heads, head_dim, kv_heads, norm_width, n_norms, ew, d_out = ukey[:9]
     attns = [(n_heads, kv_heads, attn_ctx)] + [(h, h, ctx) for h, ctx in ukey[9:]]  # self, then cross-attention
     out: list = []
@@ -82,7 +99,7 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
     try:
         for mm in matmuls:
             c = cost_matmul.gemv_cycles(spec, mm.m, mm.k, rows, cols, dtype, **m) if n_tokens == 1 \
-                else cost_matmul.gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, **m)
+                else _gemm(spec, mm.m, mm.k, n_tokens, rows, cols, dtype, mesh, gemm2d)
             if mm.sparse:  # the sparse kernel where it is faster (a barely sparse matrix on tiny tiles is not)
                 c = min(c, cost_matmul.sparse_gemm_cycles(spec, mm.m, mm.k, n_tokens, rows, cols, dtype,
                                                           density=mm.density, act_density=mm.act_density, **m),
@@ -96,9 +113,9 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
                                                         n_kv_heads=kvh, **m))
             else:  # prefill / training: QK^T and PV as GEMMs with K (then V) stationary, softmax between
                 q = n_tokens * heads
-                out.append(cost_matmul.gemm_cycles(spec, actx, head_dim, q, rows, cols, dtype, **m))
+                out.append(_gemm(spec, actx, head_dim, q, rows, cols, dtype, mesh, gemm2d))
                 out.append(cost.softmax_cycles(spec, q * actx, actx, rows, cols, **m))
-                out.append(cost_matmul.gemm_cycles(spec, head_dim, actx, q, rows, cols, dtype, **m))
+                out.append(_gemm(spec, head_dim, actx, q, rows, cols, dtype, mesh, gemm2d))
         if norm_width and n_norms:
             out += [cost.norm_cycles(spec, norm_width * n_tokens, norm_width, rows, cols, **m)] * n_norms
         if ew:
@@ -113,20 +130,22 @@ def _unit_parts(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: i
 
 
 def unit_time(spec: FabricSpec, u: Unit, rows: int, cols: int, *, n_tokens: int, attn_ctx: int,
-              dtype: str = "fp16", decode: bool = True, mesh=None) -> Time:
+              dtype: str = "fp16", decode: bool = True, mesh=None, gemm2d: bool = False) -> Time:
     """One forward pass of `n_tokens` tokens through unit `u` on a rows x cols region; infinite when the
     region cannot hold the unit's working set (the cost model refuses it).
 
     attn_ctx: keys each query attends to (decode: the context; prefill/training: the average window).
-    mesh: the placed region's own defect map (`Mesh.subregion`), to charge its detours; None = perfect."""
+    mesh: the placed region's own defect map (`Mesh.subregion`), to charge its detours; None = perfect.
+    gemm2d: several tokens' matrices may also run as 2D-blocked GEMMs (a large mesh's prefill)."""
     t = Time()
     if mesh is not None and mesh.has_defects:  # memoized on the region's own Mesh (a region is asked again)
-        key = ("unit_parts", spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
+        key = ("unit_parts", spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode, gemm2d)
         if key not in mesh._routes:
-            mesh._routes[key] = _unit_parts(spec, key[2], rows, cols, n_tokens, attn_ctx, dtype, decode, mesh)
+            mesh._routes[key] = _unit_parts(spec, key[2], rows, cols, n_tokens, attn_ctx, dtype, decode, mesh,
+                                            gemm2d)
         parts = mesh._routes[key]
     else:
-        parts = _unit_cycles(spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode)
+        parts = _unit_cycles(spec, _key(u), rows, cols, n_tokens, attn_ctx, dtype, decode, gemm2d)
     if parts is None:
         return Time().add("SRAM", math.inf)
     for label, cyc in parts:
