@@ -17,7 +17,7 @@ from waferscale.compiler.inference import _context_and_prompt, plan_inference
 from waferscale.errors import ConfigError
 
 LAYOUTS = ("auto", "pipelined", "model_parallel")
-WINDOW_SIDES = (120, 180, 240, 300, 360, 420, 480, 540, 600, 660, 720)  # square windows tried without --pes
+WINDOW_SIDES = (16, 32, 64, 120, 180, 240, 300, 360, 420, 480, 540, 600, 660, 720)  # squares tried without --pes
 
 
 def _why_not(ctx: CompileContext) -> str | None:
@@ -100,8 +100,11 @@ def _model_parallel(ctx: CompileContext, prompt_len: int | None, context_len: in
     full = ctx.full_box
     if window:
         shapes = [window]
-    else:
-        shapes = [(s, s) for s in WINDOW_SIDES if s <= min(full.rows, full.cols)] + [(full.rows, full.cols)]
+    else:  # a side beyond the largest matrix dimension only adds idle PEs to the all-reduces
+        dim = max(max(mm.m, mm.k) for u in units for mm in u.matmuls)
+        side = min(full.rows, full.cols)
+        shapes = [(s, s) for s in WINDOW_SIDES if s <= side and s <= dim] or [(min(side, WINDOW_SIDES[0]),) * 2]
+        shapes += [(full.rows, full.cols)] if dim >= side else []
     best, err = None, None
     for shape in shapes:  # the window with the lowest per-token latency for one user (or the users asked for)
         try:

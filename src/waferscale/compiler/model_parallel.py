@@ -21,7 +21,7 @@ Per decoded token, per unit on its window (`_unit_time`):
 B users decode together: each matrix multiplies B vectors through its stationary tiles, which costs what one
 vector of B times the rows does (the same multiply-adds per PE, B times the partial sums to all-reduce).
 Prefill runs the whole prompt through each unit as GEMMs (`project.unit_time`: per matrix the fastest of the
-weight-stationary streamed GEMM and the 2D-blocked SUMMA and folded Cannon on the window). Omitted: the SRAM the
+weight-stationary streamed GEMM and the 2D-blocked SUMMA on the window). Omitted: the SRAM the
 2D schedules' blocks take beside the windows' weights (each schedule checks only its own blocks). Times in seconds.
 """
 
@@ -145,6 +145,13 @@ def _place_windows(per_pe: list[float], rows: int, cols: int, wafer_rows: int, w
     axis upwards, each unit in order goes to the position whose window keeps its most loaded PE lightest (ties:
     the position nearest the previous unit's, so activations hop little). Returns the top-left corners, the load
     (bytes per PE) of the cells the windows' edges cut the wafer into, and those cuts; None if nothing fits."""
+    fit_r, fit_c = wafer_rows // rows, wafer_cols // cols
+    if fit_r * fit_c >= len(per_pe):  # windows side by side, one unit each (a snake, so neighbours stay close)
+        spots = [(i * rows, (j if i % 2 == 0 else fit_c - 1 - j) * cols) for i in range(fit_r) for j in range(fit_c)]
+        if max(per_pe) > cap:
+            return None
+        load = np.array([[max(per_pe)]])
+        return spots[:len(per_pe)], load, [0, wafer_rows], [0, wafer_cols]
     base_r, base_c = math.ceil(wafer_rows / rows), math.ceil(wafer_cols / cols)
     for extra in range(MAX_POSITIONS_PER_AXIS):
         rs = _positions(wafer_rows, rows, min(wafer_rows - rows + 1, base_r + extra))
@@ -270,9 +277,9 @@ def _hop(ctx: CompileContext, a: tuple, z: tuple, elems: int, b: int) -> pj.Time
 def max_context(ctx: CompileContext, units: list[Unit], rows: int, cols: int, users: int) -> int:
     """The longest context whose `users` KV caches still place on rows x cols windows (binary search on
     `plan_windows`): the KV cache grows evenly over each window's PEs, so capacity is SRAM, not a single PE."""
-    lo, hi = 0, 1
-    while hi <= 1 << 24 and plan_windows(ctx, units, rows, cols, users, hi) is not None:
-        lo, hi = hi, hi * 2
+    lo, hi, top = 0, 1, ctx.g.max_seq_len  # no context beyond the model's own
+    while hi <= top and plan_windows(ctx, units, rows, cols, users, hi) is not None:
+        lo, hi = hi, min(hi * 2, top + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if plan_windows(ctx, units, rows, cols, users, mid) is not None else (lo, mid)

@@ -70,7 +70,9 @@ def _unit_cycles(spec: FabricSpec, ukey: tuple, rows: int, cols: int, n_tokens: 
     return _unit_parts(spec, ukey, rows, cols, n_tokens, attn_ctx, dtype, decode, None, gemm2d)
 
 
-GEMM2D_ALGOS = ("summa", "cannon_folded")  # the 2D schedules a large mesh's prefill may use instead
+# the 2D schedule a large mesh's prefill may use instead (Cannon's model is slower to evaluate: `wsc kernel gemm
+# --algo cannon|cannon_folded` projects it)
+GEMM2D_ALGOS = ("summa",)
 
 
 def _gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dtype: str, mesh, gemm2d: bool):
