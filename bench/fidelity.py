@@ -402,7 +402,8 @@ def figure_png(results: list[dict]) -> bytes:
     vals = [v for r in got for v in (r["value"], r["projected"])] or [1.0]
     _panel(left, got, min(vals) / 3, max(vals) * 3, lambda r: not zoomed(r))
     left.set_title(f"Projected vs published: {len(got)} of {len(results)} rows projected")
-    left.legend(fontsize=7, loc="upper left")
+    fig.legend(*left.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3,
+               bbox_to_anchor=(0.5, -0.08))  # below the panels: no point hidden
     _panel(right, [r for r in got if zoomed(r)], ZOOM[0], ZOOM[1], lambda r: True)
     right.set_title(f"decode tokens/s, published {ZOOM[0]:g}..{ZOOM[1]:g}")
     buf = io.BytesIO()
