@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import io
 import json
 import statistics
@@ -195,18 +194,21 @@ def zoo(model: str, systems: int | None, quantity: str, prompt_len: int | None =
                       _plan_detail(plan))
 
 
-def speculative(model: str, systems: int, draft: str) -> Projection:
-    """Speculative decoding with `draft` sharing the wafer, at the compiler's default acceptance rate."""
-    from waferscale.compiler.compile import compile_model
+def speculative(model: str, systems_from: int, draft: str, k: int, acceptance: float) -> Projection:
+    """Speculative decoding (`compiler/speculative.py`): `draft` on a band of the wafer drafts k tokens a round,
+    each accepted with probability `acceptance`; the target verifies them as a chunk (pipelined layout). On the
+    fewest systems from `systems_from` up that hold both."""
+    from waferscale.compiler.speculative import Speculation
 
-    if "draft" not in inspect.signature(compile_model).parameters:
-        raise ConfigError("no speculative-decoding projection: compile_model has no draft-model parameter "
-                          "(issue 14, mechanism 3d)")
-    plan = _zoo_plan(model, systems, None, draft=draft)
-    p = plan.projection
-    spec = {k: v for k, v in p.items() if "accept" in k or "draft" in k or "specul" in k}
-    return Projection(p["decode_tokens_per_s_per_user"], dict(p["decode_time_shares"]), "share", _plan_layout(p),
-                      _plan_detail(plan) + f"; {spec}")
+    plan = _compile_fewest(range(systems_from, systems_from + MAX_SYSTEMS_TRIED), model=model, target="wse3",
+                           layout="pipelined", speculative=Speculation("draft", k, acceptance, draft_model=draft))
+    s = plan.projection["speculative"]
+    return Projection(s["tokens_per_s_per_user"], dict(s["verify_time_shares"]), "share",
+                      _plan_layout(plan.projection),
+                      _plan_detail(plan) + f"; {s['expected_tokens_per_round']:.2f} tokens per round of "
+                      f"{s['round_s'] * 1e6:.0f} us (draft {s['draft_s_per_token'] * 1e6:.1f} us/token, verify "
+                      f"{s['verify_s'] * 1e6:.1f} us); x{s['speedup_vs_plain']:.2f} over plain decode on the same "
+                      f"placement, x{s['speedup_vs_alone']:.2f} over the target alone; shares are the verify pass's")
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------
