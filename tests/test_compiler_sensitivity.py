@@ -62,6 +62,7 @@ def test_clock_moves_a_cycle_bound_decode_by_ten_percent(mini):
     s = sensitivity(req, plan)
     assert [r["name"] for r in s["rows"]] == [a.name for a in hw.unpublished("wse3")]
     assert s["compiles"] == 2 * len(s["rows"])
+    assert s["held"]["users"] == plan.workload["users"] and s["held"]["layout"] == plan.projection["layout"]
     clock = s["rows"][0]
     assert clock["minus"]["value"] == pytest.approx(0.99e9) and clock["plus"]["value"] == pytest.approx(1.21e9)
     # one wafer: every decode term is cycles / clock, so tokens/s follows the clock
@@ -85,18 +86,18 @@ def test_training_headlines_and_a_clock_given_with_the_request(mini):
 def test_a_perturbation_that_no_longer_fits_is_reported(mini):
     def fits(users: int) -> bool:
         try:
-            compile_model(graph=mini, pes=(16, 16), users=users)
+            compile_model(graph=mini, pes=(16, 16), users=users, layout="pipelined")
             return True
         except ConfigError:
             return False
 
-    lo, hi = 1, 2  # the most users whose KV caches fit: a full wafer, so a larger program reserve cannot
+    lo, hi = 1, 2  # the most users whose KV caches fit in the pipelined layout: a larger program reserve cannot
     while fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    req = dict(graph=mini, pes=(16, 16), users=lo)
+    req = dict(graph=mini, pes=(16, 16), users=lo, layout="pipelined")
     s = sensitivity(req, compile_model(**req))
     row = next(r for r in s["rows"] if r["name"] == "program_reserve_bytes_per_pe")
     assert "infeasible" in row["plus"] and "users" in row["plus"]["infeasible"]
