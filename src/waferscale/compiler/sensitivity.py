@@ -95,7 +95,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     figs = s["figures"]
     head = f"    {'assumption':<30}{'value':>14}" + "".join(f"{figs[k]:>19}" for k in figs)
     lines = [f"  sensitivity   each unpublished assumption of {s['target']} at -{s['pct']:g}% / +{s['pct']:g}%, one "
-             f"at a time: % change of each figure ({', '.join(figs[k] for k in s['times'])}: + is slower); "
+             f"at a time, {', '.join(s['held']) or 'the request'} held: % change of each figure ({', '.join(figs[k] for k in s['times'])}: + is slower); "
              f"{s['compiles']} recompiles, {s['seconds']:.1f} s", head]
     for r in s["rows"]:
         cells = []
