@@ -125,13 +125,13 @@ def _layer_shares(plan, g, blocks: list[int], time_of) -> dict[str, float]:
 
 def _where(plan, blocks: list[int], scale: float, ctx: int) -> str:
     scaled = f", {len(blocks)} layers compiled x {scale:g}" if scale != 1 else ""
-    return (f"{plan.systems} x {plan.target}, KV context {ctx}{scaled}; weights: "
-            f"{plan.projection.get('peak_bytes_per_pe', 0) / 1024:.1f} KiB on the most loaded PE")
+    return (f"{plan.systems} x {plan.target}, KV context {ctx}{scaled}; the most loaded PE holds "
+            f"{plan.projection['peak_bytes_per_pe'] / 1024:.1f} KiB (weights, KV cache, activations)")
 
 
 def waferllm_decode(model: str, side: int, layers: int | None = None) -> Projection:
     """Their method: the block units' decode times summed (no embedding, head or hops between windows) and
-    scaled to all layers; tokens/s = 1 / that. The shares are the whole decode step's."""
+    scaled to all layers; tokens/s = 1 / that. The shares are those layers'."""
     from waferscale.compiler.model_parallel import unit_time
 
     plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, None)
@@ -321,7 +321,7 @@ def _stats_line(s: dict) -> str:
 
 
 def _num(x: float) -> str:
-    return f"{x:,.4g}" if abs(x) < 1e5 else f"{x:,.0f}"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _parts(r: dict) -> str:
