@@ -6,7 +6,9 @@ Prints, per kernel family, the number of cases, the worst and mean |model - DES|
 each side (the model is the fast backend; the event simulation the slow reference). The "+defects" families
 run on 10x10 meshes with 1-10% dead cores and links (spare-remapped, detoured routes), 4 seeds per rate.
 "gemv-allreduce-*" is the GEMV of the in-layer model-parallel layout (x already on its column, the partials
-all-reduced along the rows by a chain or by K-ary trees of fan-in 2, 3 and 4).
+all-reduced along the rows by a chain or by K-ary trees of fan-in 2, 3 and 4 into column 0, or by 1, 2 and 3
+phases of two chains into group centres ending at the row's centre). "allreduce-center" roots the 2D
+all-reduce at the centre PE.
 SpMV is judged one random matrix at a time, while its model is the expectation over such matrices (the
 spread of single instances is a few percent on small meshes)."""
 
@@ -34,7 +36,8 @@ from waferscale.fabric.sim_gemm2d import sim_gemm2d
 from waferscale.fabric.sim_gemv import sim_gemv_allreduce
 
 errs: dict = defaultdict(list)
-GEMV_AR = [("chain", 2), ("ktree", 2), ("ktree", 3), ("ktree", 4)]  # the GEMV all-reduce's (algorithm, fan-in)
+# the GEMV all-reduce's (algorithm, fan-in; for "phases" the number of phases)
+GEMV_AR = [("chain", 2), ("ktree", 2), ("ktree", 3), ("ktree", 4), ("phases", 1), ("phases", 2), ("phases", 3)]
 wall: dict = defaultdict(lambda: [0.0, 0.0])
 
 
@@ -56,7 +59,7 @@ def main() -> None:
                  lambda: sim_gemv_allreduce(sp, m, k, R, C, "fp16", algo, fan))
         for m, k, n in [(64, 64, 4), (128, 64, 8), (32, 256, 16), (256, 256, 4), (64, 64, 32)]:
             case("gemm", lambda: KM.gemm_cycles(sp, m, k, n, R, C), lambda: S.sim_gemm(sp, m, k, n, R, C))
-        for algo, n in itertools.product(("chain", "2d", "tree"), (1, 16, 128, 512)):
+        for algo, n in itertools.product(("chain", "2d", "tree", "center"), (1, 16, 128, 512)):
             case(f"allreduce-{algo}", lambda: KC.allreduce_cycles(sp, n, R, C, algo),
                  lambda: S.sim_allreduce(sp, n, R, C, algo))
         for n in (1, 64, 500):
@@ -99,6 +102,8 @@ def main() -> None:
         for algo in ("chain", "2d", "tree"):
             case("allreduce+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
+        case("allreduce-center+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, "center", mesh=mesh),
+             lambda: S.sim_allreduce(sp, 64, R, C, "center", mesh=mesh))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
     gemm2d_cases()

@@ -486,12 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--density", type=float, default=None, help="spmv: fraction of non-zero weights "
                                                                           "(1 - --sparsity)")
             p.add_argument("--clock_hz", type=float, default=None)
-            p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d (default 2d); gemm: summa | "
+            p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d | center (default 2d); gemm: "
+                                                        "summa | "
                                                         "cannon | cannon_folded (W, X, Y in 2D blocks; default: "
-                                                        "W stationary, the n vectors streamed); gemv: chain | ktree "
+                                                        "W stationary, the n vectors streamed); gemv: chain | ktree | "
+                                                        "phases "
                                                         "(x already on its column, y all-reduced along the rows; "
                                                         "default: x streamed into stationary W)")
-            p.add_argument("--fan_in", type=int, default=2, help="gemv --algo ktree: PEs per reduction group")
+            p.add_argument("--fan_in", type=int, default=2, help="gemv --algo ktree: PEs per reduction group; "
+                                                                 "--algo phases: the number of phases")
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
         elif name == "serve":

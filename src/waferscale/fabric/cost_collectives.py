@@ -7,6 +7,13 @@ child's first has arrived and been added, its last after the slowest child's las
 nw add tasks, whichever is later, each edge costing ramp out + hops + ramp in (`_edge`). This is the HPDC'24
 form of the Fabric row of WSE.md, T = max(C, E/N) + L + (2 T_R + 1) D, taken per node. On a defective mesh the
 real detoured routes are used and edges sharing a physical link queue on it (`_tree_finish`).
+
+"center" roots the reduction at the centre PE (rows into the middle column, that column into the centre, each
+as two chains meeting there) and broadcasts from it, so the sum travels about half the rows and columns in and
+half out, where the corner-rooted "2d" crosses the whole mesh both ways (Rocki et al., SC20). Its nodes are
+evaluated with the GEMV all-reduce's `cost_matmul._node_window` (`_centre_node`): a middle-column PE adds its
+row halves' streams early and its column chain's late, and the busy period that starts at a later arrival is
+what sets its last wavelet; the other algorithms keep `_node_times`.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
 from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, detour_extra, exact_routes,
                                     fluid_finish, make_cycles, multicast_latency)
+from waferscale.fabric.cost_matmul import _node_window
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules import reduce_parents
+from waferscale.fabric.schedules import REDUCE_ALGOS, broadcast_chains, reduce_parents, reduce_root
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -33,12 +41,18 @@ def _node_times(arrivals: list[tuple[float, float]], nw: int, add_c: int) -> tup
     return first, last
 
 
+def _centre_node(arrivals: list[tuple[float, float]], nw: int, add_c: int) -> tuple[float, float]:
+    """`_node_times` for "center": every PE's own vector is ready at t = 0, each arriving wavelet one add task,
+    and busy periods starting at any child's first arrival (`cost_matmul._node_window`)."""
+    return _node_window(0.0, arrivals, [add_c] * nw)
+
+
 def _edge(times: tuple[float, float], hops: int, spec: FabricSpec) -> tuple[float, float]:
     d = 2 * spec.ramp_latency_cycles + hops * spec.hop_latency_cycles  # ramp out, hops, ramp in
     return times[0] + d, times[1] + d
 
 
-def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: FabricSpec) -> float:
+def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: FabricSpec, node=_node_times) -> float:
     """Critical path of a reduction tree given as child -> parent: `last` of the root (all wavelets summed).
 
     Detoured routes may make several tree edges share a physical link. Whether they contend depends on when
@@ -72,7 +86,7 @@ def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: Fab
             return f, last
 
         for v in reversed(order):
-            times[v] = _node_times([edge(c, v) for c in kids.get(v, ())], nw, add_c)
+            times[v] = node([edge(c, v) for c in kids.get(v, ())], nw, add_c)
         return times
 
     times = evaluate(None)
@@ -82,27 +96,31 @@ def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: Fab
 
 
 def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec) -> float:
-    """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then column 0."""
+    """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then the root's
+    column (column 0, or the middle one for "center")."""
     if algo == "chain":
         return nw - 1 + (R * C - 1) * (2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c)
+    node = _centre_node if algo == "center" else _node_times
 
     def into_root(n: int, inputs: list) -> list:
-        """Arrivals at position 0 of a line of n PEs reducing by `algo`, each PE also combining `inputs`."""
+        """Arrivals at the root of a line of n PEs reducing by `algo`, each PE also combining `inputs`."""
         kids: dict = {}
         for (_, c), (_, p) in reduce_parents(algo, 1, n).items():
             kids.setdefault(p, []).append(c)
+        root = reduce_root(algo, 1, n)[1]
         times: dict = {}
-        for v in range(n - 1, 0, -1):  # children are always after their parent
-            times[v] = _node_times(inputs + [_edge(times[c], c - v, spec) for c in kids.get(v, ())], nw, add_c)
-        return [_edge(times[c], c, spec) for c in kids.get(0, ())]
+        for v in sorted(set(range(n)) - {root}, key=lambda v: -abs(v - root)):  # a child is farther than its parent
+            times[v] = node(inputs + [_edge(times[c], abs(c - v), spec) for c in kids.get(v, ())], nw, add_c)
+        return [_edge(times[c], abs(c - root), spec) for c in kids.get(root, ())]
 
     row_in = into_root(C, [])  # every row's partials into column 0 (all rows alike), then up column 0
-    return _node_times(row_in + into_root(R, row_in), nw, add_c)[1]
+    return node(row_in + into_root(R, row_in), nw, add_c)[1]
 
 
 def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32", *,
                   mesh: Mesh | None = None) -> Cycles:
-    """Reduce (sum) of one n_elems vector per PE into PE (0, 0). The HPDC'24 form (Fabric row of WSE.md),
+    """Reduce (sum) of one n_elems vector per PE into PE (0, 0) (the centre PE for "center"). The HPDC'24 form
+    (Fabric row of WSE.md),
 
         T = max(C, E/N) + L + (2 T_R + 1) D,
 
@@ -114,15 +132,19 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     R, C = check_region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     add_c = PE.add_task(spec, dtype, PE.elems_per_wavelet(spec, dtype))
-    if algo not in ("chain", "2d", "tree"):
-        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use chain, tree or 2d")
+    if algo not in REDUCE_ALGOS:
+        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use {', '.join(REDUCE_ALGOS)}")
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
+    r, c = reduce_root(algo, R, C)
     fan_in = {"chain": 1, "2d": 2 if R > 1 and C > 1 else 1,
-              "tree": (C - 1).bit_length() + (R - 1).bit_length()}[algo]
-    colors = {"chain": 2, "2d": 4, "tree": fan_in}[algo]  # chains alternate 2 colors; a tree uses one per level
+              "tree": (C - 1).bit_length() + (R - 1).bit_length(),
+              "center": (c > 0) + (c < C - 1) + (r > 0) + (r < R - 1)}[algo]  # the centre's four neighbours
+    # chains alternate 2 colors ("center": four chains); a tree uses one per level
+    colors = {"chain": 2, "2d": 4, "tree": fan_in, "center": 8}[algo]
     if exact_routes(mesh, R, C):
-        total = _tree_finish(reduce_parents(algo, R, C), (0, 0), mesh, nw, add_c, spec)
+        total = _tree_finish(reduce_parents(algo, R, C), (r, c), mesh, nw, add_c, spec,
+                             _centre_node if algo == "center" else _node_times)
     else:
         total = _regular_finish(algo, R, C, nw, add_c, spec)
         if mesh is not None and mesh.has_defects:  # big region: the detours' extra hops on the critical path
@@ -136,28 +158,31 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
 
 
 def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp32", *,
-                     mesh: Mesh | None = None) -> Cycles:
-    """PE (0, 0) multicasts n_elems along row 0 and down every column (1 color): fill + one wavelet per cycle."""
+                     mesh: Mesh | None = None, algo: str = "2d") -> Cycles:
+    """PE (0, 0) multicasts n_elems along row 0 and down every column (1 color): fill + one wavelet per cycle.
+    algo="center" (the broadcast of that all-reduce): the centre PE along the middle column, then every row,
+    both ways at once (`schedules.broadcast_chains`)."""
     check_positive(n_elems=n_elems)
     R, C = check_region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
-    if exact_routes(mesh, R, C):  # the real multicast tree: row 0, then every column
-        tree = mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
-        hops = mesh.tree_depth(tree, mesh.physical(0, 0))
-    else:  # row 0 then a column; a big defective region adds the extra hops of its worst row chain and column 0
+    r, c = reduce_root(algo, R, C)
+    if exact_routes(mesh, R, C):  # the real multicast tree
+        hops = mesh.tree_depth(mesh.multicast_tree(*broadcast_chains(algo, R, C)), mesh.physical(r, c))
+    else:  # the farthest row, then along it; a big defective region adds its worst row chain's and a column's detours
         row_max, _, col = detour_extra(mesh, R, C) if mesh is not None and mesh.has_defects else (0, 0, 0)
-        hops = (C - 1) + (R - 1) + row_max + col
+        hops = max(c, C - 1 - c) + max(r, R - 1 - r) + row_max + col
     return make_cycles(compute=0, sram=0, fabric=nw, total=multicast_latency(spec, hops, nw))
 
 
 def allreduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
                      *, mesh: Mesh | None = None) -> Cycles:
     """Reduce into (0, 0) (`reduce_cycles`, HPDC'24 form), then broadcast the sum (`broadcast_cycles`);
-    algo in {"chain", "tree", "2d"}. The broadcast starts when the root holds the whole sum."""
+    algo in {"chain", "tree", "2d", "center"} ("center": into the centre PE and back out from it). The
+    broadcast starts when the root holds the whole sum."""
     return reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh) + \
-        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh)
+        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh, algo=algo)
 
 
 def alltoall_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp16") -> Cycles:

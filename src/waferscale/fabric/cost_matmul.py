@@ -12,8 +12,9 @@ is where SpMV's load imbalance comes from. Detours on a defective mesh lengthen 
 rows' chains share a physical link (`_chain_contention`, a fluid queue).
 
 `gemv_allreduce_cycles` is the GEMV of the in-layer model-parallel layout (`schedules_gemv.py`): x already on
-every PE of its column, the partials summed by a row all-reduce (a chain or a K-ary tree into column 0, then a
-multicast back); judged by `sim_gemv.sim_gemv_allreduce`.
+every PE of its column, the partials summed by a row all-reduce (a chain or a K-ary tree into column 0, or
+K phases of two chains into group centres ending at the row's centre; then a multicast back); judged by
+`sim_gemv.sim_gemv_allreduce`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_
                                     fluid_finish, longest_chain_hops, make_cycles, multicast_latency)
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.schedules import tile_sizes, used
-from waferscale.fabric.schedules_gemv import check_row_reduce, row_reduce_parents
+from waferscale.fabric.schedules_gemv import (bottom_up, check_row_reduce, row_multicast, row_reduce_depth,
+                                             row_reduce_parents, row_root)
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -362,8 +364,8 @@ def _node_window(ready: float, arrivals: list[tuple[float, float]], adds: list[i
 def _row_tree_times(spec: FabricSpec, parents: dict[int, int], ready: list[float], adds: list[int],
                     hops: dict[int, int], row: int = 0, links: dict | None = None,
                     windows: dict | None = None) -> dict:
-    """Send windows (first, last) of every position of one row's tree (children are East of their parents, so
-    positions are evaluated from the East end). An edge costs ramp out + its hops + ramp in. With `windows`
+    """Send windows (first, last) of every position of one row's tree (children before their parents,
+    `schedules_gemv.bottom_up`). An edge costs ramp out + its hops + ramp in. With `windows`
     from an earlier evaluation, an edge whose route shares a physical link with others (`links`: (row, child)
     -> links, and link -> users) has its last wavelet delayed by a first-come-first-served fluid queue over
     their sending windows (`fluid_finish`), as `cost_collectives._tree_finish` does."""
@@ -372,7 +374,7 @@ def _row_tree_times(spec: FabricSpec, parents: dict[int, int], ready: list[float
         kids.setdefault(p, []).append(c)
     times: dict = {}
     nw = len(adds)
-    for p in range(len(ready) - 1, -1, -1):
+    for p in bottom_up(parents, len(ready)):
         arr = []
         for c in kids.get(p, ()):
             f, la = times[row, c]
@@ -413,7 +415,8 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     """y(m) = W(m, k) x(k) in the in-layer model-parallel layout (`schedules_gemv.py`): x_j already on every
     PE of column j, W in rows x cols tiles; every PE runs its AXPY tasks (one per x wavelet's worth of local
     x values, `pe.axpy_task`) from t = 0, then the row all-reduce ("chain" or "ktree" of `fan_in`) sums the
-    partials into column 0, which multicasts y_i back along its row once it holds all of it.
+    partials into column 0, or ("phases", fan_in = the number of phases K) into the row's centre, and that root
+    multicasts y_i back along its row (both ways from the centre) once it holds all of it.
 
     The critical path is evaluated node by node up each row's tree (`_node_window`: arrival order of first
     wavelets, the adds a PE of fan-in n must do, pipelining of the ny = ceil(mt / values per wavelet)
@@ -421,8 +424,8 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     height are alike on a perfect mesh; a defective mesh takes each row's real (detoured) routes and the
     queueing where detours make edges share a link (regions up to 64x64 PEs), or adds the worst row's detour
     hops to the reduction and to the multicast (bigger regions). Colors: the chain alternates 2, the tree
-    takes one per (level, member) offset; the multicast one more. A schedule needing more colors than a
-    program has runs its reduction once per pass."""
+    takes one per (level, member) offset, "phases" 4 per phase; the multicast one more. A schedule needing
+    more colors than a program has runs its reduction once per pass."""
     check_positive(m=m, k=k)
     check_row_reduce(algo, fan_in)
     R, C = check_region(spec, rows, cols, mesh)
@@ -431,6 +434,7 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     epw = PE.elems_per_wavelet(spec, dtype)
     parents = row_reduce_parents(algo, C, fan_in)
     n_kids = np.bincount(list(parents.values()), minlength=C) if C > 1 else np.zeros(1, np.int64)
+    root = row_root(parents, C)
 
     @lru_cache(maxsize=None)  # a call meets few distinct tile sizes, each asked for by many rows and columns
     def x_work(mt: int, kt: int) -> tuple[int, int, int]:  # (cycles, compute, SRAM) of a PE's AXPY tasks
@@ -447,14 +451,14 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
 
     exact = C > 1 and exact_routes(mesh, R, C)
     done = np.zeros(R)  # per row: the time column 0 holds the whole sum
-    mcast_hops = np.full(R, C - 1)
+    mcast_hops = np.full(R, max(root, C - 1 - root))  # both ways at once from a centre root
     if C == 1:
         done[:] = [x_work(mt, kts[0])[0] for mt in mts]
     elif not exact:  # rows of the same tile height are alike
-        hops = {c: c - p for c, p in parents.items()}
+        hops = {c: abs(c - p) for c, p in parents.items()}
         for mt in set(mts):
             ready = [x_work(mt, kt)[0] for kt in kts]
-            done[np.array(mts) == mt] = _row_tree_times(spec, parents, ready, adds(mt), hops)[0, 0][1]
+            done[np.array(mts) == mt] = _row_tree_times(spec, parents, ready, adds(mt), hops)[0, root][1]
         if mesh is not None and mesh.has_defects:  # big region: the worst row's detours, on the way in and out
             row_max = detour_extra(mesh, R, C)[0]
             done += row_max * spec.hop_latency_cycles
@@ -468,8 +472,8 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
                 links["edge"][i, c] = list(zip(route, route[1:]))
                 for link in links["edge"][i, c]:
                     links["users"].setdefault(link, []).append((i, c))
-            tree = mesh.multicast_tree([(i, j) for j in range(C)])
-            depth = mesh.tree_depths(tree, mesh.physical(i, 0))
+            tree = mesh.multicast_tree(*row_multicast(i, root, C))
+            depth = mesh.tree_depths(tree, mesh.physical(i, root))
             mcast_hops[i] = max(depth[node] for node in tree[1])
             mcast[i] = [((a, b), spec.ramp_latency_cycles + depth[a] * spec.hop_latency_cycles)
                         for a, bs in tree[0].items() for b in bs]
@@ -481,12 +485,14 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
                 new.update(_row_tree_times(spec, parents, readies[i], adds(mts[i]),
                                            {c: hops[i, c] for c in parents}, i, links, windows))
             windows = new
-        done = np.array([windows[i, 0][1] for i in range(R)], np.float64)
+        done = np.array([windows[i, root][1] for i in range(R)], np.float64)
         done += _multicast_queueing(mcast, done, [len(adds(mt)) for mt in mts])
     ny = np.array([len(adds(mt)) for mt in mts])
     passes = 1
     if C > 1:
-        passes = color_passes(spec, (2 if algo == "chain" else len({c - p for c, p in parents.items()})) + 1)
+        colors = {"chain": 2, "phases": 4 * row_reduce_depth(algo, C, fan_in)}.get(
+            algo, len({c - p for c, p in parents.items()}))
+        passes = color_passes(spec, colors + 1)
         first_ready = min(x_work(mt, kt)[0] for mt in set(mts) for kt in set(kts))
         done = done + (passes - 1) * (done - first_ready)  # the reduction once per pass
         done = done + [multicast_latency(spec, int(h), int(n)) for h, n in zip(mcast_hops, ny)]
@@ -499,8 +505,11 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
             _, xc, xs = x_work(mt, kt)
             comp = max(comp, xc + n_kids[j] * add_c)
             sram = max(sram, xs + n_kids[j] * add_s)
-    cross = np.zeros(C)
-    for c, p in parents.items():  # partials crossing each West-bound link (q+1 -> q), or entering a PE
-        cross[p:c] += 1
-    fabric = float(ny.max()) * max(cross.max(), n_kids.max())
+    west, east = np.zeros(C), np.zeros(C)
+    for c, p in parents.items():  # partials crossing each West-bound link (q+1 -> q) or East-bound (q -> q+1)
+        if c > p:
+            west[p:c] += 1
+        else:
+            east[c:p] += 1
+    fabric = float(ny.max()) * max(west.max(), east.max(), n_kids.max())
     return make_cycles(compute=comp, sram=sram, fabric=fabric, total=float(done.max()), passes=passes)

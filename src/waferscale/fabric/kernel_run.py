@@ -29,10 +29,11 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
                clock_hz: float | None = None, algo: str | None = None, fan_in: int = 2) -> dict:
     """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
     n streamed vectors (weight-stationary), or with algo summa | cannon | cannon_folded Y(m, n) = W X with W, X
-    and Y in 2D blocks (Cannon on the largest square of the mesh); gemv with algo chain | ktree (of `fan_in`) is
-    the GEMV of the in-layer model-parallel layout (x already on every PE of its column, a row all-reduce leaves
-    y on every PE of its row; without algo: x streamed into stationary W); allreduce of an m-element fp32 vector
-    per PE (k, n unused; algo chain | tree | 2d, the default). Without `pes` the whole (logical, defect-free
+    and Y in 2D blocks (Cannon on the largest square of the mesh); gemv with algo chain | ktree (of `fan_in`) |
+    phases (`fan_in` = the number of phases) is the GEMV of the in-layer model-parallel layout (x already on every
+    PE of its column, a row all-reduce leaves y on every PE of its row; without algo: x streamed into stationary
+    W); allreduce of an m-element fp32 vector per PE (k, n unused; algo chain | tree | 2d, the default |
+    center). Without `pes` the whole (logical, defect-free
     part of the) wafer is used. `verify` runs the functional tile-level execution on the same mesh and compares
     it with numpy."""
     if kind not in KERNELS:
@@ -48,8 +49,8 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
                           f"got {algo!r}")
     if kind == "gemv" and algo is not None:
         check_row_reduce(algo, fan_in)
-    if fan_in != 2 and not (kind == "gemv" and algo == "ktree"):
-        raise ConfigError(f"--fan_in applies to gemv --algo ktree only (got {kind} with --algo {algo})")
+    if fan_in != 2 and not (kind == "gemv" and algo in ("ktree", "phases")):
+        raise ConfigError(f"--fan_in applies to gemv --algo ktree or phases only (got {kind} with --algo {algo})")
     if kind == "spmv" and algo is not None:
         raise ConfigError(f"spmv takes no --algo (gemv: {', '.join(ROW_REDUCE_ALGOS)}; gemm: {', '.join(G2.ALGOS)})")
     algo = "2d" if kind == "allreduce" and algo is None else algo
@@ -103,6 +104,7 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
             "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
             **({"algo": algo} if algo is not None else {}),
             **({"fan_in": fan_in} if kind == "gemv" and algo == "ktree" else {}),
+            **({"phases": fan_in} if kind == "gemv" and algo == "phases" else {}),
             **({"sparsity": sparsity} if kind == "spmv" else {}),
             "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim*.py)",
         },
@@ -147,7 +149,8 @@ def format_kernel_report(d: dict) -> str:
     """A short human summary of `run_kernel`'s result, with its assumptions."""
     b, a = d["breakdown"], d["assumptions"]
     lines = [
-        f"{d['kernel']}" + (f" ({a['algo']}" + (f", fan-in {a['fan_in']}" if "fan_in" in a else "") + ")"
+        f"{d['kernel']}" + (f" ({a['algo']}" + (f", fan-in {a['fan_in']}" if "fan_in" in a else "")
+                            + (f", {a['phases']} phases" if "phases" in a else "") + ")"
                             if "algo" in a else "")
         + f" on {d['target']}: {d['pes']:,} PEs used of {d['usable_pes']:,} usable (region {d['region']})",
         f"  {d['cycles']:,.0f} cycles = {d['time_s'] * 1e6:,.3f} us at {a['clock_hz'] / 1e9:g} GHz;  "

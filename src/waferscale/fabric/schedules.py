@@ -34,16 +34,21 @@ def snake(rows: int, cols: int) -> list[Coord]:
     return [(i, j if i % 2 == 0 else cols - 1 - j) for i in range(rows) for j in range(cols)]
 
 
+REDUCE_ALGOS = ("chain", "tree", "2d", "center")
+
+
 def _lowbit(x: int) -> int:
     return x & -x
 
 
 def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
-    """Who sends to whom in each reduction schedule (see kernels/collectives.py); root (0, 0) has none.
+    """Who sends to whom in each reduction schedule (see kernels/collectives.py); the root (`reduce_root`)
+    has none.
 
     "chain": the snake order, each PE to the one before it; "2d": East->West along every row into column 0,
     then South->North up column 0; "tree": recursive halving (PE j sends to j - lowbit(j)) along every row,
-    then the same up column 0."""
+    then the same up column 0; "center": every row as two chains meeting at its middle column (the West part
+    East, the East part West), then the middle column as two chains meeting at the centre PE."""
     if algo == "chain":
         order = snake(R, C)
         return {order[p]: order[p - 1] for p in range(1, len(order))}
@@ -55,7 +60,28 @@ def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
         par = {(i, j): (i, j - _lowbit(j)) for i in range(R) for j in range(1, C)}
         par.update({(i, 0): (i - _lowbit(i), 0) for i in range(1, R)})
         return par
-    raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use chain, tree or 2d")
+    if algo == "center":
+        r, c = reduce_root(algo, R, C)
+        par = {(i, j): (i, j + 1 if j < c else j - 1) for i in range(R) for j in range(C) if j != c}
+        par.update({(i, c): (i + 1 if i < r else i - 1, c) for i in range(R) if i != r})
+        return par
+    raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use {', '.join(REDUCE_ALGOS)}")
+
+
+def reduce_root(algo: str, R: int, C: int) -> Coord:
+    """The PE a reduction ends on: the centre PE for "center" (the West/North one of two middles), else (0, 0)."""
+    return ((R - 1) // 2, (C - 1) // 2) if algo == "center" else (0, 0)
+
+
+def broadcast_chains(algo: str, R: int, C: int) -> tuple[list[Coord], list[list[Coord]]]:
+    """`Mesh.multicast_tree` arguments of the broadcast that follows a reduction (one color): from (0, 0) East
+    along row 0 and down every column; for "center", from the centre PE both ways along the middle column, and
+    from every PE of that column both ways along its row."""
+    if algo != "center":
+        return [(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)]
+    r, c = reduce_root(algo, R, C)
+    rows = [[(i, j) for j in js] for i in range(R) for js in (range(c, -1, -1), range(c, C))]
+    return [(i, c) for i in range(r, -1, -1)], [[(i, c) for i in range(r, R)], *rows]
 
 
 # ---- row programs (norms, softmax, attention) -----------------------------------------------------------

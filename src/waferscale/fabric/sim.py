@@ -31,7 +31,7 @@ import numpy as np
 
 from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Coord, Mesh
-from waferscale.fabric.schedules import reduce_parents, tile_sizes, used
+from waferscale.fabric.schedules import broadcast_chains, reduce_parents, tile_sizes, used
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -181,9 +181,10 @@ def sim_gemv(spec, m, k, rows, cols, dtype="fp16", mesh=None) -> int:
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
-def broadcast_tree(sim: EventSim, R: int, C: int):
-    """Root (0, 0) multicasts East along row 0; every row-0 router also multicasts South down its column."""
-    return sim.mesh.multicast_tree([(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)])
+def broadcast_tree(sim: EventSim, R: int, C: int, algo: str = "2d"):
+    """Root (0, 0) multicasts East along row 0; every row-0 router also multicasts South down its column. For
+    "center": the centre PE along the middle column, and every router of it along its row (both ways)."""
+    return sim.mesh.multicast_tree(*broadcast_chains(algo, R, C))
 
 
 def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
@@ -195,7 +196,7 @@ def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     for p in parents.values():
         n_children[p] += 1
     up = {pe: sim.mesh.multicast_tree([pe, par]) for pe, par in parents.items()}
-    bcast = broadcast_tree(sim, R, C)
+    bcast = broadcast_tree(sim, R, C, algo)
     waves = _chunks(n_elems, PE.elems_per_wavelet(spec, dtype))
     added = defaultdict(int)
     at_root = [0]

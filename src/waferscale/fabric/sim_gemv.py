@@ -5,8 +5,9 @@ the slow reference that judges `cost_matmul.gemv_allreduce_cycles`.
 Every PE starts with its x segment in memory and queues one AXPY task per x wavelet's worth of values at t = 0.
 A leaf of the row tree sends its partial's wavelets to its parent once its tasks are done; a PE adds each
 arriving wavelet of a child (one add task per wavelet, in wavelet order, not before its own partial is ready)
-and forwards wavelet w once every child's wavelet w is in; column 0, once it holds the whole sum, multicasts
-it along the row. Returns the cycle the last PE of the last row receives its last wavelet of y.
+and forwards wavelet w once every child's wavelet w is in; the root (column 0, or the row's centre for
+"phases"), once it holds the whole sum, multicasts it along the row (both ways from a centre). Returns the
+cycle the last PE of the last row receives its last wavelet of y.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import defaultdict
 from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.schedules import tile_sizes, used
-from waferscale.fabric.schedules_gemv import row_reduce_parents
+from waferscale.fabric.schedules_gemv import row_multicast, row_reduce_parents, row_root
 from waferscale.fabric.sim import EventSim, _chunks
 from waferscale.fabric.spec import FabricSpec
 
@@ -32,7 +33,8 @@ def sim_gemv_allreduce(spec: FabricSpec, m: int, k: int, rows: int, cols: int, d
     for p in parents.values():
         n_kids[p] += 1
     up = {(i, c): sim.mesh.multicast_tree([(i, c), (i, p)]) for i in range(R) for c, p in parents.items()}
-    along = {i: sim.mesh.multicast_tree([(i, j) for j in range(C)]) for i in range(R)}
+    root = row_root(parents, C)
+    along = {i: sim.mesh.multicast_tree(*row_multicast(i, root, C)) for i in range(R)}
     y_waves = [_chunks(mt, epw) for mt in mts]
     x_left = {(i, j): len(_chunks(kts[j], epw)) for i in range(R) for j in range(C)}
     ready: set = set()
@@ -55,7 +57,7 @@ def sim_gemv_allreduce(spec: FabricSpec, m: int, k: int, rows: int, cols: int, d
         if j in parents:
             sim.send(t, pe, up[pe], on_partial, w)
             return
-        at_root[i] += 1  # column 0 has the whole sum of wavelet w
+        at_root[i] += 1  # the root has the whole sum of wavelet w
         if C > 1 and at_root[i] == len(y_waves[i]):
             for b in range(len(y_waves[i])):
                 sim.send(t, pe, along[i], lambda t, pe, w: None, b)

@@ -11,7 +11,10 @@ Algorithms (the same schedules `sim.py` simulates and `cost_collectives.py` mode
   into (0, 0). Latency ~ rows + cols.
 * reduce "tree": recursive halving along each row into column 0 (level l: PE j with j % 2^(l+1) == 2^l sends
   2^l hops West), then the same down column 0. Latency ~ log; the root's fan-in costs bandwidth.
-* all-reduce = reduce to (0, 0) + broadcast.
+* reduce "center": every row as two chains meeting at its middle column, then that column as two chains
+  meeting at the centre PE (`schedules.reduce_root`). Latency ~ (rows + cols) / 2.
+* all-reduce = reduce to the root + broadcast from it ("center": the centre PE multicasts both ways along the
+  middle column, and every PE of that column both ways along its row).
 
 Each returns a TileRun whose `out` is (rows, cols, n) for broadcast/all-reduce, or (n,) at the root for reduce.
 """
@@ -23,9 +26,9 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric.kernels.tiles import TileRun, Tiles
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules import snake
+from waferscale.fabric.schedules import REDUCE_ALGOS, reduce_root, snake
 
-ALGOS = ("chain", "tree", "2d")
+ALGOS = REDUCE_ALGOS
 
 
 def row_reduce_chain(t: Tiles, buf: np.ndarray, combine=np.add) -> None:
@@ -34,10 +37,13 @@ def row_reduce_chain(t: Tiles, buf: np.ndarray, combine=np.add) -> None:
         buf[:, j - 1] = combine(buf[:, j - 1], t.shift(buf, axis=1, step=-1, index=j))
 
 
-def row_broadcast(t: Tiles, buf: np.ndarray) -> None:
-    """buf[:, j] <- buf[:, 0] for every column, forwarded West -> East hop by hop (multicast along the row)."""
-    for j in range(1, t.cols):
+def row_broadcast(t: Tiles, buf: np.ndarray, root: int = 0) -> None:
+    """buf[:, j] <- buf[:, root] for every column, forwarded hop by hop from column `root` East and West
+    (multicast along the row)."""
+    for j in range(root + 1, t.cols):
         buf[:, j] = t.shift(buf, axis=1, step=1, index=j - 1)
+    for j in range(root - 1, -1, -1):
+        buf[:, j] = t.shift(buf, axis=1, step=-1, index=j + 1)
 
 
 def col_broadcast(t: Tiles, buf: np.ndarray) -> None:
@@ -71,6 +77,15 @@ def _reduce_inplace(t: Tiles, buf: np.ndarray, algo: str) -> None:
             is_ = np.arange(s, R, 2 * s)
             moved = t.move(buf[is_, 0], [(i, 0) for i in is_], [(i - s, 0) for i in is_])
             buf[is_ - s, 0] += moved
+    elif algo == "center":
+        r, c = reduce_root(algo, R, C)
+        for j in range(c):  # the West part of every row chains East into the middle column, the East part West
+            buf[:, j + 1] += t.shift(buf, axis=1, step=1, index=j)
+        for j in range(C - 1, c, -1):
+            buf[:, j - 1] += t.shift(buf, axis=1, step=-1, index=j)
+        for i in list(range(r)) + list(range(R - 1, r, -1)):  # then the middle column into the centre PE
+            d = i + 1 if i < r else i - 1
+            buf[d, c] += t.move(buf[i, c][None], [(i, c)], [(d, c)])[0]
     else:
         raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use one of {', '.join(ALGOS)}")
 
@@ -102,17 +117,25 @@ def broadcast(mesh: Mesh, v: np.ndarray, rows: int | None = None, cols: int | No
 
 def reduce(mesh: Mesh, data: np.ndarray, algo: str = "2d", rows: int | None = None,
            cols: int | None = None) -> TileRun:
-    """Sum of the per-PE vectors data[i, j] (shape (rows, cols, n)), delivered at PE (0, 0)."""
+    """Sum of the per-PE vectors data[i, j] (shape (rows, cols, n)), delivered at PE (0, 0) (the centre PE for
+    "center")."""
     t, buf = _place(mesh, data, rows, cols)
     _reduce_inplace(t, buf, algo)
-    return t.result(buf[0, 0].copy())
+    return t.result(buf[reduce_root(algo, t.rows, t.cols)].copy())
 
 
 def allreduce(mesh: Mesh, data: np.ndarray, algo: str = "2d", rows: int | None = None,
               cols: int | None = None) -> TileRun:
-    """Every PE ends with the sum of all per-PE vectors: reduce to (0, 0), then broadcast."""
+    """Every PE ends with the sum of all per-PE vectors: reduce to the root, then broadcast from it."""
     t, buf = _place(mesh, data, rows, cols)
     _reduce_inplace(t, buf, algo)
-    row_broadcast(t, buf[:1])
-    col_broadcast(t, buf)
+    if algo == "center":
+        r, c = reduce_root(algo, t.rows, t.cols)
+        for i in list(range(r + 1, t.rows)) + list(range(r - 1, -1, -1)):  # along the middle column, both ways
+            s = i - 1 if i > r else i + 1
+            buf[i, c] = t.move(buf[s, c][None], [(s, c)], [(i, c)])[0]
+        row_broadcast(t, buf, c)
+    else:
+        row_broadcast(t, buf[:1])
+        col_broadcast(t, buf)
     return t.result(buf.copy())

@@ -11,8 +11,9 @@ one axis, partial sums accumulate along the other"):
     forwards the sum); y segment i ends on PE (i, 0).
 
 `gemv_allreduce` is the GEMV of the in-layer model-parallel layout (`schedules_gemv.py`): x_j already on
-every PE of column j, the partials summed by a row all-reduce (a chain or a K-ary tree into column 0, then a
-multicast back), so y_i ends on every PE of row i.
+every PE of column j, the partials summed by a row all-reduce (a chain or a K-ary tree into column 0, or K
+phases of two chains into group centres ending at the row's centre; then a multicast back from that root), so
+y_i ends on every PE of row i.
 
 Sparse GEMV keeps only the non-zeros of each tile (value, local row, local column) and does one multiply-add
 per non-zero weight for each arriving x value — the "one AXPY per non-zero" of sparsity harvesting.
@@ -28,7 +29,7 @@ from waferscale.errors import ConfigError
 from waferscale.fabric.kernels.collectives import col_broadcast, row_broadcast, row_reduce_chain
 from waferscale.fabric.kernels.tiles import TileRun, Tiles, region_for, to_tiles
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules_gemv import row_reduce_parents
+from waferscale.fabric.schedules_gemv import bottom_up, row_reduce_parents, row_root
 
 
 def _tile_w(W: np.ndarray, R: int, C: int) -> tuple[np.ndarray, int, int]:
@@ -115,7 +116,8 @@ def gemv_allreduce(mesh: Mesh, W: np.ndarray, x: np.ndarray, rows: int | None = 
                    algo: str = "ktree", fan_in: int = 2) -> TileRun:
     """y = W @ x in the in-layer model-parallel layout (`schedules_gemv.py`): x segment j already on every PE
     of column j, W (m, k) in tiles; every PE its partial, then the row all-reduce ("chain" or "ktree" of
-    `fan_in`) into column 0 and the multicast back along the row. Returns (cols, m): y as every column of PEs
+    `fan_in` into column 0; "phases", fan_in = the number of phases, into the row's centre) and the multicast
+    back along the row from its root (both ways from a centre). Returns (cols, m): y as every column of PEs
     holds it (row i's PEs hold y's segment i)."""
     W, x = _check(W, x)
     if x.ndim != 1:
@@ -131,10 +133,10 @@ def gemv_allreduce(mesh: Mesh, W: np.ndarray, x: np.ndarray, rows: int | None = 
     xb[:] = to_tiles(x, C, kt)[None]  # the previous GEMV's all-reduce left segment j on all of column j
     yp = t.alloc("y", mt)
     yp[:] = np.einsum("ijab,ijb->ija", Wt, xb)
-    for c in range(C - 1, 0, -1):  # a PE sends once all its children (East of it) have been added
+    for c in bottom_up(parents, C)[:-1]:  # a PE sends once all its children have been added
         p = parents[c]
         yp[:, p] += t.move(yp[:, c], [(i, c) for i in range(R)], [(i, p) for i in range(R)])
-    row_broadcast(t, yp)
+    row_broadcast(t, yp, row_root(parents, C))
     return t.result(yp.transpose(1, 0, 2).reshape(C, R * mt)[:, :m].copy())
 
 
