@@ -12,8 +12,9 @@ larger than a wafer split into contiguous runs of units, one run per system, act
 Per decoded token, per unit on its window (`_unit_time`):
 * every matrix is a GEMV whose partial sums are all-reduced along the window's rows, the next matrix stored
   transposed so its input is where that all-reduce left it (consecutive matrices alternate rows and columns,
-  no transposes), `cost_matmul.gemv_allreduce_cycles`, with the faster of a pipelined chain and a K-way tree
-  per matrix (the chain's latency grows with the window's width: why decode can get slower on a larger mesh);
+  no transposes), `cost_matmul.gemv_allreduce_cycles`, with the fastest of a pipelined chain, K-way trees and
+  centre-rooted phase trees per matrix (the hops grow with the window's width: why decode can get slower on a
+  larger mesh);
 * attention over the KV cache spread over the whole window (positions along one axis, the cache's width along
   the other, every PE an equal share: a cache that shifts its oldest entries along as it grows keeps it so):
   q.K^T and P.V as two such GEMVs of the cache, softmax's max and sum as two all-reduces of the scores;
@@ -46,7 +47,9 @@ from waferscale.fabric import cost_collectives as CC
 from waferscale.fabric import cost_matmul as CM
 from waferscale.fabric.spec import FabricSpec
 
-GEMV_ALGOS = (("chain", 2), ("ktree", 2), ("ktree", 4))  # the row all-reduces the compiler chooses from
+# the row all-reduces the compiler chooses from: corner-rooted chain and K-ary trees, and centre-rooted phases (WaferLLM's
+# MeshGEMV K-tree: fan_in is its number of phases)
+GEMV_ALGOS = (("chain", 2), ("ktree", 2), ("ktree", 4), ("phases", 2), ("phases", 3))
 MAX_USERS = 1024  # users decoding together tried (powers of two) when --users is not given
 MAX_POSITIONS_PER_AXIS = 8  # window positions tried per wafer axis beyond the fewest that cover it
 
@@ -70,7 +73,7 @@ def _gemv(spec: FabricSpec, m: int, k: int, rows: int, cols: int, dtype: str) ->
     for algo, fan_in in GEMV_ALGOS:
         c = CM.gemv_allreduce_cycles(spec, m, k, rows, cols, dtype, algo=algo, fan_in=fan_in)
         if best is None or c.total < best[0].total:
-            best = (c, algo if algo == "chain" else f"{fan_in}-way tree")
+            best = (c, {"chain": "chain", "ktree": f"{fan_in}-way tree", "phases": f"{fan_in}-phase centre tree"}[algo])
     return best
 
 
