@@ -66,10 +66,14 @@ def test_spmv_elementwise_rows_model_vs_des(R, C):
         _close(K.softmax_cycles(spec, tok * w, w, R, C).total,
                S.sim_row_program(spec, softmax_phases(spec, tt, wt, "fp32"), Rt, Ct), f"softmax {tok}x{w}")
     for H, d, T in [(8, 64, 128), (4, 128, 64)]:
-        Rt, Ct = used(H, R), used(T, C)
-        _close(K.attention_decode_cycles(spec, H, d, T, R, C).total,
-               S.sim_row_program(spec, attention_phases(spec, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct, "fp16"),
+        _close(K.attention_decode_cycles(spec, H, d, T, R, C).total, _sim_attention(spec, H, d, T, R, C),
                f"attention {H},{d},{T}")
+
+
+def _sim_attention(spec, H: int, d: int, T: int, R: int, C: int, kv: int | None = None, mesh=None) -> int:
+    """The event simulation of the layout the attention model charges."""
+    phases, Rt, Ct, group = K.attention_decode_schedule(spec, H, d, T, R, C, n_kv_heads=kv, mesh=mesh)
+    return S.sim_row_program(spec, phases, Rt, Ct, "fp16", mesh=mesh, group=group)
 
 
 @pytest.mark.parametrize("rate,seed", [(0.01, 2), (0.05, 1), (0.05, 2), (0.1, 0)])
@@ -92,6 +96,16 @@ def test_model_vs_des_with_defects(rate, seed):
         _close(KC.allreduce_cycles(spec, 64, R, C, algo, mesh=mesh).total,
                S.sim_allreduce(spec, 64, R, C, algo, mesh=mesh), algo)
     _close(KC.broadcast_cycles(spec, 64, R, C, mesh=mesh).total, S.sim_broadcast(spec, 64, R, C, mesh=mesh), "bcast")
+    for tok, w in [(8, 64), (64, 256)]:  # row programs: detours may make rows' chains share a link
+        Rt, Ct = used(tok, R), used(w, C)
+        tt, wt = -(-tok // Rt), -(-w // Ct)
+        _close(K.norm_cycles(spec, tok * w, w, R, C, mesh=mesh).total,
+               S.sim_row_program(spec, norm_phases(spec, tt, wt, False, "fp32"), Rt, Ct, mesh=mesh), "norm")
+        _close(K.softmax_cycles(spec, tok * w, w, R, C, mesh=mesh).total,
+               S.sim_row_program(spec, softmax_phases(spec, tt, wt, "fp32"), Rt, Ct, mesh=mesh), "softmax")
+    for H, kv, d, T in [(8, 2, 64, 512), (4, 1, 128, 1024), (4, 4, 32, 100)]:  # several rows per KV head
+        _close(K.attention_decode_cycles(spec, H, d, T, R, C, n_kv_heads=kv, mesh=mesh).total,
+               _sim_attention(spec, H, d, T, R, C, kv, mesh), f"attention {H}/{kv} ctx {T}")
     # detours cost: the defective mesh's latency terms are at least the perfect mesh's
     perfect = KM.gemv_cycles(spec, 64, 64, R, C)
     assert KM.gemv_cycles(spec, 64, 64, R, C, mesh=mesh).total >= perfect.total
@@ -138,10 +152,43 @@ def test_attention_gqa_kv_heads():
     with pytest.raises(ConfigError, match="multiple"):
         K.attention_decode_cycles(spec, 32, 128, 512, 8, 8, n_kv_heads=5)
     for H, kv in [(8, 2), (8, 8), (4, 1)]:  # against the event simulation of the same row program
-        Rt, Ct = used(kv, 4), used(128, 4)
         _close(K.attention_decode_cycles(spec, H, 64, 128, 4, 4, n_kv_heads=kv).total,
-               S.sim_row_program(spec, attention_phases(spec, -(-kv // Rt) * (H // kv), -(-128 // Ct), 64, "fp16"),
-                                 Rt, Ct, "fp16"), f"attention gqa {H}/{kv}")
+               _sim_attention(spec, H, 64, 128, 4, 4, kv), f"attention gqa {H}/{kv}")
+
+
+@pytest.mark.parametrize("target", ["wse2", "wse3"])
+@pytest.mark.parametrize("R,C", [(4, 4), (8, 8), (12, 6), (16, 8)])
+def test_attention_rows_per_head_model_vs_des(target, R, C):
+    """Each KV head's context over several rows (q down column 0 and along the rows, row merge chains, then a
+    merge chain up column 0): the model of the layout it picks stays within 10% of the event simulation."""
+    spec = fabric_from_name(target, pes=(R, C))
+    groups = set()
+    for H, kv, d, T in [(8, 2, 64, 512), (8, 8, 64, 128), (16, 2, 32, 2000), (8, 4, 64, 300), (2, 1, 64, 4096)]:
+        if 2 * (T // (R * C // kv)) * d * 2 > spec.sram_bytes_per_pe:
+            continue  # even every row of the region holds too much of this cache
+        group = K.attention_decode_schedule(spec, H, d, T, R, C, n_kv_heads=kv)[3]
+        groups.add(group)
+        _close(K.attention_decode_cycles(spec, H, d, T, R, C, n_kv_heads=kv).total,
+               _sim_attention(spec, H, d, T, R, C, kv), f"attention {H}/{kv} x{d} ctx {T}: {group} rows per head")
+    assert max(groups) > 1
+
+
+def test_attention_spreads_over_all_rows():
+    """rows == n_kv: one row per KV head, the row program as before; more rows: the cache spreads over them,
+    which is faster at long contexts and moves the SRAM refusal to contexts rows // n_kv times longer."""
+    spec = fabric_from_name("wse2", pes=(64, 64))
+    one_row = {}
+    for C, T in [(64, 4096), (50, 300)]:
+        Ct = used(T, C)
+        one_row[T] = K.row_program_cycles(spec, attention_phases(spec, 4, -(-T // Ct), 128, "fp16"), 8, Ct, "fp16")
+        assert K.attention_decode_cycles(spec, 32, 128, T, 8, C, n_kv_heads=8) == one_row[T]
+        assert K.attention_decode_schedule(spec, 32, 128, T, 8, C, n_kv_heads=8)[1:] == (8, Ct, 1)
+        assert K.attention_decode_cycles(spec, 32, 128, T, 64, C, n_kv_heads=8).total <= one_row[T].total
+    assert K.attention_decode_schedule(spec, 32, 128, 4096, 64, 64, n_kv_heads=8)[1:] == (64, 64, 8)
+    assert K.attention_decode_cycles(spec, 32, 128, 4096, 64, 64, n_kv_heads=8).total < 0.3 * one_row[4096].total
+    with pytest.raises(ConfigError, match="KV cache slice"):  # 2 x 512 positions x 128 x 2 B = 256 KiB per PE
+        K.attention_decode_cycles(spec, 32, 128, 32768, 8, 64, n_kv_heads=8)
+    assert K.attention_decode_cycles(spec, 32, 128, 32768, 64, 64, n_kv_heads=8).total > 0  # 64 positions: 32 KiB
 
 
 def test_des_is_a_real_simulation():

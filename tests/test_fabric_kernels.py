@@ -170,7 +170,37 @@ def test_attention_decode_gqa(H, kv):
     Kc, Vc = (rng.standard_normal((40, kv, 16)).astype(np.float32) for _ in range(2))
     run = K.attention_decode(mesh, q, Kc, Vc)
     np.testing.assert_allclose(run.out, K.attention_reference(q.astype(np.float64), Kc, Vc), rtol=1e-4, atol=1e-5)
-    assert run.rows == min(kv, 4)
+    assert run.rows == 4 // kv * kv  # every KV head gets 4 // kv rows of the region
     if kv > 1:
         with pytest.raises(ConfigError, match="multiple"):
             K.attention_decode(mesh, np.concatenate([q, q[:1]]), Kc, Vc)  # H + 1 query heads, kv does not divide
+
+
+@pytest.mark.parametrize("H,kv,T", [(8, 2, 200), (4, 1, 1000), (2, 1, 70), (6, 3, 40)])
+def test_attention_decode_rows_per_head(mesh, H, kv, T):
+    """A KV head's context spread over several rows (row chains into column 0, then a chain up column 0 into
+    the head's first row) equals numpy softmax attention for every rows_per_head, padding PEs included."""
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((H, 16)).astype(np.float32)
+    Kc, Vc = (rng.standard_normal((T, kv, 16)).astype(np.float32) for _ in range(2))
+    ref = K.attention_reference(q.astype(np.float64), Kc, Vc)
+    for rph in range(1, mesh.logical_rows // kv + 1):
+        run = K.attention_decode(mesh, q, Kc, Vc, rows_per_head=rph)
+        np.testing.assert_allclose(run.out, ref, **TOL)
+        _on_live_cores(mesh, run)
+        ct = -(-T // (rph * run.cols))  # positions per PE
+        assert run.rows == kv * -(-T // (ct * run.cols)) and run.sram_bytes_per_pe >= 2 * ct * 16 * 4
+    with pytest.raises(ConfigError, match="rows_per_head"):
+        K.attention_decode(mesh, q, Kc, Vc, rows_per_head=mesh.logical_rows // kv + 1)
+
+
+def test_attention_decode_merges_up_column_0():
+    """Two rows per head: the partials of row 1 reach row 0 over column 0's link, q comes down it first."""
+    mesh = MESHES["perfect"]
+    rng = np.random.default_rng(3)
+    q, Kc, Vc = rng.standard_normal((2, 8)), rng.standard_normal((64, 1, 8)), rng.standard_normal((64, 1, 8))
+    run = K.attention_decode(mesh, q, Kc, Vc, rows_per_head=2)
+    assert run.rows == 2 and run.cols == 8
+    assert run.link_wavelets[((1, 0), (0, 0))] == 2 * (8 + 2)  # (m, l, o) of 2 query heads, up column 0
+    assert run.link_wavelets[((0, 0), (1, 0))] == 2 * 8  # q down column 0
+    assert ((2, 0), (1, 0)) not in run.link_wavelets  # the head has no third row

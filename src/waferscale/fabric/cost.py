@@ -22,8 +22,10 @@ Omitted (and said so): finite router buffers/back-pressure, task-switch overhead
 imbalance other than SpMV's, routes-per-PE limits on detours, clock/power throttling.
 
 The row programs (`row_program_cycles`) run phase lists from `schedules.py` on every row: local tasks,
-East->West chain reductions into column 0 (`chain_latency`) and West->East multicasts back
-(`multicast_latency`), as `sim.sim_row_program` executes them wavelet by wavelet.
+East->West chain reductions into column 0 (`chain_latency`), South->North chains up column 0 over groups of
+rows (decode attention: a KV head's rows) and multicasts from column 0 (`multicast_latency`), a link that
+detours make several of a phase's streams share passing their wavelets in turn, as `sim.sim_row_program`
+executes them wavelet by wavelet.
 
 `Cycles.total` is the critical path of the schedule. The parts are resource busy times on the busiest PE/link;
 `fill_drain` is whatever of the total the busiest resource does not explain (latency, fill, drain).
@@ -173,30 +175,69 @@ def elementwise_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, flo
 
 
 def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: int, dtype: str = "fp32",
-                       mesh: Mesh | None = None, colors: int = 3) -> Cycles:
+                       mesh: Mesh | None = None, colors: int = 3, group: int = 1) -> Cycles:
     """Phases run one after another on every row (the phase lists of `schedules.py`, which
     `sim.sim_row_program` executes wavelet by wavelet): local tasks, East->West chain reductions into column 0,
-    and West->East multicasts back."""
+    South->North chains up column 0 over each group of `group` rows, and multicasts from column 0 of a group's
+    first row down column 0 and along its rows."""
     R, C = check_region(spec, rows, cols, mesh)
     epw = PE.elems_per_wavelet(spec, dtype)
     hops = longest_chain_hops(mesh, R, C, axis=1)
+    col_hops = _group_column_hops(mesh, R, group)
     total = comp = fabric = 0
     for ph in phases:
         kind = ph[0]
         if kind in ("local", "local0"):
             total += ph[1]
             comp += ph[1]
-        elif C > 1 and kind == "reduce":
+        elif (C > 1 and kind == "reduce") or (group > 1 and kind == "creduce"):
             nw, add_c = -(-ph[1] // epw), PE.add_task(spec, dtype, epw, ph[2])
-            total += chain_latency(spec, C - 1, hops, nw, add_c)
+            share = _shared_link_streams(mesh, R, C, group, kind)
+            total += chain_latency(spec, C - 1, hops, nw, add_c) if kind == "reduce" else \
+                chain_latency(spec, group - 1, col_hops, nw, add_c)
+            total += max(0, (share - max(1, add_c)) * nw)  # the busiest shared link takes turns
             comp += nw * add_c
-            fabric += nw
-        elif C > 1 and kind == "bcast":
-            nw = -(-ph[1] // epw)
-            total += multicast_latency(spec, hops, nw)
-            fabric += nw
+            fabric += share * nw
+        elif C * group > 1 and kind == "bcast":
+            nw, share = -(-ph[1] // epw), _shared_link_streams(mesh, R, C, group, kind)
+            total += multicast_latency(spec, hops + col_hops, nw) + (share - 1) * nw
+            fabric += share * nw
     passes = color_passes(spec, colors)
     return make_cycles(compute=comp, sram=comp, fabric=fabric, total=total * passes, passes=passes)
+
+
+def _shared_link_streams(mesh: Mesh | None, R: int, C: int, group: int, kind: str) -> int:
+    """The most streams of one phase that a physical link carries: detours can make the chains of different
+    rows ("reduce": every (i, j) -> (i, j - 1)), of column 0 ("creduce") or the groups' multicast trees
+    ("bcast") share a link, which then passes their wavelets in turn. 1 on a perfect mesh, and on meshes
+    too big for exact routes (`exact_routes`)."""
+    if not exact_routes(mesh, R, C):
+        return 1
+    key = ("row_program_share", R, C, group, kind)
+    if key not in mesh._routes:
+        if kind == "bcast":
+            trees = [mesh.multicast_tree([(g + r, 0) for r in range(group)],
+                                         [[(g + r, j) for j in range(C)] for r in range(group)])
+                     for g in range(0, R, group)]
+            streams = [[(a, b) for a, bs in children.items() for b in bs] for children, _ in trees]
+        else:
+            edges = [((i, j), (i, j - 1)) for i in range(R) for j in range(1, C)] if kind == "reduce" else \
+                [((i, 0), (i - 1, 0)) for i in range(R) if i % group]
+            streams = [list(zip(p, p[1:])) for p in (mesh.route(a, b) for a, b in edges)]
+        count: dict = {}
+        for links in streams:
+            for link in links:
+                count[link] = count.get(link, 0) + 1
+        mesh._routes[key] = max(count.values(), default=1)
+    return mesh._routes[key]
+
+
+def _group_column_hops(mesh: Mesh | None, R: int, group: int) -> int:
+    """Physical hops down column 0 through the longest group of `group` consecutive rows (detours included)."""
+    if mesh is None or group == 1 or not mesh.has_defects:
+        return group - 1
+    links = mesh.chain_hops(R, 1, axis=0)[:, 0]  # (i, 0) -> (i + 1, 0)
+    return int(max(links[g:g + group - 1].sum() for g in range(0, R, group)))
 
 
 def _rows_region(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: int,
@@ -227,23 +268,61 @@ def softmax_cycles(spec: FabricSpec, n_elems: int, width: int, rows: int, cols: 
                               colors=5)
 
 
-def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, context_len: int, rows: int, cols: int,
-                            dtype: str = "fp16", *, n_kv_heads: int | None = None,
-                            mesh: Mesh | None = None) -> Cycles:
-    """One decode step of attention over a KV cache of context_len positions: KV heads over rows (each KV
-    slice stored once), context over columns; q multicast along each row, local scores/exp/P.V for every
-    query head of the row's KV heads (n_heads / n_kv_heads per KV head: grouped-query attention), a
-    log-sum-exp merge chain into column 0. n_kv_heads defaults to n_heads (multi-head attention)."""
+def attention_decode_schedule(spec: FabricSpec, n_heads: int, head_dim: int, context_len: int, rows: int,
+                              cols: int, dtype: str = "fp16", *, n_kv_heads: int | None = None,
+                              mesh: Mesh | None = None) -> tuple[list, int, int, int]:
+    """The layout `attention_decode_cycles` charges: (phases, rows, cols, rows_per_head) for
+    `row_program_cycles` / `sim.sim_row_program`.
+
+    KV heads over groups of rows, each head's context over its rows_per_head x cols PEs (row-major, the same
+    number of positions per PE, the last PEs possibly padding), so every row of the region holds cache when it
+    has more rows than KV heads; with fewer rows than KV heads, several KV heads share a row. A head's rows
+    cost a longer q multicast and a chain merge up column 0; a position less per PE saves a scores/P.V pass
+    over all of the head's query heads, so from 1 to rows // n_kv rows per head the fastest layout is taken
+    (fewest rows on ties; rows == n_kv is one row per head). Raises ConfigError when even the smallest KV
+    slice exceeds a PE's SRAM."""
     n_kv = n_heads if n_kv_heads is None else n_kv_heads
     check_positive(n_heads=n_heads, head_dim=head_dim, context_len=context_len, n_kv_heads=n_kv)
     if n_heads % n_kv:
         raise ConfigError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv} (grouped-query attention)")
-    R, C = check_region(spec, rows, cols, mesh)
-    R, C = used(n_kv, R), used(context_len, C)
-    kv_per_row, ctx_per_pe = -(-n_kv // R), -(-context_len // C)
-    kv_bytes = 2 * kv_per_row * ctx_per_pe * head_dim * PE.dtype_bytes(dtype)
-    if kv_bytes > spec.sram_bytes_per_pe:
-        raise ConfigError(f"KV cache slice of {kv_bytes:,} B per PE exceeds {spec.sram_bytes_per_pe:,} B SRAM; "
+    R0, C0 = check_region(spec, rows, cols, mesh)
+    best, smallest = None, None
+    for group in range(1, max(1, R0 // n_kv) + 1):
+        heads_rows = used(n_kv, R0 // group)  # groups of rows, kv_per_group KV heads each
+        kv_per_group, ctx_per_pe = -(-n_kv // heads_rows), -(-context_len // (group * C0))
+        pes = -(-context_len // ctx_per_pe)  # PEs of one head holding real positions
+        if -(-pes // C0) < group:  # fewer rows hold the same positions per PE: a smaller group's layout
+            continue
+        kv_bytes = 2 * kv_per_group * ctx_per_pe * head_dim * PE.dtype_bytes(dtype)
+        smallest = kv_bytes if smallest is None else min(smallest, kv_bytes)
+        if kv_bytes > spec.sram_bytes_per_pe:
+            continue
+        phases = attention_phases(spec, kv_per_group * (n_heads // n_kv), ctx_per_pe, head_dim, dtype)
+        layout = (phases, heads_rows * group, min(C0, pes), group)
+        total = row_program_cycles(spec, *layout[:3], dtype, mesh, _attention_colors(group), group).total
+        if best is None or total < best[0]:
+            best = (total, layout)
+    if best is None:
+        raise ConfigError(f"KV cache slice of {smallest:,} B per PE exceeds {spec.sram_bytes_per_pe:,} B SRAM; "
                           f"use more PEs or a shorter context")
-    phases = attention_phases(spec, kv_per_row * (n_heads // n_kv), ctx_per_pe, head_dim, dtype)
-    return row_program_cycles(spec, phases, R, C, dtype, mesh)
+    return best[1]
+
+
+def _attention_colors(group: int) -> int:
+    """Colors of the attention row program: the q multicast (1) and the row chain (2, alternating), plus a
+    column chain like the row chain's when a head has several rows."""
+    return 3 if group == 1 else 5
+
+
+def attention_decode_cycles(spec: FabricSpec, n_heads: int, head_dim: int, context_len: int, rows: int, cols: int,
+                            dtype: str = "fp16", *, n_kv_heads: int | None = None,
+                            mesh: Mesh | None = None) -> Cycles:
+    """One decode step of attention over a KV cache of context_len positions, laid out as
+    `attention_decode_schedule` says (KV heads over groups of rows, each head's context over its rows and all
+    columns; each KV slice stored once): q multicast from column 0 of the head's first row down column 0 and
+    along the rows, local scores/exp/P.V for every query head of the PE's KV heads (n_heads / n_kv_heads per
+    KV head: grouped-query attention), a log-sum-exp merge chain along every row into column 0, then one up
+    column 0 into the head's first row. n_kv_heads defaults to n_heads (multi-head attention)."""
+    phases, R, C, group = attention_decode_schedule(spec, n_heads, head_dim, context_len, rows, cols, dtype,
+                                                    n_kv_heads=n_kv_heads, mesh=mesh)
+    return row_program_cycles(spec, phases, R, C, dtype, mesh, _attention_colors(group), group)

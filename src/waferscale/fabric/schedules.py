@@ -85,6 +85,9 @@ def broadcast_chains(algo: str, R: int, C: int) -> tuple[list[Coord], list[list[
 
 
 # ---- row programs (norms, softmax, attention) -----------------------------------------------------------
+# A row program may run on groups of `group` consecutive rows (decode attention: the rows of one KV head):
+# "bcast" then starts at column 0 of the group's first row and goes down column 0 and along every row,
+# "creduce" chains column 0 South->North into the group's first row, and "local0" runs there only.
 def norm_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, rms: bool, dtype: str) -> list[tuple]:
     """LayerNorm: local sum and sum of squares, row all-reduce of 2 stats per token, normalize (2 FMAs/value:
     (x - mean) * rstd, then * gamma + beta). RMSNorm: one stat, one FMA plus a multiply."""
@@ -106,10 +109,13 @@ def softmax_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, dty
 
 
 def attention_phases(spec: FabricSpec, heads_per_row: int, ctx_per_pe: int, head_dim: int, dtype: str) -> list:
-    """q multicast along the row; scores (ctx*d FMAs per head), exp, P.V (ctx*d FMAs per head); the (m, l, o)
-    partials merge East->West (a rescale FMA on each side per value: 2 ops + exps amortised); out = o / l."""
+    """q multicast from the head's first row down column 0 and along the rows; scores (ctx*d FMAs per head),
+    exp, P.V (ctx*d FMAs per head); the (m, l, o) partials merge East->West along every row (a rescale FMA on
+    each side per value: 2 ops + exps amortised), then South->North up column 0 over the head's rows (a no-op
+    when a head has one row); out = o / l on the head's first row."""
     h, c, d = heads_per_row, ctx_per_pe, head_dim
     local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (spec.exp_ops + 2) * h * c,
                            read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2))
     div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d)
-    return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("local0", div)]
+    return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("creduce", h * (d + 2), 2),
+            ("local0", div)]

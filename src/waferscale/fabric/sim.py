@@ -256,20 +256,26 @@ def sim_elementwise(spec: FabricSpec, n_elems: int, rows: int, cols: int, flops_
 
 
 def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int, dtype: str = "fp32",
-                    mesh: Mesh | None = None) -> int:
+                    mesh: Mesh | None = None, group: int = 1) -> int:
     """Run phases (e.g. `schedules.norm_phases`) on every PE of every row, in order:
 
     ("local", cycles)            a task on every PE
-    ("local0", cycles)           a task on column 0 only
+    ("local0", cycles)           a task on column 0 of each group's first row only
     ("reduce", n_vals, ops_per)  East->West chain into column 0; each arriving wavelet costs an add task with
                                  `ops_per` ops per value (1 for sum/max, more for a log-sum-exp merge)
-    ("bcast", n_vals)            column 0 multicasts n_vals values West->East along its row
-    """
+    ("creduce", n_vals, ops_per) the same chain South->North up column 0 into each group's first row
+    ("bcast", n_vals)            column 0 of each group's first row multicasts n_vals values down column 0 and
+                                 along every row of the group
+
+    Rows form groups of `group` consecutive rows (1: every row on its own, as norms and softmax run)."""
     sim = EventSim(spec, mesh, rows, cols)
-    R, C = sim.rows, sim.cols
+    R, C, G = sim.rows, sim.cols, group
     epw = PE.elems_per_wavelet(spec, dtype)
     west = {(i, j): sim.mesh.multicast_tree([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
-    east = {i: sim.mesh.multicast_tree([(i, j) for j in range(C)]) for i in range(R)}
+    north = {i: sim.mesh.multicast_tree([(i, 0), (i - 1, 0)]) for i in range(R) if i % G}
+    down = {i: sim.mesh.multicast_tree([(i + r, 0) for r in range(G)], [[(i + r, j) for j in range(C)]
+                                                                         for r in range(G)])
+            for i in range(0, R, G)}
     phase_of: dict = defaultdict(int)
     got: dict = defaultdict(int)
     early: dict = defaultdict(list)
@@ -279,14 +285,15 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         if p == len(phases):
             return
         kind, (i, j) = phases[p][0], pe
-        if kind == "local" or (kind == "local0" and j == 0):
+        if kind == "local" or (kind == "local0" and j == 0 and i % G == 0):
             sim.task(t, pe, int(phases[p][1]), finish, pe, key=(p, -1))
-        elif kind == "local0":
+        elif kind == "local0" or (kind == "creduce" and (j > 0 or G == 1)):
             finish(t, pe)
-        elif j == (C - 1 if kind == "reduce" else 0):  # a reduce starts at the East end, a bcast at column 0
-            if C > 1:
+        elif (j, i % G) == {"reduce": (C - 1, i % G), "creduce": (0, G - 1), "bcast": (0, 0)}[kind]:  # the source
+            tree = west.get(pe) if kind == "reduce" else north.get(i) if kind == "creduce" else down[i]
+            if tree and tree[1]:  # someone to deliver to (not a 1-PE row or group)
                 for w, e in enumerate(_chunks(phases[p][1], epw)):
-                    sim.send(t, pe, west[pe] if kind == "reduce" else east[i], arrive, (p, w, e))
+                    sim.send(t, pe, tree, arrive, (p, w, e))
             finish(t, pe)
         else:
             for payload in early.pop((pe, p), []):
@@ -303,7 +310,7 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
             early[pe, p].append(payload)
             return
         kind, n_vals = phases[p][0], phases[p][1]
-        if kind == "reduce":
+        if kind in ("reduce", "creduce"):
             sim.task(t, pe, PE.add_task(spec, dtype, e, phases[p][2]), reduced, pe, payload, key=(p, w))
         else:  # bcast: received into memory
             got[pe] += 1
@@ -312,8 +319,11 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
 
     def reduced(t, pe, payload):
         p, w, e = payload
-        if pe[1] > 0:
+        (i, j), kind = pe, phases[p][0]
+        if kind == "reduce" and j > 0:
             sim.send(t, pe, west[pe], arrive, payload)
+        elif kind == "creduce" and i % G:
+            sim.send(t, pe, north[i], arrive, payload)
         got[pe] += 1
         if got[pe] == len(_chunks(phases[p][1], epw)):
             finish(t, pe)
