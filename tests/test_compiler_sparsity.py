@@ -31,7 +31,7 @@ DENSE_FINGERPRINTS = {
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):
         "02f53695be77e3b6c62948dfef228c3e555ef8074064a5ebea5ba2de67605816",
     (("model", "gpt-tiny"), ("pes", (16, 16)), ("defects", 0.02), ("seed", 1), ("mode", "train")):
-        "578b04ce7f7e9375b915191d4c5327089cd811ba6c250a867ee80c0ef161fd79",
+        "1b4f4d7f63ec9217d887a5fb5c4ec884152de2bc9a2234c79d00bd453c07d8a9",
 }
 
 
