@@ -166,6 +166,15 @@ class OptimizerUpdate:
     def exposed(self, per: list[float]) -> float:
         return max(self.first_s, self.seconds - self.window(per))
 
+    def step(self, micro: pj.Time, n_micro: int, per: list[float], boundary: pj.Time) -> pj.Time:
+        """A step's critical path by part: `n_micro` micro-batches of `micro` (`per`: its seconds per layer), the
+        step boundary's transfers and the update. When the update outlasts its window, the wafer's work in that
+        window runs under it, so the step follows MemoryX there and its time is booked to the update."""
+        hidden = self.window(per) if self.exposed(per) > self.first_s else 0.0
+        t = micro.scaled(n_micro - hidden / micro.s)
+        t += boundary
+        return t.add("MemoryX update", self.exposed(per) + hidden)
+
 
 def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, micro: int, seq: int, workload: dict,
                           common: dict, b: int, cap_w: int, t_min: int, F: float, tok=None, actx=None,
@@ -232,14 +241,14 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
                 f"tokens, gradients reduced before streaming out): g = {sorted(set(groups))}")
 
     steps: dict[int, pj.Time] = {}
+    exposed: dict[int, float] = {}  # the update's wait per step, on n systems
 
     def step_time(n: int) -> pj.Time:  # one step on n systems, each doing the same work (weak scaling)
         if n not in steps:
             tot, per_n = (total, per) if n == ctx.systems else \
                 _stream_micro(ctx, units, t_mb, seq, b, recompute, n, free, tok, actx)[::4]
-            steps[n] = tot.scaled(n_micro)
-            steps[n] += _step_boundary(ctx, units, b, n)
-            steps[n].add("MemoryX update", upd.exposed(per_n))
+            steps[n] = upd.step(tot, n_micro, per_n, _step_boundary(ctx, units, b, n))
+            exposed[n] = upd.exposed(per_n)
         return steps[n]
 
     def step_at(n: int) -> float:
@@ -259,7 +268,7 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
     scaling = weak_scaling(ctx, per_sys, seq, step_at, lambda n: step_at(n) - base)
     for r in scaling:
         r["tokens_per_micro_batch"], r["stalls"] = t_mb, t_mb < t_min
-        r["memoryx_update_exposed_s"] = steps[r["systems"]].parts["MemoryX update"]
+        r["memoryx_update_exposed_s"] = exposed[r["systems"]]
     levels = SystemSpec(ctx.spec, ctx.systems).swarmx_levels
     ctx.say(f"data parallel (weak scaling): each system keeps {per_sys} sequences per step ({n_micro} micro-batches "
             f"of {micro}), so the global batch is {per_sys} x N; every system runs the same layer-by-layer "
@@ -270,13 +279,13 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
             + (f"; here {ctx.systems} systems, {levels} level(s)" if ctx.systems > 1 else ""))
     proj = {"step_time_s": step, "tokens_per_s": tps, "mfu": flops * tps / (F * ctx.systems),
             "weights_streamed": True, "recompute": recompute,
-            "bottleneck": "MemoryX update" if upd.exposed(per) > upd.first_s else steps[ctx.systems].bottleneck(),
+            "bottleneck": steps[ctx.systems].bottleneck(),
             "time_shares": steps[ctx.systems].shares(), "compute_time_per_micro_batch_s": comp.s,
             "io_time_per_micro_batch_s": io.s, "micro_batch_time_shares": total.shares(),
             "optimizer_update": {"params": upd.params, "bytes_per_param": upd.bytes_per_param,
                                  "memoryx_bytes_per_s": upd.bytes_per_s, "update_s": upd.seconds,
                                  "first_layer_update_s": upd.first_s, "overlap_window_s": upd.window(per),
-                                 "exposed_s": steps[ctx.systems].parts["MemoryX update"]},
+                                 "exposed_s": exposed[ctx.systems]},
             "micro_batches_per_step": n_micro, "layer_copies": groups, "tokens_per_micro_batch": t_mb,
             "model_flops_per_token": flops, "no_stall_met": t_mb >= t_min, **common, "scaling": scaling}
     R, Cc = ctx.wafers[0].rows, ctx.wafers[0].cols
@@ -286,10 +295,8 @@ def plan_weight_streaming(ctx: CompileContext, units: list[Unit], per_sys: int, 
 
     def reproject(us: list[Unit]) -> tuple[pj.Time, list[float]]:  # one step with other densities (g re-chosen)
         t, _, _, _, per = _stream_micro(ctx, us, t_mb, seq, b, recompute, ctx.systems, free, tok, actx)
-        t = t.scaled(n_micro)
-        t += _step_boundary(ctx, us, b, ctx.systems)
-        t.add("MemoryX update", OptimizerUpdate.of(ctx, us).exposed(per))
-        return t, [n_micro * x for x in per]
+        step = OptimizerUpdate.of(ctx, us).step(t, n_micro, per, _step_boundary(ctx, us, b, ctx.systems))
+        return step, [n_micro * x for x in per]
 
     return {"strategy": "weight_streaming", "replicas": ctx.systems, "wafers_per_pipeline": 1, "fits_in_sram": False,
             "workload": workload, "projection": proj, "regions": regions, "reproject": reproject,
