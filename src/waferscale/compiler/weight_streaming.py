@@ -97,9 +97,10 @@ def _explain_update(ctx: CompileContext, upd: OptimizerUpdate, per: list[float],
             f"forward pass the layers below the top one ({w * 1e3:.1f} ms), "
             + (f"so the step waits only for the first layer's update ({upd.first_s * 1e3:.2f} ms: its gradients "
                f"arrive last and its weights are needed first)" if exposed == upd.first_s else
-               f"too short: the step waits {exposed * 1e3:.1f} ms for it ({exposed / step:.0%} of the step) and is "
-               f"bound by MemoryX, not by the wafer (MemoryX would need {(upd.params - upd.first_params) * upd.bytes_per_param / max(w, 1e-30) / 1e9:.0f} GB/s "
-               f"to hide all but the first layer's)"))
+               f"too short: the step waits {exposed * 1e3:.1f} ms more for it ({exposed / step:.0%} of the step), and "
+               f"in the window the step follows MemoryX, not the wafer (MemoryX would need "
+               f"{(upd.params - upd.first_params) * upd.bytes_per_param / max(w, 1e-30) / 1e9:.0f} GB/s to hide all "
+               f"but the first layer's)"))
 
 
 def _dispatch_time(spec, u: Unit, t_mb: int, R: int, C: int, dtype: str) -> pj.Time:
