@@ -155,7 +155,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     return Plan(model=g.name, source=g.source, target=ctx.wafer_spec.name if spread else spec.name, systems=systems,
                 mode=mode_key,
                 strategy=out["strategy"], replicas=out["replicas"], wafers_per_pipeline=out["wafers_per_pipeline"],
-                fits_in_sram=out["fits_in_sram"], fabric=dataclasses.asdict(spec),
+                fits_in_sram=out["fits_in_sram"], fabric=dataclasses.asdict(ctx.wafer_spec if spread else spec),
                 wafers=[{"system": i, "logical_rows": rows, "logical_cols": cols, "usable_pes": rows * cols,
                          "dead_pes": w.mesh.n_dead_cores, "defect_rate": defects, "seed": seed + i}
                         for i, w in enumerate(wafers)

@@ -59,6 +59,9 @@ def figure(plan: Plan):
         ax.add_patch(Rectangle((0, 0), cols, rows, facecolor="#eeeeee", edgecolor="black", lw=1.2))
         ax.add_patch(Rectangle((0, 0), w["logical_cols"], w["logical_rows"], facecolor="white", edgecolor="none"))
         regs = by_sys.get(s, [])
+        if plan.strategy == "model_parallel":
+            _windows(fig, ax, regs, rows, cols)
+            regs = []
         big = [r for r in regs if r.area >= 0.002 * rows * cols]
         for r in regs:
             color = "#9ecae1" if r.unit < 0 else cmap(0.08 + 0.84 * hue[r.unit] / max(1, n_units - 1))
@@ -123,6 +126,31 @@ def figure(plan: Plan):
                  fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
+
+
+def _windows(fig, ax, regs: list, rows: int, cols: int) -> None:
+    """A model-parallel plan's wafer: the bytes of weights each PE holds (windows overlap, so they add up), every
+    window outlined and labelled with the units it holds, and the order a token visits them."""
+    import numpy as np
+
+    load = np.zeros((rows, cols))
+    groups: dict = {}
+    for r in regs:
+        load[r.row:r.row + r.rows, r.col:r.col + r.cols] += r.bytes / r.area
+        groups.setdefault((r.row, r.col, r.rows, r.cols), []).append(r)
+    im = ax.imshow(load / 1024, cmap="YlOrRd", extent=(0, cols, rows, 0), interpolation="nearest", zorder=1)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("KiB of weights per PE", fontsize=7)
+    from matplotlib.patches import Rectangle
+
+    for (r0, c0, R, C), members in groups.items():
+        ax.add_patch(Rectangle((c0, r0), C, R, facecolor="none", edgecolor="black", lw=0.8, zorder=3))
+        names = [_short(m.name) for m in sorted(members, key=lambda m: m.unit)]
+        label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}\n({len(names)} units)"
+        ax.text(c0 + C / 2, r0 + R / 2, f"{label}\n{R}x{C}", ha="center", va="center", fontsize=7, zorder=6,
+                bbox=_LABEL_BOX)
+    order = sorted(regs, key=lambda r: r.unit)
+    ax.plot([r.col + r.cols / 2 for r in order], [r.row + r.rows / 2 for r in order], color="black", lw=0.7,
+            alpha=0.5, zorder=4)
 
 
 def _fmt_s(s: float) -> str:

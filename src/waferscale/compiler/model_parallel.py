@@ -172,10 +172,26 @@ def _place_windows(per_pe: list[float], rows: int, cols: int, wafer_rows: int, w
             at.append(pick)
             prev = pick
         if float(load.max()) <= cap:
+            runs, run_load = _contiguous(at, per_pe, cover, load.shape, rs, cs)
+            if float(run_load.max()) <= cap:  # the same counts per position, consecutive units together
+                at, load = runs, run_load
             return at, load, cuts_r, cuts_c
         if len(rs) == wafer_rows - rows + 1 and len(cs) == wafer_cols - cols + 1:
             break
     return None
+
+
+def _contiguous(at: list, per_pe: list[float], cover: dict, shape: tuple, rs: list[int],
+                cs: list[int]) -> tuple[list, np.ndarray]:
+    """The balanced placement `at` rearranged so each position takes a run of consecutive units (as many as it
+    had), positions in snake order: a token then hops between windows once per run, not once per unit."""
+    counts = {p: at.count(p) for p in set(at)}
+    snake_order = [(r, c) for i, r in enumerate(rs) for c in (cs if i % 2 == 0 else cs[::-1]) if (r, c) in counts]
+    out = [p for p in snake_order for _ in range(counts[p])]
+    load = np.zeros(shape)
+    for p, b in zip(out, per_pe):
+        load[cover[p]] += b
+    return out, load
 
 
 def _free_band(load: np.ndarray, cuts_r: list[int], cuts_c: list[int]) -> tuple[int, int, int, int] | None:
