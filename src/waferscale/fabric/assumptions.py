@@ -30,7 +30,9 @@ class Assumption:
 
 
 _CLOCK_UNPUBLISHED = Assumption(
-    "clock_hz", "Hz", "Chip row: clock not published for this generation; WSE-2's published maximum, 1.1 GHz")
+    "clock_hz", "Hz", "Chip row: clock not published for this generation (for WSE-3 The Next Platform, 2024-03-14: "
+                      "raised 'a little bit ... but Cerebras is not telling'); assumed WSE-2's published 1.1 GHz "
+                      "(Hot Chips 34; WaferLLM converts its WSE-2 cycles at 1.1 GHz)")
 _IO_LATENCY = Assumption(
     "io_latency_s", "s", "System row: 'CS-3 I/O latency < 5 us per hop' (V), taken at the bound for every "
                          "generation (the only published figure)")
@@ -55,9 +57,7 @@ UNPUBLISHED: dict[str, tuple[Assumption, ...]] = {
              Assumption("io_bytes_per_s", "B/s", "System row: '12 x 100 GbE = 1.2 Tb/s ~ 150 GB/s' is stated for "
                                                  "CS-2/CS-3; assumed for CS-1"),
              _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
-    "wse2": (Assumption("clock_hz", "Hz", "Chip row: 'max 1.1 GHz (papers, Hot Chips)' while the SDK benchmarks "
-                                          "convert cycles at 850 MHz; the sustained clock is assumed at the maximum"),
-             _IO_LATENCY, *_COMMON),
+    "wse2": (_IO_LATENCY, *_COMMON),  # its clock is published (presets.py): not an assumption
     "wse3": (_CLOCK_UNPUBLISHED, _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
 }
 

@@ -31,13 +31,17 @@ PRESETS: dict[str, FabricSpec] = {
         **_COMMON),
     "wse2": FabricSpec(
         name="wse2", rows=994, cols=750,  # Chip: "largest program rectangle 750x994 = 745,500" (A)
-        clock_hz=1.1e9,  # Chip: "max 1.1 GHz (papers, Hot Chips)"; SDK benchmarks use 850 MHz — an assumption
+        # Chip: "1.1 GHz (papers, Hot Chips)": published. The core "running at 1.1 GHz" (Hot Chips 34, S. Lie, 2022;
+        # IEEE Micro 43(3), 2023); WaferLLM (OSDI'25, sec. 7) measured on a WSE-2 whose cores operate "at a maximum of
+        # 1.1 GHz" and converts its device cycles at 1.1 GHz. The SDK examples' 850 MHz is a conversion convention.
+        clock_hz=1.1e9,
         fp16_flops_per_cycle_per_pe=8,  # Chip: "4-wide FMAC = 8 FLOP/cycle" (A/V)
         power_w=22.8e3,  # Chip: "22.8 kW average measured under load" (V/A)
         **_COMMON),
     "wse3": FabricSpec(
         name="wse3", rows=1170, cols=755,  # Chip: "program rectangle ~755x1170 (D)"
-        clock_hz=1.1e9,  # Chip: "not published"; an assumption: WSE-2's 1.1 GHz
+        clock_hz=1.1e9,  # Chip: "not published" (The Next Platform, 2024-03-14: raised "a little bit ... but
+        # Cerebras is not telling"); an assumption: WSE-2's published 1.1 GHz (fabric/assumptions.py)
         fp16_flops_per_cycle_per_pe=16,  # Chip: "8-wide = 16 FLOP/cycle" (A/V)
         power_w=23e3,  # Chip: "~23 kW" (V)
         **_COMMON),
