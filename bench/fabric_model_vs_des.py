@@ -8,7 +8,8 @@ run on 10x10 meshes with 1-10% dead cores and links (spare-remapped, detoured ro
 "gemv-allreduce-*" is the GEMV of the in-layer model-parallel layout (x already on its column, the partials
 all-reduced along the rows by a chain or by K-ary trees of fan-in 2, 3 and 4 into column 0, or by 1, 2 and 3
 phases of two chains into group centres ending at the row's centre). "allreduce-center" roots the 2D
-all-reduce at the centre PE.
+all-reduce at the centre PE; "allreduce-center/K" reaches it in K phases per axis (cases whose 4 colors per
+phase fit the program's colors: the event simulation has no color limit).
 SpMV is judged one random matrix at a time, while its model is the expectation over such matrices (the
 spread of single instances is a few percent on small meshes)."""
 
@@ -62,6 +63,10 @@ def main() -> None:
         for algo, n in itertools.product(("chain", "2d", "tree", "center"), (1, 16, 128, 512)):
             case(f"allreduce-{algo}", lambda: KC.allreduce_cycles(sp, n, R, C, algo),
                  lambda: S.sim_allreduce(sp, n, R, C, algo))
+        for ph, n in itertools.product((2, 3), (1, 16, 128, 512)):  # ph phases per axis
+            if KC.allreduce_cycles(sp, n, R, C, "center", fan_in=ph).passes == 1:
+                case(f"allreduce-center/{ph}", lambda: KC.allreduce_cycles(sp, n, R, C, "center", fan_in=ph),
+                     lambda: S.sim_allreduce(sp, n, R, C, "center", fan_in=ph))
         for n in (1, 64, 500):
             case("broadcast", lambda: KC.broadcast_cycles(sp, n, R, C), lambda: S.sim_broadcast(sp, n, R, C))
         for m, k, s in [(64, 64, 0.9), (256, 256, 0.9), (128, 128, 0.5), (256, 128, 0.99)]:
@@ -102,6 +107,11 @@ def main() -> None:
         for algo in ("chain", "2d", "tree"):
             case("allreduce+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
+        for ph, n in itertools.product((2, 3), (1, 64)):
+            if KC.allreduce_cycles(sp, n, R, C, "center", mesh=mesh, fan_in=ph).passes == 1:
+                case(f"allreduce-center/{ph}+defects",
+                     lambda: KC.allreduce_cycles(sp, n, R, C, "center", mesh=mesh, fan_in=ph),
+                     lambda: S.sim_allreduce(sp, n, R, C, "center", mesh=mesh, fan_in=ph))
         case("allreduce-center+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, "center", mesh=mesh),
              lambda: S.sim_allreduce(sp, 64, R, C, "center", mesh=mesh))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),

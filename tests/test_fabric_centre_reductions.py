@@ -1,11 +1,13 @@
 """Centre-rooted reductions: the GEMV all-reduce "phases" (WaferLLM's MeshGEMV K-tree: K phases of two chains
 into group centres, the final root at the row's centre multicasting both ways) and the 2D all-reduce "center"
-(rows into the middle column, that column into the centre PE, then the centre multicasts back). Each: the cycle
-model within 10% of the wavelet-level event simulation, the tile-by-tile execution equal to numpy, and on big
-meshes faster than its corner-rooted counterpart because the sum travels about half the hops in and out."""
+(rows into the middle column, that column into the centre PE, then the centre multicasts back), also in K phases
+per axis (fan_in = K: every row, then the middle column, by the GEMV's K-phase tree). Each: the cycle model within
+10% of the wavelet-level event simulation, the tile-by-tile execution equal to numpy, and on big meshes faster
+than its corner-rooted counterpart because the sum travels about half the hops in and out."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -202,3 +204,103 @@ def test_centre_refusals_and_cli():
     d = run_kernel("allreduce", m=40, k=1, n=None, target="wse2", pes=(8, 8), algo="center", verify=True,
                    defects=0.05, seed=2)
     assert d["verified"] and d["assumptions"]["algo"] == "center"
+
+
+# ---- 2D all-reduce "center" in K phases per axis --------------------------------------------------------
+def test_centre_phase_tree():
+    """Every row reduces by the K-phase tree into the rows' root column, that column by its K-phase tree into
+    the root (within two PEs of the centre); the broadcast starts there and reaches every PE; K = 1 is the
+    chains of `test_centre_tree`."""
+    assert reduce_parents("center", 5, 4, 1) == reduce_parents("center", 5, 4)
+    for (R, C), K in itertools.product([(5, 4), (9, 13), (16, 16), (1, 31), (30, 2)], (1, 2, 3, 4)):
+        par, (r, c) = reduce_parents("center", R, C, K), reduce_root("center", R, C, K)
+        row, col = row_reduce_parents("phases", C, K), row_reduce_parents("phases", R, K)
+        assert len(par) == R * C - 1 and (r, c) not in par and abs(r - (R - 1) / 2) <= 2 and abs(c - (C - 1) / 2) <= 2
+        assert all(par[i, j] == (i, row[j]) for i in range(R) for j in row)
+        assert all(par[i, c] == (col[i], c) for i in col)
+        pes, branches = broadcast_chains("center", R, C, K)
+        reached = {p for b in [pes, *branches] for p in b}
+        assert pes[0] == (r, c) and reached == {(i, j) for i in range(R) for j in range(C)}
+
+
+@pytest.mark.parametrize("target", ["wse2", "wse3"])
+@pytest.mark.parametrize("R,C", [(1, 5), (4, 8), (6, 5), (3, 16), (16, 16), (9, 13), (2, 31), (12, 20)])
+def test_centre_phases_model_vs_des(target, R, C):
+    """Where the schedule's colors (4 per phase of each axis) fit in one pass: the event simulation has no color
+    limit, the model charges further passes (`test_centre_phases_colors`)."""
+    spec = fabric_from_name(target, pes=(R, C))
+    compared = 0
+    for K, n in itertools.product((2, 3, 4), (1, 16, 128, 512)):
+        model = KC.allreduce_cycles(spec, n, R, C, "center", fan_in=K)
+        if model.passes == 1:
+            compared += 1
+            _close(model.total, S.sim_allreduce(spec, n, R, C, "center", fan_in=K), f"center/{K} n={n} on {R}x{C}")
+    assert compared >= 4  # at least every n of K = 2 (16 colors)
+
+
+def test_centre_phases_model_vs_des_on_defective_meshes():
+    spec = fabric_from_name("wse2", pes=(10, 10))
+    compared = 0
+    for rate, seed, K in itertools.product((0.01, 0.05, 0.1), (0, 1), (2, 3)):
+        mesh = Mesh.build(spec, rate, seed=seed)
+        R, C = mesh.logical_rows, mesh.logical_cols
+        for n in (1, 64):
+            model = KC.allreduce_cycles(spec, n, R, C, "center", mesh=mesh, fan_in=K)
+            if model.passes == 1:
+                compared += 1
+                _close(model.total, S.sim_allreduce(spec, n, R, C, "center", mesh=mesh, fan_in=K),
+                       f"center/{K} n={n}, defects {rate} seed {seed}")
+    assert compared >= 12
+
+
+def test_centre_phases_colors():
+    """4 colors per phase of each axis: 2 phases on both axes take 16 of WSE-2's 18 (one pass), 3 phases 24
+    (two passes: the reduction pays its fill again), which only the model knows of."""
+    spec = fabric_from_name("wse2", pes=(16, 16))
+    two, three = (KC.allreduce_cycles(spec, 1, 16, 16, "center", fan_in=K) for K in (2, 3))
+    assert two.passes == 1 and three.passes == 2
+    wide = KC.allreduce_cycles(dataclasses.replace(spec, colors=24), 1, 16, 16, "center", fan_in=3)
+    assert wide.passes == 1 and wide.total == S.sim_allreduce(spec, 1, 16, 16, "center", fan_in=3) < three.total
+
+
+@pytest.mark.parametrize("defects", [0.0, 0.05])
+def test_centre_phases_tile_execution_equals_numpy(defects):
+    mesh = Mesh.build(fabric_from_name("wse2", pes=(17, 23)), defects, seed=3)
+    data = np.random.default_rng(2).standard_normal((mesh.logical_rows, mesh.logical_cols, 33)).astype(np.float32)
+    total = data.astype(np.float64).sum((0, 1))
+    for K in (1, 2, 3, 4):
+        assert np.abs(reduce(mesh, data, "center", fan_in=K).out - total).max() < 1e-4
+        run = allreduce(mesh, data, "center", fan_in=K)
+        assert run.out.shape == data.shape and np.abs(run.out - total).max() < 1e-4
+        if defects == 0:  # a link carries at most one chain edge per phase, plus the broadcast
+            assert run.max_link_wavelets <= (K + 1) * 33
+
+
+def test_centre_phases_fewer_stages_on_big_meshes():
+    """Each chain stage pays ramp out + hop + ramp in + add: two phases pay about 2 sqrt(n) stages per axis
+    instead of n / 2, so a 1-value all-reduce gets faster (the event simulation on 48x48; the model on a WSE-1's
+    whole mesh, where two phases fit the colors in one pass and come within 1.25x the diameter)."""
+    spec = fabric_from_name("wse2", pes=(48, 48))
+    des = {K: S.sim_allreduce(spec, 1, 48, 48, "center", fan_in=K) for K in (1, 2)}
+    assert des[2] < 0.7 * des[1]
+    wse1 = fabric_from_name("wse1")
+    one, two = (KC.allreduce_cycles(wse1, 1, wse1.rows, wse1.cols, "center", fan_in=K) for K in (1, 2))
+    assert two.passes == 1 and two.total < 0.5 * one.total and two.total < 1.25 * (wse1.rows + wse1.cols - 2)
+
+
+def test_centre_phases_refusals_and_cli():
+    spec = fabric_from_name("wse2", pes=(8, 8))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="number of phases per axis"):
+            KC.allreduce_cycles(spec, 16, 8, 8, "center", fan_in=bad)
+    with pytest.raises(ConfigError, match="'center' only"):
+        KC.allreduce_cycles(spec, 16, 8, 8, "2d", fan_in=2)
+    with pytest.raises(ConfigError, match="'center' only"):
+        allreduce(Mesh.build(spec), np.ones((8, 8, 2), np.float32), "tree", fan_in=3)
+    d = run_kernel("allreduce", m=40, k=1, n=None, target="wse2", pes=(8, 8), algo="center", fan_in=3, verify=True,
+                   defects=0.05, seed=2)
+    assert d["verified"] and d["assumptions"]["phases"] == 3
+    assert run_kernel("allreduce", m=1, k=1, n=None, target="wse2", pes=(8, 8), algo="center")["assumptions"][
+        "phases"] == 1
+    with pytest.raises(ConfigError, match="--fan_in applies"):
+        run_kernel("allreduce", m=40, k=1, n=None, target="wse2", pes=(8, 8), algo="2d", fan_in=3)

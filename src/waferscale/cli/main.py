@@ -493,8 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "phases "
                                                         "(x already on its column, y all-reduced along the rows; "
                                                         "default: x streamed into stationary W)")
-            p.add_argument("--fan_in", type=int, default=2, help="gemv --algo ktree: PEs per reduction group; "
-                                                                 "--algo phases: the number of phases")
+            p.add_argument("--fan_in", type=int, default=None, help="gemv --algo ktree: PEs per reduction group "
+                                                                    "(default 2); gemv --algo phases: the number "
+                                                                    "of phases (default 2); allreduce --algo "
+                                                                    "center: phases per axis (default 1)")
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
         elif name == "serve":

@@ -10,7 +10,10 @@ real detoured routes are used and edges sharing a physical link queue on it (`_t
 
 "center" roots the reduction at the centre PE (rows into the middle column, that column into the centre, each
 as two chains meeting there) and broadcasts from it, so the sum travels about half the rows and columns in and
-half out, where the corner-rooted "2d" crosses the whole mesh both ways (Rocki et al., SC20). Its nodes are
+half out, where the corner-rooted "2d" crosses the whole mesh both ways (Rocki et al., SC20). With fan_in = K
+phases per axis, each row and then the middle column reduce by the K-phase tree of `schedules_gemv` (groups of
+about n^(1/K) PEs as two chains into their centres, then the group roots likewise): a chain stage costs ramp out
++ hop + ramp in + add, so K phases pay about K n^(1/K) stages per axis instead of n / 2. Its nodes are
 evaluated with the GEMV all-reduce's `cost_matmul._node_window` (`_centre_node`): a middle-column PE adds its
 row halves' streams early and its column chain's late, and the busy period that starts at a later arrival is
 what sets its last wavelet; the other algorithms keep `_node_times`.
@@ -18,13 +21,13 @@ what sets its last wavelet; the other algorithms keep `_node_times`.
 
 from __future__ import annotations
 
-from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
 from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, detour_extra, exact_routes,
                                     fluid_finish, make_cycles, multicast_latency)
 from waferscale.fabric.cost_matmul import _node_window
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules import REDUCE_ALGOS, broadcast_chains, reduce_parents, reduce_root
+from waferscale.fabric.schedules import broadcast_chains, check_reduce, reduce_parents, reduce_root
+from waferscale.fabric.schedules_gemv import bottom_up, row_reduce_depth, row_reduce_parents, row_root
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -95,21 +98,29 @@ def _tree_finish(parents: dict, root, mesh: Mesh, nw: int, add_c: int, spec: Fab
     return times[root][1]
 
 
-def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec) -> float:
+def _line_parents(algo: str, n: int, phases: int) -> dict[int, int]:
+    """child -> parent positions of one row (or of the root's column) of n PEs in `algo`'s tree."""
+    if algo == "center":
+        return row_reduce_parents("phases", n, phases)
+    return {c: p for (_, c), (_, p) in reduce_parents(algo, 1, n).items()}
+
+
+def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: FabricSpec, phases: int = 1) -> float:
     """`_tree_finish` for a defect-free region in O(R + C): every row's tree is the same, then the root's
-    column (column 0, or the middle one for "center")."""
+    column (column 0, or the rows' root column for "center")."""
     if algo == "chain":
         return nw - 1 + (R * C - 1) * (2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c)
     node = _centre_node if algo == "center" else _node_times
 
     def into_root(n: int, inputs: list) -> list:
         """Arrivals at the root of a line of n PEs reducing by `algo`, each PE also combining `inputs`."""
+        par = _line_parents(algo, n, phases)
         kids: dict = {}
-        for (_, c), (_, p) in reduce_parents(algo, 1, n).items():
+        for c, p in par.items():
             kids.setdefault(p, []).append(c)
-        root = reduce_root(algo, 1, n)[1]
+        root = row_root(par, n)
         times: dict = {}
-        for v in sorted(set(range(n)) - {root}, key=lambda v: -abs(v - root)):  # a child is farther than its parent
+        for v in bottom_up(par, n)[:-1]:  # children before their parents, the root (last) left out
             times[v] = node(inputs + [_edge(times[c], abs(c - v), spec) for c in kids.get(v, ())], nw, add_c)
         return [_edge(times[c], abs(c - root), spec) for c in kids.get(root, ())]
 
@@ -118,8 +129,9 @@ def _regular_finish(algo: str, R: int, C: int, nw: int, add_c: int, spec: Fabric
 
 
 def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32", *,
-                  mesh: Mesh | None = None) -> Cycles:
-    """Reduce (sum) of one n_elems vector per PE into PE (0, 0) (the centre PE for "center"). The HPDC'24 form
+                  mesh: Mesh | None = None, fan_in: int = 1) -> Cycles:
+    """Reduce (sum) of one n_elems vector per PE into PE (0, 0) (the centre PE for "center", in `fan_in`
+    phases per axis). The HPDC'24 form
     (Fabric row of WSE.md),
 
         T = max(C, E/N) + L + (2 T_R + 1) D,
@@ -129,24 +141,27 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
     adds counted from its first arrival (the contention C), whichever is later. E/N (= nw per active link) never
     exceeds C here. With a defective `mesh`, hops are the real detoured routes."""
     check_positive(n_elems=n_elems)
+    check_reduce(algo, fan_in)
     R, C = check_region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     add_c = PE.add_task(spec, dtype, PE.elems_per_wavelet(spec, dtype))
-    if algo not in REDUCE_ALGOS:
-        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use {', '.join(REDUCE_ALGOS)}")
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
-    r, c = reduce_root(algo, R, C)
-    fan_in = {"chain": 1, "2d": 2 if R > 1 and C > 1 else 1,
-              "tree": (C - 1).bit_length() + (R - 1).bit_length(),
-              "center": (c > 0) + (c < C - 1) + (r > 0) + (r < R - 1)}[algo]  # the centre's four neighbours
-    # chains alternate 2 colors ("center": four chains); a tree uses one per level
-    colors = {"chain": 2, "2d": 4, "tree": fan_in, "center": 8}[algo]
+    phases, (r, c) = fan_in, reduce_root(algo, R, C, fan_in)
+    if algo == "center":  # the root's children: two per phase of each axis (one where a side is empty)
+        row, col = row_reduce_parents("phases", C, phases), row_reduce_parents("phases", R, phases)
+        fan_in = sum(p == c for p in row.values()) + sum(p == r for p in col.values())
+        # 4 colors per phase of each axis (its two chains alternate 2 each), as the GEMV's "phases"
+        colors = 4 * (row_reduce_depth("phases", C, phases) + row_reduce_depth("phases", R, phases))
+    else:
+        fan_in = {"chain": 1, "2d": 2 if R > 1 and C > 1 else 1,
+                  "tree": (C - 1).bit_length() + (R - 1).bit_length()}[algo]
+        colors = {"chain": 2, "2d": 4, "tree": fan_in}[algo]  # chains alternate 2 colors; a tree uses one per level
     if exact_routes(mesh, R, C):
-        total = _tree_finish(reduce_parents(algo, R, C), (r, c), mesh, nw, add_c, spec,
+        total = _tree_finish(reduce_parents(algo, R, C, phases), (r, c), mesh, nw, add_c, spec,
                              _centre_node if algo == "center" else _node_times)
     else:
-        total = _regular_finish(algo, R, C, nw, add_c, spec)
+        total = _regular_finish(algo, R, C, nw, add_c, spec, phases)
         if mesh is not None and mesh.has_defects:  # big region: the detours' extra hops on the critical path
             row_max, row_sum, col = detour_extra(mesh, R, C)
             total += (row_sum + col if algo == "chain" else row_max + col) * spec.hop_latency_cycles
@@ -158,18 +173,19 @@ def reduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
 
 
 def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp32", *,
-                     mesh: Mesh | None = None, algo: str = "2d") -> Cycles:
+                     mesh: Mesh | None = None, algo: str = "2d", fan_in: int = 1) -> Cycles:
     """PE (0, 0) multicasts n_elems along row 0 and down every column (1 color): fill + one wavelet per cycle.
-    algo="center" (the broadcast of that all-reduce): the centre PE along the middle column, then every row,
-    both ways at once (`schedules.broadcast_chains`)."""
+    algo="center" (the broadcast of that all-reduce, of `fan_in` phases): its root along the root's column,
+    then every row, both ways at once (`schedules.broadcast_chains`)."""
     check_positive(n_elems=n_elems)
+    check_reduce(algo, fan_in)
     R, C = check_region(spec, rows, cols, mesh)
     nw = PE.wavelets(n_elems, spec, dtype)
     if R * C == 1:
         return make_cycles(compute=0, sram=0, fabric=0, total=0)
-    r, c = reduce_root(algo, R, C)
+    r, c = reduce_root(algo, R, C, fan_in)
     if exact_routes(mesh, R, C):  # the real multicast tree
-        hops = mesh.tree_depth(mesh.multicast_tree(*broadcast_chains(algo, R, C)), mesh.physical(r, c))
+        hops = mesh.tree_depth(mesh.multicast_tree(*broadcast_chains(algo, R, C, fan_in)), mesh.physical(r, c))
     else:  # the farthest row, then along it; a big defective region adds its worst row chain's and a column's detours
         row_max, _, col = detour_extra(mesh, R, C) if mesh is not None and mesh.has_defects else (0, 0, 0)
         hops = max(c, C - 1 - c) + max(r, R - 1 - r) + row_max + col
@@ -177,12 +193,13 @@ def broadcast_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype
 
 
 def allreduce_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
-                     *, mesh: Mesh | None = None) -> Cycles:
+                     *, mesh: Mesh | None = None, fan_in: int = 1) -> Cycles:
     """Reduce into (0, 0) (`reduce_cycles`, HPDC'24 form), then broadcast the sum (`broadcast_cycles`);
-    algo in {"chain", "tree", "2d", "center"} ("center": into the centre PE and back out from it). The
-    broadcast starts when the root holds the whole sum."""
-    return reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh) + \
-        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh, algo=algo)
+    algo in {"chain", "tree", "2d", "center"} ("center": into the centre PE and back out from it, in `fan_in`
+    phases per axis; the other algorithms take fan_in 1). The broadcast starts when the root holds the whole
+    sum."""
+    return reduce_cycles(spec, n_elems, rows, cols, algo, dtype, mesh=mesh, fan_in=fan_in) + \
+        broadcast_cycles(spec, n_elems, rows, cols, dtype, mesh=mesh, algo=algo, fan_in=fan_in)
 
 
 def alltoall_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: str = "fp16") -> Cycles:

@@ -26,16 +26,16 @@ VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PE
 
 def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tuple[int, int] | None,
                defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
-               clock_hz: float | None = None, algo: str | None = None, fan_in: int = 2) -> dict:
+               clock_hz: float | None = None, algo: str | None = None, fan_in: int | None = None) -> dict:
     """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
     n streamed vectors (weight-stationary), or with algo summa | cannon | cannon_folded Y(m, n) = W X with W, X
     and Y in 2D blocks (Cannon on the largest square of the mesh); gemv with algo chain | ktree (of `fan_in`) |
     phases (`fan_in` = the number of phases) is the GEMV of the in-layer model-parallel layout (x already on every
     PE of its column, a row all-reduce leaves y on every PE of its row; without algo: x streamed into stationary
-    W); allreduce of an m-element fp32 vector per PE (k, n unused; algo chain | tree | 2d, the default |
-    center). Without `pes` the whole (logical, defect-free
-    part of the) wafer is used. `verify` runs the functional tile-level execution on the same mesh and compares
-    it with numpy."""
+    W; fan_in defaults to 2); allreduce of an m-element fp32 vector per PE (k, n unused; algo chain | tree | 2d,
+    the default | center, its `fan_in` the number of phases per axis, default 1). Without `pes` the whole
+    (logical, defect-free part of the) wafer is used. `verify` runs the functional tile-level execution on the
+    same mesh and compares it with numpy."""
     if kind not in KERNELS:
         raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
     check_positive(m=m, k=k)
@@ -47,10 +47,13 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     if kind == "gemm" and not gemm2d_algo and algo is not None:
         raise ConfigError(f"gemm --algo must be one of {', '.join(G2.ALGOS)} (or none: weight-stationary streaming), "
                           f"got {algo!r}")
+    centre = kind == "allreduce" and algo == "center"
+    fan_in = fan_in if fan_in is not None else 1 if centre else 2
+    if fan_in != 2 and not (kind == "gemv" and algo in ("ktree", "phases") or centre):
+        raise ConfigError(f"--fan_in applies to gemv --algo ktree or phases and to allreduce --algo center only "
+                          f"(got {kind} with --algo {algo})")
     if kind == "gemv" and algo is not None:
         check_row_reduce(algo, fan_in)
-    if fan_in != 2 and not (kind == "gemv" and algo in ("ktree", "phases")):
-        raise ConfigError(f"--fan_in applies to gemv --algo ktree or phases only (got {kind} with --algo {algo})")
     if kind == "spmv" and algo is not None:
         raise ConfigError(f"spmv takes no --algo (gemv: {', '.join(ROW_REDUCE_ALGOS)}; gemm: {', '.join(G2.ALGOS)})")
     algo = "2d" if kind == "allreduce" and algo is None else algo
@@ -80,7 +83,8 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
         nnz = int((W != 0).sum()) if verify else max(1, round(m * k * (1 - sparsity)))
         cyc, flops = spmv_cycles(spec, m, k, nnz, R, C, dtype, mesh=mesh), 2 * nnz
     else:
-        cyc, flops = allreduce_cycles(spec, m, R, C, algo, mesh=mesh), m * (R * C - 1)
+        cyc = allreduce_cycles(spec, m, R, C, algo, mesh=mesh, fan_in=fan_in if centre else 1)
+        flops = m * (R * C - 1)
     ws_bytes = -(-m // used(m, R)) * -(-k // used(k, C)) * PE.dtype_bytes(dtype) if kind != "allreduce" else 0
     used_pes = region[0] * region[1]
     if kind in ("gemv", "gemm") and not gemm2d_algo and ws_bytes > spec.sram_bytes_per_pe:
@@ -104,7 +108,7 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
             "defects": mesh.summary(), "defect_rate": defects, "seed": seed,
             **({"algo": algo} if algo is not None else {}),
             **({"fan_in": fan_in} if kind == "gemv" and algo == "ktree" else {}),
-            **({"phases": fan_in} if kind == "gemv" and algo == "phases" else {}),
+            **({"phases": fan_in} if kind == "gemv" and algo == "phases" or centre else {}),
             **({"sparsity": sparsity} if kind == "spmv" else {}),
             "model": "analytic (fabric/cost*.py), validated against the wavelet-level event simulation (sim*.py)",
         },
@@ -123,7 +127,8 @@ def _verify(kind: str, mesh: Mesh, m: int, k: int, n: int | None, W, algo: str |
     if kind == "allreduce":
         R0, C0 = min(R, 64), min(C, 64)
         data = rng.standard_normal((R0, C0, m)).astype(np.float32)
-        got, ref = KN.allreduce(mesh, data, algo, R0, C0).out, np.broadcast_to(data.sum((0, 1)), (R0, C0, m))
+        got = KN.allreduce(mesh, data, algo, R0, C0, fan_in if algo == "center" else 1).out
+        ref = np.broadcast_to(data.sum((0, 1)), (R0, C0, m))
     else:
         W = rng.standard_normal((m, k)).astype(np.float32) if W is None else W
         if kind == "gemm":

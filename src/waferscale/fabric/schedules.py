@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from waferscale.errors import ConfigError
 from waferscale.fabric import pe as PE
+from waferscale.fabric.schedules_gemv import row_reduce_parents, row_root
 from waferscale.fabric.spec import FabricSpec
 
 Coord = tuple[int, int]  # a logical PE (row, col), as `mesh.Coord`
@@ -37,18 +38,33 @@ def snake(rows: int, cols: int) -> list[Coord]:
 REDUCE_ALGOS = ("chain", "tree", "2d", "center")
 
 
+def check_reduce(algo: str, fan_in: int) -> None:
+    """ConfigError naming the valid choices for a bad reduction algorithm, or a bad `fan_in` (for "center" its
+    number of phases per axis, 1 = one chain from each side; the other algorithms take none)."""
+    if algo not in REDUCE_ALGOS:
+        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use {', '.join(REDUCE_ALGOS)}")
+    if algo == "center" and (isinstance(fan_in, bool) or not isinstance(fan_in, int) or fan_in < 1):
+        raise ConfigError(f"fan_in of all-reduce 'center' is its number of phases per axis, an integer >= 1; "
+                          f"got {fan_in!r}")
+    if algo != "center" and fan_in != 1:
+        raise ConfigError(f"fan_in (the number of phases per axis) applies to all-reduce 'center' only; "
+                          f"got fan_in={fan_in!r} with {algo!r}")
+
+
 def _lowbit(x: int) -> int:
     return x & -x
 
 
-def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
+def reduce_parents(algo: str, R: int, C: int, phases: int = 1) -> dict[Coord, Coord]:
     """Who sends to whom in each reduction schedule (see kernels/collectives.py); the root (`reduce_root`)
     has none.
 
     "chain": the snake order, each PE to the one before it; "2d": East->West along every row into column 0,
     then South->North up column 0; "tree": recursive halving (PE j sends to j - lowbit(j)) along every row,
-    then the same up column 0; "center": every row as two chains meeting at its middle column (the West part
-    East, the East part West), then the middle column as two chains meeting at the centre PE."""
+    then the same up column 0; "center": every row reduces into its middle column by the `phases`-phase tree of
+    `schedules_gemv` (groups of about C^(1/phases) PEs as two chains into their centres, then the group roots
+    likewise, ...; one phase: the West part chains East, the East part West), then the middle column the same
+    way into the centre PE."""
     if algo == "chain":
         order = snake(R, C)
         return {order[p]: order[p - 1] for p in range(1, len(order))}
@@ -61,25 +77,29 @@ def reduce_parents(algo: str, R: int, C: int) -> dict[Coord, Coord]:
         par.update({(i, 0): (i - _lowbit(i), 0) for i in range(1, R)})
         return par
     if algo == "center":
-        r, c = reduce_root(algo, R, C)
-        par = {(i, j): (i, j + 1 if j < c else j - 1) for i in range(R) for j in range(C) if j != c}
-        par.update({(i, c): (i + 1 if i < r else i - 1, c) for i in range(R) if i != r})
+        row, col = row_reduce_parents("phases", C, phases), row_reduce_parents("phases", R, phases)
+        c = row_root(row, C)
+        par = {(i, j): (i, p) for i in range(R) for j, p in row.items()}
+        par.update({(i, c): (p, c) for i, p in col.items()})
         return par
     raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use {', '.join(REDUCE_ALGOS)}")
 
 
-def reduce_root(algo: str, R: int, C: int) -> Coord:
-    """The PE a reduction ends on: the centre PE for "center" (the West/North one of two middles), else (0, 0)."""
-    return ((R - 1) // 2, (C - 1) // 2) if algo == "center" else (0, 0)
+def reduce_root(algo: str, R: int, C: int, phases: int = 1) -> Coord:
+    """The PE a reduction ends on: (0, 0), or for "center" the roots of the column's and the rows' trees (the
+    centre PE, the West/North one of two middles, for one phase; within two PEs of it for more)."""
+    if algo != "center":
+        return 0, 0
+    return row_root(row_reduce_parents("phases", R, phases), R), row_root(row_reduce_parents("phases", C, phases), C)
 
 
-def broadcast_chains(algo: str, R: int, C: int) -> tuple[list[Coord], list[list[Coord]]]:
+def broadcast_chains(algo: str, R: int, C: int, phases: int = 1) -> tuple[list[Coord], list[list[Coord]]]:
     """`Mesh.multicast_tree` arguments of the broadcast that follows a reduction (one color): from (0, 0) East
-    along row 0 and down every column; for "center", from the centre PE both ways along the middle column, and
+    along row 0 and down every column; for "center", from its root both ways along the root's column, and
     from every PE of that column both ways along its row."""
     if algo != "center":
         return [(0, j) for j in range(C)], [[(i, j) for i in range(R)] for j in range(C)]
-    r, c = reduce_root(algo, R, C)
+    r, c = reduce_root(algo, R, C, phases)
     rows = [[(i, j) for j in js] for i in range(R) for js in (range(c, -1, -1), range(c, C))]
     return [(i, c) for i in range(r, -1, -1)], [[(i, c) for i in range(r, R)], *rows]
 

@@ -181,22 +181,23 @@ def sim_gemv(spec, m, k, rows, cols, dtype="fp16", mesh=None) -> int:
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
-def broadcast_tree(sim: EventSim, R: int, C: int, algo: str = "2d"):
+def broadcast_tree(sim: EventSim, R: int, C: int, algo: str = "2d", phases: int = 1):
     """Root (0, 0) multicasts East along row 0; every row-0 router also multicasts South down its column. For
-    "center": the centre PE along the middle column, and every router of it along its row (both ways)."""
-    return sim.mesh.multicast_tree(*broadcast_chains(algo, R, C))
+    "center": the root along its column, and every router of it along its row (both ways)."""
+    return sim.mesh.multicast_tree(*broadcast_chains(algo, R, C, phases))
 
 
 def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: str = "2d", dtype: str = "fp32",
-                  mesh: Mesh | None = None) -> int:
+                  mesh: Mesh | None = None, fan_in: int = 1) -> int:
+    """`schedules.reduce_parents`'s tree (for "center" with `fan_in` phases per axis), then its broadcast."""
     sim = EventSim(spec, mesh, rows, cols)
     R, C = sim.rows, sim.cols
-    parents = reduce_parents(algo, R, C)
+    parents = reduce_parents(algo, R, C, fan_in)
     n_children = defaultdict(int)
     for p in parents.values():
         n_children[p] += 1
     up = {pe: sim.mesh.multicast_tree([pe, par]) for pe, par in parents.items()}
-    bcast = broadcast_tree(sim, R, C, algo)
+    bcast = broadcast_tree(sim, R, C, algo, fan_in)
     waves = _chunks(n_elems, PE.elems_per_wavelet(spec, dtype))
     added = defaultdict(int)
     at_root = [0]

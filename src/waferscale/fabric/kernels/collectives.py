@@ -12,7 +12,9 @@ Algorithms (the same schedules `sim.py` simulates and `cost_collectives.py` mode
 * reduce "tree": recursive halving along each row into column 0 (level l: PE j with j % 2^(l+1) == 2^l sends
   2^l hops West), then the same down column 0. Latency ~ log; the root's fan-in costs bandwidth.
 * reduce "center": every row as two chains meeting at its middle column, then that column as two chains
-  meeting at the centre PE (`schedules.reduce_root`). Latency ~ (rows + cols) / 2.
+  meeting at the centre PE (`schedules.reduce_root`). Latency ~ (rows + cols) / 2. With fan_in = K phases per
+  axis, every row and then that column reduce by the K-phase tree of `schedules_gemv` (groups of about n^(1/K)
+  PEs as two chains into their centres, then the group roots likewise), ending within two PEs of the centre.
 * all-reduce = reduce to the root + broadcast from it ("center": the centre PE multicasts both ways along the
   middle column, and every PE of that column both ways along its row).
 
@@ -26,7 +28,8 @@ import numpy as np
 from waferscale.errors import ConfigError
 from waferscale.fabric.kernels.tiles import TileRun, Tiles
 from waferscale.fabric.mesh import Mesh
-from waferscale.fabric.schedules import REDUCE_ALGOS, reduce_root, snake
+from waferscale.fabric.schedules import REDUCE_ALGOS, check_reduce, reduce_root, snake
+from waferscale.fabric.schedules_gemv import bottom_up, row_reduce_parents, row_root
 
 ALGOS = REDUCE_ALGOS
 
@@ -55,7 +58,8 @@ def _tree_levels(n: int) -> list[int]:
     return [1 << lvl for lvl in range(max(0, (n - 1).bit_length()))]
 
 
-def _reduce_inplace(t: Tiles, buf: np.ndarray, algo: str) -> None:
+def _reduce_inplace(t: Tiles, buf: np.ndarray, algo: str, fan_in: int) -> None:
+    check_reduce(algo, fan_in)
     R, C = t.rows, t.cols
     if algo == "chain":
         order = snake(R, C)
@@ -77,17 +81,13 @@ def _reduce_inplace(t: Tiles, buf: np.ndarray, algo: str) -> None:
             is_ = np.arange(s, R, 2 * s)
             moved = t.move(buf[is_, 0], [(i, 0) for i in is_], [(i - s, 0) for i in is_])
             buf[is_ - s, 0] += moved
-    elif algo == "center":
-        r, c = reduce_root(algo, R, C)
-        for j in range(c):  # the West part of every row chains East into the middle column, the East part West
-            buf[:, j + 1] += t.shift(buf, axis=1, step=1, index=j)
-        for j in range(C - 1, c, -1):
-            buf[:, j - 1] += t.shift(buf, axis=1, step=-1, index=j)
-        for i in list(range(r)) + list(range(R - 1, r, -1)):  # then the middle column into the centre PE
-            d = i + 1 if i < r else i - 1
-            buf[d, c] += t.move(buf[i, c][None], [(i, c)], [(d, c)])[0]
-    else:
-        raise ConfigError(f"unknown all-reduce algorithm {algo!r}; use one of {', '.join(ALGOS)}")
+    else:  # "center": every row's tree into the root's column (all rows at once), then that column's tree
+        row, col = row_reduce_parents("phases", C, fan_in), row_reduce_parents("phases", R, fan_in)
+        c = row_root(row, C)
+        for j in bottom_up(row, C)[:-1]:  # a PE sends once all its children have been added
+            buf[:, row[j]] += t.move(buf[:, j], [(i, j) for i in range(R)], [(i, row[j]) for i in range(R)])
+        for i in bottom_up(col, R)[:-1]:
+            buf[col[i], c] += t.move(buf[i, c][None], [(i, c)], [(col[i], c)])[0]
 
 
 def _place(mesh: Mesh, data: np.ndarray, rows: int | None, cols: int | None) -> tuple[Tiles, np.ndarray]:
@@ -116,21 +116,21 @@ def broadcast(mesh: Mesh, v: np.ndarray, rows: int | None = None, cols: int | No
 
 
 def reduce(mesh: Mesh, data: np.ndarray, algo: str = "2d", rows: int | None = None,
-           cols: int | None = None) -> TileRun:
+           cols: int | None = None, fan_in: int = 1) -> TileRun:
     """Sum of the per-PE vectors data[i, j] (shape (rows, cols, n)), delivered at PE (0, 0) (the centre PE for
-    "center")."""
+    "center", reached in `fan_in` phases per axis)."""
     t, buf = _place(mesh, data, rows, cols)
-    _reduce_inplace(t, buf, algo)
-    return t.result(buf[reduce_root(algo, t.rows, t.cols)].copy())
+    _reduce_inplace(t, buf, algo, fan_in)
+    return t.result(buf[reduce_root(algo, t.rows, t.cols, fan_in)].copy())
 
 
 def allreduce(mesh: Mesh, data: np.ndarray, algo: str = "2d", rows: int | None = None,
-              cols: int | None = None) -> TileRun:
+              cols: int | None = None, fan_in: int = 1) -> TileRun:
     """Every PE ends with the sum of all per-PE vectors: reduce to the root, then broadcast from it."""
     t, buf = _place(mesh, data, rows, cols)
-    _reduce_inplace(t, buf, algo)
+    _reduce_inplace(t, buf, algo, fan_in)
     if algo == "center":
-        r, c = reduce_root(algo, t.rows, t.cols)
+        r, c = reduce_root(algo, t.rows, t.cols, fan_in)
         for i in list(range(r + 1, t.rows)) + list(range(r - 1, -1, -1)):  # along the middle column, both ways
             s = i - 1 if i > r else i + 1
             buf[i, c] = t.move(buf[s, c][None], [(s, c)], [(i, c)])[0]
