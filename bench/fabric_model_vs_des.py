@@ -107,13 +107,13 @@ def main() -> None:
         for algo in ("chain", "2d", "tree"):
             case("allreduce+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, algo, mesh=mesh),
                  lambda: S.sim_allreduce(sp, 64, R, C, algo, mesh=mesh))
+        case("allreduce-center+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, "center", mesh=mesh),
+             lambda: S.sim_allreduce(sp, 64, R, C, "center", mesh=mesh))
         for ph, n in itertools.product((2, 3), (1, 64)):
             if KC.allreduce_cycles(sp, n, R, C, "center", mesh=mesh, fan_in=ph).passes == 1:
                 case(f"allreduce-center/{ph}+defects",
                      lambda: KC.allreduce_cycles(sp, n, R, C, "center", mesh=mesh, fan_in=ph),
                      lambda: S.sim_allreduce(sp, n, R, C, "center", mesh=mesh, fan_in=ph))
-        case("allreduce-center+defects", lambda: KC.allreduce_cycles(sp, 64, R, C, "center", mesh=mesh),
-             lambda: S.sim_allreduce(sp, 64, R, C, "center", mesh=mesh))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
     gemm2d_cases()
