@@ -61,9 +61,11 @@ def test_memoryx_bandwidth_is_in_the_sensitivity_table(plan, gpt):
     row = next(r for r in s["rows"] if r["name"] == "memoryx_bytes_per_s")
     assert row["value"] == 150e9 and "1.2 Tb/s" in row["source"]
     assert row["minus"]["step_time_s"] > 0 > row["plus"]["step_time_s"]
-    # MemoryX outlasts the wafer's work, so the step does not follow the clock (the batch is held at the plan's)
+    # MemoryX outlasts the wafer's work, so the step does not follow the clock (WSE-2's is published, so it is not
+    # in the table: recompile at +-10% of it, the batch held at the plan's)
     assert plan.bottleneck == "MemoryX update"
-    clock = next(r for r in s["rows"] if r["name"] == "clock_hz")
-    for side in ("minus", "plus"):
-        assert abs(clock[side]["step_time_s"]) < 1
-        assert 1 + clock[side]["tokens_per_s"] / 100 == pytest.approx(1 / (1 + clock[side]["step_time_s"] / 100))
+    assert "clock_hz" not in [r["name"] for r in s["rows"]]
+    batch = dict(batch_size=plan.workload["batch_size"], seq_len=plan.workload["seq_len"])
+    for f in (0.9, 1.1):
+        other = compile_model(graph=gpt, clock_hz=1.1e9 * f, **batch, **REQ)
+        assert other.projection["step_time_s"] == pytest.approx(plan.projection["step_time_s"], rel=0.01)
