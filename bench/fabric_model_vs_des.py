@@ -30,7 +30,7 @@ from waferscale.fabric import sim as S
 from waferscale.fabric.kernels import random_sparse
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.presets import fabric_from_name
-from waferscale.fabric.schedules import attention_phases, norm_phases, softmax_phases, used
+from waferscale.fabric.schedules import norm_phases, softmax_phases, used
 from waferscale.fabric.schedules_gemm2d import ALGOS as GEMM2D
 from waferscale.fabric.schedules_gemm2d import check_sram, region
 from waferscale.fabric.sim_gemm2d import sim_gemm2d
@@ -82,11 +82,9 @@ def main() -> None:
                  lambda: S.sim_row_program(sp, norm_phases(sp, tt, wt, False, "fp32"), Rt, Ct))
             case("softmax", lambda: K.softmax_cycles(sp, tok * w, w, R, C),
                  lambda: S.sim_row_program(sp, softmax_phases(sp, tt, wt, "fp32"), Rt, Ct))
-        for H, d, T in [(8, 64, 128), (8, 32, 128), (4, 128, 64)]:
-            Rt, Ct = used(H, R), used(T, C)
-            case("attention", lambda: K.attention_decode_cycles(sp, H, d, T, R, C),
-                 lambda: S.sim_row_program(sp, attention_phases(sp, -(-H // Rt), -(-T // Ct), d, "fp16"), Rt, Ct,
-                                           "fp16"))
+        for H, kv, d, T in [(8, 8, 64, 128), (8, 8, 32, 128), (4, 4, 128, 64), (8, 2, 64, 512), (4, 1, 128, 1024)]:
+            case("attention", lambda: K.attention_decode_cycles(sp, H, d, T, R, C, n_kv_heads=kv),
+                 lambda: _sim_attention(sp, H, kv, d, T, R, C))
     sp = fabric_from_name("wse2", pes=(10, 10))
     for rate, seed in itertools.product((0.01, 0.03, 0.05, 0.1), range(4)):
         mesh = Mesh.build(sp, rate, seed=seed)
@@ -116,6 +114,16 @@ def main() -> None:
                      lambda: S.sim_allreduce(sp, n, R, C, "center", mesh=mesh, fan_in=ph))
         case("broadcast+defects", lambda: KC.broadcast_cycles(sp, 64, R, C, mesh=mesh),
              lambda: S.sim_broadcast(sp, 64, R, C, mesh=mesh))
+        for tok, w in [(8, 64), (64, 256)]:
+            Rt, Ct = used(tok, R), used(w, C)
+            tt, wt = -(-tok // Rt), -(-w // Ct)
+            case("layernorm+defects", lambda: K.norm_cycles(sp, tok * w, w, R, C, mesh=mesh),
+                 lambda: S.sim_row_program(sp, norm_phases(sp, tt, wt, False, "fp32"), Rt, Ct, mesh=mesh))
+            case("softmax+defects", lambda: K.softmax_cycles(sp, tok * w, w, R, C, mesh=mesh),
+                 lambda: S.sim_row_program(sp, softmax_phases(sp, tt, wt, "fp32"), Rt, Ct, mesh=mesh))
+        for H, kv, d, T in [(8, 2, 64, 512), (4, 1, 128, 1024), (4, 4, 32, 100)]:
+            case("attention+defects", lambda: K.attention_decode_cycles(sp, H, d, T, R, C, n_kv_heads=kv, mesh=mesh),
+                 lambda: _sim_attention(sp, H, kv, d, T, R, C, mesh))
     gemm2d_cases()
     print(f"{'kernel':28s} {'cases':>5s} {'max err':>8s} {'mean err':>8s} {'model s':>8s} {'DES s':>8s} "
           f"{'DES/model':>9s}")
@@ -123,6 +131,12 @@ def main() -> None:
         m_s, d_s = wall[name]
         print(f"{name:28s} {len(e):5d} {max(e):8.1%} {np.mean(e):8.1%} {m_s:8.3f} {d_s:8.3f} "
               f"{d_s / max(m_s, 1e-9):9.0f}x")
+
+
+def _sim_attention(sp, H: int, kv: int, d: int, T: int, R: int, C: int, mesh=None) -> int:
+    """The event simulation of the layout the attention model picks (KV heads over groups of rows)."""
+    phases, Rt, Ct, group = K.attention_decode_schedule(sp, H, d, T, R, C, n_kv_heads=kv, mesh=mesh)
+    return S.sim_row_program(sp, phases, Rt, Ct, "fp16", mesh=mesh, group=group)
 
 
 def _fits(sp, algo: str, m: int, k: int, n: int, R: int, C: int) -> bool:

@@ -192,43 +192,53 @@ def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: i
             comp += ph[1]
         elif (C > 1 and kind == "reduce") or (group > 1 and kind == "creduce"):
             nw, add_c = -(-ph[1] // epw), PE.add_task(spec, dtype, epw, ph[2])
-            share = _shared_link_streams(mesh, R, C, group, kind)
+            share = _shared_link_streams(spec, mesh, R, C, group, kind, nw, add_c)
             total += chain_latency(spec, C - 1, hops, nw, add_c) if kind == "reduce" else \
                 chain_latency(spec, group - 1, col_hops, nw, add_c)
             total += max(0, (share - max(1, add_c)) * nw)  # the busiest shared link takes turns
             comp += nw * add_c
             fabric += share * nw
         elif C * group > 1 and kind == "bcast":
-            nw, share = -(-ph[1] // epw), _shared_link_streams(mesh, R, C, group, kind)
+            nw = -(-ph[1] // epw)
+            share = _shared_link_streams(spec, mesh, R, C, group, kind, nw)
             total += multicast_latency(spec, hops + col_hops, nw) + (share - 1) * nw
             fabric += share * nw
     passes = color_passes(spec, colors)
     return make_cycles(compute=comp, sram=comp, fabric=fabric, total=total * passes, passes=passes)
 
 
-def _shared_link_streams(mesh: Mesh | None, R: int, C: int, group: int, kind: str) -> int:
-    """The most streams of one phase that a physical link carries: detours can make the chains of different
-    rows ("reduce": every (i, j) -> (i, j - 1)), of column 0 ("creduce") or the groups' multicast trees
-    ("bcast") share a link, which then passes their wavelets in turn. 1 on a perfect mesh, and on meshes
-    too big for exact routes (`exact_routes`)."""
+def _shared_link_streams(spec: FabricSpec, mesh: Mesh | None, R: int, C: int, group: int, kind: str,
+                         nw: int, add_c: int = 1) -> int:
+    """The most streams of one phase that a physical link carries at once: detours can make the chains of
+    different rows ("reduce": every (i, j) -> (i, j - 1)), of column 0 ("creduce") or the groups' multicast
+    trees ("bcast") share a link, which then passes their wavelets in turn. A stream of nw wavelets holds a
+    link for nw cycles (a chain's: nw adds of add_c) from when its first wavelet gets there (a chain's k-th
+    edge: k stages of ramps, add and hop after the phase starts; a tree link: its depth in hops), so streams
+    far apart in time do not collide. 1 on a perfect mesh, and on meshes too big for exact routes."""
     if not exact_routes(mesh, R, C):
         return 1
-    key = ("row_program_share", R, C, group, kind)
+    busy = nw * max(1, add_c)
+    key = ("row_program_share", R, C, group, kind, nw, add_c)
     if key not in mesh._routes:
+        windows: dict = {}  # physical link -> first cycles of the streams on it
         if kind == "bcast":
-            trees = [mesh.multicast_tree([(g + r, 0) for r in range(group)],
-                                         [[(g + r, j) for j in range(C)] for r in range(group)])
-                     for g in range(0, R, group)]
-            streams = [[(a, b) for a, bs in children.items() for b in bs] for children, _ in trees]
+            for g in range(0, R, group):
+                tree = mesh.multicast_tree([(g + r, 0) for r in range(group)],
+                                           [[(g + r, j) for j in range(C)] for r in range(group)])
+                depth = Mesh.tree_depths(tree, mesh.physical(g, 0))
+                for a, bs in tree[0].items():
+                    for b in bs:
+                        windows.setdefault((a, b), []).append(depth[a] * spec.hop_latency_cycles)
         else:
-            edges = [((i, j), (i, j - 1)) for i in range(R) for j in range(1, C)] if kind == "reduce" else \
-                [((i, 0), (i - 1, 0)) for i in range(R) if i % group]
-            streams = [list(zip(p, p[1:])) for p in (mesh.route(a, b) for a, b in edges)]
-        count: dict = {}
-        for links in streams:
-            for link in links:
-                count[link] = count.get(link, 0) + 1
-        mesh._routes[key] = max(count.values(), default=1)
+            stage = 2 * spec.ramp_latency_cycles + spec.hop_latency_cycles + add_c
+            edges = [((i, j), (i, j - 1), C - 1 - j) for i in range(R) for j in range(1, C)] if kind == "reduce" \
+                else [((i, 0), (i - 1, 0), group - 1 - i % group) for i in range(R) if i % group]
+            for a, b, k in edges:  # the k-th stage of its chain
+                p = mesh.route(a, b)
+                for link in zip(p, p[1:]):
+                    windows.setdefault(link, []).append(k * stage)
+        mesh._routes[key] = max((max(sum(1 for t in ts if s <= t < s + busy) for s in ts)
+                                 for ts in windows.values()), default=1)
     return mesh._routes[key]
 
 
