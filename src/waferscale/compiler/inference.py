@@ -207,7 +207,8 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     if best is None:
         kv_tok, C = fp.kv_per_token_total, fp.context
         max_users = int((wpp * cap_w - sum(fp.weights) - sum(fp.acts)) // max(1, kv_tok * C))
-        raise ConfigError(f"{ctx.g.name}: {users} users x context {C} need {gb((users or 1) * kv_tok * C)} of KV "
+        n = users or 1
+        raise ConfigError(f"{ctx.g.name}: {n} user(s) x context {C} need {gb(n * kv_tok * C)} of KV "
                           f"cache beyond the weights; at most {max(0, max_users) * sys_reps} users fit at this context "
                           f"(lower --users or --context_len)")
     return best, candidates, kmax
