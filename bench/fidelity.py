@@ -243,12 +243,14 @@ def allreduce(rows: int, cols: int) -> Projection:
     from waferscale.fabric.presets import fabric_from_name
 
     spec = fabric_from_name("wse1")
-    runs = {a: allreduce_cycles(spec, 1, rows, cols, a) for a in ("chain", "tree", "2d")}
+    runs = {a: allreduce_cycles(spec, 1, rows, cols, a) for a in ("chain", "tree", "2d")}  # rooted at PE (0, 0)
+    for phases in (1, 2):  # rooted at the centre PE, as the paper describes
+        runs[f"center/{phases}"] = allreduce_cycles(spec, 1, rows, cols, "center", fan_in=phases)
     algo = min(runs, key=lambda a: runs[a].total)
     c = runs[algo]
     return Projection(c.total, _cycle_parts(c), "cycles", f"{rows}x{cols} {algo}",
-                      "rooted at PE (0, 0); " + ", ".join(f"{a} {r.total:,.0f}" for a, r in runs.items()) +
-                      f" cycles; diameter {rows + cols - 2}")
+                      ", ".join(f"{a} {r.total:,.0f}" for a, r in runs.items()) +
+                      f" cycles (center/K: K phases per axis); diameter {rows + cols - 2}")
 
 
 def sgemm(n: int, side: int) -> Projection:

@@ -194,7 +194,7 @@ ROWS: list[Row] = [
         mesh="~600x595 (the stencil's x-y plane)", context="n/a", prompt_len="n/a", users="n/a", speculative="no",
         method="cycle count relative to the mesh diameter (value = 1.1 x (600 + 595 - 2) cycles)",
         projection="allreduce", args=dict(rows=595, cols=600),
-        notes="a center-rooted reduce then broadcast in the paper; every algorithm of the cost model tried"),
+        notes="a centre-rooted reduce then broadcast in the paper; every all-reduce of the cost model tried"),
     Row("JIP-SGEMM", "Miyajima", "abstract", "2026 (vol. 34)", "SGEMM throughput, 33,000^2", 349.0, "TFLOP/s",
         model="kernel", precision="fp32", target="WSE-2 (CS-2)", systems="1", mesh="750x750", context="n/a",
         prompt_len="n/a", users="n/a", speculative="no", method="measured FLOP/s (clock not stated)",
