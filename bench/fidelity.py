@@ -230,7 +230,7 @@ def gemv(n: int) -> Projection:
         for algo, fan_in in GEMV_ALGOS:
             c = gemv_allreduce_cycles(spec, n, n, side, side, "fp16", algo=algo, fan_in=fan_in)
             if best is None or c.total < best[0].total:
-                best = (c, side, algo if algo == "chain" else f"{fan_in}-way tree")
+                best = (c, side, f"{algo} (fan_in {fan_in})")  # the cost model's own names
     c, side, algo = best
     return Projection(c.total / spec.clock_hz * 1e6, _cycle_parts(c), "cycles", f"{side}x{side} {algo}",
                       f"bottleneck {c.bottleneck}, {c.passes} pass(es), at {spec.clock_hz / 1e9:g} GHz; "
