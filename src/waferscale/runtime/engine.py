@@ -175,7 +175,7 @@ class StreamingEngine:
         self._pack_unit: DeviceUnit | None = None
         self._pack_count: dict[int, int] | None = None
         self._pack_exclude: int = 0
-        self._pushes: list[Future] = []
+        self._pushes: list[tuple[Future, int]] = []  # gradients handed to the link, with their bytes
         self.tracer: Tracer | None = None
         self.stats: dict[str, float] = {}
         self.reset_stats()
@@ -298,6 +298,10 @@ class StreamingEngine:
                 dst.add_(g.reshape(-1))
 
     def _open_gradients(self, u: int) -> int:
+        # the plan holds two units' gradients on the device (`plan_device_memory`): the one the link may still be
+        # taking and this one; older pushes are waited for first, so a lagging MemoryX holds back the backward
+        # instead of letting gradient buffers pile up past the budget
+        self._settle(keep=1)
         lay = self.layouts[u]
         self._acc[u] = (torch.empty(lay.n_matrices, dtype=torch.float32, device=self.device),
                         torch.empty(lay.n_vectors, dtype=torch.float32, device=self.device),
@@ -316,16 +320,22 @@ class StreamingEngine:
             (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].zero_()
         t1 = time.perf_counter()
         fut = self.link.push(u, matrices, vectors, absent=frozenset(fresh))
-        fut.add_done_callback(lambda _f, b=acc_bytes: self.ledger.free("gradients", b))
-        self._pushes.append(fut)
+        self._pushes.append((fut, acc_bytes))
         self.stats["bytes_out"] += acc_bytes
         self.stats["push_s"] += time.perf_counter() - t1
 
     def wait_pushes(self) -> None:
         """Wait until every gradient handed to the link has been taken (raises the link's failure, if any)."""
-        pushes, self._pushes = self._pushes, []
-        for f in pushes:
-            f.result()
+        self._settle(keep=0)
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the oldest pushes until at most `keep` are outstanding, freeing their gradient buffers."""
+        while len(self._pushes) > keep:
+            fut, nbytes = self._pushes.pop(0)
+            try:
+                fut.result()
+            finally:
+                self.ledger.free("gradients", nbytes)
 
     # ---- a training step's forward over units 0..n-2, every micro-batch ----
     def _forward_units(self, xs: list[Tensor]) -> tuple[list[list[Tensor]], dict, dict, dict]:
