@@ -57,7 +57,12 @@ UNPUBLISHED: dict[str, tuple[Assumption, ...]] = {
              Assumption("io_bytes_per_s", "B/s", "System row: '12 x 100 GbE = 1.2 Tb/s ~ 150 GB/s' is stated for "
                                                  "CS-2/CS-3; assumed for CS-1"),
              _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
-    "wse2": (_IO_LATENCY, *_COMMON),  # its clock is published (presets.py): not an assumption
+    "wse2": (Assumption("fp16_flops_per_cycle_per_pe", "FLOP/cycle",
+                        "Chip row: '4-wide FMAC = 8 FLOP/cycle' (vendor, A/V) while WaferLLM (OSDI'25, sec. 7) describes "
+                        "a WSE-2 core's cycle as 'fetch two 32-bit operands from SRAM, perform a multiply-accumulate "
+                        "operation, and then write back': the sources disagree, the vendor's peak is kept",
+                        integer=True),
+             _IO_LATENCY, *_COMMON),  # its clock is published (presets.py): not an assumption
     "wse3": (_CLOCK_UNPUBLISHED, _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
 }
 
