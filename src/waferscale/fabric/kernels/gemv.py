@@ -40,6 +40,17 @@ def _tile_w(W: np.ndarray, R: int, C: int) -> tuple[np.ndarray, int, int]:
     return Wp.reshape(R, mt, C, kt).transpose(0, 2, 1, 3), mt, kt  # (R, C, mt, kt)
 
 
+def _stationary(mesh: Mesh, W: np.ndarray, rows: int | None, cols: int | None) -> tuple[Tiles, np.ndarray]:
+    """The region W (m, k) takes and its tiles placed on it: (the Tiles, the (R, C, mt, kt) W buffer)."""
+    m, k = W.shape
+    R, C = region_for(mesh, rows, cols, m, k)
+    t = Tiles(mesh, R, C)
+    tiles, mt, kt = _tile_w(W, R, C)
+    Wt = t.alloc("W", mt, kt)
+    Wt[:] = tiles
+    return t, Wt
+
+
 def _check(W: np.ndarray, x: np.ndarray, x_axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
     W = np.asarray(W, dtype=np.float32)
     x = np.asarray(x, dtype=np.float32)
@@ -67,14 +78,10 @@ def gemm(mesh: Mesh, W: np.ndarray, X: np.ndarray, rows: int | None = None, cols
     W, X = _check(W, X)
     if X.ndim != 2:
         raise ConfigError(f"X must be (k, n), got shape {X.shape}")
-    m, k = W.shape
-    R, C = region_for(mesh, rows, cols, m, k)
-    t = Tiles(mesh, R, C)
-    tiles, mt, kt = _tile_w(W, R, C)
-    Wt = t.alloc("W", mt, kt)
-    Wt[:] = tiles
-    xb = t.alloc("x", kt)
-    yp = t.alloc("y", mt)
+    t, Wt = _stationary(mesh, W, rows, cols)
+    xb = t.alloc("x", Wt.shape[3])
+    yp = t.alloc("y", Wt.shape[2])
+    m = W.shape[0]
     Y = np.empty((m, X.shape[1]), dtype=np.float32)
     for v in range(X.shape[1]):  # one streamed vector at a time: the buffers are reused
         _stream_x(t, xb, X[:, v])
@@ -122,13 +129,10 @@ def gemv_allreduce(mesh: Mesh, W: np.ndarray, x: np.ndarray, rows: int | None = 
     W, x = _check(W, x)
     if x.ndim != 1:
         raise ConfigError(f"x must be a vector (k,), got shape {x.shape}")
-    m, k = W.shape
-    R, C = region_for(mesh, rows, cols, m, k)
+    m = W.shape[0]
+    t, Wt = _stationary(mesh, W, rows, cols)
+    R, C, mt, kt = Wt.shape
     parents = row_reduce_parents(algo, C, fan_in)
-    t = Tiles(mesh, R, C)
-    tiles, mt, kt = _tile_w(W, R, C)
-    Wt = t.alloc("W", mt, kt)
-    Wt[:] = tiles
     xb = t.alloc("x", kt)
     xb[:] = to_tiles(x, C, kt)[None]  # the previous GEMV's all-reduce left segment j on all of column j
     yp = t.alloc("y", mt)
