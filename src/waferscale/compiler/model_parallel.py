@@ -47,8 +47,8 @@ from waferscale.fabric import cost_collectives as CC
 from waferscale.fabric import cost_matmul as CM
 from waferscale.fabric.spec import FabricSpec
 
-# the row all-reduces the compiler chooses from: corner-rooted chain and K-ary trees, and centre-rooted phases (WaferLLM's
-# MeshGEMV K-tree: fan_in is its number of phases)
+# the row all-reduces the compiler chooses from: corner-rooted chain and K-ary trees, and centre-rooted phases
+# (WaferLLM's MeshGEMV K-tree: fan_in is its number of phases)
 GEMV_ALGOS = (("chain", 2), ("ktree", 2), ("ktree", 4), ("phases", 2), ("phases", 3))
 MAX_USERS = 1024  # users decoding together tried (powers of two) when --users is not given
 MAX_POSITIONS_PER_AXIS = 8  # window positions tried per wafer axis beyond the fewest that cover it
@@ -144,10 +144,12 @@ def _positions(extent: int, size: int, n: int) -> list[int]:
 
 def _place_windows(per_pe: list[float], rows: int, cols: int, wafer_rows: int, wafer_cols: int,
                    cap: float) -> tuple[list[tuple[int, int]], np.ndarray, list[int], list[int]] | None:
-    """rows x cols windows for units of `per_pe` bytes per PE each: for the fewest evenly spaced positions per
-    axis upwards, each unit in order goes to the position whose window keeps its most loaded PE lightest (ties:
-    the position nearest the previous unit's, so activations hop little). Returns the top-left corners, the load
-    (bytes per PE) of the cells the windows' edges cut the wafer into, and those cuts; None if nothing fits."""
+    """rows x cols windows for units of `per_pe` bytes per PE each. When the wafer has room for one window per
+    unit they sit side by side in a snake. Otherwise, for the fewest evenly spaced positions per axis upwards,
+    each unit in order goes to the position whose window keeps its most loaded PE lightest (ties: the position
+    nearest the previous unit's), then each position takes a run of consecutive units (`_contiguous`) if that
+    still fits. Returns the top-left corners, the load (bytes per PE) of the cells the windows' edges cut the
+    wafer into, and those cuts; None if nothing fits."""
     fit_r, fit_c = wafer_rows // rows, wafer_cols // cols
     if fit_r * fit_c >= len(per_pe):  # windows side by side, one unit each (a snake, so neighbours stay close)
         spots = [(i * rows, (j if i % 2 == 0 else fit_c - 1 - j) * cols) for i in range(fit_r) for j in range(fit_c)]
@@ -162,8 +164,8 @@ def _place_windows(per_pe: list[float], rows: int, cols: int, wafer_rows: int, w
         cuts_r = sorted({0, wafer_rows, *rs, *(r + rows for r in rs)})
         cuts_c = sorted({0, wafer_cols, *cs, *(c + cols for c in cs)})
         load = np.zeros((len(cuts_r) - 1, len(cuts_c) - 1))
-        cover = {(r, c): (slice(cuts_r.index(r), cuts_r.index(r + rows)), slice(cuts_c.index(c), cuts_c.index(c + cols)))
-                 for r in rs for c in cs}
+        cover = {(r, c): (slice(cuts_r.index(r), cuts_r.index(r + rows)),
+                          slice(cuts_c.index(c), cuts_c.index(c + cols))) for r in rs for c in cs}
         at, prev = [], (0, 0)
         for b in per_pe:
             pick = min(cover, key=lambda p: (round(float(load[cover[p]].max()) + b, 6),
