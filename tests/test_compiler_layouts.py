@@ -36,7 +36,10 @@ def test_llama3_8b_on_a_420x420_wse2_mesh_compiles_and_states_where_the_weights_
         assert 0 <= r.row and r.row + r.rows <= full.rows and 0 <= r.col and r.col + r.cols <= full.cols
     load = _per_pe_load(plan, full.rows, full.cols)
     assert load.max() <= data_bytes_per_pe(full)  # the weights fit every PE they are spread over
-    assert load.sum() == pytest.approx(p["weight_bytes"], rel=1e-6)
+    # the plan's own peak adds the KV cache and activations to the most loaded PE's weights: at least the weights
+    # recounted here from the windows, at most those plus every unit's cache and activations spread over a window
+    kv_and_acts = p["kv_cache_bytes"] + sum(2 * (u["d_in"] + u["d_out"]) * 2 for u in plan.graph["units"])
+    assert load.max() <= p["peak_bytes_per_pe"] <= load.max() + kv_and_acts / (420 * 420)
     assert plan.pes_used == int((load > 0).sum()) <= full.rows * full.cols
     assert 100 < p["decode_tokens_per_s_per_user"] < 100_000 and p["users_in_flight"] == 1
     assert any("420x420 window" in d for d in plan.decisions)
