@@ -151,7 +151,6 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     assumptions.update(program_reserve_bytes_per_pe=spec.program_reserve_bytes_per_pe,
                        data_bytes_per_pe=data_bytes_per_pe(spec), unpublished=hw.describe(spec, target),
                        **out.pop("assumptions", {}))
-    full = ctx.full_box
     return Plan(model=g.name, source=g.source, target=ctx.wafer_spec.name if spread else spec.name, systems=systems,
                 mode=mode_key,
                 strategy=out["strategy"], replicas=out["replicas"], wafers_per_pipeline=out["wafers_per_pipeline"],
@@ -159,7 +158,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
                 wafers=[{"system": i, "logical_rows": rows, "logical_cols": cols, "usable_pes": rows * cols,
                          "dead_pes": w.mesh.n_dead_cores, "defect_rate": defects, "seed": seed + i}
                         for i, w in enumerate(wafers)
-                        for rows, cols in [(full.rows, full.cols) if spread else (w.rows, w.cols)]],
+                        for rows, cols in [(ctx.full_box.rows, ctx.full_box.cols) if spread else (w.rows, w.cols)]],
                 workload=out["workload"], graph=g.to_dict(), regions=regions, decisions=ctx.decisions,
                 projection=proj, assumptions=assumptions, bottleneck=proj["bottleneck"],
                 pes_used=out.get("pes_used", sum(r.live_pes for r in regions)), extra=extra)
