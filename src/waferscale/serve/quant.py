@@ -1,0 +1,115 @@
+"""Weights in a file's own precision (fp32, bf16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): GGUF's blocks held as bytes,
+never a full float32 copy, and the products that read them.
+
+A `QWeight` is one matrix (out, in) whose rows are GGUF's blocks for that output, back to back: row r of `data`
+is the `row_bytes` bytes llama.cpp stores for output r. Rows are independent, so a row permutation (the Q/K
+rotary un-permutation of a llama GGUF) is a row gather on the bytes.
+
+`linear(x, w)` is y = x W^T (+ bias, + residual). This module's reference path dequantizes W with the gguf
+package and runs torch; the C kernels (csrc/quant.c, through serve/kernels.py) compute the same product from the
+blocks in place when they are available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from waferscale.errors import ConfigError
+
+# our name -> GGML's type name; the order is the --dtype choices' order
+QTYPES: dict[str, str] = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
+                          "q4_k": "Q4_K", "q6_k": "Q6_K"}
+REQUANTIZABLE = ("fp32", "bf16", "q8_0", "q4_0", "q4_1")  # targets of `--dtype` (gguf.quants.quantize has these)
+
+
+def _ggml(qtype: str):
+    from gguf import GGMLQuantizationType
+    return GGMLQuantizationType[QTYPES[qtype]]
+
+
+def qtype_of(ggml_type) -> str | None:
+    """GGML's type (a GGMLQuantizationType) -> our name, None if the kernels do not run it."""
+    for ours, name in QTYPES.items():
+        if ggml_type.name == name:
+            return ours
+    return None
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of `qtype`."""
+    from gguf import GGML_QUANT_SIZES
+    return GGML_QUANT_SIZES[_ggml(qtype)]
+
+
+@dataclass
+class QWeight:
+    qtype: str  # a key of QTYPES
+    shape: tuple[int, int]  # (out, in)
+    data: Tensor  # uint8 (out, row_bytes): each output's GGUF blocks
+    packed: object = None  # the C kernels' own layout of `data`, when they repack it (serve/kernels.py)
+
+    def __post_init__(self) -> None:
+        per, size = block_shape(self.qtype)
+        out, inp = self.shape
+        if inp % per:
+            raise ConfigError(f"a {self.qtype} matrix needs its input size to be a multiple of {per}, got {inp}")
+        if tuple(self.data.shape) != (out, inp // per * size) or self.data.dtype != torch.uint8:
+            raise ConfigError(f"{self.qtype} bytes of shape {tuple(self.data.shape)} ({self.data.dtype}) do not "
+                              f"hold a ({out}, {inp}) matrix: expected uint8 ({out}, {inp // per * size})")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads."""
+        return self.data.numel()
+
+    def rows(self, index: Tensor | np.ndarray | list[int]) -> QWeight:
+        """The rows `index` (a permutation or a slice of outputs), as their own QWeight."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return QWeight(self.qtype, (int(idx.numel()), self.shape[1]), self.data[idx].contiguous())
+
+
+def from_gguf(data: np.ndarray, ggml_type, shape: tuple[int, int]) -> QWeight:
+    """A GGUF tensor's bytes (`ReaderTensor.data`, any dtype; its `shape` reversed: (out, in)) as a QWeight; one
+    copy of the bytes out of the read-only memory map. ConfigError naming the type for one the kernels do not run."""
+    qtype = qtype_of(ggml_type)
+    if qtype is None:
+        raise ConfigError(f"weights of type {ggml_type.name} are not supported; supported: "
+                          f"{', '.join(QTYPES.values())} (requantize with --dtype fp32 to run it dequantized)")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1)
+    return QWeight(qtype, (int(shape[0]), int(shape[1])), torch.from_numpy(raw.copy()))
+
+
+def quantize(w: Tensor, qtype: str) -> QWeight:
+    """A float matrix (out, in) in `qtype` (GGUF's rounding, as gguf.quants.quantize and llama.cpp do)."""
+    from gguf.quants import quantize as gq
+    if qtype not in REQUANTIZABLE:
+        raise ConfigError(f"cannot quantize to {qtype}; --dtype takes {', '.join(REQUANTIZABLE)}")
+    raw = gq(w.detach().float().cpu().numpy(), _ggml(qtype))
+    return QWeight(qtype, tuple(w.shape), torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)))
+
+
+def dequantize(w: QWeight) -> Tensor:
+    """The float32 matrix (out, in) `w` holds."""
+    from gguf.quants import dequantize as gd
+    x = gd(w.data.numpy(), _ggml(w.qtype))
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(w.shape))
+
+
+def take(w: QWeight, ids: Tensor) -> Tensor:
+    """Rows `ids` of `w` in float32 (an embedding lookup): only those rows are dequantized."""
+    return dequantize(w.rows(ids.reshape(-1))).reshape(*ids.shape, w.shape[1])
+
+
+def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """residual + x W^T + bias for x (n, in) float32. Reference path: dequantize, then torch."""
+    y = F.linear(x, dequantize(w), bias)
+    return y if residual is None else residual + y
+
+
+__all__ = ["QTYPES", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear", "qtype_of",
+           "quantize", "take"]
