@@ -115,9 +115,14 @@ class RequestSampler:
 
     def sample(self, x: Tensor) -> int:
         """(V,) processed logits -> one token id."""
-        p = self.p
-        if p.greedy:
+        if self.p.greedy:
             return int(x.argmax())
+        return int(torch.multinomial(self.probs(x), 1, generator=self.generator))
+
+    def probs(self, x: Tensor) -> Tensor:
+        """(V,) processed logits -> (V,) the distribution a non-greedy request draws from (temperature, top-k,
+        top-p)."""
+        p = self.p
         x = x / p.temperature
         if p.top_k and p.top_k < x.shape[-1]:
             kth = torch.topk(x, p.top_k).values[-1]
@@ -127,8 +132,15 @@ class RequestSampler:
             probs = sorted_x.softmax(-1)
             drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
             x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        probs = x.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return x.softmax(-1)
+
+
+def argmax_rows(logits: Tensor, vocab_limit: int | None = None) -> list[int]:
+    """(B, V) logits -> each row's argmax over the ids below `vocab_limit`."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(-1) == 1 and \
+            kernels.available():
+        return kernels.argmax_rows(logits, vocab_limit)  # one C pass over each row (torch's argmax: ~5x slower)
+    return logits[:, :vocab_limit].argmax(-1).tolist()
 
 
 def sample_rows(logits: Tensor, rows: list[tuple[RequestSampler, list[int]]],
@@ -141,11 +153,7 @@ def sample_rows(logits: Tensor, rows: list[tuple[RequestSampler, list[int]]],
     out: list[tuple[int, Tensor | None]] = [(0, None)] * len(rows)
     fast = [i for i, (s, _) in enumerate(rows) if s.p.plain_greedy]
     if fast:
-        sub = logits[fast] if len(fast) < len(rows) else logits
-        if sub.dtype == torch.float32 and sub.device.type == "cpu" and sub.stride(-1) == 1 and kernels.available():
-            tokens = kernels.argmax_rows(sub, vocab_limit)  # one C pass over each row (torch's argmax: ~5x slower)
-        else:
-            tokens = sub[:, :vocab_limit].argmax(-1).tolist()
+        tokens = argmax_rows(logits[fast] if len(fast) < len(rows) else logits, vocab_limit)
         for i, t in zip(fast, tokens):
             out[i] = (t, None)
     for i, (s, ids) in enumerate(rows):
