@@ -307,8 +307,11 @@ def cmd_sparsity_report(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from waferscale.serve.server import serve
 
+    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching}
+    if a.max_num_seqs is not None:
+        engine_kw["max_num_seqs"] = a.max_num_seqs
     serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
-          systems=a.systems, engine_kw={"max_num_seqs": a.max_num_seqs} if a.max_num_seqs is not None else None)
+          systems=a.systems, engine_kw=engine_kw)
     return 0
 
 
@@ -510,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--systems", type=int, default=1, help="wafers for the projection")
             p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=None,
                            help="sequences the engine decodes together (default 64)")
+            p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                           action=argparse.BooleanOptionalAction, default=True,
+                           help="reuse the KV of full blocks a request shares with earlier ones (vLLM's automatic "
+                                "prefix caching; not with sliding-window attention)")
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")

@@ -11,6 +11,12 @@ parallelism), each with its own scheduler and share of the KV blocks. A step sub
 while the others are still in the pipe (serve/stages.py) and completes the oldest, so every stage is busy and
 only activations cross between stages. `AsyncEngine` runs `step()` in one background thread and streams
 outputs to asyncio consumers.
+
+Prefix caching (on by default, as in vLLM; kv.py and scheduler.py): a request whose prompt starts with full
+KV blocks computed for an earlier request shares them and prefills only the rest. Block tables are the
+driver's, so every pipeline stage's slice of a block holds the same positions of the same tokens; each group
+has its own blocks and so its own cache, and a request joins, among the least busy groups, the one that holds
+most of its prefix.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class EngineOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[dict] | None = None
+    cached_tokens: int = 0  # (final output) prompt tokens whose KV came from the prefix cache
     queue_time_s: float = 0.0
     prompt_time_s: float = 0.0
     completion_time_s: float = 0.0
@@ -136,13 +143,15 @@ class Engine:
     K stages each worker process gets torch.get_num_threads() // K). decode_threads: threads of the C kernels'
     pool (None: torch.get_num_threads(), per stage process torch.get_num_threads() // K; one-row products
     fall back to one thread when sharing does not pay, e.g. when other processes keep the other cores busy).
+    enable_prefix_caching: share the KV of full blocks between requests with the same prefix (not with a
+    sliding window, whose blocks leave the cache as the window moves: off there).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, enable_prefix_caching: bool = True) -> None:
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
             raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")
@@ -164,8 +173,10 @@ class Engine:
                              f"raise kv_cache_mb (a block is {bpb / 2**20:.2f} MiB) or num_blocks")
         self.block_size, self.num_blocks, self.stages = block_size, per_stage * stages, stages
         self.kv_block_bytes = bpb
+        self.prefix_caching = bool(enable_prefix_caching) and not cfg.sliding_window
         self._schedulers = [
-            Scheduler(BlockAllocator(per_stage, block_size, first_block=v * per_stage),
+            Scheduler(BlockAllocator(per_stage, block_size, first_block=v * per_stage,
+                                     prefix_caching=self.prefix_caching),
                       max_num_seqs=max(1, -(-max_num_seqs // stages)),
                       max_num_batched_tokens=max_num_batched_tokens, window=cfg.sliding_window)
             for v in range(stages)]
@@ -232,8 +243,9 @@ class Engine:
         if params.grammar is not None and params.logits_processor is None:  # structured output: this engine's
             params = dataclasses.replace(  # tokenizer builds the grammar's state
                 params, logits_processor=params.grammar.constraint(self.tokenizer).logits_processor)
-        ve = min(range(self.stages), key=lambda v: (self._schedulers[v].num_unfinished, v))
         seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params.max_tokens)
+        scheds = self._schedulers
+        ve = min(range(self.stages), key=lambda v: (scheds[v].num_unfinished, -len(scheds[v].cached_prefix(seq)), v))
         eos = [] if params.ignore_eos else self.eos_ids
         req = _Request(seq, params, RequestSampler(params, eos, self.vocab_limit),
                        Detokenizer(self.tokenizer, params.stop, seq.prompt_ids), ve,
@@ -303,6 +315,7 @@ class Engine:
             return outputs
         ve, so = self._inflight.popleft()
         logits = self._executor.collect()  # (num sampling chunks, V)
+        self._schedulers[ve].cache_computed(so)  # (prefix caching: before finished sequences free their blocks)
         self._schedulers[ve].update(so)
         self._counters["steps"] += 1
         outputs.extend(self._update(so, logits))
@@ -364,7 +377,7 @@ class Engine:
         first = req.first_token_s if req.first_token_s is not None else now
         self._counters["prompt_tokens"] += len(seq.prompt_ids)
         return EngineOutput(seq.request_id, toks, text, True, reason, len(seq.prompt_ids), len(seq.output_ids),
-                            entries, queue_time_s=max(0.0, sched - seq.arrival_s),
+                            entries, cached_tokens=seq.num_cached_tokens, queue_time_s=max(0.0, sched - seq.arrival_s),
                             prompt_time_s=max(0.0, first - sched), completion_time_s=max(0.0, now - first))
 
     # ---- observability ---------------------------------------------------------------------------------
@@ -384,7 +397,11 @@ class Engine:
             "waiting": sum(len(s.waiting) for s in scheds),
             "kv_blocks_used": sum(s.allocator.num_used for s in scheds),
             "kv_blocks_total": self.num_blocks,
+            "kv_blocks_cached": sum(s.allocator.num_cached for s in scheds),
             "kv_block_size": self.block_size,
+            "prefix_caching": self.prefix_caching,
+            "prefix_cache_queries": sum(s.prefix_cache_queries for s in scheds),
+            "prefix_cache_hits": sum(s.prefix_cache_hits for s in scheds),
             "kv_cache_bytes": self.num_blocks * self.kv_block_bytes,
             "num_preemptions": sum(s.num_preemptions for s in scheds),
             "stages": self.stages,

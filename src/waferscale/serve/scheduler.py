@@ -12,6 +12,12 @@ to the pool before its next chunk is placed, so a long generation holds a bounde
 
 A sequence's tokens are `prompt + output`; `num_computed` of them have their KV in the cache. A chunk that
 reaches the end of the tokens produces logits, from which the engine samples the next token.
+
+With prefix caching (kv.py), a sequence being admitted (new, or preempted and back) first looks up its full
+blocks, all but the last token's (that token is always computed, so that there are logits to sample from):
+the cached ones join its table and count as computed, and only the rest is prefilled. After each step, the
+full blocks a chunk completed are registered, prompt and generated tokens alike, so a later request that
+shares a conversation's history finds them, while its first holder still runs or after it finished.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from waferscale.serve.kv import BlockAllocator, blocks_for
+from waferscale.serve.kv import BlockAllocator, block_hash, blocks_for
 
 
 class Status(enum.Enum):
@@ -43,6 +49,8 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    block_hashes: list[bytes] = field(default_factory=list)  # of its first full blocks (kv.block_hash), as needed
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +110,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of the sequences admitted with prefix caching on,
+        self.prefix_cache_hits = 0  # and those of them found in the cache (vLLM's counters)
 
     # ---- requests --------------------------------------------------------------------------------------
     def fits_ever(self, num_tokens: int) -> bool:
@@ -124,6 +134,20 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    # ---- prefix cache ----------------------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
+        """The hashes of `seq`'s first `n_blocks` full blocks (computed once per block, kept on the sequence)."""
+        hs, bs = seq.block_hashes, self.allocator.block_size
+        while len(hs) < n_blocks:
+            hs.append(block_hash(hs[-1] if hs else None, seq.token_ids(len(hs) * bs, bs)))
+        return hs[:n_blocks]
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` would start with if admitted now: its full blocks before its last token."""
+        if not self.allocator.prefix_caching:
+            return []
+        return self.allocator.lookup(self._hashes(seq, (seq.num_tokens - 1) // self.allocator.block_size))
 
     # ---- one step --------------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -160,15 +184,23 @@ class Scheduler:
         if out.preempted:  # memory is short: admit nobody this step
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if not alloc.can_allocate(seq.request_id, seq.num_computed + n):
+            seq = self.waiting[0]  # (num_computed is 0: a new or a preempted sequence)
+            hits = self.cached_prefix(seq)
+            computed = len(hits) * alloc.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not alloc.can_allocate(seq.request_id, computed + n, hits):
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
+            if alloc.prefix_caching:
+                alloc.share(seq.request_id, hits)
+                seq.num_computed = computed
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += computed
             table = alloc.allocate(seq.request_id, seq.num_computed + n)
             seq.status = Status.RUNNING
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = time.perf_counter()
+                seq.num_cached_tokens = computed
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, list(table)))
             budget -= n
@@ -179,3 +211,19 @@ class Scheduler:
         for c in out.chunks:
             if c.seq.status is Status.RUNNING:
                 c.seq.num_computed = c.start + c.num_tokens
+
+    def cache_computed(self, out: SchedulerOutput) -> None:
+        """After execution, before the engine samples (and finishes sequences, which frees their blocks):
+        register for sharing the full blocks that the chunks' tokens completed."""
+        if self.allocator.prefix_caching:
+            for c in out.chunks:
+                if c.seq.status is Status.RUNNING:
+                    self._cache_blocks(c.seq, c.start, c.start + c.num_tokens)
+
+    def _cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Register `seq`'s full blocks completed by positions [start, end), whose KV is now computed."""
+        alloc = self.allocator
+        first, last = start // alloc.block_size, end // alloc.block_size
+        table = alloc.tables[seq.request_id]
+        for i, h in enumerate(self._hashes(seq, last)[first:], first):
+            alloc.cache(table[i], h)

@@ -1,7 +1,7 @@
 """`serve(...)`: load a model into the engine and serve the OpenAI-compatible API + playground with uvicorn.
 
     wsc serve [--model NAME|PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--stages K]
-              [--target wse3 [--systems N]] [--max-num-seqs N]
+              [--target wse3 [--systems N]] [--max-num-seqs N] [--no-enable-prefix-caching]
 
 `python -m waferscale.serve.server ...` is `wsc serve ...`: the flags are parsed by the command line's one table
 (cli/main.py), the only entry point above this module.

@@ -99,6 +99,17 @@ class Metrics:
                     ("total_weight_bytes", "wsc_total_weight_bytes", "gauge", "Weight bytes of all parameters.")):
                 if key in g:
                     lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {g[key]}"]
+            if g.get("prefix_caching"):  # vLLM's prefix_cache_queries / _hits, in tokens, and their ratio
+                q, hit = g["prefix_cache_queries"], g["prefix_cache_hits"]
+                for name, kind, help_, val in (
+                        ("wsc_prefix_cache_queries_total", "counter",
+                         "Prompt tokens looked up in the prefix cache (requests admitted, preempted ones again).", q),
+                        ("wsc_prefix_cache_hits_total", "counter", "Of those, tokens found in the cache.", hit),
+                        ("wsc_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries so far.",
+                         hit / q if q else 0.0),
+                        ("wsc_kv_blocks_cached", "gauge",
+                         "KV-cache blocks holding a cached full block (in use or free).", g["kv_blocks_cached"])):
+                    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {val}"]
             for h, name, help_ in (
                     (self.ttft, "wsc_time_to_first_token_seconds", "Request arrival to first generated token."),
                     (self.itl, "wsc_inter_token_latency_seconds", "Time between consecutive generated tokens."),

@@ -203,6 +203,7 @@ class _Choice:
     logprobs: list[dict] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     queue: float = 0.0
     prompt: float = 0.0
     completion: float = 0.0
@@ -265,6 +266,7 @@ class _FanOut:
                     c.logprobs.extend(out.logprobs)
                 if out.finished:
                     c.finish_reason = out.finish_reason or "stop"
+                    c.cached_tokens = out.cached_tokens
                     m.tokens(out.prompt_tokens, out.completion_tokens)
                     self.s.limits.add_tokens(out.prompt_tokens + out.completion_tokens)
                     m.observe(m.e2e, t - self.t0)
@@ -281,13 +283,15 @@ class _FanOut:
             await asyncio.gather(*pending, return_exceptions=True)
 
     def totals(self, created: float) -> tuple[dict[str, int], dict[str, float]]:
-        """usage (a prompt counted once however many choices share it) and Cerebras time_info."""
+        """usage (a prompt counted once however many choices share it, with its first choice's cached tokens)
+        and Cerebras time_info."""
         cs = self.choices
         prompt = sum(len(p) for p, _ in self.jobs[::self.n_per_prompt])
         comp = sum(c.completion_tokens for c in cs)
+        cached = sum(c.cached_tokens for c in cs[::self.n_per_prompt])
         ti = time_info(max((c.queue for c in cs), default=0.0), max((c.prompt for c in cs), default=0.0),
                        max((c.completion for c in cs), default=0.0), created)
-        return usage(prompt, comp), ti
+        return usage(prompt, comp, cached), ti
 
 
 def _engine_error(e: Exception) -> APIError:
