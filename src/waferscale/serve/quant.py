@@ -5,9 +5,12 @@ A `QWeight` is one matrix (out, in) whose rows are GGUF's blocks for that output
 is the `row_bytes` bytes llama.cpp stores for output r. Rows are independent, so a row permutation (the Q/K
 rotary un-permutation of a llama GGUF) is a row gather on the bytes.
 
-`linear(x, w)` is y = x W^T (+ bias, + residual). This module's reference path dequantizes W with the gguf
-package and runs torch; the C kernels (csrc/quant.c, through serve/kernels.py) compute the same product from the
-blocks in place when they are available.
+`linear(x, w)` is y = x W^T (+ bias, + residual). With the C kernels (serve/kernels.py) it runs on `pack(w)`:
+the same bytes moved once into panels of 16 outputs (csrc/quant.c; fp32 goes in the float panels), each weight
+dequantized in registers exactly as `dequantize` computes it and summed in the float panels' order, so the result
+has the same bits as the float32 product over `dequantize(w)` through the kernels, for any batch and thread
+count. Without the kernels it dequantizes W with the gguf package and runs torch (the same numbers up to the
+order of the sums).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from waferscale.errors import ConfigError
+from waferscale.serve import kernels
 
 # our name -> GGML's type name; the order is the --dtype choices' order
 QTYPES: dict[str, str] = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
@@ -105,11 +109,62 @@ def take(w: QWeight, ids: Tensor) -> Tensor:
     return dequantize(w.rows(ids.reshape(-1))).reshape(*ids.shape, w.shape[1])
 
 
+_QT_CODE = {q: i for i, q in enumerate(QTYPES)}  # csrc/quant.c's QT_* numbering
+
+
+def packed_bytes(qtype: str, shape: tuple[int, int]) -> int:
+    """Bytes of the C kernels' panels of a (out, in) `qtype` matrix (pack): GGUF's bytes with the outputs padded
+    to a multiple of 16 (Q4_K: 148 bytes a block, its 6-bit scales unpacked)."""
+    out, inp = shape
+    if qtype == "fp32":
+        return kernels.packed_numel(shape) * 4
+    per, size = block_shape(qtype)
+    return -(-out // kernels.PANEL) * kernels.PANEL * (inp // per) * (size + 4 * (qtype == "q4_k"))
+
+
+def pack(w: QWeight) -> QWeight:
+    """`w` with `packed` set (once) to the C kernels' panels of its bytes, on huge pages; `w` as it is without
+    the kernels."""
+    if w.packed is not None or not kernels.available():
+        return w
+    n = packed_bytes(w.qtype, w.shape)
+    buf = kernels.hugepage_tensor(-(-n // 4))
+    if w.qtype == "fp32":
+        w.packed = kernels.pack(w.data.view(torch.float32), out=buf)
+        return w
+    dst = buf.view(torch.uint8)[:n]
+    data = w.data.contiguous()
+    if kernels._lib.wsc_qpack(data.data_ptr(), _QT_CODE[w.qtype], w.shape[0], w.shape[1], dst.data_ptr()) != 0:
+        raise ConfigError(f"the C kernels cannot pack a {w.qtype} matrix of shape {w.shape}")
+    w.packed = dst
+    return w
+
+
 def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """residual + x W^T + bias for x (n, in) float32. Reference path: dequantize, then torch."""
-    y = F.linear(x, dequantize(w), bias)
-    return y if residual is None else residual + y
+    """residual + x W^T + bias for x (..., in) float32 (bias (out,), residual (..., out)): through the C kernels
+    on pack(w) when they are available, else dequantize, then torch."""
+    if not kernels.available():
+        y = F.linear(x, dequantize(w), bias)
+        return y if residual is None else residual + y
+    out, inp = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, inp).float().contiguous()
+    res = None if residual is None else residual.reshape(-1, out).float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    pack(w)
+    if w.qtype == "fp32":
+        return kernels.linear(x2, w.packed, out, b, res).reshape(*lead, out)
+    y = torch.empty(x2.shape[0], out)
+    rc = kernels._lib.wsc_qlinear(w.packed.data_ptr(), _QT_CODE[w.qtype], x2.data_ptr(), _ptr(b), _ptr(res),
+                                  y.data_ptr(), x2.shape[0], out, inp)
+    if rc != 0:
+        raise MemoryError(f"a {w.qtype} product over {x2.shape[0]} rows: out of memory for its buffers")
+    return y.reshape(*lead, out)
 
 
-__all__ = ["QTYPES", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear", "qtype_of",
-           "quantize", "take"]
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+__all__ = ["QTYPES", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear", "pack",
+           "packed_bytes", "qtype_of", "quantize", "take"]

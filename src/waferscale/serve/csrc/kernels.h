@@ -124,12 +124,14 @@ typedef struct {
 } attn_t;
 
 /* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk. A product's W is in
-   dense panels (off == NULL, panels.c) or in sparse panels with panel offsets off (spanels.c). */
+   dense panels (off == NULL, qt == 0, panels.c), in sparse panels with panel offsets off (spanels.c), or in
+   quantized panels at qw of type qt (quant.c). */
 typedef struct {
     const float *W, *xt, *b, *res; float* y;
     long rows, out, in;
     const attn_t* at;
     const int64_t* off;
+    const uint8_t* qw; int qt;
 } job_t;
 
 /* defined in attention.c, run by the pool (pool.c) */

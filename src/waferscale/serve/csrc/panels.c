@@ -12,6 +12,25 @@
    thread: results do not depend on the batch or the thread count. x rows go in tiles of 16, each tile
    transposed to (in, rows in the tile) so that a step of k reads one short contiguous run. */
 
+/* one row's sums of one panel's outputs, nc (<= 16) of them: dst[c] = res[c] + (a[c] + b[c]) (b, res may be NULL) */
+static inline __attribute__((always_inline)) void store_row(v16 a, float* dst, int nc, const float* b,
+                                                            const float* res) {
+    if (nc == PANEL) {
+        if (b) a = a + ld16(b);
+        if (res) a = ld16(res) + a;
+        __builtin_memcpy(dst, &a, sizeof a);
+        return;
+    }
+    float s[PANEL];
+    __builtin_memcpy(s, &a, sizeof s);
+    for (int c = 0; c < nc; c++) {
+        float z = s[c];
+        if (b) z = z + b[c];
+        if (res) z = res[c] + z;
+        dst[c] = z;
+    }
+}
+
 /* MR (<= TILE) rows of one tile against one panel: dst[r * ldd + c] = res[r * ldr + c] + (sum_k xt[k * MR + r]
    * wp[k * 16 + c] + b[c]), c < nc. Called with constant MR so that each case compiles to its own loop. */
 static inline __attribute__((always_inline)) void pmk(const float* wp, const float* xt, long K, int MR,
@@ -32,50 +51,35 @@ static inline __attribute__((always_inline)) void pmk(const float* wp, const flo
 #pragma GCC unroll 16
         for (int r = 0; r < TILE; r++) if (r < MR) a[r] += vsplat(xk[r]) * w;
     }
-    if (nc == PANEL) {
 #pragma GCC unroll 16
-        for (int r = 0; r < TILE; r++) if (r < MR) {
-            v16 v = a[r];
-            if (b) v = v + ld16(b);
-            if (res) v = ld16(res + r * ldr) + v;
-            __builtin_memcpy(dst + r * ldd, &v, sizeof v);
-        }
-    } else {
-        for (int r = 0; r < MR; r++) {
-            float s[PANEL];
-            __builtin_memcpy(s, &a[r], sizeof s);
-            for (int c = 0; c < nc; c++) {
-                float z = s[c];
-                if (b) z = z + b[c];
-                if (res) z = res[r * ldr + c] + z;
-                dst[r * ldd + c] = z;
-            }
+    for (int r = 0; r < TILE; r++) if (r < MR) store_row(a[r], dst + r * ldd, nc, b, res ? res + r * ldr : NULL);
+}
+
+/* every row of job j against panel p, stored at wp (in, 16), into dst (row r, output o at dst[r * ldd + o -
+   16 p0]); the quantized panels (quant.c) come here dequantized */
+static void panel_rows(const job_t* j, const float* wp, long p, long p0, float* dst, long ldd) {
+    long R = j->rows, in = j->in, out = j->out;
+    long o = p * PANEL;
+    int nc = out - o < PANEL ? (int)(out - o) : PANEL;
+    const float* b = j->b ? j->b + o : NULL;
+    for (long t0 = 0; t0 < R; t0 += TILE) {
+        int MR = R - t0 < TILE ? (int)(R - t0) : TILE;
+        const float* xt = j->xt + (size_t)t0 * in;
+        float* d = dst + t0 * ldd + (o - p0 * PANEL);
+        const float* res = j->res ? j->res + (size_t)t0 * out + o : NULL;
+        switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
+                          instead costs ~30% at 13 rows) */
+#define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
+        PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6) PMK(7) PMK(8)
+        PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
+#undef PMK
         }
     }
 }
 
 /* panels [p0, p1) for every row into dst (row r, output o at dst[r * ldd + o - 16 p0]) */
 static void panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
-    long R = j->rows, in = j->in, out = j->out;
-    for (long p = p0; p < p1; p++) {
-        const float* wp = j->W + (size_t)p * in * PANEL;
-        long o = p * PANEL;
-        int nc = out - o < PANEL ? (int)(out - o) : PANEL;
-        const float* b = j->b ? j->b + o : NULL;
-        for (long t0 = 0; t0 < R; t0 += TILE) {
-            int MR = R - t0 < TILE ? (int)(R - t0) : TILE;
-            const float* xt = j->xt + (size_t)t0 * in;
-            float* d = dst + t0 * ldd + (o - p0 * PANEL);
-            const float* res = j->res ? j->res + (size_t)t0 * out + o : NULL;
-            switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
-                              instead costs ~30% at 13 rows) */
-#define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
-            PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6) PMK(7) PMK(8)
-            PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
-#undef PMK
-            }
-        }
-    }
+    for (long p = p0; p < p1; p++) panel_rows(j, j->W + (size_t)p * j->in * PANEL, p, p0, dst, ldd);
 }
 
 static inline long out_end(const job_t* j, long p1) { return p1 * PANEL < j->out ? p1 * PANEL : j->out; }

@@ -101,7 +101,7 @@ static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* b
    of memory (the others, the caller at the latest, do the chunk). */
 static int enter_with_buf(uint64_t gen, const job_t* j, long cp, float** buf) {
     if (!enter(gen)) return 0;
-    if (!*buf && !(*buf = chunk_buf(job_buf(j, cp)))) {
+    if ((!*buf && !(*buf = chunk_buf(job_buf(j, cp)))) || !qbuf_ready(j)) {
         atomic_fetch_sub(&g_inflight, 1);
         return 0;
     }
@@ -196,12 +196,12 @@ static inline int faster_shared(const double* ns, const double* bytes) {
 static _Thread_local void* t_xt;
 static _Thread_local long t_xt_cap;
 
-/* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed in panels (off NULL, see panels.c) or in sparse
-   panels (spanels.c), x (rows, in), y/res (rows, out). b and res may be NULL; res may alias y. Thread-safe: one
-   caller at a time shares the pool, any others run alone. Returns 0, or -1 when out of memory (nothing
-   written). */
-static int product(const float* W, const int64_t* off, const float* x, const float* b, const float* res, float* y,
-                   long rows, long out, long in) {
+/* y[r, o] = res[r, o] + (sum_k x[r, k] W[o, k] + b[o]); W packed in panels (off NULL, see panels.c), in sparse
+   panels (spanels.c) or, with qt > 0, in quantized panels at qw (quant.c), x (rows, in), y/res (rows, out). b and
+   res may be NULL; res may alias y. Thread-safe: one caller at a time shares the pool, any others run alone.
+   Returns 0, or -1 when out of memory (nothing written). */
+static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int qt, const float* x, const float* b,
+                    const float* res, float* y, long rows, long out, long in) {
     const float* xt = x;
     long np = (out + PANEL - 1) / PANEL;
     if (rows > 1 && !off) {  /* (one row is its own transpose; sparse panels read x as it is) */
@@ -209,9 +209,12 @@ static int product(const float* W, const int64_t* off, const float* x, const flo
         pack_x(x, rows, in, t_xt);
         xt = t_xt;
     }
-    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off};
-    long per = off ? (long)off[np] / (np > 0 ? np : 1) : PANEL * in;  /* floats streamed per panel */
+    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off, qw, qt};
+    if (!qbuf_ready(&j)) return -1;
+    /* floats (quantized: 4-byte words) streamed per panel */
+    long per = off ? (long)off[np] / (np > 0 ? np : 1) : qt ? qpanel_bytes(qt, in) / 4 : PANEL * in;
     long cp = CHUNK_FLOATS / (per > 0 ? per : 1);
+    if (qt && rows == 1) cp = cp < QNP ? QNP : cp / QNP * QNP;  /* one decode row runs QNP panels at once */
     if (cp < 1) cp = 1;
     if (cp > MAX_CHUNK_OUT / PANEL) cp = MAX_CHUNK_OUT / PANEL;
     if ((np + cp - 1) / cp > MAX_CHUNKS) cp = (np + MAX_CHUNKS - 1) / MAX_CHUNKS;
@@ -223,8 +226,7 @@ static int product(const float* W, const int64_t* off, const float* x, const flo
         any_panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
         return 0;
     }
-    double bytes = off ? (double)off[np] * 4 : (double)out * in * 4;  /* weight bytes streamed; the class is by
-                                                                           work (bytes x rows) */
+    double bytes = (double)per * np * 4;  /* weight bytes streamed; the class is by work (bytes x rows) */
     int cls = 63 - __builtin_clzl((unsigned long)(bytes * rows) | 1);
     int pref = g_bytes[0] > 0 && g_bytes[1] > 0 && faster_shared(g_ns, g_bytes);
     if (g_cbytes[cls][0] > 0 && g_cbytes[cls][1] > 0) pref = faster_shared(g_cns[cls], g_cbytes[cls]);
@@ -254,9 +256,21 @@ static int product(const float* W, const int64_t* off, const float* x, const flo
     return 0;
 }
 
+static int product(const float* W, const int64_t* off, const float* x, const float* b, const float* res, float* y,
+                   long rows, long out, long in) {
+    return qproduct(W, off, NULL, 0, x, b, res, y, rows, out, in);
+}
+
 int wsc_linear(const float* W, const float* x, const float* b, const float* res, float* y, long rows, long out,
                long in) {
     return product(W, NULL, x, b, res, y, rows, out, in);
+}
+
+/* wsc_linear over W in quantized panels of type qt (wsc_qpack) */
+int wsc_qlinear(const uint8_t* W, int qt, const float* x, const float* b, const float* res, float* y, long rows,
+                long out, long in) {
+    if (qt <= QT_F32 || qt >= QT_N || in % QK[qt]) return -2;
+    return qproduct(NULL, NULL, W, qt, x, b, res, y, rows, out, in);
 }
 
 /* wsc_linear over W in sparse panels with panel offsets off (spanels.c) */

@@ -1,5 +1,6 @@
-/* The C kernels for CPU serving, float32: waferscale/serve/kernels.py compiles this file, and only this one,
-   into a shared object (see _FLAGS there) and calls its wsc_* functions through ctypes. One translation unit:
+/* The C kernels for CPU serving, float32 (weights also in bf16 and GGUF's blocks): waferscale/serve/kernels.py
+   compiles this file, and only this one, into a shared object (see _FLAGS there) and calls its wsc_* functions
+   through ctypes. One translation unit:
    the parts below are included, not linked, so that they share their static state (the pool's job, the
    per-thread scratch buffers) and the compiler sees every call across them. */
 
@@ -7,6 +8,7 @@
 #include "kernels.h"
 
 #include "panels.c"         /* the panel microkernel: y = residual + x W^T + bias, per chunk of panels */
+#include "quant.c"          /* the same over bf16 and GGUF's quantized blocks */
 #include "spanels.c"        /* the same over sparse panels (masks + non-zero values) */
 #include "pool.c"           /* the work-stealing pool, wsc_set_threads, wsc_linear */
 #include "attention.c"      /* wsc_decode_attention, wsc_decode_attention_batch */

@@ -185,6 +185,7 @@ static void spanels_into(const job_t* j, long p0, long p1, float* dst, long ldd)
 /* a job's panels [p0, p1) into dst */
 static void any_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
     if (j->off) spanels_into(j, p0, p1, dst, ldd);
+    else if (j->qt) qpanels_into(j, p0, p1, dst, ldd);
     else panels_into(j, p0, p1, dst, ldd);
 }
 
