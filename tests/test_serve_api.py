@@ -196,6 +196,25 @@ def test_metrics_exposition(srv):
     assert int(ttft_count.split()[1]) > 0
 
 
+def test_prefix_cache_reuses_a_shared_system_prompt(client, srv):
+    """A second request with the same long system prompt finds its full blocks (16 positions each) in the
+    cache: usage says how many prompt tokens, /metrics counts them, and the answer (same seed) is the same."""
+    system = "You answer questions for the prefix cache test. " * 12
+    kw = dict(model="tiny-chat", max_completion_tokens=6, seed=5, temperature=1.0,
+              messages=[{"role": "system", "content": system}, {"role": "user", "content": "Say something."}])
+    cold = client.chat.completions.create(**kw)
+    warm = client.chat.completions.create(**kw)
+    n = cold.usage.prompt_tokens
+    assert n > 100 and cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    text = srv.get("/metrics")[1]
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("wsc_prefix_cache")}
+    assert value["wsc_prefix_cache_hits_total"] >= (n - 1) // 16 * 16
+    assert value["wsc_prefix_cache_queries_total"] >= 2 * n
+    assert 0 < value["wsc_prefix_cache_hit_rate"] <= 1
+
+
 # ---- load ----------------------------------------------------------------------------------------------------
 def test_64_concurrent_streams_with_disconnects(srv):
     """64 streams at once on loopback, about a third dropped mid-stream; every finished one is complete, the

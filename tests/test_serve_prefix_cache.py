@@ -229,3 +229,14 @@ def test_sliding_window_models_serve_without_the_cache(tok) -> None:
     m = build(dataclasses.replace(CFG, name="window-tiny", sliding_window=8), device="cpu").eval()
     e = make_engine(m, tok, True)
     assert e.stats()["prefix_caching"] is False
+
+
+@pytest.mark.parametrize("flag, on", [((), True), (("--no-enable-prefix-caching",), False)])
+def test_wsc_serve_flag_reaches_the_engine(monkeypatch, flag: tuple[str, ...], on: bool) -> None:
+    import waferscale.serve.server as server
+    from waferscale.cli.main import main
+
+    got: dict = {}
+    monkeypatch.setattr(server, "serve", lambda **kw: got.update(kw))
+    assert main(["serve", *flag]) == 0
+    assert got["engine_kw"]["enable_prefix_caching"] is on
