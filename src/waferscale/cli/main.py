@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from waferscale.data import Tokenizer
     from waferscale.models.t5 import T5
     from waferscale.params import Params
+    from waferscale.serve.speculative import NgramSpeculation
 
 EXIT_USAGE = 2
 
@@ -76,10 +77,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise ConfigError(f"--top_p must be in (0, 1], got {a.top_p}")
     if a.top_k is not None and a.top_k < 0:
         raise ConfigError(f"--top_k must be >= 0 (0 turns it off), got {a.top_k}")
+    speculative = _speculation(a)
     model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
                                            device=a.device)
     if note:
         print(note, file=sys.stderr)
+    if speculative is not None and (model.config.is_encoder or model.config.is_encoder_decoder):
+        raise ConfigError(f"--speculative runs in the serving engine's decoders; {model.config.name} runs outside "
+                          "it: drop --speculative")
     if model.config.is_encoder:  # an encoder fills the prompt's mask tokens instead (transformers' fill-mask, top 1)
         from waferscale.runtime.fill_mask import fill_mask
 
@@ -99,7 +104,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate_seq2seq(model, tok, ids, a)
     params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
-    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens) as llm:  # the serving engine, in process
+    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens,
+             speculative=speculative) as llm:  # the serving engine
         pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
         if a.chat is None:
             sys.stdout.write(text)
@@ -307,7 +313,7 @@ def cmd_sparsity_report(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from waferscale.serve.server import serve
 
-    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching}
+    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "speculative": _speculation(a)}
     if a.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = a.max_num_seqs
     serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
@@ -372,6 +378,25 @@ def _model_source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="a checkpoint_{step}.json, or a model_dir (its latest)")
 
 
+def _speculative_flags(p: argparse.ArgumentParser) -> None:
+    """The serving engine's speculative decoding (vLLM's ngram method and option names)."""
+    p.add_argument("--speculative", default=None, metavar="ngram",
+                   help="speculative decoding: ngram drafts the tokens that followed the text's last n-gram where it "
+                        "occurred before (prompt lookup), and the model verifies them in one pass")
+    p.add_argument("--num-speculative-tokens", "--num_speculative_tokens", dest="num_speculative_tokens", type=int,
+                   default=None, metavar="K", help="tokens drafted per step")
+    p.add_argument("--prompt-lookup-max", "--prompt_lookup_max", dest="prompt_lookup_max", type=int, default=None,
+                   metavar="N", help="the longest n-gram looked up (default 5, or --prompt_lookup_min)")
+    p.add_argument("--prompt-lookup-min", "--prompt_lookup_min", dest="prompt_lookup_min", type=int, default=None,
+                   metavar="M", help="the shortest n-gram looked up (default 5, or --prompt_lookup_max)")
+
+
+def _speculation(a: argparse.Namespace) -> "NgramSpeculation | None":
+    from waferscale.serve.speculative import speculation
+
+    return speculation(a.speculative, a.num_speculative_tokens, a.prompt_lookup_max, a.prompt_lookup_min)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wsc", description="waferscale: the Cerebras wafer-scale system, in software")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -413,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top_p", type=float, default=None)
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--device", default="auto")
+            _speculative_flags(p)
         elif name == "export":
             _model_source_flags(p)
             p.add_argument("--format", default="hf", help="hf")
@@ -517,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                            action=argparse.BooleanOptionalAction, default=True,
                            help="reuse the KV of full blocks a request shares with earlier ones (vLLM's automatic "
                                 "prefix caching; not with sliding-window attention)")
+            _speculative_flags(p)
         elif name == "plot":
             p.add_argument("model_dir")
             p.add_argument("--out", default=None, help="PNG path (default MODEL_DIR/loss.png)")

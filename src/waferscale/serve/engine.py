@@ -39,7 +39,8 @@ from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.kv import BlockAllocator, KVPool
 from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingParams, TokenBytes, logprob_entry,
                                        sample_rows)
-from waferscale.serve.scheduler import Scheduler, SchedulerOutput, Sequence
+from waferscale.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
+from waferscale.serve.speculative import NgramProposer, NgramSpeculation, verify
 
 __all__ = ["AsyncEngine", "Engine", "EngineDead", "EngineOutput", "RequestTooLong", "SamplingParams",
            "check_request"]
@@ -102,6 +103,8 @@ class EngineOutput:
     queue_time_s: float = 0.0
     prompt_time_s: float = 0.0
     completion_time_s: float = 0.0
+    draft_tokens: int | None = None  # speculation, so far (None: the request does not speculate): tokens drafted
+    accepted_tokens: int | None = None  # and of them accepted
 
 
 @dataclass(eq=False)
@@ -113,6 +116,9 @@ class _Request:
     ve: int
     stop_ids: frozenset[int]
     first_token_s: float | None = None
+    proposer: NgramProposer | None = None  # None: no speculation (off, or structured output)
+    drafted: int = 0
+    accepted: int = 0
 
 
 class _InProcessExecutor:
@@ -144,14 +150,16 @@ class Engine:
     pool (None: torch.get_num_threads(), per stage process torch.get_num_threads() // K; one-row products
     fall back to one thread when sharing does not pay, e.g. when other processes keep the other cores busy).
     enable_prefix_caching: share the KV of full blocks between requests with the same prefix (not with a
-    sliding window, whose blocks leave the cache as the window moves: off there).
+    sliding window, whose blocks leave the cache as the window moves: off there). speculative: prompt-lookup
+    speculative decoding (serve/speculative.py; None: off); requests with structured output do not speculate.
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
-                 decode_threads: int | None = None, enable_prefix_caching: bool = True) -> None:
+                 decode_threads: int | None = None, enable_prefix_caching: bool = True,
+                 speculative: NgramSpeculation | None = None) -> None:
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
             raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")
@@ -210,6 +218,9 @@ class Engine:
         self._next_ve = 0
         self._counters = {"steps": 0, "requests_added": 0, "requests_finished": 0, "requests_aborted": 0,
                           "prompt_tokens": 0, "generation_tokens": 0, "batched_tokens": 0}
+        self.speculative = speculative
+        if speculative is not None:  # verification rounds with drafts, tokens drafted, tokens accepted
+            self._counters.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
@@ -250,6 +261,8 @@ class Engine:
         req = _Request(seq, params, RequestSampler(params, eos, self.vocab_limit),
                        Detokenizer(self.tokenizer, params.stop, seq.prompt_ids), ve,
                        frozenset(eos) | frozenset(params.stop_token_ids))
+        if self.speculative is not None and params.logits_processor is None:  # (a grammar's state follows
+            req.proposer = NgramProposer(self.speculative, seq.prompt_ids)  # the generated ids: no speculation)
         self._requests[request_id] = req
         self._schedulers[ve].add(seq)
         self._counters["requests_added"] += 1
@@ -304,64 +317,101 @@ class Engine:
             ve, self._next_ve = self._next_ve, (self._next_ve + 1) % K
             if any(v == ve for v, _ in self._inflight):
                 continue
+            if self.speculative is not None:
+                self._propose(ve)
             so = self._schedulers[ve].schedule()
             if so:
-                spec = BatchSpec([t for c in so.chunks for t in c.seq.token_ids(c.start, c.num_tokens)],
-                                 [(c.start, c.num_tokens, c.block_table, c.sample) for c in so.chunks])
+                spec = BatchSpec([t for c in so.chunks for t in c.token_ids()],
+                                 [(c.start, c.num_tokens, c.block_table, c.num_logits) for c in so.chunks])
                 self._executor.submit(spec)  # execute (asynchronously when pipelined)
                 self._inflight.append((ve, so))
                 self._counters["batched_tokens"] += so.num_tokens
         if not self._inflight:
             return outputs
         ve, so = self._inflight.popleft()
-        logits = self._executor.collect()  # (num sampling chunks, V)
+        logits = self._executor.collect()  # (the chunks' num_logits rows, V)
         self._schedulers[ve].cache_computed(so)  # (prefix caching: before finished sequences free their blocks)
-        self._schedulers[ve].update(so)
         self._counters["steps"] += 1
-        outputs.extend(self._update(so, logits))
+        outputs.extend(self._update(so, logits))  # (accepts drafts: before the scheduler's update counts them)
+        self._schedulers[ve].update(so)
         return outputs
 
+    def _propose(self, ve: int) -> None:
+        """Draft tokens for group ve's decoding sequences that speculate (at most what max_tokens leaves after
+        the token the verification adds)."""
+        for seq in self._schedulers[ve].running:
+            req = self._requests.get(seq.request_id)
+            if req is not None and req.proposer is not None and seq.remaining == 1:
+                seq.draft_ids = req.proposer.propose(min(self.speculative.k, req.params.max_tokens -
+                                                         len(seq.output_ids) - 1))
+
     def _update(self, so: SchedulerOutput, logits: torch.Tensor) -> list[EngineOutput]:
-        rows: list[int] = []
-        reqs: list[_Request] = []
+        items: list[tuple[_Request, ScheduledChunk, int]] = []  # (request, chunk, its first row of logits)
         j = 0
         for c in so.chunks:
-            if not c.sample:
+            if not c.num_logits:
                 continue
             req = self._requests.get(c.seq.request_id)
             if req is not None and req.seq is c.seq:  # not aborted while in flight
-                rows.append(j)
-                reqs.append(req)
-            j += 1
-        if not reqs:
+                items.append((req, c, j))
+            j += c.num_logits
+        if not items:
             return []
-        sub = logits if len(rows) == logits.shape[0] else logits[rows]
-        if sub.device.type != "cpu":  # sampling runs on the CPU, each request with its own CPU generator
-            sub = sub.cpu()
-        sampled = sample_rows(sub, [(r.sampler, r.seq.output_ids) for r in reqs], self.vocab_limit)
+        if logits.device.type != "cpu":  # sampling runs on the CPU, each request with its own CPU generator
+            logits = logits.cpu()
+        plain = [(r, j) for r, c, j in items if not c.drafts]  # one token each, sampled together
+        sampled = iter(sample_rows(logits if len(plain) == logits.shape[0] else logits[[j for _, j in plain]],
+                                   [(r.sampler, r.seq.output_ids) for r, _ in plain], self.vocab_limit))
         now = time.perf_counter()
         outs = []
-        for req, (tok, lp) in zip(reqs, sampled):
-            seq, p = req.seq, req.params
+        for req, c, j in items:
             if req.first_token_s is None:
                 req.first_token_s = now
-            if tok in req.stop_ids:  # eos / stop token: ends the sequence, is not emitted
-                outs.append(self._finish(req, [], req.detok.flush(), "stop", None))
+            if not c.drafts:
+                tok, lp = next(sampled)
+                outs.append(self._emit(req, [tok], [lp]))
                 continue
-            seq.output_ids.append(tok)
-            self._counters["generation_tokens"] += 1
-            entries = None
-            if lp is not None:
-                entries = [logprob_entry(self._token_bytes, tok, lp, p.top_logprobs)]
-            delta, hit_stop = req.detok.add(tok, check_stop=len(seq.output_ids) >= p.min_tokens)
-            if hit_stop:
-                outs.append(self._finish(req, [tok], delta, "stop", entries))
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                outs.append(self._finish(req, [tok], delta + req.detok.flush(), "length", entries))
-            else:
-                outs.append(EngineOutput(seq.request_id, [tok], delta, False, None, len(seq.prompt_ids),
-                                         len(seq.output_ids), entries))
+            toks, c.accepted = verify(req.sampler, logits[j:j + c.num_logits], c.drafts, req.seq.output_ids,
+                                      self.vocab_limit)
+            req.drafted += len(c.drafts)
+            req.accepted += c.accepted
+            self._counters["spec_drafts"] += 1
+            self._counters["spec_draft_tokens"] += len(c.drafts)
+            self._counters["spec_accepted_tokens"] += c.accepted
+            lps = [torch.log_softmax(logits[j + i, :self.vocab_limit].float(), -1) if req.params.logprobs else None
+                   for i in range(len(toks))]
+            outs.append(self._emit(req, toks, lps))
         return outs
+
+    def _emit(self, req: _Request, toks: list[int], lps: list[torch.Tensor | None]) -> EngineOutput:
+        """One request's new tokens of this step, in order, until one ends it (eos or a stop token, which is
+        not emitted; a stop string; max_tokens or the context)."""
+        seq, p = req.seq, req.params
+        new: list[int] = []
+        entries: list[dict] | None = [] if p.logprobs else None
+        text = ""
+        for tok, lp in zip(toks, lps):
+            if tok in req.stop_ids:
+                return self._finish(req, new, text + req.detok.flush(), "stop", entries)
+            seq.output_ids.append(tok)
+            new.append(tok)
+            self._counters["generation_tokens"] += 1
+            if entries is not None:
+                entries.append(logprob_entry(self._token_bytes, tok, lp, p.top_logprobs))
+            delta, hit_stop = req.detok.add(tok, check_stop=len(seq.output_ids) >= p.min_tokens)
+            text += delta
+            if hit_stop:
+                return self._finish(req, new, text, "stop", entries)
+            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                return self._finish(req, new, text + req.detok.flush(), "length", entries)
+        if req.proposer is not None:
+            req.proposer.extend(new)
+        return EngineOutput(seq.request_id, new, text, False, None, len(seq.prompt_ids), len(seq.output_ids),
+                            entries, **self._spec_counts(req))
+
+    def _spec_counts(self, req: _Request) -> dict[str, int | None]:
+        on = req.proposer is not None
+        return {"draft_tokens": req.drafted if on else None, "accepted_tokens": req.accepted if on else None}
 
     def _finish(self, req: _Request, toks: list[int], text: str, reason: FinishReason,
                 entries: list[dict] | None) -> EngineOutput:
@@ -378,7 +428,8 @@ class Engine:
         self._counters["prompt_tokens"] += len(seq.prompt_ids)
         return EngineOutput(seq.request_id, toks, text, True, reason, len(seq.prompt_ids), len(seq.output_ids),
                             entries, cached_tokens=seq.num_cached_tokens, queue_time_s=max(0.0, sched - seq.arrival_s),
-                            prompt_time_s=max(0.0, first - sched), completion_time_s=max(0.0, now - first))
+                            prompt_time_s=max(0.0, first - sched), completion_time_s=max(0.0, now - first),
+                            **self._spec_counts(req))
 
     # ---- observability ---------------------------------------------------------------------------------
     def stats(self) -> dict:

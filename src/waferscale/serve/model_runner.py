@@ -49,11 +49,13 @@ from waferscale.serve.layer_weights import (FastLinear, ServedLayer, ServedMLP, 
 class BatchSpec:
     """A step's work, compact and picklable (it travels between pipeline stages).
 
-    token_ids: the N tokens fed, chunk after chunk. chunks: (start position, num tokens, block table, sample).
+    token_ids: the N tokens fed, chunk after chunk. chunks: (start position, num tokens, block table, logits:
+    how many of the chunk's last rows go through the head: 0, 1 (the row that samples), or more (speculation:
+    the rows that verify drafted tokens)).
     """
 
     token_ids: list[int]
-    chunks: list[tuple[int, int, list[int], bool]]
+    chunks: list[tuple[int, int, list[int], int]]
 
 
 def window_lo(start: int, window: int) -> int:
@@ -132,8 +134,7 @@ class Prepared:
                                       window, slopes)  # (T, S), or (nh, T, S) with ALiBi
                 self.prefill.append((row, row + n, kv, mask, False))
             row += n
-            if sample:
-                samples.append(row - 1)
+            samples.extend(range(row - sample, row))
         self.input_ids = torch.tensor(spec.token_ids, dtype=torch.long, device=device)
         self.positions = torch.tensor(pos, dtype=torch.long, device=device)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)

@@ -49,6 +49,7 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
     num_preemptions: int = 0
+    draft_ids: list[int] = field(default_factory=list)  # speculation: tokens to verify next step (engine's)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # of its first full blocks (kv.block_hash), as needed
 
@@ -70,16 +71,28 @@ class Sequence:
 
 @dataclass
 class ScheduledChunk:
-    """Feed tokens [start, start + num_tokens) of `seq`; `sample` when the chunk reaches its last token."""
+    """Feed tokens [start, start + num_tokens) of `seq`; `sample` when the chunk reaches its last token. With
+    speculation the chunk's last `len(drafts)` positions hold drafted tokens, past the sequence's end, of which
+    the engine accepts the first `accepted` (their KV stays; the rest is overwritten later)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     block_table: list[int]
+    drafts: list[int] = field(default_factory=list)
+    accepted: int = 0
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.drafts) == self.seq.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the engine needs: the last token's and one per draft (0: none)."""
+        return 1 + len(self.drafts) if self.sample else 0
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids(self.start, self.num_tokens - len(self.drafts)) + self.drafts
 
 
 @dataclass
@@ -154,6 +167,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.request_id)
         seq.num_computed = 0
+        seq.draft_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -167,7 +181,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.remaining, budget)
+            # a decoding sequence's drafts ride along while the budget leaves a token for every later sequence
+            room = max(0, budget - seq.remaining - (len(self.running) - i - 1))
+            drafts, seq.draft_ids = seq.draft_ids[:room], []
+            if drafts and not alloc.can_allocate(seq.request_id, seq.num_tokens + len(drafts)):
+                drafts = []  # drafts never preempt anyone
+            n = min(seq.remaining + len(drafts), budget)
             if self.window:  # the chunk's first query, at num_computed, sees positions from num_computed - window + 1
                 alloc.release_before(seq.request_id, seq.num_computed - self.window + 1)
             while not alloc.can_allocate(seq.request_id, seq.num_computed + n):
@@ -178,7 +197,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 break  # seq preempted itself: it was the newest and nothing else could be freed
             table = alloc.allocate(seq.request_id, seq.num_computed + n)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, list(table)))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, list(table), drafts))
             budget -= n
             i += 1
         if out.preempted:  # memory is short: admit nobody this step
@@ -207,18 +226,23 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """After execution: the scheduled positions now have their KV in the cache."""
+        """After execution (and the engine's acceptance of drafts): the scheduled positions, less the rejected
+        drafts, now have their KV in the cache."""
         for c in out.chunks:
-            if c.seq.status is Status.RUNNING:
-                c.seq.num_computed = c.start + c.num_tokens
+            seq = c.seq
+            if seq.status is Status.RUNNING:
+                fed = c.start + c.num_tokens - len(c.drafts)
+                seq.num_computed = fed + c.accepted
+                if c.accepted and self.allocator.prefix_caching:
+                    self._cache_blocks(seq, fed, seq.num_computed)
 
     def cache_computed(self, out: SchedulerOutput) -> None:
         """After execution, before the engine samples (and finishes sequences, which frees their blocks):
-        register for sharing the full blocks that the chunks' tokens completed."""
+        register for sharing the full blocks that the chunks' tokens completed (drafts wait for `update`)."""
         if self.allocator.prefix_caching:
             for c in out.chunks:
                 if c.seq.status is Status.RUNNING:
-                    self._cache_blocks(c.seq, c.start, c.start + c.num_tokens)
+                    self._cache_blocks(c.seq, c.start, c.start + c.num_tokens - len(c.drafts))
 
     def _cache_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register `seq`'s full blocks completed by positions [start, end), whose KV is now computed."""

@@ -110,6 +110,16 @@ class Metrics:
                         ("wsc_kv_blocks_cached", "gauge",
                          "KV-cache blocks holding a cached full block (in use or free).", g["kv_blocks_cached"])):
                     lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {val}"]
+            if "spec_draft_tokens" in g:  # speculative decoding (vLLM's spec_decode_* counters)
+                d, acc = g["spec_draft_tokens"], g["spec_accepted_tokens"]
+                for name, kind, help_, val in (
+                        ("wsc_spec_decode_num_drafts_total", "counter", "Verification steps with drafted tokens.",
+                         g["spec_drafts"]),
+                        ("wsc_spec_decode_num_draft_tokens_total", "counter", "Tokens drafted.", d),
+                        ("wsc_spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens accepted.", acc),
+                        ("wsc_spec_decode_acceptance_rate", "gauge", "Accepted / drafted tokens so far.",
+                         acc / d if d else 0.0)):
+                    lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {val}"]
             for h, name, help_ in (
                     (self.ttft, "wsc_time_to_first_token_seconds", "Request arrival to first generated token."),
                     (self.itl, "wsc_inter_token_latency_seconds", "Time between consecutive generated tokens."),

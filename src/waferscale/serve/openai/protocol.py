@@ -245,8 +245,17 @@ def time_info(queue: float, prompt: float, completion: float, created: float) ->
             "total_time": queue + prompt + completion, "created": created}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens whose KV came from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int | None = None,
+          accepted: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens whose KV came from the prefix cache.
+    With speculative decoding (drafted not None), completion_tokens_details: the drafted tokens the model
+    accepted and rejected (OpenAI's names for predicted outputs) and draft_acceptance_rate, accepted / drafted
+    (null when nothing was drafted)."""
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if drafted is not None:
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted,
+                                          "draft_acceptance_rate": accepted / drafted if drafted else None}
+    return u

@@ -204,6 +204,8 @@ class _Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    draft_tokens: int | None = None  # speculative decoding (None: the request did not speculate)
+    accepted_tokens: int = 0
     queue: float = 0.0
     prompt: float = 0.0
     completion: float = 0.0
@@ -262,6 +264,7 @@ class _FanOut:
                 c.text += out.new_text
                 c.prompt_tokens, c.completion_tokens = out.prompt_tokens, out.completion_tokens
                 c.queue, c.prompt, c.completion = out.queue_time_s, out.prompt_time_s, out.completion_time_s
+                c.draft_tokens, c.accepted_tokens = out.draft_tokens, out.accepted_tokens or 0
                 if out.logprobs:
                     c.logprobs.extend(out.logprobs)
                 if out.finished:
@@ -291,7 +294,9 @@ class _FanOut:
         cached = sum(c.cached_tokens for c in cs[::self.n_per_prompt])
         ti = time_info(max((c.queue for c in cs), default=0.0), max((c.prompt for c in cs), default=0.0),
                        max((c.completion for c in cs), default=0.0), created)
-        return usage(prompt, comp, cached), ti
+        spec = [c for c in cs if c.draft_tokens is not None]
+        drafted = sum(c.draft_tokens for c in spec) if spec else None
+        return usage(prompt, comp, cached, drafted, sum(c.accepted_tokens for c in spec)), ti
 
 
 def _engine_error(e: Exception) -> APIError:
