@@ -143,6 +143,15 @@ def test_engine_output_is_unchanged_by_speculation(llama, tok) -> None:
     assert 0 < last.accepted_tokens <= last.draft_tokens
 
 
+def test_speculation_through_pipeline_stages(llama, tok) -> None:
+    """Two stages (worker processes): the verified positions' logits come back from the last stage."""
+    sp = SamplingParams(temperature=0, max_tokens=30)
+    ref = Engine(llama, tok, block_size=4, num_blocks=128).generate(PROMPTS, sp)
+    with Engine(llama, tok, block_size=4, num_blocks=128, stages=2, speculative=NgramSpeculation(4, 3, 1)) as e:
+        assert e.generate(PROMPTS, sp) == ref
+        assert e.stats()["spec_accepted_tokens"] > 0
+
+
 def test_sampled_speculation_is_seeded_and_structured_output_does_not_speculate(llama, tok) -> None:
     e = Engine(llama, tok, block_size=4, num_blocks=128, speculative=NgramSpeculation(3, 2, 1))
     sp = SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=20)
