@@ -271,8 +271,14 @@ def test_server_speculates_with_the_same_text(tmp_path_factory) -> None:
         drafted = d.accepted_prediction_tokens + d.rejected_prediction_tokens
         assert drafted > 0 and d.model_extra["draft_acceptance_rate"] == pytest.approx(
             d.accepted_prediction_tokens / drafted)
+        chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        sd = chunks[-1].usage.completion_tokens_details
+        assert sd.accepted_prediction_tokens == d.accepted_prediction_tokens  # (greedy: the same drafts)
+        drafted *= 2
         metrics = srv.get("/metrics")[1]
         got = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
                if line.startswith("wsc_spec_decode")}
         assert got["wsc_spec_decode_num_draft_tokens_total"] == drafted
-        assert got["wsc_spec_decode_num_accepted_tokens_total"] == d.accepted_prediction_tokens
+        assert got["wsc_spec_decode_num_accepted_tokens_total"] == 2 * d.accepted_prediction_tokens
