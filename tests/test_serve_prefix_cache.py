@@ -240,3 +240,17 @@ def test_wsc_serve_flag_reaches_the_engine(monkeypatch, flag: tuple[str, ...], o
     monkeypatch.setattr(server, "serve", lambda **kw: got.update(kw))
     assert main(["serve", *flag]) == 0
     assert got["engine_kw"]["enable_prefix_caching"] is on
+
+
+def test_speculation_with_caching_gives_the_tokens_of_neither(model, tok) -> None:
+    """Prompt-lookup speculation's accepted drafts complete blocks too: those get cached after the engine has
+    accepted them. Speculating with caching on gives the greedy tokens of the plain engine without caching
+    (sampled ones keep their distribution, not their random stream: tests/test_serve_speculative.py)."""
+    from waferscale.serve.speculative import NgramSpeculation
+
+    plain = scenario(make_engine(model, tok, False))
+    e = make_engine(model, tok, True, speculative=NgramSpeculation(3, max_n=3, min_n=1))
+    spec = scenario(e)
+    assert {k: spec[k][0] for k in "abcd"} == {k: plain[k][0] for k in "abcd"}
+    st = e.stats()
+    assert st["spec_accepted_tokens"] > 0 and st["prefix_cache_hits"] > 0 and st["kv_blocks_used"] == 0
