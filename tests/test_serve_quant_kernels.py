@@ -1,7 +1,10 @@
 """The C kernels' products over weights in their file's own precision (serve/quant.py, csrc/quant.c), each
-quantization type alone: against the float64 product over `quant.dequantize` (the gguf package's reading of
-GGUF's blocks), with the bound float32 summation allows, and against the float panels over the same dequantized
-matrix, which the exact path matches bit for bit (each weight dequantized exactly, then the same FMA chain)."""
+quantization type alone. The float path: against the float64 product over `quant.dequantize` (the gguf
+package's reading of GGUF's blocks), with the bound float32 summation allows, and against the float panels over
+the same dequantized matrix, which it matches bit for bit (each weight dequantized exactly, then the same FMA
+chain). The integer path (Q8_0, Q4_0, Q4_1 with x rounded to int8 per block of 32): against a float64 reference
+of the same arithmetic, x rounded here as csrc/quant.c documents it. Both: a row's result does not depend on
+the batch or the number of threads."""
 
 from __future__ import annotations
 
@@ -15,27 +18,8 @@ from waferscale.serve.quant import QWeight
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels unavailable")
 
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
-# the fp16 fields of each block type (byte offsets in a block): d, and Q4_1's m / Q4_K's dmin
-_HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
-
-
-def random_qweight(qtype: str, out: int, inp: int, g: torch.Generator) -> QWeight:
-    """A (out, in) matrix of `qtype` with random quants and scales (every bit pattern of the quants and the
-    6-/8-bit scales; fp16 scales of either sign in [1e-3, 2e-2], Q4_1's offset m in [-0.16, 0.16])."""
-    if qtype in ("fp32", "bf16"):
-        w = torch.randn(out, inp, generator=g)
-        if qtype == "bf16":
-            w = w.to(torch.bfloat16)
-        return QWeight(qtype, (out, inp), w.contiguous().view(torch.uint8).reshape(out, -1).clone())
-    per, size = quant.block_shape(qtype)
-    nb = inp // per
-    raw = torch.randint(0, 256, (out, nb, size), generator=g, dtype=torch.uint8).numpy()
-    for i, off in enumerate(_HALF_FIELDS[qtype]):
-        h = torch.rand(out, nb, generator=g).numpy() * 0.019 + 0.001
-        sign = np.where(torch.rand(out, nb, generator=g).numpy() < 0.5, -1.0, 1.0)
-        h = (h * sign * (8 if i == 1 and qtype == "q4_1" else 1)).astype(np.float16)
-        raw[:, :, off:off + 2] = h.view(np.uint8).reshape(out, nb, 2)
-    return QWeight(qtype, (out, inp), torch.from_numpy(raw.reshape(out, -1).copy()))
+INT8_TYPES = ["q8_0", "q4_0", "q4_1"]
+U = 2.0 ** -24  # float32's unit roundoff
 
 
 def _bound(x: torch.Tensor, wd: torch.Tensor, b: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
@@ -43,7 +27,7 @@ def _bound(x: torch.Tensor, wd: torch.Tensor, b: torch.Tensor, res: torch.Tensor
     `in` FMAs then two adds, each rounding once (relative u), so the error is at most (in + 2) u times the sum
     of the magnitudes, to first order (the second-order term is below float32's reach at these sizes)."""
     mag = x.double().abs() @ wd.double().abs().T + b.double().abs() + res.double().abs()
-    return (x.shape[1] + 2) * 2.0 ** -24 * mag
+    return (x.shape[1] + 2) * U * mag
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -53,11 +37,19 @@ def threads(request: pytest.FixtureRequest):
     kernels.set_threads(1)
 
 
+@pytest.fixture
+def float_path():
+    was = quant.set_int8_activations(False)
+    yield
+    quant.set_int8_activations(was)
+
+
 @pytest.mark.parametrize("qtype", ["bf16", *BLOCK_TYPES])
 @pytest.mark.parametrize("shape", [(37, 512), (5, 256), (80, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_product_matches_dequantized_float64_and_float_panels(qtype: str, shape: tuple[int, int], threads: int) -> None:
+def test_product_matches_dequantized_float64_and_float_panels(qtype: str, shape: tuple[int, int], threads: int,
+                                                              float_path) -> None:
     g = torch.Generator().manual_seed(hash((qtype, shape)) % 2**31)
-    w = random_qweight(qtype, *shape, g)
+    w = quant.random(qtype, shape, g)
     wd = quant.dequantize(w)
     wp = kernels.pack(wd)
     out, inp = shape
@@ -73,7 +65,7 @@ def test_product_matches_dequantized_float64_and_float_panels(qtype: str, shape:
 
 
 @pytest.mark.parametrize("qtype", quant.REQUANTIZABLE)
-def test_quantized_by_gguf_runs_as_dequantized(qtype: str) -> None:
+def test_quantized_by_gguf_runs_as_dequantized(qtype: str, float_path) -> None:
     """Weights rounded by the gguf package's quantizer (as a `--dtype` requantization does): no bias, no
     residual, an output count that is not a multiple of the panel width."""
     g = torch.Generator().manual_seed(7)
@@ -86,7 +78,7 @@ def test_quantized_by_gguf_runs_as_dequantized(qtype: str) -> None:
 
 def test_leading_dimensions_and_packing_once() -> None:
     g = torch.Generator().manual_seed(3)
-    w = random_qweight("q4_1", 20, 64, g)
+    w = quant.random("q4_1", (20, 64), g)
     x = torch.randn(2, 3, 64, generator=g)
     y = quant.linear(x, w)
     packed = w.packed
@@ -94,3 +86,64 @@ def test_leading_dimensions_and_packing_once() -> None:
     assert torch.equal(y.reshape(6, 20), quant.linear(x.reshape(6, 64), w))
     assert w.packed is packed
     assert packed.numel() == quant.packed_bytes("q4_1", (20, 64)) == 32 * 2 * 20
+
+
+def _int8_reference(x: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 result, magnitude) of the integer path's arithmetic: each block of 32 of a row of x rounded as
+    csrc/quant.c does (dx = max |x| / 127, x / dx rounded half away from zero, in float32), and an output's
+    block sum d dx (sum q xq) + m (sum x), with d q = w - m the block's weights less their offset (Q4_1: m;
+    Q4_0: -8 d; Q8_0: 0)."""
+    rows, inp = x.shape
+    out, nb = w.shape[0], inp // 32
+    xb = x.numpy().reshape(rows, nb, 32)
+    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, np.float32(1)), np.float32(0)).astype(np.float32)
+    t = (xb * inv[..., None]).astype(np.float32)
+    xq = np.trunc((t + np.copysign(np.float32(0.5), t)).astype(np.float32))
+    xr = torch.from_numpy(xq.astype(np.float64) * dx[..., None].astype(np.float64)).reshape(rows, inp)
+    raw = w.data.numpy().reshape(out, nb, -1)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = {"q8_0": 0 * d, "q4_0": -8 * d, "q4_1": raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)}
+    M = torch.from_numpy(np.repeat(m[w.qtype], 32, axis=1))  # (out, in): each weight's block offset
+    dq = quant.dequantize(w).double() - M
+    ref = xr @ dq.T + x.double() @ M.T
+    return ref, xr.abs() @ dq.abs().T + x.double().abs() @ M.abs().T
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+@pytest.mark.parametrize("shape", [(37, 512), (80, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_int8_activations_match_their_arithmetic(qtype: str, shape: tuple[int, int], threads: int) -> None:
+    """Float rounding only: per output and block a multiply (d dx), two FMAs into the sum and x's block sum (a
+    5-level tree), so at most 2 nb + 8 roundings of terms no larger than the magnitude (with the bias and
+    residual adds)."""
+    was = quant.set_int8_activations(True)
+    try:
+        g = torch.Generator().manual_seed(hash((qtype, shape)) % 2**31)
+        w = quant.random(qtype, shape, g)
+        out, inp = shape
+        for rows in (1, 4, 7):
+            x = torch.randn(rows, inp, generator=g)
+            b, res = torch.randn(out, generator=g), torch.randn(rows, out, generator=g)
+            y = quant.linear(x, w, b, res)
+            ref, mag = _int8_reference(x, w)
+            bound = (2 * inp // 32 + 8) * U * (mag + b.double().abs() + res.double().abs())
+            assert ((y.double() - (ref + b.double() + res.double())).abs() <= bound).all(), (qtype, shape, rows)
+            one = torch.cat([quant.linear(x[r:r + 1], w, b, res[r:r + 1]) for r in range(rows)])
+            assert torch.equal(one, y), "a row's result depends on the batch"
+    finally:
+        quant.set_int8_activations(was)
+
+
+def test_int8_is_the_default_and_switches() -> None:
+    assert quant.set_int8_activations() is True
+    g = torch.Generator().manual_seed(5)
+    w = quant.random("q4_1", (16, 64), g)
+    x = torch.randn(1, 64, generator=g)
+    y8 = quant.linear(x, w)
+    assert quant.set_int8_activations(False) is True
+    try:
+        yf = quant.linear(x, w)
+        assert torch.equal(yf, kernels.linear(x, kernels.pack(quant.dequantize(w)), 16))
+        assert not torch.equal(y8, yf)  # x's rounding shows
+    finally:
+        quant.set_int8_activations(True)

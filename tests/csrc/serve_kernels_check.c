@@ -356,6 +356,149 @@ static void check_decode_layers(void) {
     for (int i = 0; i < nown; i++) free(owned[i]);
 }
 
+/* ---- wsc_qpack / wsc_qlinear: weights as GGUF's blocks ---------------------------------------------------- */
+
+static double half_ref(const uint8_t* p) {  /* IEEE half, as ggml reads it */
+    unsigned h = p[0] | p[1] << 8, e = (h >> 10) & 31, m = h & 1023;
+    double v = e ? ldexp(1024.0 + m, (int)e - 25) : ldexp(m, -24);
+    return h >> 15 ? -v : v;
+}
+
+/* one output's GGUF row (`in` weights of type qt) -> doubles, after ggml's dequantize_row_* */
+static void dequant_ref(int qt, const uint8_t* b, long in, double* w) {
+    for (long j = 0; j < in / QK[qt]; j++, b += QROW[qt], w += QK[qt]) {
+        double d = half_ref(b);
+        switch (qt) {
+        case QT_BF16: {
+            uint32_t u = (uint32_t)(b[0] | b[1] << 8) << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            w[0] = f;
+            break;
+        }
+        case QT_Q8_0:
+            for (int k = 0; k < 32; k++) w[k] = d * (int8_t)b[2 + k];
+            break;
+        case QT_Q4_0:
+            for (int k = 0; k < 16; k++) {
+                w[k] = d * ((b[2 + k] & 15) - 8);
+                w[k + 16] = d * ((b[2 + k] >> 4) - 8);
+            }
+            break;
+        case QT_Q4_1: {
+            double m = half_ref(b + 2);
+            for (int k = 0; k < 16; k++) { w[k] = d * (b[4 + k] & 15) + m; w[k + 16] = d * (b[4 + k] >> 4) + m; }
+            break;
+        }
+        case QT_Q4_K: {
+            const uint8_t *q = b + 4, *qs = b + 16;
+            double dmin = half_ref(b + 2);
+            for (int s = 0; s < 8; s++) {  /* ggml's get_scale_min_k4 */
+                int sc = s < 4 ? q[s] & 63 : (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
+                int mn = s < 4 ? q[s + 4] & 63 : (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+                for (int l = 0; l < 32; l++) {
+                    int v = s & 1 ? qs[32 * (s / 2) + l] >> 4 : qs[32 * (s / 2) + l] & 15;
+                    w[32 * s + l] = d * sc * v - dmin * mn;
+                }
+            }
+            break;
+        }
+        case QT_Q6_K: {
+            d = half_ref(b + 208);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                const int8_t* sc = (const int8_t*)b + 192 + 8 * h;
+                for (int l = 0; l < 32; l++) {
+                    int is = l / 16;
+                    w[128 * h + l] = d * sc[is] * (((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+                    w[128 * h + l + 32] = d * sc[is + 2] * (((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    w[128 * h + l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    w[128 * h + l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                }
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* random GGUF rows of type qt: random bytes, fp16 scales (d; Q4_1's m, Q4_K's dmin) of magnitude 2^-10 .. 2^-3 */
+static uint8_t* random_rows(int qt, long out, long in) {
+    long n = out * (in / QK[qt]) * QROW[qt];
+    uint8_t* b = xmalloc((size_t)n);
+    for (long i = 0; i < n; i++) b[i] = (uint8_t)(frand() * 128 + 128);
+    if (qt == QT_BF16) {
+        for (long i = 1; i < n; i += 2) b[i] = (uint8_t)((b[i] & 0x80) | (0x3C + (b[i] & 3)));  /* |w| ~ 2^-7..2^0 */
+        return b;
+    }
+    int half_at[2] = {qt == QT_Q6_K ? 208 : 0, qt == QT_Q4_1 || qt == QT_Q4_K ? 2 : -1};
+    for (long blk = 0; blk < n / QROW[qt]; blk++)
+        for (int f = 0; f < 2; f++)
+            if (half_at[f] >= 0) {
+                uint8_t* h = b + blk * QROW[qt] + half_at[f];
+                h[1] = (uint8_t)((h[1] & 0x83) | (5 + (int)((frand() + 1) * 3.5)) << 2);  /* exponent 5 .. 12 */
+            }
+    return b;
+}
+
+/* the product through the kernels (both paths, 1 and 2 threads) against doubles over the reference weights */
+static void check_qlinear(int qt, long rows, long out, long in) {
+    char what[128];
+    uint8_t* src = random_rows(qt, out, in);
+    long np = (out + PANEL - 1) / PANEL, nb = in / 32;
+    uint8_t* packed = xmalloc((size_t)(np * qpanel_bytes(qt, in)));
+    double* W = xmalloc((size_t)(out * in) * sizeof(double));
+    float* Wf = xmalloc((size_t)(out * in) * sizeof(float));
+    if (wsc_qpack(src, qt, out, in, packed) != 0) { fprintf(stderr, "FAIL qpack type %d\n", qt); g_fail++; }
+    for (long o = 0; o < out; o++) dequant_ref(qt, src + o * (in / QK[qt]) * QROW[qt], in, W + o * in);
+    for (long i = 0; i < out * in; i++) Wf[i] = (float)W[i];
+    float* wp = pack(Wf, out, in);
+    float *x = randv(rows * in), *b = randv(out), *res = randv(rows * out);
+    float *y = randv(rows * out), *y2 = randv(rows * out), *yf = randv(rows * out);
+    for (int int8 = 0; int8 < 2; int8++) {
+        if (int8 && !(qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1)) break;
+        wsc_qset_int8(int8);
+        wsc_set_threads(1);
+        if (wsc_qlinear(packed, qt, x, b, res, y, rows, out, in) != 0) {
+            fprintf(stderr, "FAIL qlinear: out of memory\n");
+            g_fail++;
+        }
+        wsc_set_threads(2);
+        for (int i = 0; i < 8; i++) {
+            wsc_qlinear(packed, qt, x, b, res, y2, rows, out, in);
+            snprintf(what, sizeof what, "qlinear type %d int8 %d on 2 threads rows=%ld out=%ld in=%ld", qt, int8, rows,
+                     out, in);
+            expect_same(what, y2, y, rows * out);
+        }
+        wsc_set_threads(1);
+        snprintf(what, sizeof what, "qlinear type %d int8 %d rows=%ld out=%ld in=%ld", qt, int8, rows, out, in);
+        for (long r = 0; r < rows; r++)
+            for (long o = 0; o < out; o++) {
+                double s = 0, mag = 0, xerr = 0;
+                for (long k = 0; k < in; k++) {
+                    s += (double)x[r * in + k] * W[o * in + k];
+                    mag += fabs((double)x[r * in + k] * W[o * in + k]);
+                }
+                for (long j = 0; int8 && j < nb; j++) {  /* x's rounding: at most max |x| / 254 per element */
+                    double amax = 0, wsum = 0;
+                    for (int k = 0; k < 32; k++) {
+                        amax = fmax(amax, fabs(x[r * in + 32 * j + k]));
+                        wsum += fabs(W[o * in + 32 * j + k]);
+                    }
+                    xerr += amax / 254 * wsum * (1 + 1e-6);
+                }
+                expect(what, r * out + o, y[r * out + o], res[r * out + o] + s + b[o], mag + 2 + xerr / 1e-6, 1e-6);
+            }
+        if (!int8) {  /* exact dequantization, then the float panels' chain: their bits */
+            wsc_linear(wp, x, b, res, yf, rows, out, in);
+            snprintf(what, sizeof what, "qlinear type %d vs float panels rows=%ld out=%ld in=%ld", qt, rows, out, in);
+            expect_same(what, y, yf, rows * out);
+        }
+    }
+    wsc_qset_int8(1);
+    free(src); free(packed); free(W); free(Wf); free(wp); free(x); free(b); free(res); free(y); free(y2); free(yf);
+}
+
 int main(void) {
     const long lin[][3] = {{1, 5, 37}, {1, 32, 64}, {3, 17, 16}, {4, 130, 64}, {5, 131, 37}, {7, 6, 15},
                            {16, 33, 48}, {17, 50, 20}, {33, 16, 64}};
@@ -378,6 +521,9 @@ int main(void) {
     check_decode_attention_batch(4, 2, 32, 4);
     check_decode_attention_batch(3, 1, 64, 16);
     check_decode_layers();
+    const long qs[][3] = {{1, 5, 256}, {3, 37, 512}, {5, 70, 256}, {17, 16, 256}, {1, 130, 512}};
+    for (int qt = QT_BF16; qt < QT_N; qt++)
+        for (size_t i = 0; i < sizeof qs / sizeof qs[0]; i++) check_qlinear(qt, qs[i][0], qs[i][1], qs[i][2]);
     if (g_fail) {
         fprintf(stderr, "%d checks failed\n", g_fail);
         return 1;

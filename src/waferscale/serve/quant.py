@@ -6,11 +6,12 @@ is the `row_bytes` bytes llama.cpp stores for output r. Rows are independent, so
 rotary un-permutation of a llama GGUF) is a row gather on the bytes.
 
 `linear(x, w)` is y = x W^T (+ bias, + residual). With the C kernels (serve/kernels.py) it runs on `pack(w)`:
-the same bytes moved once into panels of 16 outputs (csrc/quant.c; fp32 goes in the float panels), each weight
-dequantized in registers exactly as `dequantize` computes it and summed in the float panels' order, so the result
-has the same bits as the float32 product over `dequantize(w)` through the kernels, for any batch and thread
-count. Without the kernels it dequantizes W with the gguf package and runs torch (the same numbers up to the
-order of the sums).
+the same bytes moved once into panels of 16 outputs (csrc/quant.c; fp32 goes in the float panels). Q8_0, Q4_0
+and Q4_1 by default round x to int8 per block of 32 and sum in integers, as llama.cpp does (faster; x's rounding
+is the price: `set_int8_activations`); otherwise, and for bf16, Q4_K and Q6_K, each weight is dequantized in
+registers exactly as `dequantize` computes it and summed in the float panels' order, so the result has the same
+bits as the float32 product over `dequantize(w)` through the kernels. Either way a row's result depends neither
+on the batch nor on the thread count. Without the kernels it dequantizes W with the gguf package and runs torch.
 """
 
 from __future__ import annotations
@@ -104,6 +105,28 @@ def dequantize(w: QWeight) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(w.shape))
 
 
+_HALF_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}  # fp16 fields of a
+# block (byte offsets): d, and Q4_1's m / Q4_K's dmin
+
+
+def random(qtype: str, shape: tuple[int, int], g: torch.Generator) -> QWeight:
+    """A (out, in) `qtype` matrix of random bytes (tests, benchmarks: every bit pattern of the quants and of the
+    6- and 8-bit scales) whose fp16 scales are of either sign in [1e-3, 2e-2] (Q4_1's offset m: 8 times that);
+    fp32 and bf16: standard normal values."""
+    out, inp = shape
+    if qtype in ("fp32", "bf16"):
+        w = torch.randn(out, inp, generator=g).to(torch.float32 if qtype == "fp32" else torch.bfloat16)
+        return QWeight(qtype, (out, inp), w.contiguous().view(torch.uint8).reshape(out, -1).clone())
+    per, size = block_shape(qtype)
+    nb = inp // per
+    raw = torch.randint(0, 256, (out, nb, size), generator=g, dtype=torch.uint8)
+    for i, off in enumerate(_HALF_FIELDS[qtype]):
+        h = torch.rand(out, nb, generator=g) * 0.019 + 0.001
+        h = torch.where(torch.rand(out, nb, generator=g) < 0.5, -h, h) * (8 if i == 1 and qtype == "q4_1" else 1)
+        raw[:, :, off:off + 2] = h.to(torch.float16).view(torch.uint8).reshape(out, nb, 2)
+    return QWeight(qtype, (out, inp), raw.reshape(out, -1))
+
+
 def take(w: QWeight, ids: Tensor) -> Tensor:
     """Rows `ids` of `w` in float32 (an embedding lookup): only those rows are dequantized."""
     return dequantize(w.rows(ids.reshape(-1))).reshape(*ids.shape, w.shape[1])
@@ -162,9 +185,19 @@ def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor |
     return y.reshape(*lead, out)
 
 
+def set_int8_activations(on: bool | None = None) -> bool:
+    """Whether the C kernels' Q8_0 / Q4_0 / Q4_1 products round x to int8 per block of 32 and sum in integers (the
+    default, llama.cpp's way: faster, x's rounding the price; csrc/quant.c) or keep x in float32 (the same bits
+    as the float32 product over the dequantized weights); sets it when `on` is given. Returns the previous
+    setting (False without the kernels)."""
+    if not kernels.available():
+        return False
+    return bool(kernels._lib.wsc_qset_int8(-1 if on is None else int(bool(on))))
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 __all__ = ["QTYPES", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear", "pack",
-           "packed_bytes", "qtype_of", "quantize", "take"]
+           "packed_bytes", "qtype_of", "quantize", "random", "set_int8_activations", "take"]

@@ -125,13 +125,14 @@ typedef struct {
 
 /* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk. A product's W is in
    dense panels (off == NULL, qt == 0, panels.c), in sparse panels with panel offsets off (spanels.c), or in
-   quantized panels at qw of type qt (quant.c). */
+   quantized panels at qw of type qt (quant.c), x then as it is, or as xq and xs when quantized (quant.c). */
 typedef struct {
     const float *W, *xt, *b, *res; float* y;
     long rows, out, in;
     const attn_t* at;
     const int64_t* off;
     const uint8_t* qw; int qt;
+    const int8_t* xq; const float* xs;
 } job_t;
 
 /* defined in attention.c, run by the pool (pool.c) */

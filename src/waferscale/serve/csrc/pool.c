@@ -204,12 +204,20 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
                     const float* res, float* y, long rows, long out, long in) {
     const float* xt = x;
     long np = (out + PANEL - 1) / PANEL;
-    if (rows > 1 && !off) {  /* (one row is its own transpose; sparse panels read x as it is) */
+    const int8_t* xq = NULL;
+    const float* xs = NULL;
+    if (qt && qint8_applies(qt)) {  /* x rounded to int8 (quant.c), in one buffer: xq, then xs */
+        long nb = in / 32, at = (rows * in + 15) / 16 * 16;
+        if (!grow(&t_xt, &t_xt_cap, at / 4 + rows * nb * 2, sizeof(float))) return -1;
+        xq = (const int8_t*)t_xt;
+        xs = (const float*)t_xt + at / 4;
+        quantize_x(x, rows, in, (int8_t*)t_xt, (float*)xs);
+    } else if (rows > 1 && !off) {  /* (one row is its own transpose; sparse panels read x as it is) */
         if (!grow(&t_xt, &t_xt_cap, rows * in, sizeof(float))) return -1;
         pack_x(x, rows, in, t_xt);
         xt = t_xt;
     }
-    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off, qw, qt};
+    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off, qw, qt, xq, xs};
     if (!qbuf_ready(&j)) return -1;
     /* floats (quantized: 4-byte words) streamed per panel */
     long per = off ? (long)off[np] / (np > 0 ? np : 1) : qt ? qpanel_bytes(qt, in) / 4 : PANEL * in;

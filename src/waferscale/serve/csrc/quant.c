@@ -6,20 +6,23 @@
 /* ---- y = residual + x W^T + bias over W in quantized panels ----------------------------------------------
    Layout (wsc_qpack): panels of 16 outputs, as the float panels (panels.c), rows past `out` all zero bytes.
    A panel holds its outputs' blocks along k in order, each block j of the 16 outputs together: their scales
-   side by side (16 fp16 d, then 16 fp16 m for Q4_1, ...) and then their quants with the 16 outputs of one k
-   (or of two k, as low and high nibbles, or four, as 2-bit fields) in one 16-byte run, so that one 16-byte load
-   expands to the 16 outputs' weights at k: one vector, as a float panel's row. The bytes are GGUF's, moved:
-   a block of 16 outputs is 16 times GGUF's block (Q4_K's 6-bit scales and mins are unpacked to bytes: 148
-   bytes a block instead of 144).
+   side by side (16 fp16 d, then 16 fp16 m for Q4_1, ...), then their quants with the 16 outputs' values of the
+   same k in one run that expands to one vector per k, as a float panel's row: bf16 and Q4_K / Q6_K 16 bytes for
+   one k (or two, as low and high nibbles, or four, as 2-bit fields); Q8_0, Q4_0 and Q4_1 one 32-bit word per
+   output holding 4 k (or 8, as nibbles), the integer path's operand (below). The panels go in groups of four,
+   their blocks interleaved (qpanel_at), so that a decode row reads one stream. The bytes are GGUF's, moved: a
+   block of 16 outputs is 16 times GGUF's block (Q4_K's 6-bit scales and mins are unpacked to bytes: 148 bytes
+   a block instead of 144).
 
-   Activations stay float32: each weight is dequantized in registers exactly as gguf.quants.dequantize
-   computes it (d * q is exact in float32 for every type here, so d * q + m rounds once either way; Q6_K's
-   (d * scale) * q rounds where numpy's does), then goes into the same FMA chain over k as the float panels.
-   So a product over quantized panels gives the same bits as the float panels of the dequantized matrix,
-   for any batch and thread count. One row (decode) runs four panels at a time, four independent chains to
-   hide the FMA latency; more rows dequantize one panel at a time into a per-thread float panel (in x 16 floats,
-   L1/L2-resident) that the float microkernel then reads for every row, so prefill reads W once per 16 x 16
-   tile-set as the float path does. */
+   Two paths. Float (bf16, Q4_K, Q6_K always; Q8_0, Q4_0, Q4_1 when the integer path is off): each weight is
+   dequantized in registers exactly as gguf.quants.dequantize computes it (d * q is exact in float32 for every
+   type here, so d * q + m rounds once either way; Q6_K's (d * scale) * q rounds where numpy's does), then goes
+   into the same FMA chain over k as the float panels, so a product gives the same bits as the float panels of
+   the dequantized matrix. One row (decode) runs a group's four panels together, four independent chains to
+   hide the FMA latency; more rows dequantize one panel at a time into a per-thread float panel (in x 16
+   floats, L1/L2-resident) that the float microkernel then reads for every row. Integer (Q8_0, Q4_0, Q4_1, the
+   default): x rounded to int8, see below. Either way a row's result depends neither on the batch nor on the
+   thread count. */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,14 +32,28 @@ enum { QT_F32, QT_BF16, QT_Q8_0, QT_Q4_0, QT_Q4_1, QT_Q4_K, QT_Q6_K, QT_N };  /*
 static const int QK[QT_N] = {1, 1, 32, 32, 32, 256, 256};      /* weights per block */
 static const int QROW[QT_N] = {4, 2, 34, 18, 20, 144, 210};    /* GGUF bytes of one output's block */
 static const int QPAN[QT_N] = {4, 2, 34, 18, 20, 148, 210};    /* panel bytes of one output's block */
+#ifndef QNP
 #define QNP 4          /* panels one decode row runs at once */
-#define QPF 2048       /* bytes ahead of each panel's read to prefetch */
+#endif
+#ifndef QPF
+#define QPF 4096       /* bytes ahead of the read to prefetch (measured: 2048 and 8192 no faster) */
+#endif
 
 static inline long qpanel_bytes(int qt, long in) { return in / QK[qt] * QPAN[qt] * PANEL; }
+
+/* Panels go in groups of QNP, the groups' blocks interleaved: block j of a group's panels q = 0 .. gs - 1 (gs
+   = QNP but in the last group) side by side, then block j + 1, so that a decode row, which runs a group's
+   panels together, reads one sequential stream. Where panel p of np starts, and (*bs) its blocks' stride: */
+static inline const uint8_t* qpanel_at(const uint8_t* W, int qt, long in, long np, long p, long* bs) {
+    long g = p / QNP, gs = np - g * QNP < QNP ? np - g * QNP : QNP, bb = (long)QPAN[qt] * PANEL;
+    *bs = gs * bb;
+    return W + g * QNP * qpanel_bytes(qt, in) + (p % QNP) * bb;
+}
 
 typedef uint8_t vu8 __attribute__((vector_size(16)));
 typedef int8_t vi8 __attribute__((vector_size(16)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 /* 16 bytes (or 16-bit words) -> 16 int32 lanes, zero- or sign-extended (GCC scalarizes __builtin_convertvector
    here: ~10x slower) */
@@ -81,19 +98,24 @@ static inline v16 ldh16(const uint8_t* p) {  /* 16 fp16 -> floats */
 /* ---- each type's weights at k of a panel's block, 16 outputs a vector (the one home of the arithmetic) ---- */
 
 static inline v16 bf16_w(const uint8_t* p) { return (v16)(zx16(p) << 16); }  /* bf16: the high half of a float */
-/* Q8_0 block: d[16] fp16, then q (int8) at k: 32 + 16 k */
-static inline v16 q8_0_w(const uint8_t* q, v16 d) { return i2f(sx8(q)) * d; }
-/* Q4_0 block: d[16], then k = 2i, 2i + 1 as the low and high nibbles of 32 + 16 i: d (q - 8) */
-static inline void q4_0_w(const uint8_t* q, v16 d, v16* w0, v16* w1) {
-    v16i b = zx8(q);
-    *w0 = i2f((b & 15) - 8) * d;
-    *w1 = i2f((b >> 4) - 8) * d;
+/* Q8_0 block: d[16] fp16, then eight groups of 4 k, 64 bytes each: output c's 32-bit word holds k = 4g + t in
+   its byte t (int8), as the integer path's vpdpbusd takes them: d q. The four weight vectors of group g at q: */
+static inline void q8_group(const uint8_t* q, v16 d, v16* w) {
+    v16i L;
+    __builtin_memcpy(&L, q, 64);
+    for (int t = 0; t < 4; t++) w[t] = i2f(L << (24 - 8 * t) >> 24) * d;
 }
-/* Q4_1 block: d[16], m[16], then the nibbles of k = 2i, 2i + 1 at 64 + 16 i: d q + m */
-static inline void q4_1_w(const uint8_t* q, v16 d, v16 m, v16* w0, v16* w1) {
-    v16i b = zx8(q);
-    *w0 = i2f(b & 15) * d + m;
-    *w1 = i2f(b >> 4) * d + m;
+/* Q4_0 and Q4_1 blocks: d[16] (Q4_1: then m[16]), then four groups of 8 k, 64 bytes each: output c's 32-bit
+   word holds k = 8g + t (t < 4) in the low nibble of its byte t and k = 8g + 4 + t in the high one, as the
+   integer path's vpdpbusd takes them. Q4_1: d q + m; Q4_0: d (q - 8) = d q + m with m = -8 d (exact too). The
+   eight weight vectors of group g at q: */
+static inline void q4_group(const uint8_t* q, v16 d, v16 m, v16* w) {
+    v16u L;
+    __builtin_memcpy(&L, q, 64);
+    for (int t = 0; t < 4; t++) {
+        w[t] = i2f((v16i)(L >> (8 * t) & 15)) * d + m;
+        w[4 + t] = i2f((v16i)(L >> (8 * t + 4) & 15)) * d + m;
+    }
 }
 /* Q4_K super-block: d[16], dmin[16], scale[8][16], min[8][16] (bytes), then the nibbles of k = 2i, 2i + 1 at
    320 + 16 i; sub-block s (32 k): (d scale_s) q - dmin min_s, with ds = d scale_s and dm = dmin min_s */
@@ -116,77 +138,66 @@ static inline void prefetch_block(const uint8_t* p, int bytes) {
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + QPF + l, 0, 3);
 }
 
-/* ---- one row against NP panels at w, pb bytes apart: a[p] += the FMA chain over k of panel p -------------- */
+/* ---- one row against NP panels at w, ps bytes apart, their blocks bs apart: a[p] += panel p's FMA chain ---- */
 #define AI static inline __attribute__((always_inline))
 #define FOR_P for (int p = 0; p < NP; p++)
 
-AI void gemv_bf16(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+AI void gemv_bf16(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
     for (long k = 0; k < in; k++) {
         v16 xk = vsplat(x[k]);
         FOR_P {
-            const uint8_t* q = w + p * pb + 32 * k;
+            const uint8_t* q = w + p * ps + k * bs;
             if (!(k & 1)) __builtin_prefetch(q + QPF, 0, 3);
             a[p] += xk * bf16_w(q);
         }
     }
 }
 
-AI void gemv_q8_0(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+AI void gemv_q8_0(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
     for (long j = 0; j < in / 32; j++) {
         const uint8_t* blk[QNP];
         v16 d[QNP];
-        FOR_P { blk[p] = w + p * pb + j * 544; d[p] = ldh16(blk[p]); prefetch_block(blk[p], 544); }
-        for (int k = 0; k < 32; k++) {
-            v16 xk = vsplat(x[32 * j + k]);
-            FOR_P a[p] += xk * q8_0_w(blk[p] + 32 + 16 * k, d[p]);
-        }
-    }
-}
-
-AI void gemv_q4_0(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
-    for (long j = 0; j < in / 32; j++) {
-        const uint8_t* blk[QNP];
-        v16 d[QNP];
-        FOR_P { blk[p] = w + p * pb + j * 288; d[p] = ldh16(blk[p]); prefetch_block(blk[p], 288); }
-        for (int i = 0; i < 16; i++) {
-            v16 x0 = vsplat(x[32 * j + 2 * i]), x1 = vsplat(x[32 * j + 2 * i + 1]);
+        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); prefetch_block(blk[p], 544); }
+        for (int g = 0; g < 8; g++) {
+            const float* xg = x + 32 * j + 4 * g;
             FOR_P {
-                v16 w0, w1;
-                q4_0_w(blk[p] + 32 + 16 * i, d[p], &w0, &w1);
-                a[p] += x0 * w0;
-                a[p] += x1 * w1;
+                v16 wv[4];
+                q8_group(blk[p] + 32 + 64 * g, d[p], wv);
+                for (int t = 0; t < 4; t++) a[p] += vsplat(xg[t]) * wv[t];
             }
         }
     }
 }
 
-AI void gemv_q4_1(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+/* Q4_0 and Q4_1 (has_m) */
+AI void gemv_q4(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP,
+                const int has_m) {
+    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
     for (long j = 0; j < in / 32; j++) {
         const uint8_t* blk[QNP];
         v16 d[QNP], m[QNP];
         FOR_P {
-            blk[p] = w + p * pb + j * 320;
+            blk[p] = w + p * ps + j * bs;
             d[p] = ldh16(blk[p]);
-            m[p] = ldh16(blk[p] + 32);
-            prefetch_block(blk[p], 320);
+            m[p] = has_m ? ldh16(blk[p] + 32) : d[p] * -8.0f;
+            prefetch_block(blk[p], bb);
         }
-        for (int i = 0; i < 16; i++) {
-            v16 x0 = vsplat(x[32 * j + 2 * i]), x1 = vsplat(x[32 * j + 2 * i + 1]);
+        for (int g = 0; g < 4; g++) {
+            const float* xg = x + 32 * j + 8 * g;
             FOR_P {
-                v16 w0, w1;
-                q4_1_w(blk[p] + 64 + 16 * i, d[p], m[p], &w0, &w1);
-                a[p] += x0 * w0;
-                a[p] += x1 * w1;
+                v16 wv[8];
+                q4_group(blk[p] + h + 64 * g, d[p], m[p], wv);
+                for (int t = 0; t < 8; t++) a[p] += vsplat(xg[t]) * wv[t];
             }
         }
     }
 }
 
-AI void gemv_q4_k(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+AI void gemv_q4_k(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
     for (long j = 0; j < in / 256; j++) {
         const uint8_t* blk[QNP];
         v16 d[QNP], dmin[QNP];
-        FOR_P { blk[p] = w + p * pb + j * 2368; d[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
+        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
         for (int s = 0; s < 8; s++) {
             v16 ds[QNP], dm[QNP];
             FOR_P {
@@ -208,11 +219,11 @@ AI void gemv_q4_k(const uint8_t* w, long pb, long in, const float* x, v16* a, co
     }
 }
 
-AI void gemv_q6_k(const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+AI void gemv_q6_k(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
     for (long j = 0; j < in / 256; j++) {
         const uint8_t* blk[QNP];
         v16 d[QNP];
-        FOR_P { blk[p] = w + p * pb + j * 3360; d[p] = ldh16(blk[p]); }
+        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); }
         for (int s = 0; s < 16; s++) {
             v16 ds[QNP];
             FOR_P {
@@ -234,57 +245,50 @@ AI void gemv_q6_k(const uint8_t* w, long pb, long in, const float* x, v16* a, co
 }
 
 /* one row against NP panels of type qt (NP constant at each call) */
-AI void qgemv(int qt, const uint8_t* w, long pb, long in, const float* x, v16* a, const int NP) {
+AI void qgemv(int qt, const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
     switch (qt) {
-    case QT_BF16: gemv_bf16(w, pb, in, x, a, NP); break;
-    case QT_Q8_0: gemv_q8_0(w, pb, in, x, a, NP); break;
-    case QT_Q4_0: gemv_q4_0(w, pb, in, x, a, NP); break;
-    case QT_Q4_1: gemv_q4_1(w, pb, in, x, a, NP); break;
-    case QT_Q4_K: gemv_q4_k(w, pb, in, x, a, NP); break;
-    case QT_Q6_K: gemv_q6_k(w, pb, in, x, a, NP); break;
+    case QT_BF16: gemv_bf16(w, ps, bs, in, x, a, NP); break;
+    case QT_Q8_0: gemv_q8_0(w, ps, bs, in, x, a, NP); break;
+    case QT_Q4_0: gemv_q4(w, ps, bs, in, x, a, NP, 0); break;
+    case QT_Q4_1: gemv_q4(w, ps, bs, in, x, a, NP, 1); break;
+    case QT_Q4_K: gemv_q4_k(w, ps, bs, in, x, a, NP); break;
+    case QT_Q6_K: gemv_q6_k(w, ps, bs, in, x, a, NP); break;
     }
 }
 
 /* ---- one panel dequantized into a float panel dst (in, 16), for the float microkernel ---------------------- */
-static void qdeq_panel(int qt, const uint8_t* w, long in, float* dst) {
+static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
 #define PUT(k, v) do { v16 v_ = (v); __builtin_memcpy(dst + (k) * PANEL, &v_, sizeof v_); } while (0)
-    v16 w0, w1, wv[4];
+    v16 w0, w1, wv[8];
     switch (qt) {
     case QT_BF16:
-        for (long k = 0; k < in; k++) PUT(k, bf16_w(w + 32 * k));
+        for (long k = 0; k < in; k++) PUT(k, bf16_w(w + k * bs));
         break;
     case QT_Q8_0:
         for (long j = 0; j < in / 32; j++) {
-            const uint8_t* b = w + j * 544;
+            const uint8_t* b = w + j * bs;
             v16 d = ldh16(b);
-            for (int k = 0; k < 32; k++) PUT(32 * j + k, q8_0_w(b + 32 + 16 * k, d));
-        }
-        break;
-    case QT_Q4_0:
-        for (long j = 0; j < in / 32; j++) {
-            const uint8_t* b = w + j * 288;
-            v16 d = ldh16(b);
-            for (int i = 0; i < 16; i++) {
-                q4_0_w(b + 32 + 16 * i, d, &w0, &w1);
-                PUT(32 * j + 2 * i, w0);
-                PUT(32 * j + 2 * i + 1, w1);
+            for (int g = 0; g < 8; g++) {
+                q8_group(b + 32 + 64 * g, d, wv);
+                for (int t = 0; t < 4; t++) PUT(32 * j + 4 * g + t, wv[t]);
             }
         }
         break;
-    case QT_Q4_1:
+    case QT_Q4_0: case QT_Q4_1: {
+        int has_m = qt == QT_Q4_1;
         for (long j = 0; j < in / 32; j++) {
-            const uint8_t* b = w + j * 320;
-            v16 d = ldh16(b), m = ldh16(b + 32);
-            for (int i = 0; i < 16; i++) {
-                q4_1_w(b + 64 + 16 * i, d, m, &w0, &w1);
-                PUT(32 * j + 2 * i, w0);
-                PUT(32 * j + 2 * i + 1, w1);
+            const uint8_t* b = w + j * bs;
+            v16 d = ldh16(b), m = has_m ? ldh16(b + 32) : d * -8.0f;
+            for (int g = 0; g < 4; g++) {
+                q4_group(b + (has_m ? 64 : 32) + 64 * g, d, m, wv);
+                for (int t = 0; t < 8; t++) PUT(32 * j + 8 * g + t, wv[t]);
             }
         }
         break;
+    }
     case QT_Q4_K:
         for (long j = 0; j < in / 256; j++) {
-            const uint8_t* b = w + j * 2368;
+            const uint8_t* b = w + j * bs;
             v16 d = ldh16(b), dmin = ldh16(b + 32);
             for (int s = 0; s < 8; s++) {
                 v16 ds = i2f(zx8(b + 64 + 16 * s)) * d, dm = i2f(zx8(b + 192 + 16 * s)) * dmin;
@@ -298,7 +302,7 @@ static void qdeq_panel(int qt, const uint8_t* w, long in, float* dst) {
         break;
     case QT_Q6_K:
         for (long j = 0; j < in / 256; j++) {
-            const uint8_t* b = w + j * 3360;
+            const uint8_t* b = w + j * bs;
             v16 d = ldh16(b);
             for (int s = 0; s < 16; s++) {
                 v16 ds = i2f(sx8(b + 32 + 16 * s)) * d;
@@ -313,29 +317,198 @@ static void qdeq_panel(int qt, const uint8_t* w, long in, float* dst) {
 #undef PUT
 }
 
+/* ---- the integer path: x rounded to int8 per block of 32, Q8_0 / Q4_0 / Q4_1 as integers ------------------
+   As llama.cpp's (its Q8_0 / Q8_1 activations): block j of a row of x is dx_j xq (dx_j = max |x| / 127, xq =
+   x / dx_j rounded half away from zero), and an output's block sum is d dx_j (sum q xq) + m sum x (Q4_1: its m;
+   Q4_0: -8 d; Q8_0: none), the integer sum exact (vpdpbusd: four u8 x s8 products a lane, 4 k x 16 outputs an
+   instruction; a plain-C stand-in without AVX512-VNNI gives the same integers), sum x the block's float sum in
+   a fixed order. It reads the same weight bytes with a fraction of the float path's instructions, which on this
+   2-core Zen 4 turns a compute-bound decode product into a memory-bound one and prefill ~5x faster (figures:
+   bench/serve_quant_kernels.py); the price is x's rounding, |x - dx xq| <= dx / 2 per element (dx = the
+   block's max |x| / 127). Every row is computed alone by the same code. On by default (wsc_qset_int8). */
+
+static _Atomic int g_qint8 = 1;
+
+/* whether products over qt take the integer path (1) or the float path (0) from now on: on != 0 / 0; returns
+   the previous setting (on < 0: only returns it) */
+int wsc_qset_int8(int on) {
+    int was = atomic_load(&g_qint8);
+    if (on >= 0) atomic_store(&g_qint8, on != 0);
+    return was;
+}
+
+static inline int qint8_applies(int qt) {
+    return atomic_load(&g_qint8) && (qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1);
+}
+
+/* x (rows, in) -> xq (rows, in) and xs (rows, in / 32, 2): each block's dx and its sum of x (summed in a fixed
+   order: lanes pairwise, then hsum16) */
+static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs) {
+    const v16i sign = vsplat(-0.0f) == vsplat(-0.0f);  /* all ones */
+    for (long r = 0; r < rows; r++)
+        for (long j = 0; j < in / 32; j++) {
+            const float* v = x + r * in + 32 * j;
+            v16 lo = ld16(v), hi = ld16(v + 16);
+            v16 a = (v16)((v16i)lo & ~(sign << 31)), b = (v16)((v16i)hi & ~(sign << 31));
+            v16 m = (v16)((v16i)a & (a >= b)) + (v16)((v16i)b & (a < b));
+            float amax = 0;
+            for (int c = 0; c < PANEL; c++) amax = m[c] > amax ? m[c] : amax;
+            float dx = amax / 127, id = dx > 0 ? 1 / dx : 0;
+            int8_t* q = xq + r * in + 32 * j;
+            for (int h = 0; h < 2; h++) {
+                v16 t = (h ? hi : lo) * id;
+                v16 half = (v16)(((v16i)t & (sign << 31)) | (v16i)vsplat(0.5f));  /* 0.5 with t's sign */
+                v16i qi = __builtin_convertvector(t + half, v16i);  /* truncation: half away from zero */
+#if defined(__AVX512F__)
+                _mm_storeu_si128((__m128i*)(q + 16 * h), _mm512_cvtepi32_epi8((__m512i)qi));
+#else
+                for (int c = 0; c < PANEL; c++) q[16 * h + c] = (int8_t)qi[c];
+#endif
+            }
+            xs[2 * (r * (in / 32) + j)] = dx;
+            xs[2 * (r * (in / 32) + j) + 1] = hsum16(lo + hi);
+        }
+}
+
+/* acc + per lane the sum of its four u8 bytes of a times the four s8 bytes of b */
+static inline v16i dpbusd(v16i acc, v16i a, int32_t b) {
+#if defined(__AVX512VNNI__)
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, _mm512_set1_epi32(b));
+#else
+    for (int t = 0; t < 4; t++) acc += (v16i)((v16u)a >> (8 * t) & 255) * (int8_t)(b >> (8 * t));
+    return acc;
+#endif
+}
+
+/* acc + per lane the sum of the four u8 bytes of b times its four s8 bytes of a */
+static inline v16i dpbusd_s(v16i acc, v16i a, uint32_t b) {
+#if defined(__AVX512VNNI__)
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32((int)b), (__m512i)a);
+#else
+    for (int t = 0; t < 4; t++) acc += (a << (24 - 8 * t) >> 24) * (int)(b >> (8 * t) & 255);
+    return acc;
+#endif
+}
+
+/* MR rows of xq (ldq apart) against NP panels of Q8_0: a[p * MR + r] += their block sums. vpdpbusd takes one
+   side unsigned: x + 128 (its sign bit flipped), then 128 times the block's sum of q (a vpdpbusd with ones) off */
+AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
+              const int NP, const int MR) {
+    const long nb = in / 32;
+    for (long j = 0; j < nb; j++) {
+        FOR_P {
+            const uint8_t* blk = w + p * ps + j * bs;
+            prefetch_block(blk, 544);
+            v16 d = ldh16(blk);
+            v16i acc[4] = {{0}}, sq = {0};
+            for (int g = 0; g < 8; g++) {
+                v16i L;
+                __builtin_memcpy(&L, blk + 32 + 64 * g, 64);
+                sq = dpbusd_s(sq, L, 0x01010101u);
+                for (int r = 0; r < MR; r++) {
+                    uint32_t xu;
+                    __builtin_memcpy(&xu, xq + r * ldq + 32 * j + 4 * g, 4);
+                    acc[r] = dpbusd_s(acc[r], L, xu ^ 0x80808080u);
+                }
+            }
+            for (int r = 0; r < MR; r++)
+                a[p * MR + r] += i2f(acc[r] - (sq << 7)) * (d * xs[2 * (r * nb + j)]);
+        }
+    }
+}
+
+/* MR rows of xq (ldq apart) against NP panels of Q4_0 / Q4_1 (has_m): a[p * MR + r] += their block sums */
+AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
+              const int NP, const int MR, const int has_m) {
+    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
+    const long nb = in / 32;
+    for (long j = 0; j < nb; j++) {
+        FOR_P {
+            const uint8_t* blk = w + p * ps + j * bs;
+            prefetch_block(blk, bb);
+            v16 d = ldh16(blk), m = has_m ? ldh16(blk + 32) : d * -8.0f;
+            v16i acc[4] = {{0}};
+            for (int g = 0; g < 4; g++) {
+                v16u L;
+                __builtin_memcpy(&L, blk + h + 64 * g, 64);
+                v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
+                for (int r = 0; r < MR; r++) {
+                    int32_t x0, x1;
+                    __builtin_memcpy(&x0, xq + r * ldq + 32 * j + 8 * g, 4);
+                    __builtin_memcpy(&x1, xq + r * ldq + 32 * j + 8 * g + 4, 4);
+                    acc[r] = dpbusd(dpbusd(acc[r], lo, x0), hi, x1);
+                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const float* s = xs + 2 * (r * nb + j);
+                a[p * MR + r] += i2f(acc[r]) * (d * s[0]);
+                a[p * MR + r] += m * s[1];
+            }
+        }
+    }
+}
+
+/* panels [p0, p1) of a job on the integer path, into dst as qpanels_into */
+static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
+    long in = j->in, out = j->out, np = (out + PANEL - 1) / PANEL, nb = in / 32, bb = QPAN[j->qt] * PANEL, bs;
+    int has_m = j->qt == QT_Q4_1, q8 = j->qt == QT_Q8_0;
+    for (long p = p0; p < p1;) {
+        const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
+        int NP = j->rows == 1 && p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
+        for (long r0 = 0, MR; r0 < j->rows; r0 += MR) {
+            MR = j->rows - r0 >= 4 ? 4 : j->rows - r0 >= 2 ? 2 : 1;
+            v16 a[QNP * 4] = {{0}};
+            const int8_t* xq = j->xq + r0 * in;
+            const float* xs = j->xs + 2 * r0 * nb;
+#define I8(np, mr) do { if (q8) i8_q8(w, bb, bs, in, xq, xs, in, a, np, mr); \
+                         else if (has_m) i8_q4(w, bb, bs, in, xq, xs, in, a, np, mr, 1); \
+                         else i8_q4(w, bb, bs, in, xq, xs, in, a, np, mr, 0); } while (0)
+            if (NP == QNP) I8(QNP, 1);
+            else if (MR == 4) I8(1, 4);
+            else if (MR == 2) I8(1, 2);
+            else I8(1, 1);
+#undef I8
+            for (int q = 0; q < NP; q++)
+                for (int r = 0; r < MR; r++) {
+                    long o = (p + q) * PANEL, row = r0 + r;
+                    int nc = out - o < PANEL ? (int)(out - o) : PANEL;
+                    store_row(a[q * MR + r], dst + row * ldd + (o - p0 * PANEL), nc, j->b ? j->b + o : NULL,
+                              j->res ? j->res + row * out + o : NULL);
+                }
+        }
+        p += NP;
+    }
+}
+
 /* this thread's float panel for qdeq_panel; whether it is there (reserved by whoever runs a chunk, see pool.c)
    or not needed */
 static _Thread_local void* t_deq;
 static _Thread_local long t_deq_cap;
 static int qbuf_ready(const job_t* j) {
-    return !j->qt || j->rows == 1 || grow(&t_deq, &t_deq_cap, j->in * PANEL, sizeof(float)) != NULL;
+    return !j->qt || j->rows == 1 || j->xq || grow(&t_deq, &t_deq_cap, j->in * PANEL, sizeof(float)) != NULL;
 }
 
 /* a job's quantized panels [p0, p1) for every row into dst (row r, output o at dst[r * ldd + o - 16 p0]) */
 static void qpanels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
-    long in = j->in, out = j->out, pb = qpanel_bytes(j->qt, in);
+    long in = j->in, out = j->out, np = (out + PANEL - 1) / PANEL, bb = QPAN[j->qt] * PANEL, bs;
+    if (j->xq) {
+        i8_panels_into(j, p0, p1, dst, ldd);
+        return;
+    }
     if (j->rows > 1) {
         for (long p = p0; p < p1; p++) {
-            qdeq_panel(j->qt, j->qw + (size_t)p * pb, in, t_deq);
+            const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
+            qdeq_panel(j->qt, w, bs, in, t_deq);
             panel_rows(j, t_deq, p, p0, dst, ldd);
         }
         return;
     }
     for (long p = p0; p < p1;) {
-        int NP = p1 - p >= QNP ? QNP : 1;
+        const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
+        int NP = p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
         v16 a[QNP] = {{0}};
-        if (NP == QNP) qgemv(j->qt, j->qw + (size_t)p * pb, pb, in, j->xt, a, QNP);
-        else qgemv(j->qt, j->qw + (size_t)p * pb, pb, in, j->xt, a, 1);
+        if (NP == QNP) qgemv(j->qt, w, bb, bs, in, j->xt, a, QNP);
+        else qgemv(j->qt, w, bb, bs, in, j->xt, a, 1);
         for (int q = 0; q < NP; q++, p++) {
             long o = p * PANEL;
             int nc = out - o < PANEL ? (int)(out - o) : PANEL;
@@ -397,33 +570,34 @@ static void qdecode(int qt, const uint8_t* b, uint8_t* q, uint16_t* sc, uint8_t*
 int wsc_qpack(const uint8_t* src, int qt, long out, long in, uint8_t* dst) {
     if (qt <= QT_F32 || qt >= QT_N || in % QK[qt]) return -1;
     long nb = in / QK[qt], rb = nb * QROW[qt], np = (out + PANEL - 1) / PANEL, pb = qpanel_bytes(qt, in);
-    long bb = (long)QPAN[qt] * PANEL;  /* bytes of one block of a panel */
     for (long i = 0; i < np * pb; i++) dst[i] = 0;
     uint8_t q[256] = {0}, sb[16] = {0};
     uint16_t sc[2] = {0, 0};
     for (long p = 0; p < np; p++)
         for (int c = 0; c < PANEL && p * PANEL + c < out; c++) {
             const uint8_t* row = src + (p * PANEL + c) * rb;
+            long bs;
+            uint8_t* at = (uint8_t*)qpanel_at(dst, qt, in, np, p, &bs);
             if (qt == QT_BF16) {
                 for (long k = 0; k < in; k++) {
-                    dst[p * pb + 32 * k + 2 * c] = row[2 * k];
-                    dst[p * pb + 32 * k + 2 * c + 1] = row[2 * k + 1];
+                    at[k * bs + 2 * c] = row[2 * k];
+                    at[k * bs + 2 * c + 1] = row[2 * k + 1];
                 }
                 continue;
             }
             for (long j = 0; j < nb; j++) {
-                uint8_t* o = dst + p * pb + j * bb;
+                uint8_t* o = at + j * bs;
                 qdecode(qt, row + j * QROW[qt], q, sc, sb);
                 o[2 * c] = (uint8_t)sc[0];
                 o[2 * c + 1] = (uint8_t)(sc[0] >> 8);
                 switch (qt) {
                 case QT_Q8_0:
-                    for (int k = 0; k < 32; k++) o[32 + 16 * k + c] = q[k];
+                    for (int k = 0; k < 32; k++) o[32 + 64 * (k >> 2) + 4 * c + (k & 3)] = q[k];
                     break;
                 case QT_Q4_0: case QT_Q4_1: {
                     int h = qt == QT_Q4_1 ? 64 : 32;
                     if (qt == QT_Q4_1) { o[32 + 2 * c] = (uint8_t)sc[1]; o[33 + 2 * c] = (uint8_t)(sc[1] >> 8); }
-                    for (int k = 0; k < 32; k++) o[h + 16 * (k >> 1) + c] |= (uint8_t)(q[k] << 4 * (k & 1));
+                    for (int k = 0; k < 32; k++) o[h + 64 * (k >> 3) + 4 * c + (k & 3)] |= (uint8_t)(q[k] << (k & 4));
                     break;
                 }
                 case QT_Q4_K:
