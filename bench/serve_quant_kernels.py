@@ -53,7 +53,7 @@ class Product:
         n = max(1, min(4096, int(copies_mb * 2**20 // self.nbytes)))
         self.copies = [w.packed] + [w.packed.clone() for _ in range(n - 1)]
         self.lib = kernels._lib
-        self.code = quant._QT_CODE[self.qtype]
+        self.code = quant.QTYPE_CODE[self.qtype]
 
     def run(self, x: torch.Tensor, y: torch.Tensor, copies: list[torch.Tensor]) -> float:
         """Seconds per product over `copies` in turn."""

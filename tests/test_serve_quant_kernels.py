@@ -147,3 +147,38 @@ def test_int8_is_the_default_and_switches() -> None:
         assert not torch.equal(y8, yf)  # x's rounding shows
     finally:
         quant.set_int8_activations(True)
+
+
+def _stack(weights: dict[str, object], C: int, nh: int, nkv: int, hd: int, ffn: int) -> kernels.DecodeStack:
+    g = torch.Generator().manual_seed(11)
+    layer = {"attn_norm": torch.rand(C, generator=g) + 0.5, "mlp_norm": torch.rand(C, generator=g) + 0.5,
+             "attn_eps": 1e-5, "mlp_eps": 1e-5, "bqkv": None, "bo": None, "bgu": None, "bd": None,
+             "cache": torch.zeros(2 * nkv, 8, hd), **weights}
+    return kernels.DecodeStack([layer, dict(layer, cache=torch.zeros(2 * nkv, 8, hd))], nh, nkv, hd, ffn)
+
+
+def test_decode_stack_runs_quantized_layers(float_path) -> None:
+    """Every layer in one C call (kernels.DecodeStack) over QWeights: on the float path the bits of the same
+    stack over the float panels of the dequantized matrices; on the integer path close to them (x's rounding)
+    and the same on 1 or 2 threads."""
+    C, nh, nkv, hd, ffn = 64, 4, 2, 16, 96
+    g = torch.Generator().manual_seed(2)
+    q = {"wqkv": quant.random("q4_1", ((nh + 2 * nkv) * hd, C), g), "wo": quant.random("q8_0", (C, nh * hd), g),
+         "wgu": quant.random("q4_0", (2 * ffn, C), g), "wd": quant.random("bf16", (C, ffn), g)}
+    f = {k: kernels.pack(quant.dequantize(w)) for k, w in q.items()}
+    x = torch.randn(3, C, generator=g)
+
+    def tokens(stack: kernels.DecodeStack) -> torch.Tensor:
+        return torch.cat([stack(x[t:t + 1].clone(), None, None, 0, t + 1) for t in range(3)])
+
+    want = tokens(_stack(f, C, nh, nkv, hd, ffn))
+    assert torch.equal(tokens(_stack(q, C, nh, nkv, hd, ffn)), want)
+    quant.set_int8_activations(True)
+    one = tokens(_stack(q, C, nh, nkv, hd, ffn))
+    kernels.set_threads(2)
+    try:
+        assert torch.equal(tokens(_stack(q, C, nh, nkv, hd, ffn)), one)
+    finally:
+        kernels.set_threads(1)
+    assert not torch.equal(one, want)
+    torch.testing.assert_close(one, want, rtol=0.05, atol=0.05 * want.abs().max().item())

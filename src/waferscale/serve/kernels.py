@@ -343,6 +343,7 @@ _LAYER_PTRS = ("attn_norm", "wqkv", "bqkv", "wo", "bo", "mlp_norm", "wgu", "bgu"
 
 
 _SPARSE_OFFS = {"wqkv": "oqkv", "wo": "oo", "wgu": "ogu", "wd": "od"}  # a matrix's sparse panel offsets
+_QUANT_TYPES = {"wqkv": "qqkv", "wo": "qo", "wgu": "qgu", "wd": "qd"}  # a matrix's quantization type (quant.py)
 
 
 class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
@@ -350,7 +351,8 @@ class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
         [("attn_eps", ctypes.c_float), ("mlp_eps", ctypes.c_float), ("cache", ctypes.c_void_p)] + \
         [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()] + [("window", ctypes.c_long), ("slopes", ctypes.c_void_p)] + \
         [("n_experts", ctypes.c_long), ("top_k", ctypes.c_long)] + \
-        [(f, ctypes.c_void_p) for f in ("wr", "orr", "wgu_e", "ogu_e", "wd_e", "od_e", "picked")]
+        [(f, ctypes.c_void_p) for f in ("wr", "orr", "wgu_e", "ogu_e", "wd_e", "od_e", "picked")] + \
+        [(f, ctypes.c_int) for f in _QUANT_TYPES.values()]
 
 
 def _blob_off(w: Tensor | SparsePanels) -> tuple[int, int | None]:
@@ -365,10 +367,11 @@ class DecodeStack:
     def __init__(self, layers: list[dict], n_head: int, n_kv: int, head_dim: int, ffn: int, window: int = 0,
                  slopes: Tensor | None = None) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
-        for absent biases; weights packed by pack or pack_sparse) and cache ((2 n_kv, slots, hd)); a mixture of
-        experts (single-sequence decode only: __call__) has instead of wgu / wd the packed router wr, its top_k
-        and experts, [(wgu, wd)] without biases; `picked` ((layers, top_k) int64) then holds after each call
-        the experts each layer ran, in index order. window, slopes: every layer's attention over the latest
+        for absent biases; weights packed by pack or pack_sparse, or wqkv / wo / wgu / wd as QWeights of
+        serve/quant.py, packed here once) and cache ((2 n_kv, slots, hd)); a mixture of experts (single-sequence
+        decode only: __call__) has instead of wgu / wd the packed router wr, its top_k and experts, [(wgu, wd)]
+        without biases (float panels); `picked` ((layers, top_k) int64) then holds after each call the experts
+        each layer ran, in index order. window, slopes: every layer's attention over the latest
         `window` positions (0: all), with ALiBi slopes ((n_head,) float32, or None), as `decode_attention`."""
         self._keep = [layers, slopes]
         self.n, self.nh, self.nkv, self.hd, self.ffn = len(layers), n_head, n_kv, head_dim, ffn
@@ -378,6 +381,10 @@ class DecodeStack:
         for t, d in zip(self._arr, layers):
             for f in (*_LAYER_PTRS, "cache"):
                 v = d[f]
+                if f in _QUANT_TYPES and v is not None and hasattr(v, "qtype"):  # a QWeight (serve/quant.py)
+                    from waferscale.serve import quant  # (it imports this module)
+                    setattr(t, _QUANT_TYPES[f], quant.QTYPE_CODE[v.qtype])
+                    v = quant.pack(v).packed
                 if isinstance(v, SparsePanels):
                     setattr(t, _SPARSE_OFFS[f], v.off.data_ptr())
                     v = v.blob

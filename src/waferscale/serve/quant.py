@@ -132,7 +132,7 @@ def take(w: QWeight, ids: Tensor) -> Tensor:
     return dequantize(w.rows(ids.reshape(-1))).reshape(*ids.shape, w.shape[1])
 
 
-_QT_CODE = {q: i for i, q in enumerate(QTYPES)}  # csrc/quant.c's QT_* numbering
+QTYPE_CODE = {q: i for i, q in enumerate(QTYPES)}  # csrc/quant.c's QT_* numbering (0: float panels)
 
 
 def packed_bytes(qtype: str, shape: tuple[int, int]) -> int:
@@ -157,7 +157,7 @@ def pack(w: QWeight) -> QWeight:
         return w
     dst = buf.view(torch.uint8)[:n]
     data = w.data.contiguous()
-    if kernels._lib.wsc_qpack(data.data_ptr(), _QT_CODE[w.qtype], w.shape[0], w.shape[1], dst.data_ptr()) != 0:
+    if kernels._lib.wsc_qpack(data.data_ptr(), QTYPE_CODE[w.qtype], w.shape[0], w.shape[1], dst.data_ptr()) != 0:
         raise ConfigError(f"the C kernels cannot pack a {w.qtype} matrix of shape {w.shape}")
     w.packed = dst
     return w
@@ -178,7 +178,7 @@ def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor |
     if w.qtype == "fp32":
         return kernels.linear(x2, w.packed, out, b, res).reshape(*lead, out)
     y = torch.empty(x2.shape[0], out)
-    rc = kernels._lib.wsc_qlinear(w.packed.data_ptr(), _QT_CODE[w.qtype], x2.data_ptr(), _ptr(b), _ptr(res),
+    rc = kernels._lib.wsc_qlinear(w.packed.data_ptr(), QTYPE_CODE[w.qtype], x2.data_ptr(), _ptr(b), _ptr(res),
                                   y.data_ptr(), x2.shape[0], out, inp)
     if rc != 0:
         raise MemoryError(f"a {w.qtype} product over {x2.shape[0]} rows: out of memory for its buffers")
@@ -199,5 +199,5 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-__all__ = ["QTYPES", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear", "pack",
-           "packed_bytes", "qtype_of", "quantize", "random", "set_int8_activations", "take"]
+__all__ = ["QTYPES", "QTYPE_CODE", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear",
+           "pack", "packed_bytes", "qtype_of", "quantize", "random", "set_int8_activations", "take"]

@@ -22,7 +22,12 @@ typedef struct {
     const float* const* wd_e;
     const int64_t* const* od_e;
     long* picked;
+    int qqkv, qo, qgu, qd;  /* > 0: wqkv, wo, wgu, wd hold quantized panels of that type (quant.c) */
 } layer_t;
+
+/* a product over one of a layer's matrices: float panels (dense or sparse) or, with qt > 0, quantized ones */
+#define LPRODUCT(w, off, qt, ...) \
+    qproduct((qt) ? NULL : (w), (off), (qt) ? (const uint8_t*)(w) : NULL, (qt), __VA_ARGS__)
 
 #define MAX_TOP_K 16
 
@@ -72,19 +77,19 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
     for (long l = 0; l < n; l++) {
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
-        product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
+        LPRODUCT(L->wqkv, L->oqkv, L->qqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
         if (wsc_decode_attention_ex(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y,
                                     L->window, L->slopes) != 0)
             return -1;
-        product(L->wo, L->oo, y, L->bo, x, x, 1, C, nh * hd);
+        LPRODUCT(L->wo, L->oo, L->qo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
         if (L->n_experts) {
             if (moe_row(L, h, x, C, ffn, gu) != 0) return -1;
             continue;
         }
-        product(L->wgu, L->ogu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
+        LPRODUCT(L->wgu, L->ogu, L->qgu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
         wsc_silu_mul(gu, a, 1, ffn);
-        product(L->wd, L->od, a, L->bd, x, x, 1, C, ffn);
+        LPRODUCT(L->wd, L->od, L->qd, a, L->bd, x, x, 1, C, ffn);
     }
     return 0;
 }
@@ -106,15 +111,15 @@ int wsc_decode_layers_batch(float* x, const layer_t* layers, long n, long R, lon
     for (long l = 0; l < n; l++) {
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, R, C);
-        if (product(L->wqkv, L->oqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
+        if (LPRODUCT(L->wqkv, L->oqkv, L->qqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
             wsc_decode_attention_batch_ex(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs,
                                           nh, nkv, hd, scale, y, nh * hd, L->window, L->slopes) != 0 ||
-            product(L->wo, L->oo, y, L->bo, x, x, R, C, nh * hd) != 0)
+            LPRODUCT(L->wo, L->oo, L->qo, y, L->bo, x, x, R, C, nh * hd) != 0)
             return -1;
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, R, C);
-        if (product(L->wgu, L->ogu, h, L->bgu, NULL, gu, R, 2 * ffn, C) != 0) return -1;
+        if (LPRODUCT(L->wgu, L->ogu, L->qgu, h, L->bgu, NULL, gu, R, 2 * ffn, C) != 0) return -1;
         wsc_silu_mul(gu, a, R, ffn);
-        if (product(L->wd, L->od, a, L->bd, x, x, R, C, ffn) != 0) return -1;
+        if (LPRODUCT(L->wd, L->od, L->qd, a, L->bd, x, x, R, C, ffn) != 0) return -1;
     }
     return 0;
 }
