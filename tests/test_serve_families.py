@@ -256,9 +256,10 @@ def test_moe_decodes_to_the_same_bits_alone_and_batched(tok, tmp_path_factory) -
     """On the C kernels a lone Mixtral sequence decodes through the one-call layer stack and a batch through the
     per-layer path; both route in C and sum the experts in the same order, so the log-probabilities agree
     exactly. (Every prompt is prefilled whole in one step, alone and together: a prompt chunked differently
-    would have some positions rotated by torch and others by C, which round differently.)"""
+    would have some positions rotated by torch and others by C, which round differently; so no prefix caching,
+    which would find the prompts of the second pass cached and prefill only their last tokens.)"""
     _, ours = _models("mixtral", tmp_path_factory)
-    e = _engine(ours, tok, "c", max_num_batched_tokens=64)
+    e = _engine(ours, tok, "c", max_num_batched_tokens=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
 
     def logprobs(prompts: list[list[int]]) -> list[list[float]]:
