@@ -86,6 +86,12 @@ def test_leading_dimensions_and_packing_once() -> None:
     assert torch.equal(y.reshape(6, 20), quant.linear(x.reshape(6, 64), w))
     assert w.packed is packed
     assert packed.numel() == quant.packed_bytes("q4_1", (20, 64)) == 32 * 2 * 20
+    arena = torch.zeros(64 + packed.numel(), dtype=torch.uint8)
+    start = -arena.data_ptr() % 64
+    into = quant.pack(quant.QWeight(w.qtype, w.shape, w.data), arena[start:start + packed.numel()])
+    assert into.packed.data_ptr() == arena.data_ptr() + start and torch.equal(quant.linear(x, into), y)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.pack(quant.QWeight(w.qtype, w.shape, w.data), arena[start + 1:start + 1 + packed.numel()])
 
 
 def _int8_reference(x: torch.Tensor, w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -145,17 +145,21 @@ def packed_bytes(qtype: str, shape: tuple[int, int]) -> int:
     return -(-out // kernels.PANEL) * kernels.PANEL * (inp // per) * (size + 4 * (qtype == "q4_k"))
 
 
-def pack(w: QWeight) -> QWeight:
-    """`w` with `packed` set (once) to the C kernels' panels of its bytes, on huge pages; `w` as it is without
-    the kernels."""
+def pack(w: QWeight, out: Tensor | None = None) -> QWeight:
+    """`w` with `packed` set (once) to the C kernels' panels of its bytes: written into `out` when given (a
+    uint8 tensor of packed_bytes(w.qtype, w.shape) bytes, e.g. a slice of an arena holding every matrix, whose
+    start is a multiple of 64 bytes), else into their own huge-page buffer. `w` as it is without the kernels."""
     if w.packed is not None or not kernels.available():
         return w
     n = packed_bytes(w.qtype, w.shape)
-    buf = kernels.hugepage_tensor(-(-n // 4))
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous()
+                            or out.data_ptr() % 64):
+        raise ValueError(f"pack: out must be {n} contiguous uint8 bytes starting at a multiple of 64")
+    buf = kernels.hugepage_tensor(-(-n // 4)).view(torch.uint8)[:n] if out is None else out
     if w.qtype == "fp32":
-        w.packed = kernels.pack(w.data.view(torch.float32), out=buf)
+        w.packed = kernels.pack(w.data.view(torch.float32), out=buf.view(torch.float32))
         return w
-    dst = buf.view(torch.uint8)[:n]
+    dst = buf
     data = w.data.contiguous()
     if kernels._lib.wsc_qpack(data.data_ptr(), QTYPE_CODE[w.qtype], w.shape[0], w.shape[1], dst.data_ptr()) != 0:
         raise ConfigError(f"the C kernels cannot pack a {w.qtype} matrix of shape {w.shape}")
