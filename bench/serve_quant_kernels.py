@@ -7,10 +7,12 @@ Q6_K only where `in` is a multiple of their 256-weight blocks, i.e. the down pro
 
 - decode: one row (GEMV) through the C entry points directly (ctypes, no tensor allocation; the per-call
   overhead of a ctypes call into the library is measured on a 16 x 32 product and printed: it is in every
-  figure but `C only`, which takes it off, as the engine's one-C-call decode does not pay it), over enough copies of the packed matrix that a pass outruns the caches (>= --mb MB), back to back
-  in one huge-page arena (as the engine holds its weights), as decode streams its weights from memory. Time per product, weight GB/s (the bytes the kernel reads: the packed
-  panels), and that over this machine's copy bandwidth (bench/serve_decode.copy_bandwidth: read + written per
-  second of a large copy with the same threads, on huge pages), the bound a memory-bound product can reach.
+  figure but `C only`, which takes it off, as the engine's one-C-call decode does not pay it), over enough
+  copies of the packed matrix that a pass outruns the caches (>= --mb MB), back to back in one huge-page arena
+  (as the engine holds its weights), as decode streams its weights from memory. Time per product, weight GB/s
+  (the bytes the kernel reads: the packed panels), and that over this machine's copy bandwidth
+  (bench/serve_decode.copy_bandwidth: read + written per second of a large copy with the same threads, on
+  huge pages), the bound a memory-bound product can reach.
   Q8_0, Q4_0 and Q4_1 run both ways: x rounded to int8 (`int8`, the default) and in float32 (`float`, exact).
 - prefill: --rows rows (GFLOP/s, 2 out in rows per product), one copy (compute-bound), not the head.
 Rounds alternate over the types (each round times every type once); medians over --rounds are reported.
