@@ -79,9 +79,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise ConfigError(f"--top_k must be >= 0 (0 turns it off), got {a.top_k}")
     speculative = _speculation(a)
     model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
-                                           device=a.device)
+                                           device=a.device, keep_quantized=a.dtype != "fp32")
     if note:
         print(note, file=sys.stderr)
+    if a.dtype not in ("auto", "fp32") and (model.config.is_encoder or model.config.is_encoder_decoder):
+        raise ConfigError(f"--dtype {a.dtype} applies to the serving engine's decoders; {model.config.name} runs "
+                          "outside it, in float32: pass --dtype fp32 or auto")
     if speculative is not None and (model.config.is_encoder or model.config.is_encoder_decoder):
         raise ConfigError(f"--speculative runs in the serving engine's decoders; {model.config.name} runs outside "
                           "it: drop --speculative")
@@ -104,7 +107,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate_seq2seq(model, tok, ids, a)
     params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
-    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens,
+    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens, dtype=a.dtype,
              speculative=speculative) as llm:  # the serving engine
         pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
         if a.chat is None:
@@ -137,10 +140,22 @@ def cmd_export(a: argparse.Namespace) -> int:
     from waferscale.runtime.generation import load_for_generation
     from waferscale.models.hf import save_hf_dir
 
-    if a.format != "hf":
-        raise ConfigError(f"--format {a.format!r} is not supported; use --format hf")
+    if a.format not in ("hf", "gguf"):
+        raise ConfigError(f"--format {a.format!r} is not supported; use --format hf or gguf")
     if (a.model is None) == (a.checkpoint is None):
         raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
+    if a.format == "gguf":
+        from waferscale.serve.export_gguf import export_gguf
+        from waferscale.util.assets import asset_path, find_asset
+
+        src = a.model or a.checkpoint
+        src = asset_path(src, "model") if find_asset(src, "model") is not None else Path(src).expanduser()
+        stats = export_gguf(src, Path(a.out), a.dtype)
+        print(f"wrote {a.out}: {stats['tensors']} tensors ({stats['requantized']} requantized to {a.dtype}), "
+              f"{stats['bytes'] / 1e6:.1f} MB, metadata and tokenizer from {src}")
+        return 0
+    if a.dtype != "auto":
+        raise ConfigError("--dtype applies to --format gguf (a Hugging Face export writes float32 weights)")
     model, tok, _ = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=None, device="cpu",
                                         need_tokenizer=False)
     save_hf_dir(model, Path(a.out), tokenizer=tok)
@@ -313,7 +328,7 @@ def cmd_sparsity_report(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from waferscale.serve.server import serve
 
-    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "speculative": _speculation(a)}
+    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "dtype": a.dtype, "speculative": _speculation(a)}
     if a.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = a.max_num_seqs
     serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
@@ -397,6 +412,15 @@ def _speculation(a: argparse.Namespace) -> "NgramSpeculation | None":
     return speculation(a.speculative, a.num_speculative_tokens, a.prompt_lookup_max, a.prompt_lookup_min)
 
 
+def _dtype_flag(p: argparse.ArgumentParser) -> None:
+    from waferscale.serve.file_weights import DTYPES
+
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the precision the weight matrices run in: auto = a GGUF file's own (its Q4_1, Q8_0, ... "
+                        "blocks, read in place by the kernels), float32 for other checkpoints; any other "
+                        "requantizes at load")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wsc", description="waferscale: the Cerebras wafer-scale system, in software")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -438,11 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top_p", type=float, default=None)
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--device", default="auto")
+            _dtype_flag(p)
             _speculative_flags(p)
         elif name == "export":
             _model_source_flags(p)
-            p.add_argument("--format", default="hf", help="hf")
-            p.add_argument("--out", required=True, help="output directory")
+            p.add_argument("--format", default="hf", help="hf (a directory) or gguf (a file, from a .gguf source)")
+            p.add_argument("--out", required=True, help="output directory (hf) or file (gguf)")
+            _dtype_flag(p)
         elif name == "compile":
             p.add_argument("--model", default=None, help="a zoo name (see `wsc models`)")
             p.add_argument("--params", default=None, help="a params YAML (Model Zoo layout)")
@@ -539,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--systems", type=int, default=1, help="wafers for the projection")
             p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=None,
                            help="sequences the engine decodes together (default 64)")
+            _dtype_flag(p)
             p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                            action=argparse.BooleanOptionalAction, default=True,
                            help="reuse the KV of full blocks a request shares with earlier ones (vLLM's automatic "

@@ -23,12 +23,20 @@ is the quantized model itself, not the original fp16 release. Three more convers
   (measured in tests/test_gguf.py). GPT-NeoX and Falcon are stored unpermuted (llama.cpp rotates them as NeoX
   does, rotate_half over the first ``rope.dimension_count`` dims).
 * Tied embeddings: a file without `output.weight` uses `token_embd.weight` as the LM head.
+
+`load_gguf(..., keep_quantized=True)` leaves the matrices in the file's precision instead: the token embedding,
+the head and every block's projections stay on the meta device and the model's `gguf_matrices` maps their names
+to `GGUFMatrix` (the rows of a tensor's blocks, in place in the memory map). Every conversion above that moves
+whole rows (the Q/K un-permutation, splitting attn_qkv, the experts' stacks) is then a row index into the
+stored rows, computed by the same code on the row numbers instead of the values. The serving engine runs them
+(serve/file_weights.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +82,8 @@ _TOP_NAMES = {"token_embd": "embed.tok", "output_norm": "head.norm", "output": "
 _T5_BLOCK = {"attn_norm": "attn_norm", "attn_rel_b": "rel", "cross_attn_norm": "cross_norm", "ffn_norm": "mlp_norm",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
              **{f"{g}attn_{x}": f"{o}.{x}_proj" for g, o in (("", "attn"), ("cross_", "cross")) for x in "qkvo"}}
+# our names of the matrices that run in a file's precision (suffixes): what `keep_quantized` leaves undequantized
+SERVED_MATRICES = ("_proj.weight", "embed.tok.weight", "head.lm_head.weight", "mlp.router.weight")
 # Metadata arrays longer than this (token lists, merges, scores) stay out of the returned metadata dict.
 _MAX_META_ARRAY = 64
 
@@ -246,14 +256,46 @@ def _ours(arch: str, cfg: ModelConfig, name: str, w: np.ndarray, undo_rope_permu
     return [(f"blocks.{m.group(1)}.{n}.{kind}", x) for n, x in pairs]
 
 
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """A matrix (out, in) held as its GGUF tensor's stored rows: `data` is the tensor's bytes as (stored rows,
+    bytes per row) (a view into the memory map, nothing copied), `rows` which of them make the matrix, in our
+    order (None: all, as stored), `ggml_type` the tensor's GGMLQuantizationType."""
+
+    data: np.ndarray
+    ggml_type: Any
+    shape: tuple[int, int]
+    rows: np.ndarray | None
+
+
+def stored_matrices(arch: str, cfg: ModelConfig, t: Any, undo_rope_permutation: bool = True
+                    ) -> list[tuple[str, GGUFMatrix]]:
+    """GGUF tensor `t` (2-D or more) as our matrices, each a row selection of the stored bytes: `_ours` maps the
+    row numbers as it maps the values. [] when `_ours` does not know it. Writing each matrix's rows back to
+    its `rows` restores the stored tensor (serve/export_gguf.py)."""
+    shape = tuple(int(s) for s in reversed(t.shape))  # (..., out, in)
+    data = np.asarray(t.data).view(np.uint8).reshape(int(np.prod(shape[:-1])), -1)
+    index = np.arange(data.shape[0]).reshape(shape[:-1])
+    out = []
+    for name, rows in _ours(arch, cfg, t.name, index, undo_rope_permutation) or ():
+        rows = rows.reshape(-1)
+        kept = None if np.array_equal(rows, np.arange(data.shape[0])) else rows
+        out.append((name, GGUFMatrix(data, t.tensor_type, (int(rows.size), shape[-1]), kept)))
+    return out
+
+
 def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              *, undo_rope_permutation: bool = True) -> tuple[CausalLM, dict]:
+              *, undo_rope_permutation: bool = True, keep_quantized: bool = False) -> tuple[CausalLM, dict]:
     """Load a GGUF file of one of `ARCHITECTURES`, dequantized, as a CausalLM in eval mode.
 
     Returns (model, metadata): metadata holds the scalar and short-array GGUF keys (`general.*`,
     `tokenizer.chat_template`, `tokenizer.ggml.eos_token_id`, ...; the token list and merges are left out)
     plus "path". The model's config is named after the file ("SmolLM2-135M-Instruct.Q4_1.gguf" ->
     "smollm2-135m-instruct"). `undo_rope_permutation=False` exists only to demonstrate the trap in tests.
+
+    keep_quantized: the embedding, head and projections are not dequantized: they stay on the meta device and
+    `model.gguf_matrices` maps their names to `GGUFMatrix` (tied embeddings: one object under both names). The
+    model then runs only on the serving engine (serve/file_weights.py). T5, which runs outside it, ignores this.
     """
     from gguf.quants import dequantize
 
@@ -261,11 +303,20 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     meta = gguf_metadata(path, reader=reader)  # decoded once per file: the tokenizer reuses it
     cfg = config_from_gguf(meta, {t.name: t for t in reader.tensors}, name=_name_from_path(path))
     arch = meta["general.architecture"]
+    keep_quantized = keep_quantized and arch != "t5"
     sd: dict[str, Tensor] = {}
+    kept: dict[str, GGUFMatrix] = {}
     unknown: list[str] = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight" and arch == "llama":  # folded into cfg.rope_scaling
             continue
+        if keep_quantized and len(t.shape) >= 2:
+            mats = stored_matrices(arch, cfg, t, undo_rope_permutation)
+            if mats and all(n.endswith(SERVED_MATRICES) for n, _ in mats):
+                for name, m in mats:
+                    kept[name] = m
+                    sd[name] = torch.empty(m.shape, device="meta")
+                continue
         try:
             w = dequantize(t.data, t.tensor_type)  # (out, in) for matrices: GGUF's shape reversed
         except NotImplementedError as e:
@@ -283,13 +334,18 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
                               "loader knows; checkpoint of another architecture?")
     if cfg.tie_embeddings and "embed.tok.weight" in sd:
         sd["head.lm_head.weight"] = sd["embed.tok.weight"]
+        if "embed.tok.weight" in kept:
+            kept["head.lm_head.weight"] = kept["embed.tok.weight"]
     if cfg.is_encoder_decoder:  # every layer of a T5 stack holds (borrows) its first layer's bias table
         for stack, n in (("encoder", cfg.n_layer), ("decoder", cfg.decoder_layers)):
             if f"{stack}.0.rel.weight" in sd:
                 sd.update({f"{stack}.{i}.rel.weight": sd[f"{stack}.0.rel.weight"] for i in range(1, n)})
     model = model_from_state_dict(cfg, sd, device=device, dtype=dtype, where=f"GGUF file {str(path)!r}")
+    if keep_quantized:
+        model.gguf_matrices = kept
     return model, {"path": str(path), **{k: v for k, v in meta.items()
                                          if not (isinstance(v, list) and len(v) > _MAX_META_ARRAY)}}
 
 
-__all__ = ["ARCHITECTURES", "load_gguf", "config_from_gguf", "unpermute_qk"]
+__all__ = ["ARCHITECTURES", "GGUFMatrix", "SERVED_MATRICES", "load_gguf", "config_from_gguf", "stored_matrices",
+           "unpermute_qk"]

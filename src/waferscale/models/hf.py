@@ -329,13 +329,14 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
                           dtype: torch.dtype | None = None, *, where: str = "state dict") -> CausalLM:
     """Build `cfg` on the meta device and adopt the tensors of `sd` (our names): no random init, no double copy.
 
-    dtype=None keeps the dtype of `embed.tok.weight` in `sd` for every floating-point parameter.
+    dtype=None keeps the dtype of `embed.tok.weight` in `sd` for every floating-point parameter. A tensor of `sd`
+    on the meta device stays there (its values are held elsewhere: models/gguf.py's `keep_quantized`).
     """
     model = build(cfg, device="meta")
     _check_against(sd, model.state_dict(), cfg, where)
     dtype = dtype or sd["embed.tok.weight"].dtype
     unique = {id(v): v for v in sd.values()}  # a tensor stored under two names (tied embeddings) is moved once
-    moved = {i: v.to(device=device, dtype=dtype) for i, v in unique.items()}
+    moved = {i: v if v.is_meta else v.to(device=device, dtype=dtype) for i, v in unique.items()}
     sd = {k: moved[id(v)] for k, v in sd.items()}
     model.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_embeddings:  # assign=True replaced the two references separately
@@ -343,7 +344,8 @@ def model_from_state_dict(cfg: ModelConfig, sd: dict[str, Tensor], device: torch
     for m in model.modules():  # non-persistent buffers are computed, not stored
         if isinstance(m, Attention):
             m.init_buffers(device)
-    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                  if t.is_meta and not (n in sd and sd[n].is_meta)]
     if still_meta:
         raise RuntimeError(f"model_from_state_dict left tensors on the meta device: {still_meta[:5]}")
     return model.eval()

@@ -25,16 +25,17 @@ def is_pretrained(name_or_path: str | os.PathLike) -> bool:
 
 
 def load_pretrained(name_or_path: str | os.PathLike, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> CausalLM:
+                    dtype: torch.dtype | None = None, *, keep_quantized: bool = False) -> CausalLM:
     """Load real weights, in eval mode.
 
     Accepts an asset name ("smollm2-135m-instruct", "smollm2"), a `.gguf` file (dequantized; dtype=None ->
     float32) or a Hugging Face model directory (config.json + safetensors; dtype=None -> as stored).
+    keep_quantized: a GGUF's matrices stay in the file's precision, for the serving engine (models/gguf.py).
     """
     s = str(name_or_path)
     p = asset_path(s, "model") if find_asset(s, "model") is not None else Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p, device=device, dtype=dtype or torch.float32)[0]
+        return load_gguf(p, device=device, dtype=dtype or torch.float32, keep_quantized=keep_quantized)[0]
     if p.is_dir():
         return load_hf_dir(p, device=device, dtype=dtype)
     raise CheckpointError(f"{s!r} is neither a pretrained model name ({', '.join(names('model'))}), nor a .gguf "

@@ -37,11 +37,13 @@ def _checkpoint_or_weights(checkpoint: str) -> tuple[str | None, str | None]:
 
 
 def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer: str | None, device: str = "auto",
-                        need_tokenizer: bool = True) -> tuple[CausalLM, Any, str | None]:
+                        need_tokenizer: bool = True, keep_quantized: bool = False) -> tuple[CausalLM, Any, str | None]:
     """Returns (model in eval mode on the device, tokenizer or None, a note for the user or None).
 
     checkpoint: a `wsc run` model_dir (its latest checkpoint) or checkpoint_*.json; a Hugging Face directory or
-    a .gguf file is loaded as `model` loads it. CheckpointError names the flag to use for the other kind."""
+    a .gguf file is loaded as `model` loads it. CheckpointError names the flag to use for the other kind.
+    keep_quantized: a GGUF's matrices stay in the file's precision (models/gguf.py), for the serving engine,
+    which runs them on CPU."""
     note = None
     tok = None
     if checkpoint is not None:
@@ -58,7 +60,7 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
         elif tok_dir.exists():
             tok = load_tokenizer(str(tok_dir))
     elif is_pretrained(model):
-        m = load_pretrained(model)
+        m = load_pretrained(model, keep_quantized=keep_quantized)
         tok = load_tokenizer(tokenizer or model)
     else:
         cfg = config_from_name(model)
@@ -73,6 +75,11 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
                           "or a .gguf file)")
     if tok is not None:
         check_vocab_fits(tok, m.config.vocab_size)
+    if getattr(m, "gguf_matrices", None) is not None:  # matrices held outside the model: it stays on the CPU
+        if device not in ("auto", "cpu"):
+            raise ConfigError(f"--device {device}: weights in the file's own precision run on CPU only; pass "
+                              "--dtype fp32 to run in float32 there")
+        return m.eval(), tok, note
     return m.to(resolve_device(device)).eval(), tok, note
 
 

@@ -34,7 +34,9 @@ from typing import Any, Literal
 
 import torch
 
+from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM
+from waferscale.serve.file_weights import served_weights
 from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.kv import BlockAllocator, KVPool
 from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingParams, TokenBytes, logprob_entry,
@@ -152,6 +154,8 @@ class Engine:
     enable_prefix_caching: share the KV of full blocks between requests with the same prefix (not with a
     sliding window, whose blocks leave the cache as the window moves: off there). speculative: prompt-lookup
     speculative decoding (serve/speculative.py; None: off); requests with structured output do not speculate.
+    dtype: the precision the matrices run in (serve/file_weights.py): "auto" is a GGUF's own (loaded with
+    keep_quantized) or else float32; fp32, bf16, q8_0, q4_0, q4_1 requantize at load. Not float32: CPU only.
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
@@ -159,7 +163,7 @@ class Engine:
                  kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
                  decode_threads: int | None = None, enable_prefix_caching: bool = True,
-                 speculative: NgramSpeculation | None = None) -> None:
+                 speculative: NgramSpeculation | None = None, dtype: str = "auto") -> None:
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
             raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")
@@ -167,7 +171,12 @@ class Engine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         model.eval()
         device = torch.device(device)
-        if model.head.lm_head.weight.device != device:
+        qweights = served_weights(model, dtype)
+        if qweights and device.type != "cpu":
+            what = "the file's own precision" if dtype == "auto" else dtype
+            raise ConfigError(f"weights in {what} run on CPU only, not {device.type}: pass --dtype fp32 to run "
+                              "in float32 there")
+        if model.head.norm.weight.device != device:  # (matrices held as QWeights stay on the meta device)
             model.to(device)
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len: int = cfg.max_seq_len
@@ -192,7 +201,7 @@ class Engine:
         if stages == 1:
             runner = ModelRunner(model, 0, cfg.n_layer, num_blocks=self.num_blocks, block_size=block_size,
                                  has_embed=True, has_head=True, device=device, fast_linear=fast_linear,
-                                 threads=threads, decode_threads=decode_threads)
+                                 threads=threads, decode_threads=decode_threads, qweights=qweights)
             self.fast_linear = runner.fast_linear
             self.c_kernels: bool | None = runner.c_kernels  # None: decided in each stage process
             self.decode_threads: int | None = runner.decode_threads
@@ -204,7 +213,7 @@ class Engine:
 
             self._executor = PipelineExecutor(model, stages, num_blocks=self.num_blocks, block_size=block_size,
                                               device=device, fast_linear=fast_linear, threads_per_stage=threads,
-                                              decode_threads=decode_threads)
+                                              decode_threads=decode_threads, qweights=qweights)
             self.fast_linear = self._executor.fast_linear
             self.c_kernels = self.decode_threads = self.weight_bytes = self._runner = None
         eos = getattr(tokenizer, "eos_id", None)
@@ -224,11 +233,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
-        """Load a pretrained asset (or .gguf / HF directory) and its tokenizer."""
+        """Load a pretrained asset (or .gguf / HF directory) and its tokenizer; a GGUF's matrices stay in the
+        file's precision unless kw's dtype is "fp32"."""
         from waferscale.data import load_tokenizer
         from waferscale.models.pretrained import load_pretrained
 
-        return cls(load_pretrained(name, device=kw.get("device", "cpu")), load_tokenizer(name), **kw)
+        model = load_pretrained(name, device=kw.get("device", "cpu"), keep_quantized=kw.get("dtype") != "fp32")
+        return cls(model, load_tokenizer(name), **kw)
 
     # ---- requests --------------------------------------------------------------------------------------
     def limits(self) -> dict[str, int]:

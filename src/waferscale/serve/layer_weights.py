@@ -1,7 +1,12 @@
 """A block's weights as the serving runner runs them (serve/model_runner.py): products over fused, packed weights
 (`FastLinear`: the C kernels' panel arena, or MKL), a dense MLP or SwiGLU, a mixture of experts that runs each
 expert once over the rows routed to it, and a block's q|k|v, output projection and MLP in the order a step reads
-them, with partial / interleaved rotary mapped onto the kernels' rotate-half order (`rotary_layout`)."""
+them, with partial / interleaved rotary mapped onto the kernels' rotate-half order (`rotary_layout`).
+
+A matrix may also be a `QWeight` (serve/quant.py: a file's own precision, serve/file_weights.py); its products
+run through `quant.linear`. Fused matrices concatenate their rows when their types match; a fused product of
+parts of different types (a Q4_K_M file's Q6_K v beside Q4_K q and k) runs part by part.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from torch import Tensor, nn
 
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import RMSNorm, SwiGLU
-from waferscale.serve import kernels
+from waferscale.serve import kernels, quant
+from waferscale.serve.quant import QWeight
 
 # GEMMs of this many multiply-adds or more (about a millisecond on one core) get the runner's thread budget;
 # smaller ones run on one thread (see the threads note in model_runner.py).
@@ -21,22 +27,46 @@ PAR_MACS = 1 << 23
 class FastLinear:
     """y = residual + x W^T + b over a (fused) weight. On CPU float32 with the C kernels (`ckern`) the runner
     packs W into its arena (`cw`: dense or sparse panels, serve/kernels.py) and every call runs there; otherwise
-    MKL, packed for one row when `pack`."""
+    MKL, packed for one row when `pack`. A QWeight (or parts of different types, `fuse`) runs through
+    quant.linear."""
 
     threads = 1  # set by the runner: threads lent to GEMMs of PAR_MACS+ multiply-adds
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool, ckern: bool = False) -> None:
-        self.weight: Tensor | None = weight.contiguous()
-        self.out, self.inp = weight.shape
+    def __init__(self, weight: Tensor | QWeight | list[QWeight], bias: Tensor | None, pack: bool,
+                 ckern: bool = False) -> None:
         self.bias = None if bias is None else bias.contiguous()
         self.ckern = ckern
         self.cw: Tensor | kernels.SparsePanels | None = None  # the packed weight (the runner's arena, when ckern)
-        self.nbytes = self.weight.numel() * self.weight.element_size()  # weight bytes a product reads (as packed)
         self.packed = None
+        self.parts: list[QWeight] | None = None
+        if not isinstance(weight, Tensor):  # in a file's precision: nothing to pack
+            self.parts = weight if isinstance(weight, list) else [weight]
+            self.weight = None
+            self.out, self.inp = sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+            self.nbytes = sum(p.nbytes for p in self.parts)
+            return
+        self.weight: Tensor | None = weight.contiguous()
+        self.out, self.inp = weight.shape
+        self.nbytes = self.weight.numel() * self.weight.element_size()  # weight bytes a product reads (as packed)
         if pack:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, 1)
 
+    @property
+    def stack_weight(self) -> Tensor | kernels.SparsePanels | QWeight | None:
+        """The weight kernels.DecodeStack takes for this product: the packed panels, or its one QWeight; None when
+        it runs in parts of different types."""
+        if self.parts is None:
+            return self.cw
+        return self.parts[0] if len(self.parts) == 1 else None
+
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.parts is not None:
+            if len(self.parts) == 1:
+                return quant.linear(x, self.parts[0], self.bias, residual)
+            y = torch.cat([quant.linear(x, p) for p in self.parts], -1)
+            if self.bias is not None:
+                y += self.bias
+            return y if residual is None else residual + y
         if self.cw is not None:
             return kernels.linear(x.contiguous(), self.cw, self.out, self.bias,
                                   None if residual is None else residual.contiguous())
@@ -101,20 +131,43 @@ def _cat(*ts: Tensor | None) -> Tensor | None:
     return None if ts[0] is None else torch.cat(ts, 0)
 
 
+def fuse(ws: list[Tensor | QWeight]) -> Tensor | QWeight | list[QWeight]:
+    """Matrices stacked by rows into one product's weight: float tensors concatenated, QWeights of one type
+    concatenated on their bytes (rows are independent blocks), QWeights of different types kept as parts."""
+    if all(isinstance(w, Tensor) for w in ws):
+        return torch.cat(ws)
+    if not all(isinstance(w, QWeight) for w in ws):
+        raise TypeError("a fused product takes float tensors or QWeights, not both")
+    if len({w.qtype for w in ws}) > 1:
+        return list(ws)
+    return QWeight(ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]), torch.cat([w.data for w in ws]))
+
+
+def _rows(w: Tensor | QWeight, index: Tensor) -> Tensor | QWeight:
+    return w.rows(index) if isinstance(w, QWeight) else w[index]
+
+
+def _weight(q: dict[str, QWeight], name: str, mod: nn.Module) -> Tensor | QWeight:
+    """The weight of `mod` (a block's module called `name`): its QWeight in `q` (the served weights, by name
+    within the block), else its own tensor."""
+    return q.get(f"{name}.weight", mod.weight)
+
+
 class ServedMLP:
     """One dense MLP (a block's, or one expert's): down(act(up(h))), or SwiGLU over a fused gate|up."""
 
-    def __init__(self, m: nn.Module, pack: bool, ckern: bool) -> None:
+    def __init__(self, m: nn.Module, pack: bool, ckern: bool, q: dict[str, QWeight], prefix: str) -> None:
         self.ckern = ckern
         self.swiglu = isinstance(m, SwiGLU)
         if self.swiglu:
             self.ffn = m.gate_proj.weight.shape[0]
-            self.up = FastLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            self.up = FastLinear(fuse([_weight(q, prefix + "gate_proj", m.gate_proj),
+                                       _weight(q, prefix + "up_proj", m.up_proj)]),
                                  _cat(m.gate_proj.bias, m.up_proj.bias), pack, ckern)
         else:
-            self.up = FastLinear(m.up_proj.weight, m.up_proj.bias, pack, ckern)
+            self.up = FastLinear(_weight(q, prefix + "up_proj", m.up_proj), m.up_proj.bias, pack, ckern)
             self.act = m.act
-        self.down = FastLinear(m.down_proj.weight, m.down_proj.bias, pack, ckern)
+        self.down = FastLinear(_weight(q, prefix + "down_proj", m.down_proj), m.down_proj.bias, pack, ckern)
 
     def __call__(self, h: Tensor, residual: Tensor | None = None) -> Tensor:
         """residual + MLP(h)."""
@@ -132,11 +185,11 @@ class ServedMoE:
     renormalized, and every expert run once over the rows routed to it, so that a step reads only the experts
     its rows chose (`read`: their weight bytes, summed over steps)."""
 
-    def __init__(self, m: nn.Module, pack: bool, ckern: bool) -> None:
+    def __init__(self, m: nn.Module, pack: bool, ckern: bool, q: dict[str, QWeight]) -> None:
         self.top_k, self.n = m.top_k, m.n_experts
         self.ckern = ckern  # routing in C (kernels.route), as the C layer stack routes
-        self.router = FastLinear(m.router.weight, None, pack, ckern)
-        self.experts = [ServedMLP(e, pack, ckern) for e in m.experts]
+        self.router = FastLinear(_weight(q, "mlp.router", m.router), None, pack, ckern)
+        self.experts = [ServedMLP(e, pack, ckern, q, f"mlp.experts.{i}.") for i, e in enumerate(m.experts)]
         self.read = 0
 
     def expert_bytes(self, e: int) -> int:
@@ -171,24 +224,29 @@ class ServedMoE:
 class ServedLayer:
     """One block: fused q|k|v (q and k rows in the rotary order of `rope_perm`, see rotary_layout), output
     projection, and its MLP or mixture of experts; sequential or parallel (attention and MLP both read the
-    block's input, through one norm or two)."""
+    block's input, through one norm or two). `q`: the block's served QWeights by name within the block
+    ("attn.q_proj.weight", ...; serve/file_weights.py), each replacing the module's own weight."""
 
-    def __init__(self, block: nn.Module, pack: bool, ckern: bool, rope_perm: Tensor | None) -> None:
+    def __init__(self, block: nn.Module, pack: bool, ckern: bool, rope_perm: Tensor | None,
+                 q: dict[str, QWeight] | None = None) -> None:
+        q = q or {}
         a = block.attn
         self.parallel = block.parallel
         self.attn_norm = norm_fn(block.attn_norm, ckern)
         self.mlp_norm = None if block.mlp_norm is None else norm_fn(block.mlp_norm, ckern)
         self.n_head, self.n_kv, self.hd = a.n_head, a.n_kv, a.hd
-        qw, kw, qb, kb = a.q_proj.weight, a.k_proj.weight, a.q_proj.bias, a.k_proj.bias
+        qw, kw = _weight(q, "attn.q_proj", a.q_proj), _weight(q, "attn.k_proj", a.k_proj)
+        qb, kb = a.q_proj.bias, a.k_proj.bias
         if rope_perm is not None:  # each head's dims reordered alike in q and k: the same scores
             qi = (torch.arange(self.n_head)[:, None] * self.hd + rope_perm).view(-1)
             ki = (torch.arange(self.n_kv)[:, None] * self.hd + rope_perm).view(-1)
-            qw, kw = qw[qi], kw[ki]
+            qw, kw = _rows(qw, qi), _rows(kw, ki)
             qb, kb = (None, None) if qb is None else (qb[qi], kb[ki])
-        self.qkv = FastLinear(torch.cat([qw, kw, a.v_proj.weight]), _cat(qb, kb, a.v_proj.bias), pack, ckern)
-        self.o = FastLinear(a.o_proj.weight, a.o_proj.bias, pack, ckern)
-        self.moe = ServedMoE(block.mlp, pack, ckern) if block.moe else None
-        self.dense = None if block.moe else ServedMLP(block.mlp, pack, ckern)
+        self.qkv = FastLinear(fuse([qw, kw, _weight(q, "attn.v_proj", a.v_proj)]), _cat(qb, kb, a.v_proj.bias),
+                              pack, ckern)
+        self.o = FastLinear(_weight(q, "attn.o_proj", a.o_proj), a.o_proj.bias, pack, ckern)
+        self.moe = ServedMoE(block.mlp, pack, ckern, q) if block.moe else None
+        self.dense = None if block.moe else ServedMLP(block.mlp, pack, ckern, q, "mlp.")
 
     def lins(self) -> list[FastLinear]:
         """The layer's products in the order a step runs them."""

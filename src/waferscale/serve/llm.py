@@ -46,7 +46,7 @@ class LLM:
         ctx = model.config.max_seq_len if max_model_len is None else min(max_model_len, model.config.max_seq_len)
         if "num_blocks" not in engine_kw and "kv_cache_mb" not in engine_kw:
             engine_kw["num_blocks"] = max_num_seqs * blocks_for(ctx, engine_kw.get("block_size", 16))
-        engine_kw.setdefault("device", model.head.lm_head.weight.device)
+        engine_kw.setdefault("device", model.head.norm.weight.device)  # (a GGUF's matrices may be meta)
         self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, **engine_kw)
         self.tokenizer = tokenizer
         self.max_model_len = ctx

@@ -23,6 +23,10 @@ key range, in SDPA's mask and in the C decode attention (a window's older blocks
 kv.FREED); a mixture of experts runs each expert once over the rows routed to it, so a step reads only the
 chosen experts' weights (the runner counts the weight bytes decode reads: Engine.stats(),
 bench/serve_moe_decode.py).
+
+Matrices in a file's own precision (`qweights`: serve/file_weights.py's QWeights by parameter name, the model's
+own tensors of those names left on the meta device) run through `quant.linear`, the embedding through
+`quant.take`; the attention and KV cache are the same, float32.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from torch import Tensor
 from waferscale.errors import ConfigError
 from waferscale.models.config import ModelConfig
 from waferscale.models.layers import CausalLM, RMSNorm, rope_cos_sin
-from waferscale.serve import kernels
+from waferscale.serve import kernels, quant
 from waferscale.serve.kv import KVPool
 from waferscale.serve.layer_weights import (FastLinear, ServedLayer, ServedMLP, mkl_packing_available, norm_fn,
                                             pack_arena, rotary_layout)
@@ -253,8 +257,9 @@ class ModelRunner:
     def __init__(self, model: CausalLM, lo: int, hi: int, *, num_blocks: int, block_size: int,
                  has_embed: bool, has_head: bool, device: torch.device | str = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, qweights: dict[str, quant.QWeight] | None = None) -> None:
         cfg = model.config
+        q = qweights or {}
         check_servable(cfg)
         self.threads = max(1, threads or 1)
         self.cfg, self.lo, self.hi = cfg, lo, hi
@@ -277,18 +282,22 @@ class ModelRunner:
             self.decode_threads = kernels.set_threads(
                 torch.get_num_threads() if decode_threads is None else max(1, decode_threads))
         self.embed = model.embed
+        self.embed_q = q.get("embed.tok.weight")  # the embedding in a file's precision: rows read by quant.take
         rope_perm = rotary_layout(cfg)
-        self.layers = [ServedLayer(model.blocks[i], pack, ckern, rope_perm) for i in range(lo, hi)]
+        self.layers = [ServedLayer(model.blocks[i], pack, ckern, rope_perm,
+                                   {n.removeprefix(f"blocks.{i}."): w for n, w in q.items()
+                                    if n.startswith(f"blocks.{i}.")}) for i in range(lo, hi)]
         self.head_norm = norm_fn(model.head.norm, ckern)
-        self.lm_head = FastLinear(model.head.lm_head.weight, model.head.lm_head.bias, pack, ckern) \
-            if has_head else None
+        self.lm_head = FastLinear(q.get("head.lm_head.weight", model.head.lm_head.weight), model.head.lm_head.bias,
+                                  pack, ckern) if has_head else None
         lins = [lin for L in self.layers for lin in L.lins()] + ([self.lm_head] if self.lm_head is not None else [])
         for lin in lins:
             lin.threads = self.threads
         self.weight_bytes: tuple[int, int] | None = None  # weight bytes a decode step reads: (all dense, as packed)
-        if ckern:  # the weights this runner streams, in the order it streams them, on huge pages
+        dense = [lin for lin in lins if lin.parts is None]  # (not those in a file's precision)
+        if ckern and dense:  # the weights this runner streams, in the order it streams them, on huge pages
             sparse = os.environ.get("WSC_SPARSE_KERNELS", "1") != "0"
-            enough, dense_b, read_b = pack_arena(lins, sparse)
+            enough, dense_b, read_b = pack_arena(dense, sparse)
             self.weight_bytes = (dense_b, read_b)
             if enough:
                 how = "in sparse panels" if sparse else "kept dense (WSC_SPARSE_KERNELS=0)"
@@ -336,14 +345,22 @@ class ModelRunner:
                 L.moe is not None and (L.moe.top_k > 16 or any(e.up.bias is not None or e.down.bias is not None
                                                                 for e in L.moe.experts)) for L in self.layers):
             return None
+        stacked = [lin.stack_weight for L in self.layers for lin in (L.qkv, L.o, *(
+            [L.dense.up, L.dense.down] if L.moe is None else [L.moe.router] + [x for e in L.moe.experts
+                                                                               for x in (e.up, e.down)]))]
+        if any(w is None or (isinstance(w, quant.QWeight) and any(L.moe is not None for L in self.layers))
+               for w in stacked):  # parts of different types, or experts in a file's precision: layer by layer
+            return None
         layers = []
         for i, (b, L) in enumerate(zip(blocks, self.layers)):
             d = dict(attn_norm=b.attn_norm.weight.detach().contiguous(), attn_eps=b.attn_norm.eps,
                      mlp_norm=b.mlp_norm.weight.detach().contiguous(), mlp_eps=b.mlp_norm.eps,
-                     wqkv=L.qkv.cw, bqkv=L.qkv.bias, wo=L.o.cw, bo=L.o.bias, wgu=None, bgu=None, wd=None, bd=None,
+                     wqkv=L.qkv.stack_weight, bqkv=L.qkv.bias, wo=L.o.stack_weight, bo=L.o.bias, wgu=None, bgu=None,
+                     wd=None, bd=None,
                      cache=self.kv.kv[i])
             if L.moe is None:
-                d.update(wgu=L.dense.up.cw, bgu=L.dense.up.bias, wd=L.dense.down.cw, bd=L.dense.down.bias)
+                d.update(wgu=L.dense.up.stack_weight, bgu=L.dense.up.bias, wd=L.dense.down.stack_weight,
+                         bd=L.dense.down.bias)
             else:
                 d.update(wr=L.moe.router.cw, top_k=L.moe.top_k, experts=[(e.up.cw, e.down.cw) for e in L.moe.experts])
             layers.append(d)
@@ -370,7 +387,7 @@ class ModelRunner:
                 return y
         P = Prepared(spec, self.block_size, self.cos_table, self.sin_table, self.device, self.window, self.slopes)
         if self.has_embed:
-            x = self.embed.tok(P.input_ids)  # (N, C)
+            x = self.embed.tok(P.input_ids) if self.embed_q is None else quant.take(self.embed_q, P.input_ids)
             if self.embed.pos is not None:
                 x = x + self.embed.pos(P.positions)
         if self.stack_batch and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
@@ -405,7 +422,8 @@ class ModelRunner:
             return None
         if self.has_embed:
             tid = spec.token_ids[0]
-            x = self.embed.tok.weight[tid:tid + 1].clone()  # (1, C)
+            x = self.embed.tok.weight[tid:tid + 1].clone() if self.embed_q is None else \
+                quant.take(self.embed_q, torch.tensor([tid]))  # (1, C)
             if self.embed.pos is not None:
                 x += self.embed.pos.weight[start:start + 1]
         else:
