@@ -479,13 +479,14 @@ static void check_qlinear(int qt, long rows, long out, long in) {
                     s += (double)x[r * in + k] * W[o * in + k];
                     mag += fabs((double)x[r * in + k] * W[o * in + k]);
                 }
-                for (long j = 0; int8 && j < nb; j++) {  /* x's rounding: at most max |x| / 254 per element */
+                for (long j = 0; int8 && j < nb; j++) {  /* x's rounding (two int8 digits): at most max |x| /
+                                                              (127 * 508) per element, and the rest's float error */
                     double amax = 0, wsum = 0;
                     for (int k = 0; k < 32; k++) {
                         amax = fmax(amax, fabs(x[r * in + 32 * j + k]));
                         wsum += fabs(W[o * in + 32 * j + k]);
                     }
-                    xerr += amax / 254 * wsum * (1 + 1e-6);
+                    xerr += (amax / (127 * 508) * 1.001 + 4 * amax * 0x1p-24) * wsum;
                 }
                 expect(what, r * out + o, y[r * out + o], res[r * out + o] + s + b[o], mag + 2 + xerr / 1e-6, 1e-6);
             }
