@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Literal
 
 import pytest
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from serve_helpers import have_smollm2, run_server, tiny_model_dir, validate
 
@@ -28,6 +30,42 @@ ADD = st.ToolSpec("add", "Add two integers",
                   {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                                                     "b": {"type": "integer", "minimum": 0, "maximum": 999}},
                    "required": ["a", "b"], "additionalProperties": False})
+
+
+
+# Tools from pydantic models with nested models: parameters with `$defs` and `$ref`s. No free keys (extra
+# "forbid"): a random model would fill an open object with made-up keys until max_tokens.
+class City(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=12)
+    country: Literal["FR", "DE", "IT"]
+
+
+class Trip(BaseModel):
+    """A trip between two cities."""
+
+    model_config = ConfigDict(extra="forbid")
+    origin: City
+    destination: City
+    days: int = Field(ge=1, le=30)
+
+
+class Node(BaseModel):
+    """A tree: pydantic puts a recursive model in $defs and refers to it from the root."""
+
+    model_config = ConfigDict(extra="forbid")
+    label: str = Field(max_length=6)
+    children: list[Node] = Field(max_length=2)
+
+
+# A second tool with a different `City` of its own, draft-07 `definitions` and a pointer into its own root.
+HOTEL = st.ToolSpec("book_hotel", "Book a hotel", {
+    "type": "object", "additionalProperties": False, "required": ["city", "nights", "rooms", "stars"],
+    "properties": {"city": {"$ref": "#/$defs/City"}, "nights": {"$ref": "#/definitions/Count"},
+                   "rooms": {"$ref": "#/properties/nights"}, "stars": {"enum": [1, 2, 3]}},
+    "$defs": {"City": {"type": "object", "additionalProperties": False, "required": ["zip"],
+                       "properties": {"zip": {"type": "integer", "minimum": 0, "maximum": 99}}}},
+    "definitions": {"Count": {"type": "integer", "minimum": 1, "maximum": 9}}})
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +124,33 @@ def test_tool_grammars(tok):
     assert not allowed[tok.encode("<b")[0]] if tok.encode("<b")[0] != tok.encode("<tool_call>")[0] else True
 
 
+def test_tool_parameters_with_defs_and_refs(tok):
+    """Each tool's references still resolve once its parameters sit inside the call object, with two different
+    definitions named `City`: every call validates against its own tool's schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [st.ToolSpec("plan_trip", "", Trip.model_json_schema()), HOTEL,
+             st.ToolSpec("tree", "", Node.model_json_schema())]
+    called = set()
+    for seed in range(4):  # seeds under which the random model calls each of the three tools
+        text, ended = sample(tok, st.tool_grammar(tools, "required", False), seed, max_tokens=160)
+        content, calls = st.parse_tool_calls(text, tools)
+        assert ended and len(calls) == 1 and not content, text
+        fn = calls[0]["function"]
+        jsonschema.validate(json.loads(fn["arguments"]), next(t for t in tools if t.name == fn["name"]).parameters)
+        called.add(fn["name"])
+    assert called == {t.name for t in tools}
+
+
 def test_invalid_schema_is_reported(tok):
     for bad in ({"type": "nonsense"}, {"type": "string", "pattern": "("}, {"$ref": "#/nowhere"}):
         g = st.response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
         with pytest.raises(st.StructuredError) as e:
             st.check_grammar(g, tok, "response_format.json_schema.schema")
         assert e.value.param == "response_format.json_schema.schema"
+    for bad in ({"$defs": ["City"]}, {"properties": {"a": {"$ref": "#/$defs/Missing"}}}):
+        with pytest.raises(st.StructuredError) as e:
+            st.check_grammar(st.tool_grammar([st.ToolSpec("f", "", bad)], "required", False), tok, "tools")
+        assert e.value.param == "tools"
     with pytest.raises(st.StructuredError):
         st.response_format_grammar({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}})
     assert st.response_format_grammar({"type": "text"}) is None
@@ -190,3 +249,52 @@ def test_real_model_named_tool_call(tmp_path_factory):
         call = r.choices[0].message.tool_calls[0]
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+# ---- nested pydantic models through the client libraries users call -----------------------------------------
+def _base_url(client) -> str:
+    return str(client.base_url).rstrip("/")
+
+
+def test_openai_pydantic_function_tool_and_bad_refs(client):
+    openai = pytest.importorskip("openai")
+    r = client.chat.completions.parse(model="tiny-chat", messages=[{"role": "user", "content": "Plan a trip."}],
+                                      tools=[openai.pydantic_function_tool(Trip)], tool_choice="required",
+                                      max_completion_tokens=150, seed=1)
+    assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, Trip)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                       tools=[bad], tool_choice="required", max_completion_tokens=8)
+    assert e.value.status_code == 400 and e.value.body["param"] == "tools" and "Missing" in e.value.body["message"]
+
+
+def test_instructor_tools_mode(client):
+    instructor = pytest.importorskip("instructor")
+    ic = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    trip = ic.chat.completions.create(model="tiny-chat", response_model=Trip, max_retries=0, max_tokens=150,
+                                      messages=[{"role": "user", "content": "Plan a trip."}], seed=2)
+    assert isinstance(trip, Trip) and isinstance(trip.origin, City)
+
+
+def test_langchain_bind_tools_and_structured_output(client):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(model="tiny-chat", base_url=_base_url(client), api_key="none", max_retries=0,
+                        max_tokens=150, seed=3, timeout=120)
+    msg = llm.bind_tools([Trip], tool_choice="Trip").invoke("Plan a trip.")
+    assert [c["name"] for c in msg.tool_calls] == ["Trip"]
+    Trip.model_validate(msg.tool_calls[0]["args"])
+    for method in ("function_calling", "json_schema"):
+        assert isinstance(llm.with_structured_output(Trip, method=method).invoke("Plan a trip."), Trip)
+
+
+def test_litellm_tools(client, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its packaged copy: no fetch from the network
+    litellm = pytest.importorskip("litellm")
+    openai = pytest.importorskip("openai")
+    r = litellm.completion(model="openai/tiny-chat", api_base=_base_url(client), api_key="none",
+                           tools=[openai.pydantic_function_tool(Trip)], tool_choice="required", max_tokens=150,
+                           messages=[{"role": "user", "content": "Plan a trip."}], seed=5, timeout=120)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert isinstance(Trip.model_validate_json(r.choices[0].message.tool_calls[0].function.arguments), Trip)

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 __all__ = ["StructuredError", "Constraint", "ToolSpec", "ll_tokenizer", "response_format_grammar",
-           "tool_grammar", "check_grammar", "render_tools_prompt", "prepare_messages", "parse_tool_calls",
-           "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE"]
+           "calls_schema", "tool_grammar", "check_grammar", "render_tools_prompt", "prepare_messages",
+           "parse_tool_calls", "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE"]
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Compact, fixed separators: a small model cannot loop on whitespace, and outputs look like json.dumps().
@@ -51,11 +51,6 @@ class ToolSpec:
     description: str
     parameters: dict[str, Any]
     strict: bool = False
-
-    def call_schema(self) -> dict[str, Any]:
-        """Schema of one call object {"name": <this name>, "arguments": <parameters>}."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
 
     def to_openai(self) -> dict[str, Any]:
         fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
@@ -121,6 +116,80 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
                           "response_format.type")
 
 
+# Keywords whose values are data, not schemas (a "$ref" in them is not a reference), and keywords whose values
+# map names to schemas (a property may be called "const" or "$ref").
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rewrite_refs(schema: Any, root: str, moved: dict[tuple[str, str], str]) -> Any:
+    """A copy of one tool's `schema` whose local `$ref`s point into the combined schema's `$defs`: to
+    `moved[("$defs" or "definitions", name)]` for a definition of the tool's, else under `root` (its
+    parameters)."""
+    if isinstance(schema, list):
+        return [_rewrite_refs(x, root, moved) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            segs = [s.replace("~1", "/").replace("~0", "~") for s in v[2:].split("/")] if v != "#" else []
+            if len(segs) >= 2 and (segs[0], segs[1]) in moved:
+                out[k] = _pointer(["$defs", moved[(segs[0], segs[1])], *segs[2:]])
+            else:
+                out[k] = _pointer(["$defs", root, *segs])
+        elif k in _DATA_KEYWORDS or k == "$ref":  # data; a URL or an anchor: llguidance judges it
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rewrite_refs(sub, root, moved) for name, sub in v.items()}
+        else:
+            out[k] = _rewrite_refs(v, root, moved)
+    return out
+
+
+def _pointer(segments: list[str]) -> str:
+    """The `$ref` of a JSON pointer made of `segments` ('~' and '/' escaped)."""
+    return "#" + "".join("/" + s.replace("~", "~0").replace("/", "~1") for s in segments)
+
+
+def calls_schema(tools: list[ToolSpec]) -> dict[str, Any]:
+    """Schema of one call object {"name": N, "arguments": <N's parameters>} of any of `tools`.
+
+    A parameters schema's local references (`#/$defs/City`, pydantic's nested models) resolve from its own
+    root, which is no longer the root once it sits inside the call object. So every tool's parameters and its
+    `$defs` / `definitions` move to the `$defs` of the combined schema (a name taken by an earlier tool gets a
+    suffix: two tools may each define a different `City`) and its `$ref`s are rewritten to point there.
+    """
+    defs: dict[str, Any] = {}
+
+    def claim(base: str) -> str:
+        name, k = base, 2
+        while name in defs:
+            name, k = f"{base}_{k}", k + 1
+        defs[name] = None
+        return name
+
+    calls = []
+    for t in tools:
+        params = dict(t.parameters)
+        own: dict[tuple[str, str], Any] = {}
+        for kw in ("$defs", "definitions"):
+            sub = params.pop(kw, {})
+            if not isinstance(sub, dict):
+                raise StructuredError(f"tool {t.name!r}: parameters.{kw} must be an object mapping names to "
+                                      "schemas", "tools")
+            own.update({(kw, name): s for name, s in sub.items()})
+        root = claim(t.name)
+        moved = {key: claim(key[1]) for key in own}
+        defs[root] = _rewrite_refs(params, root, moved)
+        for key, name in moved.items():
+            defs[name] = _rewrite_refs(own[key], root, moved)
+        calls.append({"type": "object", "properties": {"name": {"const": t.name},
+                                                       "arguments": {"$ref": _pointer(["$defs", root])}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return {**({"anyOf": calls} if len(calls) > 1 else calls[0]), "$defs": defs}
+
+
 def tool_grammar(tools: list[ToolSpec], tool_choice: Any, parallel_tool_calls: bool) -> str | None:
     """Lark grammar (llguidance dialect, `%json` for the arguments) for the tool-call part of an answer.
 
@@ -138,8 +207,7 @@ def tool_grammar(tools: list[ToolSpec], tool_choice: Any, parallel_tool_calls: b
         allow_text, many = False, False
     else:
         chosen, allow_text, many = tools, tool_choice == "auto", parallel_tool_calls
-    schema = _with_options({"anyOf": [t.call_schema() for t in chosen]} if len(chosen) > 1
-                           else chosen[0].call_schema())
+    schema = _with_options(calls_schema(chosen))
     start = 'calls | TEXT | ""' if allow_text else "calls"
     rules = [f"start: {start}",
              f'calls: {"call+" if many else "call"}',
