@@ -263,6 +263,26 @@ def test_64_concurrent_streams_with_disconnects(srv):
                     KEY)[0] == 200
 
 
+def test_client_timeout_aborts_a_non_streaming_request(srv):
+    """The official client gives up on a non-streaming request (timeout, no retry): the server notices at once,
+    aborts its sequences (the engine frees them), counts it as 499 and keeps serving."""
+    before = srv.get("/health")[1]["engine"]
+    impatient = openai.OpenAI(base_url=srv.base + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):  # 8 x 400 tokens: seconds of decoding on the tiny model
+        impatient.chat.completions.create(model="tiny-chat", messages=MSG, n=8, max_completion_tokens=400, seed=0)
+    gave_up = time.monotonic()
+    while (stats := srv.get("/health")[1]["engine"])["running"] and time.monotonic() - gave_up < 30:
+        time.sleep(0.02)
+    freed_s = time.monotonic() - gave_up
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats
+    assert stats["requests_aborted"] - before["requests_aborted"] == 8, (before, stats)
+    assert stats["requests_finished"] == before["requests_finished"], (before, stats)
+    assert freed_s < 2.0, freed_s
+    assert 'wsc_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in srv.get("/metrics")[1]
+    assert srv.post("/v1/chat/completions", {"model": "tiny-chat", "messages": MSG, "max_completion_tokens": 2},
+                    KEY)[0] == 200
+
+
 # ---- the real model ------------------------------------------------------------------------------------------
 @pytest.mark.assets
 @pytest.mark.slow

@@ -11,7 +11,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from waferscale.serve.openai.metrics import Metrics
 from waferscale.serve.openai.protocol import APIError
@@ -49,32 +51,7 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
     app.state.wsc = state
     app.include_router(router)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        api = path.startswith("/v1/") and path != "/v1/tcp_warming"
-        if api and state.api_key is not None and not _authorized(request, state.api_key):
-            return error_response(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer "
-                                           "KEY'.", type="invalid_request_error", code="invalid_api_key"))
-        generation = request.method == "POST" and path in _GENERATION
-        if generation and not state.limits.admit():
-            resp = error_response(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
-                                           type="rate_limit_error", code="rate_limit_exceeded"))
-            state.metrics.request_done(path, 429)
-            return resp
-        if generation:
-            state.metrics.in_flight += 1
-        try:
-            resp = await call_next(request)
-        finally:
-            if generation:
-                state.metrics.in_flight -= 1
-        if api:
-            resp.headers.update(state.limits.headers())
-        if generation:
-            state.metrics.request_done(path, resp.status_code)
-        return resp
-
+    app.add_middleware(_Guard, state=state)
     install_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
@@ -88,6 +65,55 @@ def create_app(engine: Any, aengine: Any, tokenizer: Any, *, model_id: str, alia
         return FileResponse(PLAYGROUND / name, media_type=_STATIC[name])
 
     return app
+
+
+class _Guard:
+    """Every request passes here: the API-key check (401), the rate limit of generation requests (429), the
+    in-flight gauge, the rate-limit headers on API answers and the request counts by status.
+
+    A pure ASGI middleware, not Starlette's function-style one (`@app.middleware("http")`): that one hands the
+    route a `receive` that never reports `http.disconnect`, so a non-streaming generation whose client gave up
+    ran to its end. This one passes every message through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        s, path = self.state, scope["path"]
+        api = path.startswith("/v1/") and path != "/v1/tcp_warming"
+        if api and s.api_key is not None and not _authorized(Request(scope), s.api_key):
+            await error_response(APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer "
+                                          "KEY'.", type="invalid_request_error", code="invalid_api_key"))(
+                scope, receive, send)
+            return
+        generation = scope["method"] == "POST" and path in _GENERATION
+        if generation and not s.limits.admit():
+            s.metrics.request_done(path, 429)
+            await error_response(APIError(429, "Rate limit reached: requests per day or tokens per minute.",
+                                          type="rate_limit_error", code="rate_limit_exceeded"))(scope, receive, send)
+            return
+        status = 500  # what the server answers when the route raises and no response was started
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if api:
+                    MutableHeaders(scope=message).update(s.limits.headers())
+            await send(message)
+
+        if generation:
+            s.metrics.in_flight += 1
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            if generation:
+                s.metrics.in_flight -= 1
+                s.metrics.request_done(path, status)
 
 
 def install_error_handlers(app: FastAPI) -> None:

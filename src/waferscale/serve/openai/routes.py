@@ -331,29 +331,35 @@ async def _start(fan: _FanOut) -> AsyncIterator[tuple[int, Any]]:
     return replay()
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the next ASGI message is the disconnect
+    (or, once the answer is sent, the server's end of the request)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _drain(request: Request, fan: _FanOut, it: AsyncIterator) -> None:
-    """Run a non-streaming request to completion, aborting it if the client goes away meanwhile."""
-    done = asyncio.Event()
+    """Run a non-streaming request to completion. If the client goes away meanwhile, its sequences are aborted
+    (the engine frees them at once) and the request ends as 499, nginx's "client closed request": nobody reads
+    the answer, /metrics counts it."""
 
-    async def watch_disconnect() -> None:
-        while not done.is_set():
-            if await request.is_disconnected():
-                await fan.close()
-                return
-            try:
-                await asyncio.wait_for(done.wait(), 0.25)
-            except asyncio.TimeoutError:
-                pass
-
-    watcher = asyncio.create_task(watch_disconnect())
-    try:
+    async def consume() -> None:
         async for _ in it:
             pass
-    except Exception as e:
-        raise _engine_error(e) from e
+
+    consumer, gone = asyncio.create_task(consume()), asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait((consumer, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        done.set()
-        await watcher
+        for t in (consumer, gone):
+            t.cancel()  # a no-op on the one that finished
+        await asyncio.gather(consumer, gone, return_exceptions=True)
+        await fan.close()  # cancelling the consumer leaves the events iterator open: abort its sequences here
+    if consumer.cancelled():
+        raise APIError(499, "the client closed the request before the answer was ready", code="client_closed")
+    if consumer.exception() is not None:
+        e = consumer.exception()
+        raise _engine_error(e) from e
 
 
 def _sse(obj: dict[str, Any]) -> str:
