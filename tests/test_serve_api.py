@@ -283,6 +283,32 @@ def test_client_timeout_aborts_a_non_streaming_request(srv):
                     KEY)[0] == 200
 
 
+def test_guard_refuses_before_the_routes():
+    """The guard (a pure ASGI middleware) in process: a wrong key is 401 with www-authenticate, a generation
+    over the rate limit is 429 and counted, other API answers carry the rate-limit headers."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from waferscale.serve.openai.app import create_app
+    from waferscale.serve.openai.routes import RateLimiter
+
+    async def nothing() -> None:
+        pass
+
+    idle = SimpleNamespace(start=nothing, stop=nothing, stats=dict)  # no request reaches the engine here
+    app = create_app(None, idle, None, model_id="m", api_key=KEY, rate_limits=RateLimiter(requests_per_day=0))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = c.post("/v1/chat/completions", json={}, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        r = c.get("/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 404 and r.headers["x-ratelimit-remaining-requests-day"] == "0"
+        assert 'wsc_requests_total{endpoint="/v1/chat/completions",status="429"} 1' in c.get("/metrics").text
+
+
 # ---- the real model ------------------------------------------------------------------------------------------
 @pytest.mark.assets
 @pytest.mark.slow
