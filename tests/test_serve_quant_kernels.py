@@ -2,7 +2,7 @@
 quantization type alone. The float path: against the float64 product over `quant.dequantize` (the gguf
 package's reading of GGUF's blocks), with the bound float32 summation allows, and against the float panels over
 the same dequantized matrix, which it matches bit for bit (each weight dequantized exactly, then the same FMA
-chain). The integer path (Q8_0, Q4_0, Q4_1 with x as two int8 digits per block of 32): against the float64
+chain). The integer path (Q8_0, Q4_0, Q4_1, Q4_K with x as two int8 digits per block of 32): against the float64
 product over the dequantized matrix, within x's documented rounding. Both: a row's result does not depend on
 the batch or the number of threads."""
 
@@ -18,7 +18,7 @@ from waferscale.serve.quant import QWeight
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels unavailable")
 
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
-INT8_TYPES = ["q8_0", "q4_0", "q4_1"]
+INT8_TYPES = ["q8_0", "q4_0", "q4_1", "q4_k"]
 U = 2.0 ** -24  # float32's unit roundoff
 
 
@@ -95,15 +95,22 @@ def test_leading_dimensions_and_packing_once() -> None:
 
 
 def _block_offsets(w: QWeight) -> torch.Tensor:
-    """(out, in) each weight's block offset m, d q = w - m (Q4_1: its m; Q4_0: -8 d; Q8_0: 0)."""
-    raw = w.data.numpy().reshape(w.shape[0], w.shape[1] // 32, -1)
-    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    m = {"q8_0": 0 * d, "q4_0": -8 * d, "q4_1": raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)}
-    return torch.from_numpy(np.repeat(m[w.qtype], 32, axis=1))
+    """(out, in) each weight's offset m within its block of 32, d q = w - m (Q4_1: its m; Q4_0: -8 d; Q8_0: 0;
+    Q4_K: -dmin min of its sub-block)."""
+    per, _ = quant.block_shape(w.qtype)
+    raw = w.data.numpy().reshape(w.shape[0], w.shape[1] // per, -1)
+    half = lambda at: raw[:, :, at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)  # noqa: E731
+    if w.qtype == "q4_k":
+        from gguf.quants import Q4_K
+        _, mins = Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12).copy())
+        m = -(half(2)[..., None] * mins.reshape(*raw.shape[:2], 8).astype(np.float64)).reshape(w.shape[0], -1)
+    else:
+        m = {"q8_0": 0 * half(0), "q4_0": -8 * half(0), "q4_1": half(2)}[w.qtype]
+    return torch.from_numpy(np.repeat(m, 32, axis=1))
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES)
-@pytest.mark.parametrize("shape", [(37, 512), (80, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(37, 512), (80, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_int8_activations_within_their_rounding(qtype: str, shape: tuple[int, int], threads: int) -> None:
     """x as two int8 digits (csrc/quant.c): each element off by at most max |x| / (127 * 508) of its block (half
     the second digit's step; 0.1 % slack for dr's own rounding) plus 4 u max |x| (the float rest x - dx xq and

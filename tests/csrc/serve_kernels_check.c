@@ -456,8 +456,8 @@ static void check_qlinear(int qt, long rows, long out, long in) {
     float *x = randv(rows * in), *b = randv(out), *res = randv(rows * out);
     float *y = randv(rows * out), *y2 = randv(rows * out), *yf = randv(rows * out);
     for (int int8 = 0; int8 < 2; int8++) {
-        if (int8 && !(qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1)) break;
         wsc_qset_int8(int8);
+        if (int8 && !qint8_applies(qt)) break;  /* (the types the integer path takes) */
         wsc_set_threads(1);
         if (wsc_qlinear(packed, qt, x, b, res, y, rows, out, in) != 0) {
             fprintf(stderr, "FAIL qlinear: out of memory\n");

@@ -6,9 +6,9 @@ is the `row_bytes` bytes llama.cpp stores for output r. Rows are independent, so
 rotary un-permutation of a llama GGUF) is a row gather on the bytes.
 
 `linear(x, w)` is y = x W^T (+ bias, + residual). With the C kernels (serve/kernels.py) it runs on `pack(w)`:
-the same bytes moved once into panels of 16 outputs (csrc/quant.c; fp32 goes in the float panels). Q8_0, Q4_0
-and Q4_1 by default write x as two int8 digits per block of 32 (about 16 bits) and sum in integers (faster; x's
-rounding, max |x| / 64516 an element, is the price: `set_int8_activations`); otherwise, and for bf16, Q4_K and
+the same bytes moved once into panels of 16 outputs (csrc/quant.c; fp32 goes in the float panels). Q8_0, Q4_0,
+Q4_1 and Q4_K by default write x as two int8 digits per block of 32 (about 16 bits) and sum in integers (faster;
+x's rounding, max |x| / 64516 an element, is the price: `set_int8_activations`); otherwise, and for bf16 and
 Q6_K, each weight is dequantized in registers exactly as `dequantize` computes it and summed in the float
 panels' order, so the result has the same bits as the float32 product over `dequantize(w)` through the kernels.
 Either way a row's result depends neither on the batch nor on the thread count. Without the kernels it
@@ -191,7 +191,7 @@ def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor |
 
 
 def set_int8_activations(on: bool | None = None) -> bool:
-    """Whether the C kernels' Q8_0 / Q4_0 / Q4_1 products write x as two int8 digits per block of 32 and sum in
+    """Whether the C kernels' Q8_0 / Q4_0 / Q4_1 / Q4_K products write x as two int8 digits per block of 32 and sum in
     integers (the default: faster, x's rounding to max |x| / 64516 an element the price; csrc/quant.c) or keep x
     in float32 (the same bits as the float32 product over the dequantized weights); sets it when `on` is given.
     Returns the previous setting (False without the kernels)."""

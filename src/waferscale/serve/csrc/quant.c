@@ -14,13 +14,13 @@
    block of 16 outputs is 16 times GGUF's block (Q4_K's 6-bit scales and mins are unpacked to bytes: 148 bytes
    a block instead of 144).
 
-   Two paths. Float (bf16, Q4_K, Q6_K always; Q8_0, Q4_0, Q4_1 when the integer path is off): each weight is
+   Two paths. Float (bf16, Q6_K always; Q8_0, Q4_0, Q4_1, Q4_K when the integer path is off): each weight is
    dequantized in registers exactly as gguf.quants.dequantize computes it (d * q is exact in float32 for every
    type here, so d * q + m rounds once either way; Q6_K's (d * scale) * q rounds where numpy's does), then goes
    into the same FMA chain over k as the float panels, so a product gives the same bits as the float panels of
    the dequantized matrix. One row (decode) runs a group's four panels together, four independent chains to
    hide the FMA latency; more rows dequantize one panel at a time into a per-thread float panel (in x 16
-   floats, L1/L2-resident) that the float microkernel then reads for every row. Integer (Q8_0, Q4_0, Q4_1, the
+   floats, L1/L2-resident) that the float microkernel then reads for every row. Integer (Q8_0, Q4_0, Q4_1, Q4_K, the
    default): x as two int8 digits, see below. Either way a row's result depends neither on the batch nor on the
    thread count. */
 
@@ -117,12 +117,12 @@ static inline void q4_group(const uint8_t* q, v16 d, v16 m, v16* w) {
         w[4 + t] = i2f((v16i)(L >> (8 * t + 4) & 15)) * d + m;
     }
 }
-/* Q4_K super-block: d[16], dmin[16], scale[8][16], min[8][16] (bytes), then the nibbles of k = 2i, 2i + 1 at
-   320 + 16 i; sub-block s (32 k): (d scale_s) q - dmin min_s, with ds = d scale_s and dm = dmin min_s */
-static inline void q4_k_w(const uint8_t* q, v16 ds, v16 dm, v16* w0, v16* w1) {
-    v16i b = zx8(q);
-    *w0 = i2f(b & 15) * ds - dm;
-    *w1 = i2f(b >> 4) * ds - dm;
+/* Q4_K super-block: d[16], dmin[16], scale[8][16], min[8][16] (bytes), then its 32 groups of 8 k as Q4_1's
+   (at 320 + 64 g); sub-block s (32 k, groups 4s .. 4s + 3): (d scale_s) q - dmin min_s, Q4_1's d q + m with
+   d = d scale_s and m = -(dmin min_s), both products exact. The two of sub-block s at blk: */
+static inline void q4_k_scales(const uint8_t* blk, int s, v16 d, v16 dmin, v16* ds, v16* m) {
+    *ds = i2f(zx8(blk + 64 + 16 * s)) * d;
+    *m = -(i2f(zx8(blk + 192 + 16 * s)) * dmin);
 }
 /* Q6_K super-block: d[16], scale[16][16] (int8), the low nibbles of k = 2i, 2i + 1 at 288 + 16 i, the high
    2 bits of k = 4g .. 4g + 3 at 2336 + 16 g; sub-block s (16 k): (d scale_s) (q - 32), ds = d scale_s */
@@ -199,20 +199,17 @@ AI void gemv_q4_k(const uint8_t* w, long ps, long bs, long in, const float* x, v
         v16 d[QNP], dmin[QNP];
         FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
         for (int s = 0; s < 8; s++) {
-            v16 ds[QNP], dm[QNP];
+            v16 ds[QNP], m[QNP];
             FOR_P {
-                ds[p] = i2f(zx8(blk[p] + 64 + 16 * s)) * d[p];
-                dm[p] = i2f(zx8(blk[p] + 192 + 16 * s)) * dmin[p];
+                q4_k_scales(blk[p], s, d[p], dmin[p], &ds[p], &m[p]);
                 prefetch_block(blk[p] + 320 + 256 * s, 256);
             }
-            for (int i = 0; i < 16; i++) {
-                const float* xk = x + 256 * j + 32 * s + 2 * i;
-                v16 x0 = vsplat(xk[0]), x1 = vsplat(xk[1]);
+            for (int g = 0; g < 4; g++) {
+                const float* xg = x + 256 * j + 32 * s + 8 * g;
                 FOR_P {
-                    v16 w0, w1;
-                    q4_k_w(blk[p] + 320 + 16 * (16 * s + i), ds[p], dm[p], &w0, &w1);
-                    a[p] += x0 * w0;
-                    a[p] += x1 * w1;
+                    v16 wv[8];
+                    q4_group(blk[p] + 320 + 64 * (4 * s + g), ds[p], m[p], wv);
+                    for (int t = 0; t < 8; t++) a[p] += vsplat(xg[t]) * wv[t];
                 }
             }
         }
@@ -259,7 +256,7 @@ AI void qgemv(int qt, const uint8_t* w, long ps, long bs, long in, const float* 
 /* ---- one panel dequantized into a float panel dst (in, 16), for the float microkernel ---------------------- */
 static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
 #define PUT(k, v) do { v16 v_ = (v); __builtin_memcpy(dst + (k) * PANEL, &v_, sizeof v_); } while (0)
-    v16 w0, w1, wv[8];
+    v16 wv[8];
     switch (qt) {
     case QT_BF16:
         for (long k = 0; k < in; k++) PUT(k, bf16_w(w + k * bs));
@@ -291,11 +288,11 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
             const uint8_t* b = w + j * bs;
             v16 d = ldh16(b), dmin = ldh16(b + 32);
             for (int s = 0; s < 8; s++) {
-                v16 ds = i2f(zx8(b + 64 + 16 * s)) * d, dm = i2f(zx8(b + 192 + 16 * s)) * dmin;
-                for (int i = 0; i < 16; i++) {
-                    q4_k_w(b + 320 + 16 * (16 * s + i), ds, dm, &w0, &w1);
-                    PUT(256 * j + 32 * s + 2 * i, w0);
-                    PUT(256 * j + 32 * s + 2 * i + 1, w1);
+                v16 ds, m;
+                q4_k_scales(b, s, d, dmin, &ds, &m);
+                for (int g = 0; g < 4; g++) {
+                    q4_group(b + 320 + 64 * (4 * s + g), ds, m, wv);
+                    for (int t = 0; t < 8; t++) PUT(256 * j + 32 * s + 8 * g + t, wv[t]);
                 }
             }
         }
@@ -317,19 +314,19 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
 #undef PUT
 }
 
-/* ---- the integer path: x as two int8 digits per block of 32, Q8_0 / Q4_0 / Q4_1 as integers ------------
+/* ---- the integer path: x as two int8 digits per block of 32, Q8_0 / Q4_0 / Q4_1 / Q4_K as integers -------
    Block j of a row of x is dx xq + dr xr (quantize_x: dx = max |x| / 127, xq = x / dx rounded half away from
    zero, dr = dx / 254, xr the rest over dr, rounded), and an output's block sum is d dx (sum q xq) + d dr
-   (sum q xr) + m sum x (Q4_1: its m; Q4_0: -8 d; Q8_0: none), the integer sums exact (vpdpbusd: four u8 x s8
-   products a lane, 4 k x 16 outputs an instruction; a plain-C stand-in without AVX512-VNNI gives the same
-   integers), sum x the block's float sum in a fixed order. With one digit (llama.cpp's Q8_0 / Q8_1
-   activations) the perplexity of SmolLM2-135M's Q4_1 file on the held-out Shakespeare passage rose 3.1 %; the
-   second digit brings x's rounding to dr / 2 = max |x| / 64516 per element (about 16 bits) and the perplexity
-   to that of the float path (-0.002 %), at no measured cost in decode speed: it reads the same weight bytes
-   and the weights' unpacking is shared; only the vpdpbusd double. It reads them with a fraction of the float
-   path's instructions, which on this 2-core Zen 4 turns a compute-bound decode product into a memory-bound
-   one and prefill ~5x faster (figures: bench/serve_quant_kernels.py). Every row is computed alone by the same
-   code. On by default (wsc_qset_int8). */
+   (sum q xr) + m sum x (Q4_1: its m; Q4_0: -8 d; Q8_0: none; Q4_K, per sub-block of 32: d scale_s and -dmin
+   min_s), the integer sums exact (vpdpbusd: four u8 x s8 products a lane, 4 k x 16 outputs an instruction; a
+   plain-C stand-in without AVX512-VNNI gives the same integers), sum x the block's float sum in a fixed order.
+   With one digit (llama.cpp's Q8_0 / Q8_1 activations) the perplexity of SmolLM2-135M's Q4_1 file on the
+   held-out Shakespeare passage rose 3.1 %; the second digit brings x's rounding to dr / 2 = max |x| / 64516 per
+   element (about 16 bits) and the perplexity to that of the float path (-0.002 %), at no measured cost in
+   decode speed: it reads the same weight bytes and the weights' unpacking is shared; only the vpdpbusd double.
+   It reads them with a fraction of the float path's instructions, which on this 2-core Zen 4 turns a
+   compute-bound decode product into a memory-bound one, and prefill ~2.5x faster than the float path (figures:
+   bench/serve_quant_kernels.py). Every row is computed alone by the same code. On by default (wsc_qset_int8). */
 
 static _Atomic int g_qint8 = 1;
 
@@ -342,7 +339,7 @@ int wsc_qset_int8(int on) {
 }
 
 static inline int qint8_applies(int qt) {
-    return atomic_load(&g_qint8) && (qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1);
+    return atomic_load(&g_qint8) && (qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q4_K);
 }
 
 /* 16 floats t rounded half away from zero (|t| < 127.5) into int8 at q; returns them */
@@ -439,35 +436,54 @@ AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
     }
 }
 
-/* MR rows of xq (ldq apart) against NP panels of Q4_0 / Q4_1 (has_m): a[p * MR + r] += their block sums */
+/* one sub-block's digit sums into a: d dx (sum q xq) + d dr (sum q xr) + m sum x, for MR rows (xs: each row's
+   dx, dr, sum x of this block, 3 nb floats apart); the 4 groups of 8 k (Q4_1's layout) at q */
+AI void i8_q4_block(const uint8_t* q, v16 d, v16 m, const int8_t* xq, long ldq, long in, const float* xs, long nb,
+                    v16* a, const int MR) {
+    v16i acc[4] = {{0}}, acr[4] = {{0}};
+    for (int g = 0; g < 4; g++) {
+        v16u L;
+        __builtin_memcpy(&L, q + 64 * g, 64);
+        v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
+        for (int r = 0; r < MR; r++) {
+            int32_t x[4];
+            __builtin_memcpy(x, xq + r * ldq + 8 * g, 8);
+            __builtin_memcpy(x + 2, xq + r * ldq + in + 8 * g, 8);
+            acc[r] = dpbusd(dpbusd(acc[r], lo, x[0]), hi, x[1]);
+            acr[r] = dpbusd(dpbusd(acr[r], lo, x[2]), hi, x[3]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        const float* s = xs + 3 * r * nb;
+        a[r] += i2f(acc[r]) * (d * s[0]);
+        a[r] += i2f(acr[r]) * (d * s[1]);
+        a[r] += m * s[2];
+    }
+}
+
+/* MR rows of xq (two digits, ldq apart) against NP panels of Q4_0 / Q4_1 (has_m) / Q4_K (kq): a[p * MR + r] +=
+   their block sums */
 AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
-              const int NP, const int MR, const int has_m) {
-    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
+              const int NP, const int MR, const int has_m, const int kq) {
+    const int bb = kq ? 2368 : has_m ? 320 : 288, h = has_m ? 64 : 32;
     const long nb = in / 32;
-    for (long j = 0; j < nb; j++) {
+    for (long j = 0; j < nb / (kq ? 8 : 1); j++) {
         FOR_P {
             const uint8_t* blk = w + p * ps + j * bs;
+            if (kq) {
+                v16 d = ldh16(blk), dmin = ldh16(blk + 32);
+                for (int s = 0; s < 8; s++) {
+                    v16 ds, m;
+                    q4_k_scales(blk, s, d, dmin, &ds, &m);
+                    prefetch_block(blk + 320 + 256 * s, 256);
+                    i8_q4_block(blk + 320 + 256 * s, ds, m, xq + 256 * j + 32 * s, ldq, in, xs + 3 * (8 * j + s),
+                                nb, a + p * MR, MR);
+                }
+                continue;
+            }
             prefetch_block(blk, bb);
             v16 d = ldh16(blk), m = has_m ? ldh16(blk + 32) : d * -8.0f;
-            v16i acc[4] = {{0}}, acr[4] = {{0}};
-            for (int g = 0; g < 4; g++) {
-                v16u L;
-                __builtin_memcpy(&L, blk + h + 64 * g, 64);
-                v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
-                for (int r = 0; r < MR; r++) {
-                    int32_t x[4];
-                    __builtin_memcpy(x, xq + r * ldq + 32 * j + 8 * g, 8);
-                    __builtin_memcpy(x + 2, xq + r * ldq + in + 32 * j + 8 * g, 8);
-                    acc[r] = dpbusd(dpbusd(acc[r], lo, x[0]), hi, x[1]);
-                    acr[r] = dpbusd(dpbusd(acr[r], lo, x[2]), hi, x[3]);
-                }
-            }
-            for (int r = 0; r < MR; r++) {
-                const float* s = xs + 3 * (r * nb + j);
-                a[p * MR + r] += i2f(acc[r]) * (d * s[0]);
-                a[p * MR + r] += i2f(acr[r]) * (d * s[1]);
-                a[p * MR + r] += m * s[2];
-            }
+            i8_q4_block(blk + h, d, m, xq + 32 * j, ldq, in, xs + 3 * j, nb, a + p * MR, MR);
         }
     }
 }
@@ -475,7 +491,7 @@ AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
 /* panels [p0, p1) of a job on the integer path, into dst as qpanels_into */
 static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
     long in = j->in, out = j->out, np = (out + PANEL - 1) / PANEL, nb = in / 32, bb = QPAN[j->qt] * PANEL, bs;
-    int has_m = j->qt == QT_Q4_1, q8 = j->qt == QT_Q8_0;
+    int has_m = j->qt == QT_Q4_1, q8 = j->qt == QT_Q8_0, kq = j->qt == QT_Q4_K;
     for (long p = p0; p < p1;) {
         const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
         int NP = j->rows == 1 && p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
@@ -485,8 +501,9 @@ static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ld
             const int8_t* xq = j->xq + 2 * r0 * in;
             const float* xs = j->xs + 3 * r0 * nb;
 #define I8(np, mr) do { if (q8) i8_q8(w, bb, bs, in, xq, xs, 2 * in, a, np, mr); \
-                         else if (has_m) i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 1); \
-                         else i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 0); } while (0)
+                         else if (kq) i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 0, 1); \
+                         else if (has_m) i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 1, 0); \
+                         else i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 0, 0); } while (0)
             if (NP == QNP) I8(QNP, 1);
             else if (MR == 4) I8(1, 4);
             else if (MR == 2) I8(1, 2);
@@ -628,7 +645,8 @@ int wsc_qpack(const uint8_t* src, int qt, long out, long in, uint8_t* dst) {
                     o[32 + 2 * c] = (uint8_t)sc[1];
                     o[33 + 2 * c] = (uint8_t)(sc[1] >> 8);
                     for (int s = 0; s < 8; s++) { o[64 + 16 * s + c] = sb[s]; o[192 + 16 * s + c] = sb[8 + s]; }
-                    for (int k = 0; k < 256; k++) o[320 + 16 * (k >> 1) + c] |= (uint8_t)(q[k] << 4 * (k & 1));
+                    for (int k = 0; k < 256; k++)
+                        o[320 + 64 * (k >> 3) + 4 * c + (k & 3)] |= (uint8_t)(q[k] << (k & 4));
                     break;
                 case QT_Q6_K:
                     for (int s = 0; s < 16; s++) o[32 + 16 * s + c] = sb[s];
