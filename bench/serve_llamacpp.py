@@ -15,7 +15,7 @@ llama.cpp also runs with 1 thread (`--peer-threads`): on a shared 2-core machine
 collapse (single runs of ~2 tok/s), so the ratio against its best thread count is printed too.
 
 Decode reads every weight once per token: the bound is the machine's copy bandwidth (read + write, huge pages,
-as bench/serve_decode.py measures it, re-measured at the end) over the file's tensor bytes (the tied embedding
+as bench/serve_decode.py measures it, once per round, the median) over the file's tensor bytes (the tied embedding
 once: it is the head); each decode figure is printed with its fraction of that bound. Prefill reads the
 weights once per prompt and is compute-bound: no bytes bound is printed for it.
 
@@ -199,7 +199,9 @@ def main() -> None:
             peers[f].generate(prompt, 8)
     runs: dict[tuple[str, str, str], list[float]] = {}
     toks: dict[tuple[str, str], list[int]] = {}
+    bws = []
     for _ in range(a.repeats):
+        bws.append(copy_bandwidth())  # measured every round: a shared host's bandwidth drifts
         for f in formats:
             systems = [(f"llama.cpp/{t}", t) for t in peer_threads] + [("ours", None)]
             for who, t in systems:
@@ -215,10 +217,11 @@ def main() -> None:
                 fn = (lambda f=f: peers[f].generate(long_prompt, 1)) if t else (
                     lambda f=f: ours[f].generate([long_prompt], one))
                 runs.setdefault((f, who, "prefill"), []).append(len(long_prompt) / prefill_time(fn))
-    bw = copy_bandwidth()
+    bw = statistics.median(bws)
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"\nmedians of {a.repeats} rounds, tokens/s; decode bound = copy bandwidth {bw / 1e9:.2f} GB/s (read + "
-          "write, huge pages, as serve_decode.py) / tensor bytes per token")
+          "write, huge pages, as serve_decode.py; the median of one measurement per round: "
+          f"{', '.join(f'{b / 1e9:.1f}' for b in bws)}) / tensor bytes per token")
     for f in formats:
         print(f"\n{f} ({nbytes[f] / 1e6:.1f} MB per token, bound {bw / nbytes[f]:.1f} tok/s):")
         for what in ("decode", "prefill"):
