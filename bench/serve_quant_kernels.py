@@ -13,7 +13,7 @@ Q6_K only where `in` is a multiple of their 256-weight blocks, i.e. the down pro
   (the bytes the kernel reads: the packed panels), and that over this machine's copy bandwidth
   (bench/serve_decode.copy_bandwidth: read + written per second of a large copy with the same threads, on
   huge pages), the bound a memory-bound product can reach.
-  Q8_0, Q4_0 and Q4_1 run both ways: x rounded to int8 (`int8`, the default) and in float32 (`float`, exact).
+  Q8_0, Q4_0, Q4_1 and Q4_K run both ways: x rounded to int8 (`int8`, the default) and in float32 (`float`, exact).
 - prefill: --rows rows (GFLOP/s, 2 out in rows per product), one copy (compute-bound), not the head.
 Rounds alternate over the types (each round times every type once); medians over --rounds are reported.
 
@@ -36,7 +36,8 @@ from serve_decode import copy_bandwidth  # noqa: E402
 from waferscale.serve import kernels, quant  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
-WAYS = ["fp32", "bf16", "q8_0:int8", "q8_0:float", "q4_0:int8", "q4_0:float", "q4_1:int8", "q4_1:float", "q4_k", "q6_k"]
+WAYS = ["fp32", "bf16", "q8_0:int8", "q8_0:float", "q4_0:int8", "q4_0:float", "q4_1:int8", "q4_1:float", "q4_k:int8",
+        "q4_k:float", "q6_k"]
 
 
 def _ways(shape: tuple[int, int]) -> list[str]:
