@@ -13,7 +13,8 @@ Q6_K only where `in` is a multiple of their 256-weight blocks, i.e. the down pro
   (the bytes the kernel reads: the packed panels), and that over this machine's copy bandwidth
   (bench/serve_decode.copy_bandwidth: read + written per second of a large copy with the same threads, on
   huge pages), the bound a memory-bound product can reach.
-  Q8_0, Q4_0, Q4_1 and Q4_K run both ways: x rounded to int8 (`int8`, the default) and in float32 (`float`, exact).
+  Q8_0, Q4_0, Q4_1 and Q4_K run both ways: x as two int8 digits (`int8`, the default) and in float32 (`float`,
+  exact).
 - prefill: --rows rows (GFLOP/s, 2 out in rows per product), one copy (compute-bound), not the head.
 Rounds alternate over the types (each round times every type once); medians over --rounds are reported.
 
