@@ -571,7 +571,7 @@ static void qdecode(int qt, const uint8_t* b, uint8_t* q, uint16_t* sc, uint8_t*
     case QT_Q4_0: case QT_Q4_1: {
         int h = qt == QT_Q4_1 ? 4 : 2;
         sc[0] = (uint16_t)(b[0] | b[1] << 8);
-        sc[1] = (uint16_t)(b[2] | b[3] << 8);
+        if (qt == QT_Q4_1) sc[1] = (uint16_t)(b[2] | b[3] << 8);
         for (int k = 0; k < 16; k++) { q[k] = b[h + k] & 15; q[k + 16] = b[h + k] >> 4; }
         break;
     }
