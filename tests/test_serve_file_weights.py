@@ -5,9 +5,10 @@ gguf` read back identically; bad input as one error line.
 
 The token comparisons run the kernels' float path (`quant.set_int8_activations(False)`: each weight dequantized
 exactly, summed in float32, so only the summation order differs from the float32 path). By default the Q8_0,
-Q4_0 and Q4_1 products round the activations to int8 per block of 32, as llama.cpp does: that changes the
-arithmetic itself, so greedy tokens may part after a while; the assets test bounds what it costs, the
-perplexity of the real SmolLM2 Q4_1 file on the held-out Shakespeare passage moving by less than 1 %.
+Q4_0 and Q4_1 products round the activations per block of 32 to integers and sum in integers (csrc/quant.c
+says how): that changes the arithmetic itself, so greedy tokens may part after a while; the assets test bounds
+what it costs, the perplexity of the real SmolLM2 Q4_1 file on the held-out Shakespeare passage moving by less
+than 1 %.
 
 The tiny GGUFs are written as llama.cpp's converter writes them (tests/gguf_helpers.py) from a random Llama of
 d_model 256 and d_ff 512, so that every input size holds whole blocks of every format (256 weights for Q4_K
@@ -57,7 +58,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = build(CFG, device="cpu").eval()
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.1 if p.ndim > 1 else 0.02) + (1.0 if p.ndim == 1 else 0.0))
     return model
 

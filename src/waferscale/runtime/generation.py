@@ -77,8 +77,8 @@ def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer:
         check_vocab_fits(tok, m.config.vocab_size)
     if getattr(m, "gguf_matrices", None) is not None:  # matrices held outside the model: it stays on the CPU
         if device not in ("auto", "cpu"):
-            raise ConfigError(f"--device {device}: weights in the file's own precision run on CPU only; pass "
-                              "--dtype fp32 to run in float32 there")
+            raise ConfigError(f"--device {device}: quantized weights (the file's own precision, or a --dtype other "
+                              "than fp32) run on CPU only; pass --dtype fp32 to run in float32 there")
         return m.eval(), tok, note
     return m.to(resolve_device(device)).eval(), tok, note
 
