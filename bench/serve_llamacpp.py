@@ -16,8 +16,9 @@ collapse (single runs of ~2 tok/s), so the ratio against its best thread count i
 
 Decode reads every weight once per token: the bound is the machine's copy bandwidth (read + write, huge pages,
 as bench/serve_decode.py measures it, once per round, the median) over the file's tensor bytes (the tied embedding
-once: it is the head); each decode figure is printed with its fraction of that bound. Prefill reads the
-weights once per prompt and is compute-bound: no bytes bound is printed for it.
+once: it is the head); each decode figure is printed with its fraction of that bound (each round's rate over
+its own round's bound, the median of those: the copy bandwidth of this shared VM moves by 2x between rounds).
+Prefill reads the weights once per prompt and is compute-bound: no bytes bound is printed for it.
 
 Ours runs the kernels' default products (serve/quant.py: Q8_0 / Q4_0 / Q4_1 round activations to int8 per
 block of 32 as llama.cpp does), so greedy tokens may part from llama.cpp's after a while; the first divergence
@@ -227,7 +228,9 @@ def main() -> None:
         for what in ("decode", "prefill"):
             for who in [f"llama.cpp/{t}" for t in peer_threads] + ["ours"]:
                 r = med[f, who, what]
-                bound = f"   {r * nbytes[f] / bw:6.1%} of the bound" if what == "decode" else " " * 22
+                # each round's rate against the bandwidth measured in that round, the median of those
+                frac = statistics.median(x * nbytes[f] / b for x, b in zip(runs[f, who, what], bws))
+                bound = f"   {frac:6.1%} of the bound" if what == "decode" else " " * 22
                 label = f"llama.cpp n_threads={who.split('/')[1]}" if "/" in who else f"ours threads={a.threads}"
                 print(f"   {what:8s} {label:22s} {r:9.1f}{bound}   runs: "
                       + ", ".join(f"{x:.1f}" for x in runs[f, who, what]))
