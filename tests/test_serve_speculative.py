@@ -5,34 +5,20 @@ step), and the server's flags, usage and /metrics through the openai client."""
 
 from __future__ import annotations
 
-import string
 
 import pytest
 import torch
 
-from waferscale.data.tokenizer import CharTokenizer
 from waferscale.errors import ConfigError
-from waferscale.models import from_name
 from waferscale.serve.engine import Engine, SamplingParams
 from waferscale.serve.kv import BlockAllocator
 from waferscale.serve.sampling import RequestSampler
 from waferscale.serve.scheduler import Scheduler, Sequence
 from waferscale.serve.speculative import NgramProposer, NgramSpeculation, speculation, verify
+from test_serve_engine import llama, tok  # noqa: F401  (the tiny model and tokenizer fixtures, one home)
 
-CHARS = string.ascii_letters + string.digits + " .,"  # 65 ids; the tiny models' vocab is 256
 # repetitive prompts: the random tiny model falls into loops the proposer finds, so drafts get accepted
 PROMPTS = [[1, 2, 3, 4, 5] * 3, [7, 8] * 6, list(range(20, 30)) * 2, [9, 10, 11]]
-
-
-@pytest.fixture(scope="module")
-def tok() -> CharTokenizer:
-    return CharTokenizer(list(CHARS))
-
-
-@pytest.fixture(scope="module")
-def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return from_name("llama-tiny").eval()
 
 
 def test_proposer_takes_the_longest_most_recent_ngram_on_token_boundaries() -> None:
