@@ -33,7 +33,7 @@ from waferscale.serve.llm import LLM, SamplingParams
 from waferscale.serve import quant
 from waferscale.serve.quant import QTYPES, block_shape, dequantize
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (a dependency of waferscale itself)
 Q = gguf.GGMLQuantizationType
 
 CFG = ModelConfig(name="t-llama", family="llama", vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=256,

@@ -15,7 +15,7 @@ import torch
 from waferscale.serve import kernels, quant
 from waferscale.serve.quant import QWeight
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels unavailable")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"C kernels: {kernels.unavailable_reason()}")
 
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
 INT8_TYPES = ["q8_0", "q4_0", "q4_1", "q4_k"]

@@ -15,7 +15,7 @@ from waferscale.serve.kv import BlockAllocator
 from waferscale.serve.sampling import RequestSampler
 from waferscale.serve.scheduler import Scheduler, Sequence
 from waferscale.serve.speculative import NgramProposer, NgramSpeculation, speculation, verify
-from test_serve_engine import llama, tok  # noqa: F401  (the tiny model and tokenizer fixtures, one home)
+from test_serve_engine import llama, run, tok  # noqa: F401  (the tiny model, tokenizer and run loop: one home)
 
 # repetitive prompts: the random tiny model falls into loops the proposer finds, so drafts get accepted
 PROMPTS = [[1, 2, 3, 4, 5] * 3, [7, 8] * 6, list(range(20, 30)) * 2, [9, 10, 11]]
@@ -115,16 +115,6 @@ def test_engine_sampling_with_speculation_keeps_the_model_distribution(llama, to
     for pos, p in ((1, p2), (2, p3)):
         counts = torch.bincount(torch.tensor([o[pos] for o in outs]), minlength=len(p)).float()
         assert chi2_p_value(counts, p) > 1e-3, (pos, counts, p * n)
-
-
-def run(e: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    for rid, (p, sp) in reqs.items():
-        e.add_request(rid, p, sp)
-    outs: dict[str, list] = {rid: [] for rid in reqs}
-    while e.has_unfinished():
-        for o in e.step():
-            outs[o.request_id].append(o)
-    return outs
 
 
 def test_engine_output_is_unchanged_by_speculation(llama, tok) -> None:
