@@ -7,6 +7,10 @@ device budget, so each unit's autograd state is kept and only the weights leave 
 parameter per token, so its ceiling is ~0.75 of resident). Runs alternate; medians are reported.
 
     python bench/train_streaming.py [--layers 6] [--hidden 384] [--seq_len 256] [--batch_size 16] [--repeats 2]
+                                    [--device cuda] [--bf16]
+
+On CUDA the device is the GPU and MemoryX is host RAM: streaming moves each unit's weights over PCIe and its
+gradients back, while resident keeps the whole state on the GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def params_dict(a: argparse.Namespace, model_dir: str) -> dict:
                         "max_sequence_length": a.seq_len, "shuffle": True, "shuffle_seed": 0},
         "model": {"name": a.model, "vocab_size": 256, "max_position_embeddings": a.seq_len,
                   "hidden_size": a.hidden, "num_hidden_layers": a.layers, "num_heads": a.heads,
-                  "mixed_precision": False},
+                  "mixed_precision": a.bf16, **({"fp16_type": "bfloat16"} if a.bf16 else {})},
         "optimizer": {"optimizer_type": "AdamW", "learning_rate": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                       "weight_decay": 0.1, "max_gradient_norm": 1.0},
         "runconfig": {"max_steps": a.warmup + a.steps, "seed": 0, "log_steps": 1, "model_dir": model_dir},
@@ -41,7 +45,8 @@ def params_dict(a: argparse.Namespace, model_dir: str) -> dict:
 def tokens_per_s(a: argparse.Namespace, execution: str, recompute: str = "auto") -> tuple[float, dict]:
     with tempfile.TemporaryDirectory() as d:
         params = params_from_dict(params_dict(a, d), source="bench")
-        run(params, RunOptions(model_dir=Path(d), progress=False, execution=execution, recompute=recompute),
+        run(params, RunOptions(model_dir=Path(d), progress=False, execution=execution, recompute=recompute,
+                                  device=a.device),
             out=io.StringIO())
         rows = [json.loads(ln) for ln in (Path(d) / "metrics.jsonl").read_text().splitlines()]
     timed = rows[a.warmup:]
@@ -60,11 +65,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (fp32 masters in MemoryX)")
     a = ap.parse_args()
     n = from_name(a.model, vocab_size=256, max_seq_len=a.seq_len, d_model=a.hidden, n_layer=a.layers,
                   n_head=a.heads, device="meta").config.num_params
     print(f"model {a.model} {a.layers}x{a.hidden} ({n / 1e6:.1f}M params), batch {a.batch_size}x{a.seq_len}, "
-          f"{a.steps} timed steps after {a.warmup} warm-up, {torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"{a.steps} timed steps after {a.warmup} warm-up, {torch.get_num_threads()} threads, torch {torch.__version__}, device {a.device}"
+          + (f" ({torch.cuda.get_device_name(a.device)})" if a.device.startswith("cuda") else "")
+          + (", bf16 mixed precision" if a.bf16 else ""))
     res, keep, rec = [], [], []
     last: dict = {}
     for r in range(a.repeats):
