@@ -1,5 +1,7 @@
 """`cstorch.save(state, path)` / `cstorch.load(path)`: nested state (dicts, lists, tensors, numbers, strings)
-in one safetensors file; the structure rides in the file's metadata.
+in one safetensors file; the structure rides in the file's metadata. `save(..., format="mdl")` writes Cerebras'
+own HDF5 checkpoint format instead (`mdl.py`), and `load` reads either, telling them apart by the file's first
+bytes.
 
 Written to a temporary file and renamed, so a checkpoint is either complete or absent; a truncated or
 foreign file is refused with a clear error, and loading unpickles nothing."""
@@ -17,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
 from waferscale.pytorch import distributed as _dist
+from waferscale.pytorch.mdl import is_mdl, load_mdl, save_mdl
 from waferscale.util.files import atomic_path
 
 __all__ = ["save", "load"]
@@ -65,8 +68,14 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def save(state: Any, path: str | os.PathLike) -> None:
+def save(state: Any, path: str | os.PathLike, format: str = "safetensors") -> None:
+    """`format`: "safetensors" (this package's file) or "mdl" (a Cerebras checkpoint, for a Cerebras system)."""
+    if format not in ("safetensors", "mdl"):
+        raise CheckpointError(f"cstorch.save: format {format!r} is not supported; use 'safetensors' or 'mdl'")
     if not _dist.is_master():  # one writer: rank 0 holds the weights
+        return
+    if format == "mdl":
+        save_mdl(state, path)
         return
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -80,6 +89,8 @@ def load(path: str | os.PathLike, map_location: Any = None) -> Any:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
+    if is_mdl(path):
+        return load_mdl(path, map_location)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
