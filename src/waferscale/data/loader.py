@@ -14,9 +14,22 @@ import torch
 
 from waferscale.errors import DataError
 
-__all__ = ["BatchLoader", "eval_batches"]
+__all__ = ["BatchLoader", "eval_batches", "resume_step"]
 
 _STATE_VERSION = 1
+
+
+def resume_step(state: Any, mine: dict[str, Any]) -> int:
+    """The step to resume at from a saved loader `state`, checked against the loader's own `state_dict()`
+    (`mine`): every saved key but "step" and "version" must be equal, or the batches would differ."""
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:
+        raise DataError(f"loader state must be a dict with a non-negative int 'step', got {state!r}")
+    diffs = [f"{name}: saved {state[name]!r}, now {mine[name]!r}"
+             for name in mine if name not in ("step", "version") and name in state and state[name] != mine[name]]
+    if diffs:
+        raise DataError(f"cannot resume the data loader: it would yield different batches ({'; '.join(diffs)}); "
+                        "restore the original settings and data, or start the loader from step 0")
+    return state["step"]
 
 
 def _check_shape(n_tokens: int, batch_size: int, seq_len: int) -> None:
@@ -102,18 +115,7 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state["step"]`. DataError if the state came from a loader that yields other batches."""
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:
-            raise DataError(f"loader state must be a dict with a non-negative int 'step', got {state!r}")
-        mine = self.state_dict()
-        diffs = [
-            f"{name}: saved {state[name]!r}, now {mine[name]!r}"
-            for name in ("seed", "shuffle", "batch_size", "seq_len", "n_tokens")
-            if name in state and state[name] != mine[name]
-        ]
-        if diffs:
-            raise DataError(f"cannot resume the data loader: it would yield different batches ({'; '.join(diffs)}); "
-                            "restore the original settings and data, or start the loader from step 0")
-        self.step = state["step"]
+        self.step = resume_step(state, self.state_dict())
 
     def __repr__(self) -> str:
         return (f"BatchLoader(n_tokens={len(self.tokens)}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
