@@ -61,6 +61,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_preprocess(a: argparse.Namespace) -> int:
+    from waferscale.data.preprocess import cmd_data_preprocess as preprocess
+
+    return preprocess(a)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from waferscale.runtime.generation import load_for_generation
     from waferscale.serve.llm import LLM, SamplingParams
@@ -437,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve": (cmd_serve, "OpenAI-compatible inference server with a playground at /"),
         "kernel": (cmd_kernel, "run a fabric kernel's cycle model (and verify it tile by tile)"),
         "sparsity-report": (cmd_sparsity_report, "weight and activation sparsity per layer of a model, with a plot"),
+        "data_preprocess": (cmd_data_preprocess, "text -> Model Zoo's HDF5 training data (cszoo data_preprocess)"),
     }
     for name, (fn, help_) in commands.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -449,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "validate":
             _run_flags(p, params_positional=True)
             p.set_defaults(validate_only=True)
+        elif name == "data_preprocess":
+            from waferscale.data.preprocess import add_flags
+
+            add_flags(p)
         elif name == "generate":
             _model_source_flags(p)
             p.add_argument("--prompt", default=None, help="raw text to continue (an encoder: text whose mask tokens "

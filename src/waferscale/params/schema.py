@@ -52,7 +52,10 @@ class InputParams:
     shuffle: bool = True
     shuffle_seed: int = 0
     num_workers: int = 0
-    data_processor: str | None = None  # recorded; our loader reads .txt/.jsonl/dirs/"shakespeare" itself
+    # GptHDF5MapDataProcessor / GptHDF5DataProcessor: HDF5 examples (waferscale.data.hdf5) where data_dir holds
+    # .h5 files; other supported names (text) and None: the token-stream loader on .txt/.jsonl/dirs/"shakespeare"
+    data_processor: str | None = None
+    drop_last: bool = True  # HDF5: how an epoch ends (waferscale.data.hdf5); a token stream has no epoch end
     val_fraction: float = 0.05
     # Model Zoo's BERT data keys: the WordPiece vocabulary (the tokenizer, instead of `tokenizer`) and whether it
     # lowercases; the masked-LM objective's share of masked positions and its cap per sequence (encoders)
@@ -78,7 +81,7 @@ class InputParams:
         "vocab_size": "the model's vocab_size is the one used",
         "shuffle_buffer": "shuffled windows are drawn from the whole token stream",
         **dict.fromkeys(("prefetch_factor", "persistent_workers", "use_worker_cache"), "host data-loader tuning"),
-        **dict.fromkeys(("drop_last", "pad_last"), "partial batches are always dropped"),
+        "pad_last": "a short last batch (HDF5, drop_last: false) is yielded short; token streams have none",
         "buckets": "sequence-length buckets for variable tensor shapes; sequences here are full windows",
     }
 
@@ -92,6 +95,13 @@ class InputParams:
             raise FieldError("data_dir", "is empty; give a file, a directory or the builtin corpus 'shakespeare'")
         positive(self, "batch_size", "max_sequence_length", "micro_batch_size")
         non_negative(self, "num_workers")
+        if self.data_processor is not None:
+            from waferscale.data.hdf5 import check_data_processor
+
+            try:
+                check_data_processor(self.data_processor)
+            except ConfigError as e:
+                raise FieldError("data_processor", str(e).removeprefix("data_processor ")) from None
         if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
             raise FieldError("micro_batch_size", f"{self.micro_batch_size} does not divide batch_size "
                              f"{self.batch_size}; pick a divisor, or 'auto' for no accumulation")

@@ -32,6 +32,7 @@ import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
 from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
                              read_documents, tokenizer_with_mask)
+from waferscale.data import hdf5
 from waferscale.data.sentence_pairs import PairBatches, SentencePairs, pair_token_ids, tokenizer_with_pair_tokens
 from waferscale.data.span_corruption import (T5_EXTRA_IDS, SpanCorruptedBatches, SpanCorruptor, sentinel_ids,
                                              tokenizer_with_sentinels)
@@ -111,6 +112,8 @@ class Data:
     masker: Masker | None = None  # the objective: None, next-token prediction (decoders); a Masker, masked LM
     corruptor: SpanCorruptor | None = None  # encoder-decoders: span corruption (windows of seq_len tokens)
     pairs: SentencePairs | None = None  # BERT with the next-sentence head: masked sentence pairs (masker's draws)
+    h5_train: hdf5.HDF5Examples | None = None  # HDF5 data (Model Zoo's layout): train and eval examples
+    h5_eval: hdf5.HDF5Examples | None = None
 
     @property
     def packed_len(self) -> int:
@@ -126,6 +129,8 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     seed); encoder-decoders (T5) write the spans dropped from their input (span corruption, from the run's seed);
     decoders predict the next token."""
     inp = params.train_input
+    if uses_hdf5(inp):
+        return prepare_hdf5_data(params, cfg)
     if inp.src_vocab_file is not None and not inp.src_vocab_file.endswith(".json"):
         raise ConfigError(f"train_input.src_vocab_file {inp.src_vocab_file!r}: Model Zoo's SentencePiece vocabulary "
                           "is not read; give a T5 tokenizer.json there (or as train_input.tokenizer), or 'char'")
@@ -169,6 +174,46 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     return Data(tokenizer=tok, train=splits.train, val=val, seq_len=seq_len, masker=masker, pairs=pairs)
 
 
+def uses_hdf5(inp: Any) -> bool:
+    """Whether the input section reads HDF5: its data_dir holds .h5 files, or it names an HDF5 processor and a
+    data_dir that is not text (a missing directory: the HDF5 reader's error says so). An HDF5 processor named on
+    text (Model Zoo's configs pointed at the builtin corpus) trains on the text, and says so."""
+    if hdf5.is_hdf5_dir(inp.data_dir):
+        return True
+    if inp.data_processor not in hdf5.HDF5_PROCESSORS:
+        return False
+    if any(d != "shakespeare" and not Path(d).expanduser().exists() for d in inp.data_dir):
+        return True
+    print(f"note: data_processor {inp.data_processor}: data_dir {', '.join(inp.data_dir)} holds text, read by the "
+          "token-stream loader", file=sys.stderr)
+    return False
+
+
+def prepare_hdf5_data(params: Params, cfg: ModelConfig) -> Data:
+    """HDF5 examples (Model Zoo's sample layout) for next-token prediction, checked cheaply first
+    (`hdf5.validate_hdf5`); the tokenizer is the data's own (the tokenizer.json `wsc data_preprocess` writes beside
+    the files) unless train_input.tokenizer names one, and only saved with checkpoints (the data is tokenized)."""
+    inp, ev = params.train_input, params.eval_input
+    if inp.data_processor in hdf5.TEXT_PROCESSORS or cfg.is_encoder or cfg.is_encoder_decoder:
+        raise ConfigError(f"train_input.data_dir {', '.join(inp.data_dir)} holds HDF5 examples for next-token "
+                          f"prediction (GptHDF5MapDataProcessor); model {cfg.name} with data_processor "
+                          f"{inp.data_processor} trains on text: point data_dir at .txt/.jsonl files")
+    train = hdf5.validate_hdf5(inp.data_dir, inp.max_sequence_length, cfg.vocab_size)
+    if train.msl > cfg.max_seq_len:
+        raise ConfigError(f"the HDF5 examples hold {train.msl} tokens, more than the model's max_position_embeddings "
+                          f"{cfg.max_seq_len}; raise model.max_position_embeddings or preprocess a shorter length")
+    evals = train
+    if ev is not None and ev.data_dir != inp.data_dir:
+        evals = hdf5.validate_hdf5(ev.data_dir, ev.max_sequence_length or train.msl, cfg.vocab_size)
+    spec, own = inp.tokenizer_spec, Path(inp.data_dir[0]).expanduser() / "tokenizer.json"
+    tok = load_tokenizer(spec) if spec != "char" else (load_tokenizer(own) if own.is_file() else None)
+    if tok is not None and tok.vocab_size > cfg.vocab_size:
+        raise DataError(f"the data's tokenizer has {tok.vocab_size} tokens but model.vocab_size is {cfg.vocab_size}; "
+                        f"set model.vocab_size to at least {tok.vocab_size}")
+    empty = np.zeros(0, dtype=np.int32)
+    return Data(tokenizer=tok, train=empty, val=empty, seq_len=train.msl, h5_train=train, h5_eval=evals)
+
+
 def build_model(params: Params) -> CausalLM:
     if params.model.pretrained:
         from waferscale.models.pretrained import load_pretrained
@@ -190,6 +235,9 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 # ---- the run -------------------------------------------------------------------------------------------
 
 def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int | None) -> tuple[float, int]:
+    if data.h5_eval is not None:
+        batches = hdf5.hdf5_eval_batches(data.h5_eval, batch_size, max_batches)
+        return float(np.mean([executor.eval_loss(x, y) for x, y in batches])), len(batches)
     batches = eval_batches(data.val, batch_size, data.seq_len, max_batches or 10**9)
     if not batches:
         raise DataError(f"the validation split has {len(data.val)} tokens, fewer than one batch of "
@@ -214,6 +262,20 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
         return _run(params, opts, out, device, model, executor, why)
     finally:
         executor.close()
+
+
+def hdf5_loader(examples: hdf5.HDF5Examples, inp: Any, num_csx: int, vocab_size: int) -> hdf5.HDF5Batches:
+    """The training batches of HDF5 data, as train_input's processor, shuffle, shuffle_seed, drop_last and
+    num_workers say; a short last batch (drop_last false) must split over the systems and micro-batches too."""
+    loader = hdf5.HDF5Batches(examples, inp.batch_size, shuffle=inp.shuffle, seed=inp.shuffle_seed,
+                              drop_last=inp.drop_last, processor=inp.data_processor or hdf5.MAP,
+                              num_workers=inp.num_workers, vocab_size=vocab_size)
+    short = loader.short_batch
+    if short and (short % num_csx or (inp.micro_batch_size and (short // num_csx) % inp.micro_batch_size)):
+        raise ConfigError(f"drop_last: false leaves a last batch of {short} of the {examples.n} examples each "
+                          f"epoch, which does not split over {num_csx} system(s) and micro_batch_size "
+                          f"{inp.micro_batch_size}; set drop_last: true or a batch_size that divides {examples.n}")
+    return loader
 
 
 def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tuple[CausalLM, Executor, str]:
@@ -251,12 +313,13 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     rc, inp, cfg = params.runconfig, params.train_input, model.config
     model_dir, max_steps = Path(opts.model_dir), opts.max_steps or rc.max_steps
     data = prepare_data(params, cfg, opts.progress)
-    if inp.batch_size * data.seq_len + 1 > len(data.train):
+    if data.h5_train is None and inp.batch_size * data.seq_len + 1 > len(data.train):
         raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
                         f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
-    loader: BatchLoader | MaskedBatches | PairBatches | SpanCorruptedBatches = BatchLoader(
-        data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle)
+    loader: BatchLoader | MaskedBatches | PairBatches | SpanCorruptedBatches | hdf5.HDF5Batches = BatchLoader(
+        data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle) \
+        if data.h5_train is None else hdf5_loader(data.h5_train, inp, opts.num_csx, cfg.vocab_size)
     if data.pairs is not None:
         loader = PairBatches(loader, data.pairs)
     elif data.masker is not None:
@@ -294,7 +357,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
               f"(raise --max_steps to continue)", file=out)
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    if not (model_dir / "tokenizer").exists():  # saved once, by the run that starts the model_dir
+    if data.tokenizer is not None and not (model_dir / "tokenizer").exists():  # saved once, by the first run
         with atomic_dir(model_dir / "tokenizer") as tmp:
             data.tokenizer.save(tmp)
     metrics_path = model_dir / "metrics.jsonl"
@@ -371,6 +434,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
                 record(step, r, lr, dt)  # update
                 checkpoint(step)
         bar.close()
+        if isinstance(loader, hdf5.HDF5Batches):
+            loader.close()  # (its prefetch threads)
         last_ckpt = save(end_step)
         tps = acc["tokens"] / acc["time"]
         dtype = torch.float32 if executor.half is None else executor.half
