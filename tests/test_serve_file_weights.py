@@ -118,6 +118,7 @@ def test_native_q4_1_gives_the_greedy_tokens_of_its_dequantized_weights(hf_dir: 
     expected = _greedy(dense, batched=False)
     assert _greedy(native, batched=False) == expected
     assert _greedy(native, batched=True) == expected
+    assert _greedy(native, batched=True, stages=2) == expected  # the file's blocks in two stage processes
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
