@@ -7,6 +7,10 @@
 
 The manifest is written last, by rename: a checkpoint without a manifest, or whose files do not match the
 sizes it lists, is partial and refused. Loading never unpickles anything.
+
+A Cerebras Model Zoo checkpoint (`.mdl`, `pytorch/mdl.py`) loads too: its model's weights under our names
+(`models/modelzoo.py`) and its global_step; its optimizer state is not carried over (a fresh optimizer starts,
+and the checkpoint's `note` says so).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
+from waferscale.models.config import ModelConfig
+from waferscale.pytorch.mdl import is_mdl, load_mdl
 from waferscale.util.files import atomic_path, atomic_write_bytes
 
 FORMAT = "waferscale-checkpoint-v1"
@@ -91,6 +97,22 @@ class Checkpoint:
         return (self.optim_tensors or {}).get("rng.torch")
 
 
+def load_cerebras_checkpoint(path: str | Path, cfg: ModelConfig) -> Checkpoint:
+    """A Model Zoo .mdl as a Checkpoint of `cfg`'s model: weights under our names, the step it reached."""
+    from waferscale.models.modelzoo import model_state, state_dict_from_zoo
+
+    path = Path(path)
+    state = load_mdl(path)
+    weights = state_dict_from_zoo(model_state(state, str(path)), cfg, where=str(path))
+    step = state.get("global_step", 0)
+    step = int(step.item() if torch.is_tensor(step) else step)
+    # Model Zoo's optimizer state is keyed by its own parameter order and state names: not mapped
+    note = "its optimizer state is not carried over (a fresh optimizer starts)" if "optimizer" in state else None
+    manifest = {"format": "cerebras-mdl", "step": step, "model_config": cfg.to_dict(), "data": {"step": step},
+                "note": note}
+    return Checkpoint(step=step, path=path, model=weights, manifest=manifest, optim_tensors=None)
+
+
 def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
                     model_config: dict[str, Any], *,
                     optimizer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
@@ -149,7 +171,14 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
     return manifest
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config: ModelConfig | None = None
+                    ) -> Checkpoint:
+    """One of ours, or (given the model's config, which its parameter names are mapped for) a Cerebras .mdl."""
+    if Path(path).is_file() and is_mdl(path):
+        if model_config is None:
+            raise CheckpointError(f"{path} is a Cerebras checkpoint: its parameter names are mapped for a model, so "
+                                  f"give the params file of the model it holds")
+        return load_cerebras_checkpoint(path, model_config)
     manifest_path = resolve_checkpoint_path(path)
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -1,0 +1,115 @@
+"""Cerebras Model Zoo parameter names -> ours, for the decoders Model Zoo builds as `GPT2LMHeadModel` (its
+gpt2 / gpt3 / llama / mistral configs).
+
+The names follow Model Zoo's own HF <-> CS checkpoint converters (`tools/checkpoint_converters/gpt2_hf_cs.py`,
+`llama.py`):
+
+    embedding_layer.word_embeddings / .position_embeddings      embed.tok / embed.pos
+    transformer_decoder.layers.N.norm1 / norm3                  blocks.N.attn_norm / mlp_norm
+    ....self_attn.proj_{q,k,v}_dense_layer, proj_output_dense_layer   blocks.N.attn.{q,k,v,o}_proj
+    ....ffn.ffn.0.linear_layer / ffn.ffn.0.linear_layer_for_glu       blocks.N.mlp.up_proj / gate_proj
+    ....ffn.ffn.1.linear_layer                                         blocks.N.mlp.down_proj
+    transformer_decoder.norm (CS 1.7 also saved it as ln_f)     head.norm
+    lm_head                                                      head.lm_head (tied: the word embeddings)
+
+Model Zoo's rotary embedding rotates interleaved pairs (x0, y0, x1, y1, ...) where ours (and HF's) rotates the
+halves (x0, x1, ..., y0, y1, ...): each head's first `rotary_dim` rows of the q and k projections are permuted
+from the one layout to the other, as the llama converter does. A state dict saved from Model Zoo's wrapper
+module has every name under `model.`; either form is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from waferscale.errors import CheckpointError
+from waferscale.models.config import ModelConfig
+
+FAMILIES = ("gpt", "llama", "mistral")  # built by Model Zoo's GPT2LMHeadModel
+
+
+def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, Model Zoo name) of every tensor the model may have, biases included."""
+    modules = [("embed.tok", "embedding_layer.word_embeddings"), ("embed.pos", "embedding_layer.position_embeddings"),
+               ("head.norm", "transformer_decoder.norm"), ("head.lm_head", "lm_head")]
+    ffn = [("mlp.up_proj", "ffn.ffn.0.linear_layer"), ("mlp.gate_proj", "ffn.ffn.0.linear_layer_for_glu"),
+           ("mlp.down_proj", "ffn.ffn.1.linear_layer")]
+    per_layer = [("attn_norm", "norm1"), ("mlp_norm", "norm3"),
+                 *((f"attn.{n}_proj", f"self_attn.proj_{n}_dense_layer") for n in "qkv"),
+                 ("attn.o_proj", "self_attn.proj_output_dense_layer"), *ffn]
+    modules += [(f"blocks.{i}.{ours}", f"transformer_decoder.layers.{i}.{theirs}")
+                for i in range(cfg.n_layer) for ours, theirs in per_layer]
+    return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
+
+
+def _halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
+    """Rows of each head's rotary part from interleaved pairs (x0, y0, x1, y1, ...) to halves (x0, x1, ..., y0,
+    y1, ...); the rest of the head passes through. `t` is a projection weight (rows, in) or bias (rows,)."""
+    rest = t.shape[1:]
+    h = t.reshape(heads, -1, *rest)
+    rot = h[:, :rotary_dim].reshape(heads, rotary_dim // 2, 2, *rest).transpose(1, 2).reshape(heads, rotary_dim,
+                                                                                               *rest)
+    return torch.cat([rot, h[:, rotary_dim:]], dim=1).reshape(t.shape).contiguous()
+
+
+def _strip_wrapper(sd: dict[str, Any]) -> dict[str, Any]:
+    """Names without the `model.` prefix of Model Zoo's wrapper module, where every name has it."""
+    if sd and all(k.startswith("model.") for k in sd) and not any(k.startswith("embedding_layer.") for k in sd):
+        return {k.removeprefix("model."): v for k, v in sd.items()}
+    return sd
+
+
+def state_dict_from_zoo(sd: dict[str, Any], cfg: ModelConfig, *, where: str,
+                        drop_unmatched: bool = False) -> dict[str, Tensor]:
+    """A Model Zoo model state dict -> ours for `cfg`. Names it does not know are an error (or, with
+    `drop_unmatched`, left out); missing ones are left to the caller's check against the model."""
+    if cfg.family not in FAMILIES:
+        raise CheckpointError(f"{where}: Model Zoo checkpoints are read for GPT and Llama models; the params give a "
+                              f"{cfg.family} model")
+    sd = dict(_strip_wrapper(sd))
+    for p in ("weight", "bias"):  # CS 1.7 saved the final norm twice
+        ln_f = sd.pop(f"ln_f.{p}", None)
+        if ln_f is not None:
+            sd.setdefault(f"transformer_decoder.norm.{p}", ln_f)
+    head = sd.get("lm_head.weight")
+    emb = sd.get("embedding_layer.word_embeddings.weight")
+    if cfg.tie_embeddings:
+        if head is not None and emb is not None and head is not emb and not torch.equal(head, emb):
+            raise CheckpointError(f"{where}: share_embedding_weights is true but lm_head.weight differs from "
+                                  f"embedding_layer.word_embeddings.weight; set share_embedding_weights: false")
+        sd.pop("lm_head.weight", None)
+        if emb is None and head is not None:  # Model Zoo may keep the tied tensor under the head's name only
+            sd["embedding_layer.word_embeddings.weight"] = head
+    out: dict[str, Tensor] = {}
+    rotary_dim = cfg.rotary_dim or cfg.head_dim
+    for ours, theirs in _renames(cfg):
+        t = sd.pop(theirs, None)
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise CheckpointError(f"{where}: {theirs} is a {type(t).__name__}, not a tensor")
+        if cfg.position == "rotary" and not cfg.rotary_interleaved and ours.split(".")[-2] in ("q_proj", "k_proj"):
+            heads = cfg.n_head if ".q_proj." in ours else cfg.kv_heads
+            if t.shape[0] != heads * cfg.head_dim:
+                raise CheckpointError(f"{where}: {theirs} has {t.shape[0]} rows; {heads} heads of {cfg.head_dim} "
+                                      f"need {heads * cfg.head_dim} (is the params file the checkpoint's?)")
+            t = _halves_from_pairs(t, heads, rotary_dim)
+        out[ours] = t
+    if sd and not drop_unmatched:
+        unknown = sorted(sd)
+        raise CheckpointError(f"{where}: tensor {unknown[0]!r} is not a Model Zoo {cfg.family} parameter name"
+                              f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; check that the "
+                              f"params file describes this checkpoint's model")
+    return out
+
+
+def model_state(ckpt: Any, where: str) -> dict[str, Any]:
+    """The model state dict of a loaded Model Zoo checkpoint ({"model": ..., "optimizer": ..., ...})."""
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        found = sorted(map(str, ckpt))[:6] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{where} holds no 'model' state dict (found {found}); a Model Zoo checkpoint has "
+                              f"'model', 'optimizer', 'global_step', ...")
+    return ckpt["model"]
