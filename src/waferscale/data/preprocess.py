@@ -8,7 +8,7 @@ non-overlapping pieces of max_seq_length + 1 tokens, each piece an example
     input_ids = piece[:-1], labels = piece[1:], attention_mask (the loss mask) = 1
 
 and the last piece, when it holds at least `min_sequence_len` tokens, padded with the pad id (the EOS, else 0) and
-attention_mask 0 on the padding. Examples go to `output_chunk_<i>.h5` files of `examples_per_file` rows: dataset
+attention_mask 0 on the padding. Examples go to `output_chunk_<iiiii>.h5` files of `examples_per_file` rows: dataset
 `data`, int32 [n, 3, max_seq_length], attribute `n_examples`; stored contiguous (the reader memory-maps it) or
 chunked (1, 3, msl) with gzip, Model Zoo's storage. Beside them: `data_params.json` (Model Zoo's summary: features,
 the settings, "post-process" counts) and the tokenizer (`tokenizer.json`), which a run on the directory uses.
@@ -55,7 +55,7 @@ class _Writer:
     def _write(self, data: np.ndarray) -> None:
         import h5py
 
-        path = self.out / f"output_chunk_{self.files}.h5"
+        path = self.out / f"output_chunk_{self.files:05d}.h5"  # zero-padded: sorted = written order
         with h5py.File(path, "w") as h:
             h.attrs["n_examples"] = len(data)
             if self.compression:
