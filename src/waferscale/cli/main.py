@@ -37,13 +37,15 @@ def cmd_run(a: argparse.Namespace) -> int:
         return swarmx.worker_main(timeout_s=a.swarmx_timeout_s)
     flags = {f.name: getattr(a, f.name) for f in dataclasses.fields(RunOptions) if hasattr(a, f.name)}
     params, opts = prepare_run(a.params, flags | {"progress": not a.no_progress})
+    _say_ignored(params)
     num_csx, model_dir = opts.num_csx, opts.model_dir
-    if a.validate_only:  # the params file and the flags, as the run would read them
+    if a.validate_only or params.runconfig.validate_only:  # the params and the flags, as the run would read them
         cfg = params.model.to_model_config()
         active = f", {cfg.num_active_params / 1e6:,.1f}M active per token" if cfg.n_experts else ""
         print(f"{a.params}: valid ({cfg.num_params / 1e6:,.1f}M-parameter model{active})")
         return 0
-    if a.compile_only:  # the wafer plan of the run's training step: what `wsc compile --params --mode train` writes
+    if a.compile_only or params.runconfig.compile_only:
+        # the wafer plan of the run's training step: what `wsc compile --params --mode train` writes
         from waferscale.compiler import compile_model
         from waferscale.zoo.wafer import params_graph
 
@@ -177,12 +179,21 @@ def cmd_plot(a: argparse.Namespace) -> int:
     return 0
 
 
-def _params_graph(path: str) -> "Graph":
-    """A params file's model as the compiler's graph (its batch, sequence length and num_csx as defaults)."""
+def _load_params(path: str) -> "Params":
+    """A params file, as `wsc compile --params` and `wsc estimate --params` read it, its ignored keys said first."""
     from waferscale.params import load_params
-    from waferscale.zoo.wafer import params_graph
 
-    return params_graph(load_params(path))
+    params = load_params(path)
+    _say_ignored(params)
+    return params
+
+
+def _say_ignored(params: "Params") -> None:
+    """The file's keys that change nothing here, one `ignored: key (reason)` line each, on stderr (stdout may be
+    --json)."""
+    from waferscale.params.schema import ignored_block
+
+    sys.stderr.write(ignored_block(params))
 
 
 def _params_sparsity(params: "Params") -> dict[str, float] | None:
@@ -220,10 +231,9 @@ def cmd_compile(a: argparse.Namespace) -> int:
         raise ConfigError(f"--defects must be a rate in [0, 1), got {a.defects}")
     graph, sparsity = None, a.sparsity  # --sparsity overrides a params file's sparsity section
     if a.params:
-        from waferscale.params import load_params
         from waferscale.zoo.wafer import params_graph
 
-        params = load_params(a.params)
+        params = _load_params(a.params)
         graph = params_graph(params)
         sparsity = sparsity if sparsity is not None else _params_sparsity(params)
     if a.sensitivity is not None and a.model:  # one capture for the plan and every recompile
@@ -251,8 +261,10 @@ def cmd_estimate(a: argparse.Namespace) -> int:
 
     if (a.model is None) == (a.params is None):
         raise ConfigError("give exactly one of --model NAME or --params P.yaml")
-    d = estimate_memory(model=a.model, graph=_params_graph(a.params) if a.params else None, target=a.target,
-                        mixed_precision=not a.fp32)
+    from waferscale.zoo.wafer import params_graph
+
+    graph = params_graph(_load_params(a.params)) if a.params else None
+    d = estimate_memory(model=a.model, graph=graph, target=a.target, mixed_precision=not a.fp32)
     print(json.dumps(d, indent=1) if a.json else estimate_table(d))
     return 0
 
@@ -362,14 +374,16 @@ def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False, para
         p.add_argument("params", help="params YAML (Model Zoo layout)")
     else:
         p.add_argument("-p", "--params", required=params_required, help="params YAML (Model Zoo layout)")
-        p.add_argument("-m", "--mode", default="train", choices=["train", "eval", "train_and_eval"])
+        p.add_argument("-m", "--mode", default=None, choices=["train", "eval", "train_and_eval"],
+                       help="default: runconfig.mode, else train")
     p.add_argument("-o", "--model_dir", default=None, help="where checkpoints and metrics go (default: runconfig)")
     p.add_argument("--num_csx", type=int, default=None, help="data-parallel systems (default: runconfig.num_csx)")
     p.add_argument("--num_steps", type=int, default=None, help="steps to run in this invocation")
     p.add_argument("--max_steps", type=int, default=None, help="total steps of the run (overrides runconfig)")
     p.add_argument("--eval_steps", type=int, default=None, help="evaluation batches")
     p.add_argument("--checkpoint_path", default=None, help="resume or evaluate from this checkpoint")
-    p.add_argument("--load_checkpoint_states", default="all", choices=["all", "model"])
+    p.add_argument("--load_checkpoint_states", default=None, choices=["all", "model"],
+                   help="default: runconfig.load_checkpoint_states, else all")
     p.add_argument("--num_wgt_servers", type=int, default=0, help="accepted for compatibility (0 = auto)")
     p.add_argument("--compile_only", action="store_true",
                    help="write the wafer plan of the training step (plan.json, wafer.png/.svg, trace.json) to "

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from waferscale.errors import ConfigError
+from waferscale.params.cluster_keys import CLUSTER_KEYS
 from waferscale.params.model import ModelParams
 from waferscale.params.schedules import convert_learning_rate, normalize_learning_rate
 from waferscale.params.trainer_layout import legacy_from_trainer
@@ -226,15 +227,12 @@ class RunConfig:
     model_dir: str | None = None
     execution: Literal["auto", "resident", "streaming"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    eval_frequency: int | None = None  # train_and_eval: evaluate every this many steps (None = at the end)
-    mode: Literal["train", "eval", "train_and_eval", "eval_all"] = "train"
+    # the run's defaults for the `wsc run` flags of the same names (a flag given wins; zoo.runner.prepare_run)
+    mode: Literal["train", "eval", "train_and_eval"] | None = None
     checkpoint_path: str | None = None
-    load_checkpoint_states: str | None = None  # "all" | "model" | comma list, as Model Zoo
-    disable_strict_checkpoint_loading: bool = False
-    num_wgt_servers: int | None = None
+    load_checkpoint_states: Literal["all", "model"] | None = None
     compile_only: bool = False
     validate_only: bool = False
-    dist_backend: Literal["nccl", "gloo"] | None = None
     # weight streaming (runtime/streaming.py, runtime/memoryx.py); the command-line flags of the same names win
     device_memory_mb: float | None = None  # device budget; execution auto streams when the model does not fit
     memoryx_ram_mb: float | None = None  # MemoryX RAM tier; units beyond it live in flash_dir
@@ -251,15 +249,18 @@ class RunConfig:
         "save_losses": "every logged loss is written to metrics.jsonl",
         "enable_distributed": "distributed runs follow num_csx",
         "multireplica": "a Cerebras compiler setting (replicas are the compiler's choice)",
-        **dict.fromkeys(("python_paths", "mount_dirs", "credentials_path", "mgmt_address", "job_labels",
-                         "num_workers_per_csx", "execute_crd_memory_gi"), "appliance-mode setting"),
+        "eval_frequency": "train_and_eval evaluates once, after training",
+        "disable_strict_checkpoint_loading": "checkpoints always load strictly: another architecture is an error",
+        "num_wgt_servers": "one MemoryX process holds all the weights",
+        "dist_backend": "SwarmX's processes always talk over gloo",
+        **CLUSTER_KEYS,
     }
 
     def __post_init__(self) -> None:
         check_fields(self)
-        positive(self, "max_steps", "eval_steps", "log_steps", "num_csx", "eval_frequency")
+        positive(self, "max_steps", "eval_steps", "log_steps", "num_csx")
         positive(self, "device_memory_mb", "memoryx_ram_mb", what="a positive number of MiB")
-        non_negative(self, "checkpoint_steps", "num_wgt_servers")
+        non_negative(self, "checkpoint_steps")
 
 
 # ---- the whole file --------------------------------------------------------------------------------------
@@ -298,7 +299,8 @@ class Params:
     eval_input: InputParams | None = None
     sparsity: Any = field(default=None, metadata={"convert": _convert_sparsity})  # float | mapping | list
     source: str | None = field(default=None, compare=False)  # the file it was loaded from
-    ignored: list[str] = field(default_factory=list, compare=False)  # Model Zoo keys present but ignored
+    # Model Zoo keys the file sets that change nothing here: key path -> why (`ignored_block` shows them)
+    ignored: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for section in ("train_input", "eval_input"):
@@ -318,6 +320,7 @@ class Params:
                 raise FieldError(f"{section}.max_sequence_length", f"{inp.max_sequence_length} exceeds the "
                                  f"model's max_position_embeddings {max_len}; lower it or raise "
                                  f"model.max_position_embeddings")
+        self._check_loss_scaling()
         if self.train_input.dynamic_mlm_scale:
             # Model Zoo then scales each batch's summed masked-LM loss by its sequences / masked positions (the mean
             # over the masked positions) and leaves mlm_loss_weight out: the mean is the encoder's loss without it
@@ -331,6 +334,21 @@ class Params:
                     raise FieldError("sparsity.update", f"the first mask update (step {first}) comes after the run "
                                      f"ends (runconfig.max_steps {self.runconfig.max_steps}); lower update.start "
                                      f"or raise max_steps")
+
+    def _check_loss_scaling(self) -> None:
+        """A decoder's loss is the mean over its target tokens (windows have no padding). Model Zoo's `num_tokens`
+        scaling is that mean and reads no loss_weight; `batch_size` scaling is loss_weight x the sum over the
+        tokens / sequences, the same mean only when loss_weight = 1 / max_sequence_length."""
+        m = self.model
+        if m.loss_scaling == "num_tokens":
+            if m.loss_weight != 1.0:
+                self.ignored["model.loss_weight"] = "loss_scaling num_tokens: the loss is the mean over tokens"
+            return
+        seq = self.train_input.max_sequence_length or self.model.to_model_config().max_seq_len
+        if abs(m.loss_weight * seq - 1.0) > 1e-6:
+            raise FieldError("model.loss_weight", f"{m.loss_weight} with loss_scaling batch_size scales the loss "
+                             f"to {m.loss_weight * seq:g} x the mean over tokens, which is not supported; set "
+                             f"loss_weight to 1/max_sequence_length ({1 / seq:g}) or loss_scaling: num_tokens")
 
     @staticmethod
     def _check_span_corruption(section: str, inp: InputParams, cfg: Any) -> None:
@@ -404,12 +422,18 @@ def params_from_dict(d: Any, source: str = "<dict>") -> Params:
             others = ", ".join(repr(k) for k in d if k != "trainer")
             raise ctx.error("", f"mixes the trainer layout with legacy sections {others}; use one layout")
         d = legacy_from_trainer(d["trainer"], ctx)
-        ctx = Ctx(source, note=" (key path in the legacy layout the trainer: form maps to)")
+        ctx = Ctx(source, note=" (key path in the legacy layout the trainer: form maps to)", ignored=ctx.ignored)
     params = build_dataclass(Params, d, "", ctx)
     params.source = source
-    params.ignored = ctx.ignored
+    params.ignored = ctx.ignored | params.ignored
     return params
 
 
-__all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "check_batch_split",
-           "load_params", "save_params", "params_from_dict"]
+def ignored_block(params: Params) -> str:
+    """What `wsc run`, `validate`, `compile --params` and `estimate --params` print first: one
+    `ignored: key (reason)` line per key of the file that changes nothing here (empty when none)."""
+    return "".join(f"ignored: {key} ({why})\n" for key, why in params.ignored.items())
+
+
+__all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "CLUSTER_KEYS",
+           "check_batch_split", "ignored_block", "load_params", "save_params", "params_from_dict"]

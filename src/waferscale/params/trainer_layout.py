@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from waferscale.params.typed import Ctx, expect_keys, show
+from waferscale.params.cluster_keys import CLUSTER_KEYS
+from waferscale.params.typed import Ctx, expect_keys, show, unknown_key
 
 
 def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
@@ -51,7 +52,9 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
     for key, model_key in (("enabled", "mixed_precision"), ("fp16_type", "fp16_type")):
         if key in precision:
             model[model_key] = precision.pop(key)
-    optimizer.update({k: v for k, v in precision.items() if k not in ("log_loss_scale", "precision_opt_level")})
+    optimizer.update({k: v for k, v in precision.items() if k not in _IGNORED_PRECISION})
+    for key in _IGNORED_PRECISION.keys() & precision.keys():
+        ctx.ignored[f"trainer.init.precision.{key}"] = _IGNORED_PRECISION[key]
 
     backend = init.get("backend") or {}
     expect_keys(backend, "trainer.init.backend", ("backend_type", "cluster_config", "compile_dir",
@@ -63,8 +66,18 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
             raise ctx.error("trainer.init.backend.backend_type", f"expected CSX, CPU or GPU, got {show(kind)}")
         if device[kind]:
             run["device"] = device[kind]
-    if "num_csx" in (backend.get("cluster_config") or {}):
-        run["num_csx"] = backend["cluster_config"]["num_csx"]
+    cluster = backend.get("cluster_config") or {}
+    expect_keys(cluster, "trainer.init.backend.cluster_config", ("num_csx", *CLUSTER_KEYS), ctx)
+    run.update(cluster)  # num_csx; the cluster's own keys are listed as ignored by the runconfig
+    for key in ("compile_dir", "artifact_dir"):
+        if key in backend:
+            ctx.ignored[f"trainer.init.backend.{key}"] = "compile artifacts and plans go to model_dir"
+    for key, why in (("loggers", "metrics go to model_dir/metrics.jsonl"),):
+        if key in init:
+            ctx.ignored[f"trainer.init.{key}"] = why
+    for key in ("validate", "validate_all"):
+        if key in trainer:
+            ctx.ignored[f"trainer.{key}"] = "evaluation reads fit.val_dataloader: wsc run --mode eval"
     if "device" in init:
         run["device"] = {"gpu": "cuda"}.get(str(init["device"]).lower(), init["device"])
     for key in ("model_dir", "seed"):
@@ -80,12 +93,10 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
         values = init.get(section) or {}
         expect_keys(values, f"trainer.init.{section}", tuple(mapping), ctx)
         run.update({mapping[k]: v for k, v in values.items() if mapping[k]})
+        if "log_level" in values:
+            ctx.ignored[f"trainer.init.{section}.log_level"] = "wsc prints progress and errors only"
 
-    micro_batch = None
-    for callback in init.get("callbacks") or []:  # only the micro-batch flag matters on a host
-        for flags in (callback or {}).values() if isinstance(callback, Mapping) else ():
-            if isinstance(flags, Mapping) and "csx.performance.micro_batch_size" in flags:
-                micro_batch = flags["csx.performance.micro_batch_size"]
+    micro_batch = _callbacks(init.get("callbacks") or [], run, ctx)
     if init.get("sparsity") is not None:
         out["sparsity"] = init["sparsity"]
 
@@ -101,6 +112,50 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
     if "ckpt_path" in fit:
         run["checkpoint_path"] = fit["ckpt_path"]
     return out
+
+
+_IGNORED_PRECISION = {"log_loss_scale": "metrics.jsonl has no loss-scale column",
+                      "precision_opt_level": "a Cerebras compiler setting"}
+# the callbacks a trainer's `init.callbacks` may list, and what each becomes (see `_callbacks`)
+_FLAG_CALLBACKS = ("GlobalFlags", "ScopedTrainFlags", "ScopedValidateFlags")
+_IGNORED_CALLBACKS = {"ComputeNorm": "metrics.jsonl always has the gradient norm"}
+
+
+def _callbacks(callbacks: Any, run: dict[str, Any], ctx: Ctx) -> Any:
+    """The trainer's callbacks onto the legacy runconfig (Model Zoo's own legacy mapping): a flag callback's
+    `csx.performance.micro_batch_size` is the micro-batch (returned), its `csx.debug.*` cluster keys become the
+    runconfig keys of the same names (accepted and listed as ignored there); `LoadCheckpointStates` sets
+    runconfig.load_checkpoint_states. Any other callback or flag is an error naming it."""
+    if not isinstance(callbacks, list):
+        raise ctx.error("trainer.init.callbacks", f"expected a list of callbacks, got {show(callbacks)}")
+    known = (*_FLAG_CALLBACKS, *_IGNORED_CALLBACKS, "LoadCheckpointStates")
+    micro_batch = None
+    for i, callback in enumerate(callbacks):
+        path = f"trainer.init.callbacks[{i}]"
+        if not isinstance(callback, Mapping) or len(callback) != 1:
+            raise ctx.error(path, f"expected one mapping like {{GlobalFlags: {{...}}}}, got {show(callback)}")
+        ((name, args),) = callback.items()
+        if name not in known:
+            raise unknown_key(ctx, path, name, known, getattr(callback, "key_lines", {}).get(name))
+        if name in _IGNORED_CALLBACKS:
+            ctx.ignored[f"{path}.{name}"] = _IGNORED_CALLBACKS[name]
+        elif name == "LoadCheckpointStates":
+            expect_keys(args or {}, f"{path}.{name}", ("load_checkpoint_states",), ctx)
+            run.update(args or {})
+        else:
+            if not isinstance(args or {}, Mapping):
+                raise ctx.error(f"{path}.{name}", f"expected a mapping of flags, got {show(args)}")
+            for flag, value in (args or {}).items():
+                if flag == "csx.performance.micro_batch_size":
+                    if name != "ScopedValidateFlags":  # evaluation's micro-batch changes no result
+                        micro_batch = value
+                elif str(flag).startswith("csx.debug.") and flag.removeprefix("csx.debug.") in CLUSTER_KEYS:
+                    run[flag.removeprefix("csx.debug.")] = value
+                else:
+                    raise ctx.error(f"{path}.{name}.{flag}", "is not supported: the flags taken are "
+                                    "csx.performance.micro_batch_size and the cluster's csx.debug.* keys ("
+                                    + ", ".join(CLUSTER_KEYS) + ")", getattr(args, "key_lines", {}).get(flag))
+    return micro_batch
 
 
 def _trainer_schedulers(value: Any, ctx: Ctx) -> list[dict[str, Any]]:

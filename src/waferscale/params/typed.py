@@ -36,7 +36,7 @@ class FieldError(ConfigError):
 class Ctx:
     source: str
     note: str = ""
-    ignored: list[str] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)  # key path -> why it is accepted and unused
 
     def error(self, path: str, message: str, line: int | None = None) -> ConfigError:
         where = f"{self.source}:{line}" if line else self.source
@@ -66,7 +66,7 @@ def build_dataclass(cls: type, data: Any, path: str, ctx: Ctx, line: int | None 
                 raise ctx.error(key_path, f"gives {name!r} a second time (as {key!r}); keep one", key_line)
             kwargs[name] = convert_value(value, hints[name], key_path, ctx, key_line, fields[name])
         elif key in ignored:
-            ctx.ignored.append(key_path)
+            ctx.ignored[key_path] = ignored[key]
         else:
             raise unknown_key(ctx, path, key, sorted(set(fields) | set(aliases) | set(ignored)), key_line)
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING

@@ -92,10 +92,14 @@ def prepare_run(params_path: str | Path, flags: dict[str, Any], text: str | None
     check the run makes before it starts: what `wsc run` and `wsc validate` do first, and what the appliance
     does to a job at submit (`text`: the file's content, sent by the client)."""
     params = load_params(params_path, text)
-    num_csx = flags["num_csx"] if flags.get("num_csx") is not None else params.runconfig.num_csx
-    model_dir = flags.get("model_dir") or params.runconfig.model_dir or "model_dir"
+    rc = params.runconfig
+    num_csx = flags["num_csx"] if flags.get("num_csx") is not None else rc.num_csx
+    model_dir = flags.get("model_dir") or rc.model_dir or "model_dir"
     known = {f.name for f in dataclasses.fields(RunOptions)}
-    opts = RunOptions(**{k: v for k, v in flags.items() if k in known and v is not None}
+    from_file = {"mode": rc.mode, "checkpoint_path": rc.checkpoint_path,
+                 "load_checkpoint_states": rc.load_checkpoint_states}  # a flag given wins
+    opts = RunOptions(**{k: v for k, v in (from_file | {k: v for k, v in flags.items() if v is not None}).items()
+                         if k in known and v is not None}
                       | {"model_dir": Path(model_dir), "num_csx": num_csx})  # checks the flags
     check_batch_split(params.train_input, num_csx, num_csx_name="--num_csx")
     return params, opts

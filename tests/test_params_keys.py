@@ -1,0 +1,100 @@
+"""Every key of a params file is honoured, listed as ignored at the start with its reason, or an error: the
+published Llama-3 configs (cluster memory keys in the trainer layout's GlobalFlags), the cluster-only runconfig
+keys, unknown keys with their line and a "did you mean", and runconfig keys that set the run's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from waferscale.cli.main import main
+from waferscale.errors import ConfigError
+from waferscale.params import load_params, params_from_dict
+from waferscale.params.cluster_keys import CLUSTER_KEYS
+from waferscale.zoo.runner import prepare_run
+
+from test_config import tiny, write
+
+ZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
+LLAMA3 = {"params_llama3_8b.yaml": "8,030.3M", "params_llama3_70b.yaml": "70,553.7M",
+          "params_llama3p1_70b_msl_8k.yaml": "70,553.7M"}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA3))
+def test_published_llama3_configs_validate_and_say_what_they_ignore(name: str, capsys) -> None:
+    assert main(["validate", str(ZOO / name)]) == 0
+    out, err = capsys.readouterr()
+    assert f"valid ({LLAMA3[name]}-parameter model)" in out
+    lines = err.splitlines()
+    assert lines and all(ln.startswith("ignored: ") and ln.endswith(")") for ln in lines), err
+    if name != "params_llama3_8b.yaml":  # the trainer layout's GlobalFlags carry the coordinator memory limits
+        why = CLUSTER_KEYS["compile_crd_memory_gi"]
+        assert f"ignored: runconfig.compile_crd_memory_gi ({why})" in lines
+        assert f"ignored: runconfig.execute_crd_memory_gi ({why})" in lines
+        assert any(ln.startswith("ignored: trainer.init.callbacks[3].ComputeNorm (") for ln in lines)
+
+
+def test_published_llama3_compiles_for_training(capsys) -> None:
+    assert main(["compile", "--params", str(ZOO / "params_llama3p1_70b_msl_8k.yaml"), "--mode", "train"]) == 0
+    out, err = capsys.readouterr()
+    assert "strategy      weight streaming" in out and "batch 8 x 8192" in out
+    assert "ignored: runconfig.execute_crd_memory_gi (" in err
+
+
+def test_every_cluster_key_is_accepted_and_listed(tmp_path: Path) -> None:
+    d = tiny()
+    d["runconfig"].update({key: 1 for key in CLUSTER_KEYS})
+    p = load_params(write(tmp_path, d))
+    assert {f"runconfig.{k}": why for k, why in CLUSTER_KEYS.items()}.items() <= p.ignored.items()
+
+
+def test_a_misspelt_cluster_key_is_an_error_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny(), sort_keys=False) + "  compile_crd_memory_g: 67\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: runconfig.compile_crd_memory_g: unknown key "
+                                          r"'compile_crd_memory_g' \(did you mean 'compile_crd_memory_gi'\?\)"):
+        load_params(path)
+    line = int(str(pytest.raises(ConfigError, load_params, path).value).split(":")[1])
+    assert path.read_text().splitlines()[line - 1].strip().startswith("compile_crd_memory_g:")
+
+
+def test_trainer_callbacks_are_mapped_or_refused() -> None:
+    def trainer(callbacks: list) -> dict:
+        return {"trainer": {"init": {"model": {"name": "gpt-tiny"}, "optimizer": {"AdamW": {}},
+                                     "schedulers": [{"ConstantLR": {"learning_rate": 1e-3}}],
+                                     "loop": {"max_steps": 10}, "callbacks": callbacks},
+                            "fit": {"train_dataloader": {"data_dir": "shakespeare", "batch_size": 8,
+                                                         "max_sequence_length": 32}}}}
+
+    p = params_from_dict(trainer([{"LoadCheckpointStates": {"load_checkpoint_states": "model"}},
+                                  {"GlobalFlags": {"csx.debug.wrk_memory_gi": 40}}]))
+    assert p.runconfig.load_checkpoint_states == "model" and "runconfig.wrk_memory_gi" in p.ignored
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.ComputeNrm: unknown key 'ComputeNrm' \(did you mean "
+                                          r"'ComputeNorm'\?\)"):
+        params_from_dict(trainer([{"ComputeNrm": {}}]))
+    with pytest.raises(ConfigError, match=r"GlobalFlags\.csx\.debug\.ini_x: is not supported"):
+        params_from_dict(trainer([{"GlobalFlags": {"csx.debug.ini_x": 1}}]))
+
+
+def test_runconfig_sets_the_run_defaults_and_flags_win(tmp_path: Path) -> None:
+    d = tiny()
+    d["runconfig"].update(mode="train_and_eval", load_checkpoint_states="model", checkpoint_path="ck.json")
+    path = write(tmp_path, d)
+    _, opts = prepare_run(path, {})
+    assert (opts.mode, opts.load_checkpoint_states, opts.checkpoint_path) == ("train_and_eval", "model", "ck.json")
+    _, opts = prepare_run(path, {"mode": "eval", "load_checkpoint_states": None})
+    assert (opts.mode, opts.load_checkpoint_states) == ("eval", "model")
+
+
+def test_loss_weight_is_honoured_ignored_or_refused(tmp_path: Path) -> None:
+    d = tiny()
+    d["model"].update(loss_scaling="batch_size", loss_weight=1 / 32)  # the token mean over 32-token windows
+    assert "model.loss_weight" not in load_params(write(tmp_path, d)).ignored
+    d["model"]["loss_weight"] = 1.0
+    with pytest.raises(ConfigError, match=r"model\.loss_weight: 1\.0 with loss_scaling batch_size scales the loss "
+                                          r"to 32 x the mean"):
+        load_params(write(tmp_path, d))
+    d["model"].update(loss_scaling="num_tokens", loss_weight=0.5)
+    assert "model.loss_weight" in load_params(write(tmp_path, d)).ignored
