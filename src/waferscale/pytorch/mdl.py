@@ -14,12 +14,12 @@ The layout follows the published cerebras-pytorch 2.10.0 (`cerebras/pytorch/stor
   bfloat16 stored as its int16 bits; its attributes (and its JSON metadata) are `__TORCH__`, `shapes`,
   `dtypes` ("torch.bfloat16"), `rtfx_dtypes`, `__TYPE__` = "TorchTensorSerializer", `__NUMPY__`, `compressed`.
 * Python numbers and strings have no dataset: `scalar_value` / `string_value` in the JSON metadata
-  (`ScalarSerializer` / `StringSerializer`, `__NONE__`). None is `NoneSerializer`. A tensor met again (tied
-  weights) is a `LinkedObject` naming the first key.
+  (`ScalarSerializer` / `StringSerializer`, `__NONE__`). None is `NoneSerializer`. A value met again (the same
+  object: tied weights, as cstorch also links CPython's shared small ints) is a `LinkedObject` naming the first key.
 
-Not read: format versions below 0.5 (cstorch releases before 2.3 pickled the spec with dill) and pickled Python
-objects (`ObjectSerializer`): loading never unpickles. Not written: anything but tensors, numpy arrays, numbers,
-strings, None, dicts, lists and tuples.
+Not read: format versions below 0.5 (older cstorch releases, e.g. 0.4 = release 2.0, pickled the spec with
+dill) and pickled Python objects (`ObjectSerializer`): loading never unpickles. Not written: anything but tensors,
+numpy arrays, numbers, strings, None, dicts, lists and tuples.
 """
 
 from __future__ import annotations
@@ -106,12 +106,12 @@ def _tensor_array(t: torch.Tensor, key: str) -> tuple[np.ndarray, dict[str, Any]
 
 
 def _leaf_metadata(key: str, value: Any, first_key: dict[int, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """(the dataset to write or None, the serializer metadata) of one leaf."""
+    """(the dataset to write or None, the serializer metadata) of one leaf. As cstorch.save does, a value met
+    again (the same object: tied weights, but also CPython's shared small ints and None) links to its first key."""
+    if id(value) in first_key:
+        return None, {"key": first_key[id(value)], "__LINKED__": True, "__TYPE__": "LinkedObject", "__NONE__": True}
+    first_key[id(value)] = key
     if isinstance(value, torch.Tensor):
-        if id(value) in first_key:
-            return None, {"key": first_key[id(value)], "__LINKED__": True, "__TYPE__": "LinkedObject",
-                          "__NONE__": True}
-        first_key[id(value)] = key
         return _tensor_array(value, key)
     if isinstance(value, np.ndarray):
         return value, {"is_bfloat16": False, "__TYPE__": "NumpyArraySerializer", "__NUMPY__": True,
@@ -246,8 +246,8 @@ def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
                                   f"attribute); was it written by cstorch.save?")
         version = float(attrs["__version__"])
         if version < FORMAT_VERSION:
-            raise CheckpointError(f"{where} is a Cerebras checkpoint of format {version} (cstorch before 2.3), "
-                                  f"whose structure is a pickled Python object, which waferscale never unpickles; "
+            raise CheckpointError(f"{where} is a Cerebras checkpoint of the older format {version}, whose "
+                                  f"structure is a pickled Python object, which waferscale never unpickles; "
                                   f"load and re-save it with a current cstorch to get format {FORMAT_VERSION}")
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{where} has format {version}, newer than the {FORMAT_VERSION} this reader "
