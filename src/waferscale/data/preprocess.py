@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,11 @@ def preprocess(inputs: list[str], output_dir: str | Path, tokenizer: str = "char
                                       disable=not progress) as bar:
         writer = _Writer(tmp, max_seq_length, examples_per_file, compression)
         carry = np.zeros(0, dtype=np.int32)
+        min_batch = os.cpu_count() or 1  # give the parallel encoder enough documents per call
         i = 0
         while i < len(docs):
             j, chars = i, 0
-            while j < len(docs) and chars < _CHUNK_CHARS:
+            while j < len(docs) and (chars < _CHUNK_CHARS or j - i < min_batch):
                 chars += len(docs[j])
                 j += 1
             parts = [carry]
