@@ -602,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     from waferscale.cli.appliance import register
 
     register(sub, _run_flags)
+    from waferscale.cli.checkpoint import register as register_checkpoint
+
+    register_checkpoint(sub)
     return parser
 
 

@@ -258,12 +258,21 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
 
 def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Train and/or evaluate per `opts.mode`; returns the summary dict also written to model_dir/summary.json."""
-    torch.manual_seed(params.runconfig.seed)
+    inp = params.train_input
     device = resolve_device(opts.device if opts.device != "auto" else params.runconfig.device)
-    check_batch_split(params.train_input, opts.num_csx, num_csx_name="--num_csx")
-    model, executor, why = build_executor(params, opts, device)
+    check_batch_split(inp, opts.num_csx, num_csx_name="--num_csx")
+    # cheap checks first: the data paths, the tokenizer against the vocabulary and a batch's worth of tokens, before
+    # any weights exist (a 70B config with a wrong data_dir fails in a second, having allocated nothing)
+    model = build_model(params) if params.model.pretrained else None  # (a pretrained model's config is its file's)
+    data = prepare_data(params, model.config if model is not None else params.model.to_model_config(),
+                        opts.progress)
+    if data.h5_train is None and inp.batch_size * data.seq_len + 1 > len(data.train):
+        raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
+                        f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
+    torch.manual_seed(params.runconfig.seed)
+    model, executor, why = build_executor(params, opts, device, model)
     try:
-        return _run(params, opts, out, device, model, executor, why)
+        return _run(params, opts, out, device, model, executor, why, data)
     finally:
         executor.close()
 
@@ -282,11 +291,12 @@ def hdf5_loader(examples: hdf5.HDF5Examples, inp: Any, num_csx: int, vocab_size:
     return loader
 
 
-def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tuple[CausalLM, Executor, str]:
-    """The model (real for resident runs, parameters on meta for streaming ones) and its executor: the run's
-    cstorch backend, and its training step compiled for it. Each flag, if given, wins over its runconfig key."""
+def build_executor(params: Params, opts: RunOptions, device: torch.device,
+                   model: CausalLM | None = None) -> tuple[CausalLM, Executor, str]:
+    """The model (real for resident runs, parameters on meta for streaming ones; `model`: a pretrained one, loaded)
+    and its executor: the run's cstorch backend, and its training step compiled for it. Each flag, if given, wins
+    over its runconfig key."""
     inp, opt, rc = params.train_input, params.optimizer, params.runconfig
-    model = build_model(params) if params.model.pretrained else None
     cfg = model.config if model is not None else params.model.to_model_config()
     device_mb = opts.device_memory_mb if opts.device_memory_mb is not None else rc.device_memory_mb
     ram_mb = opts.memoryx_ram_mb if opts.memoryx_ram_mb is not None else rc.memoryx_ram_mb
@@ -313,13 +323,9 @@ def build_executor(params: Params, opts: RunOptions, device: torch.device) -> tu
 
 
 def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, model: CausalLM, executor: Executor,
-         why: str) -> dict[str, Any]:
+         why: str, data: Data) -> dict[str, Any]:
     rc, inp, cfg = params.runconfig, params.train_input, model.config
     model_dir, max_steps = Path(opts.model_dir), opts.max_steps or rc.max_steps
-    data = prepare_data(params, cfg, opts.progress)
-    if data.h5_train is None and inp.batch_size * data.seq_len + 1 > len(data.train):
-        raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
-                        f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
     schedule = build_schedule(params.optimizer.learning_rate)
     loader: BatchLoader | MaskedBatches | PairBatches | SpanCorruptedBatches | hdf5.HDF5Batches = BatchLoader(
         data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle) \
@@ -335,7 +341,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     start_step = 0
     source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
     if source is not None:
-        c = ckpt.load_checkpoint(source)
+        c = ckpt.load_checkpoint(source, model_config=cfg)  # (a Cerebras .mdl's names are mapped for cfg)
         if ModelConfig.from_dict(c.model_config).replace(name=cfg.name) != cfg:
             raise CheckpointError(f"{c.path} was written for another architecture "
                                   f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
@@ -352,6 +358,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
                 torch.set_rng_state(c.rng_state)
             start_step = c.step
         print(f"resumed from {c.path} (step {c.step})", file=out)
+        if c.manifest.get("note"):
+            print(f"note: {c.path}: {c.manifest['note']}", file=out)
     elif opts.mode == "eval":
         raise CheckpointError(f"--mode eval needs a checkpoint: none in {model_dir}; pass --checkpoint_path")
 
