@@ -194,8 +194,9 @@ def test_legacy_spellings_and_ignored_keys(tmp_path: Path) -> None:
     p = load_params(write(tmp_path, d))
     assert p.train_input.micro_batch_size is None and p.train_input.data_processor == "GptHDF5DataProcessor"
     assert p.optimizer.optimizer_type == "AdamW" and p.optimizer.weight_decay == 0.1
-    assert p.optimizer.learning_rate == [
-        {"scheduler": "Linear", "initial_learning_rate": 0.0, "end_learning_rate": 1e-3, "total_iters": 5},
+    assert p.optimizer.learning_rate == [  # (defaults filled in: Linear's cycle, as Cerebras' LinearLR takes it)
+        {"scheduler": "Linear", "initial_learning_rate": 0.0, "end_learning_rate": 1e-3, "total_iters": 5,
+         "cycle": False},
         {"scheduler": "CosineDecay", "initial_learning_rate": 1e-3, "end_learning_rate": 1e-4, "total_iters": 50},
         {"scheduler": "Constant", "learning_rate": 1e-4}]
     assert p.runconfig.checkpoint_steps == 5
@@ -335,7 +336,8 @@ def test_missing_model_shape_without_preset(tmp_path: Path) -> None:
     (lambda d: d["train_input"].update(max_sequence_length=65), "exceeds the model's max_position_embeddings 64"),
     (lambda d: d["train_input"].update(val_fraction=1.5), "val_fraction: must be in [0, 1)"),
     (lambda d: d["optimizer"].update(learning_rate=-1.0), "must be >= 0"),
-    (lambda d: d["optimizer"].update(correct_bias=False), "correct_bias: false"),
+    (lambda d: d["optimizer"].update(optimizer_type="Adam", correct_bias=False),
+     "correct_bias: false applies to AdamW only"),
     (lambda d: d["optimizer"].update(optimizer_type="Adafactr"), "optimizer_type: expected one of 'SGD'"),
     (lambda d: d["optimizer"].update(optimizer_type="AdaFactor", eps=1e-8),
      "optimizer.eps: Adafactor takes two numbers"),
@@ -390,4 +392,4 @@ def test_objects_built_in_code_are_validated() -> None:
     opt = OptimizerParams(optimizer_type="SGD", learning_rate={"scheduler": "linearlr", "initial_learning_rate": 1.0,
                                                                "end_learning_rate": 0.0, "total_iters": 4})
     assert opt.learning_rate == [{"scheduler": "Linear", "initial_learning_rate": 1.0, "end_learning_rate": 0.0,
-                                  "total_iters": 4}]
+                                  "total_iters": 4, "cycle": False}]

@@ -145,13 +145,13 @@ class OptimizerParams:
     optimizer_type: Literal[OPTIMIZERS]  # type: ignore[valid-type]  (any case, as Model Zoo: 'AdaFactor')
     learning_rate: float | list[dict[str, Any]] = field(metadata={"convert": convert_learning_rate})
     betas: tuple[float, float] = (0.9, 0.999)
-    # None: the optimizer's default, 1e-6 (cstorch's AdamW default; torch's is 1e-8), Adafactor's (1e-30, 1e-3)
+    # None: the optimizer's default (runtime.optim.default_eps: cstorch's, 1e-6 for AdamW where torch has 1e-8)
     eps: float | tuple[float, float] | None = None
     weight_decay: float = 0.0  # applied to parameters with ndim >= 2 only (see runtime.optim.param_groups)
     momentum: float = 0.0  # SGD
     nesterov: bool = False  # SGD
     max_gradient_norm: float | None = None
-    correct_bias: bool = True  # Adam/AdamW bias correction; false is refused (not implemented)
+    correct_bias: bool = True  # AdamW's bias correction (Cerebras' Adam always corrects)
     loss_scaling_factor: float | Literal["dynamic"] = 1.0
     initial_loss_scale: float | None = None  # dynamic loss scaling: start value (None = 2**15)
     steps_per_increase: int = 2000  # dynamic loss scaling: growth interval
@@ -183,9 +183,9 @@ class OptimizerParams:
         if self.max_gradient_norm is not None and self.max_gradient_norm <= 0:
             raise FieldError("max_gradient_norm", f"must be > 0 (or left out for no clipping), "
                              f"got {self.max_gradient_norm}")
-        if not self.correct_bias and self.optimizer_type in ("Adam", "AdamW"):
-            raise FieldError("correct_bias", "false (Adam without bias correction) is not implemented; "
-                             "set correct_bias: true")
+        if not self.correct_bias and self.optimizer_type != "AdamW":
+            raise FieldError("correct_bias", f"false applies to AdamW only (Cerebras' {self.optimizer_type} has no "
+                             f"such option); use AdamW or leave correct_bias out")
         if self.loss_scaling_factor != "dynamic" and self.loss_scaling_factor <= 0:
             raise FieldError("loss_scaling_factor", f"must be > 0 or 'dynamic', got {self.loss_scaling_factor}")
         if self.nesterov and self.optimizer_type != "SGD":

@@ -68,7 +68,7 @@ __all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front);
 # Adafactor's second moment is factored (rows + columns of each matrix, not counted), its exp_avg needs beta1
 STATE_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "SGD": 1, "RMSprop": 2, "Adagrad": 1,
-               "Lion": 1, "Lamb": 2, "Adafactor": 0}
+               "Lion": 1, "Lamb": 2, "Adafactor": 0, "ASGD": 1, "Adadelta": 2, "Rprop": 2}
 
 
 def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: float | None = None) -> int:

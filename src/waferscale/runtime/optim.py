@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from waferscale.errors import ConfigError
+from waferscale.runtime import optimizers
 
 
 # ---- schedules -----------------------------------------------------------------------------------------
@@ -44,9 +45,14 @@ class Constant(LRSchedule):
 
 @dataclass(frozen=True)
 class Linear(LRSchedule):
+    """`cycle` is accepted as Cerebras' schedulers accept it, and changes nothing, as there: their published
+    formula divides by total_iters * ceil((step + 1) / total_iters), a factor 1 before total_iters, and holds the
+    end value from total_iters on."""
+
     initial_learning_rate: float
     end_learning_rate: float
     total_iters: int
+    cycle: bool = False
     power = 1.0  # a class constant here, a field of Polynomial
 
     def __call__(self, step: int) -> float:
@@ -150,14 +156,20 @@ class PiecewiseConstant(LRSchedule):
 
 @dataclass(frozen=True)
 class Sequential(LRSchedule):
-    """Phases one after another; phase i starts at global step starts[i] and sees step - starts[i]."""
+    """Phases one after another; phase i starts at global step starts[i] and sees step - starts[i].
+
+    `last_epoch` is Cerebras' SequentialLR argument: the milestones are compared with step + last_epoch + 1 (the
+    phases after the first count from where that passes their milestone, the first phase from 0), so a sequence
+    built with last_epoch=k-1 is k steps further along its milestones."""
 
     phases: tuple[LRSchedule, ...]
     starts: tuple[int, ...]  # starts[0] == 0, increasing
+    last_epoch: int = -1
 
     def __call__(self, step: int) -> float:
-        i = bisect.bisect_right(self.starts, step) - 1
-        return self.phases[i](step - self.starts[i])
+        at = step + self.last_epoch + 1
+        i = max(bisect.bisect_right(self.starts, at) - 1, 0)
+        return self.phases[i](at - self.starts[i] if i else step)
 
 
 # canonical name (Model Zoo's, without the "LR" suffix) -> schedule; each class's fields are the scheduler's keys
@@ -238,89 +250,6 @@ def param_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, A
     if not groups:
         raise ConfigError("the model has no trainable parameters to optimize")
     return groups
-
-
-def fused_or_foreach(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> dict[str, bool]:
-    """fused=True where torch has a fused kernel for these tensors (CPU and CUDA, floating point), else
-    foreach (one multi-tensor kernel per group) where the tensors allow it."""
-    tensors = [p for g in groups for p in g["params"]]
-    supported = "fused" in inspect.signature(cls).parameters
-    fusable = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in tensors)
-    if supported and fusable and len({p.device for p in tensors}) == 1:
-        return {"fused": True}
-    return {"foreach": True} if all(p.device.type in ("cpu", "cuda") for p in tensors) else {}
-
-
-def _with_grads(opt: torch.optim.Optimizer, group: dict, *state: str) -> tuple[list, ...]:
-    """The group's parameters that have gradients, their gradients, and per name in `state` their state
-    tensors (zeros on first use)."""
-    ps = [p for p in group["params"] if p.grad is not None]
-    return (ps, [p.grad for p in ps],
-            *([opt.state[p].setdefault(n, torch.zeros_like(p)) for p in ps] for n in state))
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al., 2023): p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p); m = b2 * m + (1 - b2) * g.
-    Multi-tensor (foreach) kernels; torch ships no Lion."""
-
-    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
-        if lr < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lion needs lr >= 0 and betas in [0, 1), got lr={lr}, betas={betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        for g in self.param_groups:
-            ps, grads, ms = _with_grads(self, g, "exp_avg")
-            if not ps:
-                continue
-            b1, b2 = g["betas"]
-            if g["weight_decay"]:
-                torch._foreach_mul_(ps, 1.0 - g["lr"] * g["weight_decay"])
-            update = torch._foreach_mul(ms, b1)
-            torch._foreach_add_(update, grads, alpha=1.0 - b1)
-            torch._foreach_sign_(update)
-            torch._foreach_add_(ps, update, alpha=-g["lr"])
-            torch._foreach_mul_(ms, b2)
-            torch._foreach_add_(ms, grads, alpha=1.0 - b2)
-        return loss
-
-
-class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al., 2019) without bias correction: u = m / (sqrt(v) + eps) + wd * p, then
-    p -= lr * trust * u with trust = ||p|| / ||u|| per parameter (1 where either norm is zero).
-    Multi-tensor (foreach) kernels; torch ships no Lamb."""
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:
-        if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lamb needs lr >= 0, eps >= 0, betas in [0, 1), got {lr}, {eps}, {betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        for g in self.param_groups:
-            ps, grads, ms, vs = _with_grads(self, g, "exp_avg", "exp_avg_sq")
-            if not ps:
-                continue
-            b1, b2 = g["betas"]
-            torch._foreach_lerp_(ms, grads, 1.0 - b1)
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_add_(denom, g["eps"])
-            update = torch._foreach_div(ms, denom)
-            if g["weight_decay"]:
-                torch._foreach_add_(update, ps, alpha=g["weight_decay"])
-            w_norm = torch._foreach_norm(ps)
-            u_norm = torch._foreach_norm(update)
-            for p, u, wn, un in zip(ps, update, w_norm, u_norm):
-                trust = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
-                p.add_(u * trust, alpha=-g["lr"])
-        return loss
 
 
 class Adafactor(torch.optim.Optimizer):
@@ -415,21 +344,28 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
 
-# optimizer_type -> class; the torch ones get fused / foreach kernels (ours are multi-tensor already)
+# optimizer_type -> class: Cerebras' update rules (`runtime.optimizers`), Adafactor as cstorch's port of it
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
-    "Adamax": torch.optim.Adamax, "NAdam": torch.optim.NAdam, "RAdam": torch.optim.RAdam,
-    "RMSprop": torch.optim.RMSprop, "Lamb": Lamb, "Lion": Lion, "Adafactor": Adafactor,
+    "SGD": optimizers.SGD, "Adam": optimizers.Adam, "AdamW": optimizers.AdamW, "Adagrad": optimizers.Adagrad,
+    "Adamax": optimizers.Adamax, "NAdam": optimizers.NAdam, "RAdam": optimizers.RAdam,
+    "RMSprop": optimizers.RMSprop, "Lamb": optimizers.Lamb, "Lion": optimizers.Lion, "Adafactor": Adafactor,
+    "ASGD": optimizers.ASGD, "Adadelta": optimizers.Adadelta, "Rprop": optimizers.Rprop,
 }
 # the OptimizerSpec fields each optimizer takes besides lr and weight_decay (the others: betas and eps)
 _SPEC_FIELDS = {"SGD": ("momentum", "nesterov"), "Lion": ("betas",), "RMSprop": ("eps", "momentum"),
-                "Adagrad": ("eps",), "Adafactor": ("eps", "clip_threshold", "decay_rate", "beta1",
-                                                   "scale_parameter", "relative_step", "warmup_init")}
+                "Adagrad": ("eps",), "Adam": ("betas", "eps"), "AdamW": ("betas", "eps", "correct_bias"),
+                "ASGD": (), "Adadelta": ("eps",), "Rprop": (),
+                "Adafactor": ("eps", "clip_threshold", "decay_rate", "beta1", "scale_parameter", "relative_step",
+                              "warmup_init")}
 
 
-def default_eps(optimizer_type: str) -> float | tuple[float, float]:
-    """eps where none is given: cstorch's AdamW default 1e-6 (torch's is 1e-8), Adafactor's pair."""
-    return (1e-30, 1e-3) if optimizer_type == "Adafactor" else 1e-6
+def default_eps(optimizer_type: str) -> float | tuple[float, float] | None:
+    """eps where none is given: the optimizer's own default, as cstorch's (1e-6 for the Adam family, Lamb and
+    Adagrad; torch's Adam default is 1e-8; 1e-8 for RMSprop and NAdam; Adafactor's pair)."""
+    eps = inspect.signature(OPTIMIZERS[optimizer_type]).parameters.get("eps")
+    if eps is None:  # (SGD, Lion: no eps)
+        return None
+    return tuple(eps.default) if isinstance(eps.default, tuple) else eps.default
 
 
 @dataclass(frozen=True)
@@ -439,7 +375,7 @@ class OptimizerSpec:
     `learning_rate` is the rate of the first update (a schedule, if any, sets the later ones each step);
     `weight_decay` goes to parameters with ndim >= 2 only (`param_groups`); `momentum` / `nesterov` are SGD's
     (`momentum` is also RMSprop's); betas and eps are used by the optimizers that take them. `eps` left out is
-    the optimizer's default: 1e-6 (cstorch's AdamW default; torch's is 1e-8), Adafactor's pair (1e-30, 1e-3).
+    the optimizer's default (`default_eps`). `correct_bias` is AdamW's (false: no bias correction).
     The fields from clip_threshold on are Adafactor's, with cstorch's defaults (relative_step False: the
     scheduled rate is used, scaled by the parameter's RMS where scale_parameter)."""
 
@@ -450,6 +386,7 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0
     nesterov: bool = False
+    correct_bias: bool = True
     clip_threshold: float = 1.0
     decay_rate: float = -0.8
     beta1: float | None = None
@@ -472,8 +409,8 @@ class OptimizerSpec:
 
 
 def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """A torch optimizer for `params` per `spec`, at the spec's (first-update) learning rate, weight decay on the
-    "decay" group only (`param_groups`). Any object with OptimizerSpec's attributes is read the same way."""
+    """An optimizer (`OPTIMIZERS`) for `params` per `spec`, at the spec's (first-update) learning rate, weight decay
+    on the "decay" group only (`param_groups`). Any object with OptimizerSpec's attributes is read the same way."""
     kind = spec.optimizer_type
     cls = OPTIMIZERS.get(kind)
     if cls is None:
@@ -484,28 +421,26 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
                           f"for a schedule pass build_schedule(learning_rate)(0)")
     if kind == "SGD" and spec.nesterov and spec.momentum <= 0:
         raise ConfigError("optimizer.nesterov: needs optimizer.momentum > 0")
+    if not getattr(spec, "correct_bias", True) and kind != "AdamW":
+        raise ConfigError(f"optimizer.correct_bias: false applies to AdamW only (Cerebras' {kind} has no such "
+                          f"option); use AdamW or leave correct_bias out")
     groups = param_groups(params, spec.weight_decay)
     kwargs: dict[str, Any] = {k: getattr(spec, k) for k in _SPEC_FIELDS.get(kind, ("betas", "eps"))}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     if "eps" in kwargs and kwargs["eps"] is None:  # (a params section read as a spec)
         kwargs["eps"] = default_eps(kind)
-    if kind not in ("Lamb", "Lion", "Adafactor"):  # (ours are multi-tensor already, or per parameter)
-        kwargs.update(fused_or_foreach(cls, groups))
-        if kind == "SGD" and spec.momentum and kwargs.get("fused"):
-            # torch's fused SGD fails (TypeError) on a step where some parameters have a momentum buffer and
-            # others do not yet (an expert its router first gives tokens later); foreach computes the same
-            kwargs = {**kwargs, "fused": False, "foreach": True}
     if kind == "Adafactor" and spec.relative_step:  # the rate comes from the step count, not from lr
         return cls(groups, lr=None, **kwargs)
     return cls(groups, lr=float(lr), **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every param group's learning rate (weight decay per group is left as built)."""
+    """Set every param group's learning rate (weight decay per group is left as built): `lr` times the group's
+    `adjust_learning_rate` where it has one (muP's per-group scale, as cstorch's ScalePerParamLR applies it)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("adjust_learning_rate", 1.0)
 
 
 __all__ = ["LRSchedule", "SCHEDULES", "canonical_scheduler", "build_schedule", "OptimizerSpec", "OPTIMIZERS",
-           "build_optimizer", "param_groups", "fused_or_foreach", "set_lr", "Lion", "Lamb", "Adafactor"]
+           "build_optimizer", "param_groups", "default_eps", "set_lr", "Adafactor"]

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from waferscale.errors import ConfigError
 from waferscale.params import OptimizerParams, normalize_learning_rate
 from waferscale.params.schema import ADAFACTOR_KEYS
 from waferscale.runtime import optim as rt
@@ -15,12 +14,9 @@ from waferscale.runtime import optim as rt
 
 def optimizer_spec(opt: OptimizerParams) -> rt.OptimizerSpec:
     """What the runtime needs from the section; the learning rate is the schedule's step-0 value."""
-    if not opt.correct_bias and opt.optimizer_type in ("Adam", "AdamW"):  # objects built in code, then mutated
-        raise ConfigError("optimizer.correct_bias: false (Adam without bias correction) is not implemented; "
-                          "set correct_bias: true")
     return rt.OptimizerSpec(optimizer_type=opt.optimizer_type, learning_rate=build_schedule(opt.learning_rate)(0),
                             betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                            momentum=opt.momentum, nesterov=opt.nesterov,
+                            momentum=opt.momentum, nesterov=opt.nesterov, correct_bias=opt.correct_bias,
                             **{k: getattr(opt, k) for k in ADAFACTOR_KEYS})
 
 

@@ -1,7 +1,8 @@
-"""`cstorch.optim`: optimizers with Cerebras' defaults, and its learning-rate schedulers.
+"""`cstorch.optim`: Cerebras' optimizers and learning-rate schedulers.
 
-Each optimizer is the torch optimizer (fused CPU/CUDA kernels where torch has them) with Cerebras' signature
-and defaults (AdamW's eps is 1e-6, `correct_bias`). Over a weight-streamed model (the "CSX" backend) the
+Each optimizer computes Cerebras' update with Cerebras' signature and defaults (`waferscale.runtime.optimizers`,
+the one home of the formulas, which MemoryX steps too: AdamW puts eps before the bias correction, Lamb caps the
+weight norm, SGD needs `lr`). Over a weight-streamed model (the "CSX" backend) the
 optimizer binds to MemoryX on the model's first call: `step()` then completes MemoryX's update and
 `state_dict()` is MemoryX's state, in torch's format.
 """
@@ -17,13 +18,12 @@ from torch import nn
 
 from waferscale.errors import ConfigError
 from waferscale.pytorch.optim import lr_scheduler
+from waferscale.runtime import optimizers
 from waferscale.runtime.optim import Adafactor as _Adafactor
-from waferscale.runtime.optim import Lamb as _Lamb
-from waferscale.runtime.optim import Lion as _Lion
-from waferscale.runtime.optim import OptimizerSpec, build_schedule, fused_or_foreach
+from waferscale.runtime.optim import OPTIMIZERS, OptimizerSpec, build_schedule
 
 __all__ = ["SGD", "Adam", "AdamW", "Lamb", "Lion", "Adafactor", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
-           "configure_optimizer", "configure_lr_scheduler", "lr_scheduler"]
+           "ASGD", "Adadelta", "Rprop", "configure_optimizer", "configure_lr_scheduler", "lr_scheduler"]
 
 _registry: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -77,54 +77,18 @@ class _Streamable:
         return self._stream.last_grad_norm if self._stream is not None else None
 
 
-def _fast(cls: type, params: Any) -> tuple[list[Any], dict[str, bool]]:
-    params = list(params)
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    return params, fused_or_foreach(cls, [{"params": list(g["params"])} for g in groups])
-
-
-class SGD(_Streamable, torch.optim.SGD):
-    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, **kw: Any) -> None:
-        params, fast = _fast(torch.optim.SGD, params)
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, **{**fast, **kw})
-
-
-class Adam(_Streamable, torch.optim.Adam):
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, amsgrad: bool = False, correct_bias: bool = True,
-                 **kw: Any) -> None:
-        _no_bias_correction(correct_bias)
-        params, fast = _fast(torch.optim.Adam, params)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         **{**fast, **kw})
-
-
-class AdamW(_Streamable, torch.optim.AdamW):
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, correct_bias: bool = True, amsgrad: bool = False,
-                 **kw: Any) -> None:
-        _no_bias_correction(correct_bias)
-        params, fast = _fast(torch.optim.AdamW, params)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         **{**fast, **kw})
-
-
-class Lion(_Streamable, _Lion):
-    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-class Lamb(_Streamable, _Lamb):
+class Lamb(_Streamable, optimizers.Lamb):
     _no_stream = ("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit fused "
                   "update does not compute yet: use AdamW, Adam, SGD or Lion with the CSX backend, or Lamb on "
                   "the CPU/GPU backend")
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+# Cerebras' update rules, signatures and defaults (`waferscale.runtime.optimizers`), made streamable
+SGD, Adam, AdamW, Lion, Adagrad, Adamax, RMSprop, NAdam, RAdam, ASGD, Adadelta, Rprop = (
+    type(c.__name__, (_Streamable, c), {"__doc__": c.__doc__}) for c in (
+        optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.Lion, optimizers.Adagrad, optimizers.Adamax,
+        optimizers.RMSprop, optimizers.NAdam, optimizers.RAdam, optimizers.ASGD, optimizers.Adadelta,
+        optimizers.Rprop))
 
 
 class Adafactor(_Streamable, _Adafactor):
@@ -144,17 +108,8 @@ class Adafactor(_Streamable, _Adafactor):
             raise ConfigError(str(e)) from None
 
 
-# torch's own signatures and defaults, made streamable
-Adagrad, Adamax, RMSprop, NAdam, RAdam = (type(c.__name__, (_Streamable, c), {}) for c in (
-    torch.optim.Adagrad, torch.optim.Adamax, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam))
-
 _BY_NAME = {c.__name__.lower(): c for c in (SGD, Adam, AdamW, Lamb, Lion, Adafactor, Adagrad, Adamax, RMSprop, NAdam,
-                                             RAdam)}
-
-
-def _no_bias_correction(correct_bias: bool) -> None:
-    if not correct_bias:
-        raise ConfigError("correct_bias=False (Adam without bias correction) is not implemented; use the default")
+                                             RAdam, ASGD, Adadelta, Rprop)}
 
 
 def configure_optimizer(optimizer_type: str, params: Any, **kwargs: Any) -> torch.optim.Optimizer:
@@ -168,10 +123,17 @@ def configure_optimizer(optimizer_type: str, params: Any, **kwargs: Any) -> torc
         kwargs["lr"] = lr if isinstance(lr, (int, float)) else 0.0  # a schedule sets it: configure_lr_scheduler
     if "weight_decay_rate" in kwargs:
         kwargs["weight_decay"] = kwargs.pop("weight_decay_rate")
-    accepted = inspect.signature(cls.__init__).parameters
+    # the signature of the class that defines the optimizer (the streaming mixin passes its arguments on)
+    init = next(c.__init__ for c in cls.__mro__ if "__init__" in vars(c) and c is not _Streamable)
+    accepted = inspect.signature(init).parameters
     unknown = sorted(k for k in kwargs if k not in accepted)
-    if unknown and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-        raise ConfigError(f"{cls.__name__} does not take {', '.join(unknown)}")
+    if unknown:
+        raise ConfigError(f"{cls.__name__} does not take {', '.join(unknown)}; it takes "
+                          f"{', '.join(k for k in accepted if k not in ('self', 'params'))}")
+    missing = [k for k, p in accepted.items() if k not in ("self", "params") and p.default is p.empty
+               and k not in kwargs]
+    if missing:  # (SGD and Adafactor have no default learning rate, as Cerebras')
+        raise ConfigError(f"{cls.__name__} needs {', '.join(missing)} (learning_rate for lr)")
     return cls(params, **kwargs)
 
 
@@ -201,12 +163,13 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
     kind = type(opt).__name__
     if getattr(opt, "_no_stream", None):
         raise ConfigError(opt._no_stream)
-    if kind.lower() not in _BY_NAME:  # (Lamb, the one that cannot stream, was refused just above)
+    if kind.lower() not in _BY_NAME or kind not in OPTIMIZERS:  # (Lamb, which cannot stream, was refused above)
         raise ConfigError(f"{kind} is not supported with weight streaming")
     groups = opt.param_groups
     if len({g["lr"] for g in groups}) > 1:
         raise ConfigError("with weight streaming every parameter group must share one learning rate")
-    decay = {matrix: {g.get("weight_decay", 0.0) for g in groups for p in g["params"] if (p.ndim >= 2) == matrix}
+    key = "l2_regularization_rate" if kind == "Adam" else "weight_decay"  # (Adam's decay: an L2 term, as built)
+    decay = {matrix: {g.get(key, 0.0) for g in groups for p in g["params"] if (p.ndim >= 2) == matrix}
              for matrix in (True, False)}
     if len(decay[True]) > 1 or len(decay[False]) > 1:
         raise ConfigError("with weight streaming weight decay may differ between matrices and vectors, not within "
@@ -224,6 +187,8 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
     if kind == "Adafactor":
         kw.update({k: g0[k] for k in ("clip_threshold", "decay_rate", "beta1", "scale_parameter", "relative_step",
                                       "warmup_init")})
+    if kind == "AdamW":
+        kw["correct_bias"] = g0["correct_bias"]
     if kind == "SGD":
         kw.update(momentum=g0["momentum"], nesterov=g0["nesterov"])
         if g0.get("dampening"):
