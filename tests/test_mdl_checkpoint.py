@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 from collections import OrderedDict
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import waferscale.pytorch as cstorch
 from conftest import tiny_params
 from hf_helpers import ids, max_diff, perturbed
 from waferscale.cli.main import main
+from waferscale.errors import CheckpointError
 from waferscale.models import ModelConfig, build
 from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
@@ -145,6 +147,52 @@ def test_save_round_trips_and_is_read_independently(tmp_path: Path) -> None:
     assert flat["global_step"] == 4 and flat["lr_scheduler.base_lrs.1"] == 2e-3
     cstorch.save(state, tmp_path / "c.st")  # the default stays safetensors
     assert not h5py.is_hdf5(tmp_path / "c.st")
+
+
+def write_legacy_mdl(path: Path, state: object, spec_bytes: bytes | None = None) -> None:
+    """The format-0.4 layout (cstorch 2.0, `_legacy/pt_h5_saver.py`): the TreeSpec pickled (dill pickles these
+    importable classes as pickle does, save dill's own `_load_type` for builtin types), one quoted dataset per leaf
+    with its `__H5_TYPE__`."""
+    from urllib.parse import quote
+
+    leaves, spec = pytree.tree_flatten(state)
+    with h5py.File(path, "w") as f:
+        f.attrs["__spec__"] = (spec_bytes or pickle.dumps(spec)).hex()
+        f.attrs["__version__"], f.attrs["__cstorch_version__"] = 0.4, "2.0"
+        for key, v in zip(_keys(spec), leaves):
+            name = quote(key, safe="")
+            if isinstance(v, torch.Tensor):
+                bf16 = v.dtype == torch.bfloat16
+                d = f.create_dataset(name, data=v.view(torch.int16).numpy() if bf16 else v.numpy(),
+                                     **(hdf5plugin.LZ4() if v.dim() else {}))
+                d.attrs.update({"__H5_TYPE__": "TorchTensorH5Type", "is_bfloat16": bf16})
+            elif isinstance(v, str):
+                f.create_dataset(name, data=h5py.Empty("f")).attrs.update(
+                    {"__H5_TYPE__": "StringH5Type", "string_value": v})
+            elif v is None:
+                f.create_dataset(name, data=h5py.Empty("f")).attrs["__H5_TYPE__"] = "NoneH5Type"
+            else:
+                f.create_dataset(name, data=v).attrs["__H5_TYPE__"] = "ScalarH5Type"
+
+
+class _Evil:
+    def __reduce__(self) -> tuple:
+        return (print, ("unpickled",))
+
+
+def test_legacy_format_loads_without_unpickling_anything_else(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    state = _state()
+    state["model"]["odd/name"] = torch.ones(2)  # (dataset names are URL-quoted)
+    state["missing"] = None
+    write_legacy_mdl(tmp_path / "old.mdl", state)
+    got = cstorch.load(tmp_path / "old.mdl")
+    state["model"]["lm_head.weight"] = state["model"]["lm_head.weight"].clone()  # (this layout stores ties twice)
+    _assert_same(got, state)
+    write_legacy_mdl(tmp_path / "evil.mdl", {"a": torch.ones(1)}, spec_bytes=pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match="does not unpickle"):
+        cstorch.load(tmp_path / "evil.mdl")
+    assert "unpickled" not in capsys.readouterr().out
 
 
 # ---- Model Zoo models ------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ The layout follows the published cerebras-pytorch 2.10.0 (`cerebras/pytorch/stor
   (`ScalarSerializer` / `StringSerializer`, `__NONE__`). None is `NoneSerializer`. A value met again (the same
   object: tied weights, as cstorch also links CPython's shared small ints) is a `LinkedObject` naming the first key.
 
-Not read: format versions below 0.5 (older cstorch releases, e.g. 0.4 = release 2.0, pickled the spec with
-dill) and pickled Python objects (`ObjectSerializer`): loading never unpickles. Not written: anything but tensors,
-numpy arrays, numbers, strings, None, dicts, lists and tuples.
+Older formats (`__version__` below 0.5) are read by `mdl_legacy.py`. Not read: pickled Python objects
+(`ObjectSerializer`): loading never unpickles them. Not written: anything but tensors, numpy arrays, numbers,
+strings, None, dicts, lists and tuples.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from waferscale.errors import CheckpointError
+from waferscale.pytorch.mdl_legacy import load_legacy
 from waferscale.util.files import atomic_path
 
 FORMAT_VERSION = 0.5
@@ -241,14 +242,13 @@ def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
                               f"was partially written or is another format") from None
     with f:
         attrs = f.attrs
-        if "__version__" not in attrs:
-            raise CheckpointError(f"{where} is an HDF5 file but not a Cerebras checkpoint (no __version__ "
-                                  f"attribute); was it written by cstorch.save?")
-        version = float(attrs["__version__"])
+        if "__version__" not in attrs and "__spec__" not in attrs:
+            raise CheckpointError(f"{where} is an HDF5 file but not a Cerebras checkpoint (no __version__ or "
+                                  f"__spec__ attribute); was it written by cstorch.save?")
+        version = float(attrs.get("__version__", 0.1))  # (release 1.8 and below wrote none: 0.1 to cstorch)
         if version < FORMAT_VERSION:
-            raise CheckpointError(f"{where} is a Cerebras checkpoint of the older format {version}, whose "
-                                  f"structure is a pickled Python object, which waferscale never unpickles; "
-                                  f"load and re-save it with a current cstorch to get format {FORMAT_VERSION}")
+            state = load_legacy(f, version, where)
+            return _map(state, map_location)
         if version > FORMAT_VERSION:
             raise CheckpointError(f"{where} has format {version}, newer than the {FORMAT_VERSION} this reader "
                                   f"follows")
@@ -261,11 +261,25 @@ def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
             raise CheckpointError(f"{where}: its structure (__spec__) cannot be read: {e}") from None
         keys = leaf_keys(spec)
         values = {k: _read_leaf(f, k, where) for k in keys}
-    if map_location is not None:
-        values = {k: v.to(map_location) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
     for k, v in values.items():  # re-tie: the same tensor object under both keys
         if isinstance(v, _Link):
             if v.key not in values or isinstance(values[v.key], _Link):
                 raise CheckpointError(f"{where} is damaged: {k} is tied to {v.key}, which it does not hold")
             values[k] = values[v.key]
-    return pytree.tree_unflatten([values[k] for k in keys], spec)
+    return _map(pytree.tree_unflatten([values[k] for k in keys], spec), map_location)
+
+
+def _map(state: Any, map_location: Any) -> Any:
+    """Tensors moved to `map_location` (each object once, so ties stay ties)."""
+    if map_location is None:
+        return state
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) not in moved:
+            moved[id(v)] = v.to(map_location)
+        return moved[id(v)]
+
+    return pytree.tree_map(move, state)
