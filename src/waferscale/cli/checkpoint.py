@@ -27,7 +27,7 @@ def cmd_checkpoint_convert(a: argparse.Namespace) -> int:
     from waferscale.models.modelzoo import model_state, state_dict_from_zoo
     from waferscale.models.registry import build
     from waferscale.params import load_params
-    from waferscale.pytorch.mdl import is_mdl, load_mdl
+    from waferscale.runtime.mdl import is_mdl, load_mdl
     from waferscale.runtime.checkpoint import load_model_weights
 
     if not re.fullmatch(r"cs(-auto|-\d+\.\d+)?", a.src_fmt):

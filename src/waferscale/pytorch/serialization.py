@@ -1,7 +1,7 @@
 """`cstorch.save(state, path)` / `cstorch.load(path)`: nested state (dicts, lists, tensors, numbers, strings)
 in one safetensors file; the structure rides in the file's metadata. `save(..., format="mdl")` writes Cerebras'
-own HDF5 checkpoint format instead (`mdl.py`), and `load` reads either, telling them apart by the file's first
-bytes.
+own HDF5 checkpoint format instead (`runtime/mdl.py`), and `load` reads either, telling them apart by the file's
+first bytes.
 
 Written to a temporary file and renamed, so a checkpoint is either complete or absent; a truncated or
 foreign file is refused with a clear error, and loading unpickles nothing."""
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
 from waferscale.pytorch import distributed as _dist
-from waferscale.pytorch.mdl import is_mdl, load_mdl, save_mdl
+from waferscale.runtime.mdl import is_mdl, load_mdl, save_mdl
 from waferscale.util.files import atomic_path
 
 __all__ = ["save", "load"]

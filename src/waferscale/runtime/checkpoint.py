@@ -8,7 +8,7 @@
 The manifest is written last, by rename: a checkpoint without a manifest, or whose files do not match the
 sizes it lists, is partial and refused. Loading never unpickles anything.
 
-A Cerebras Model Zoo checkpoint (`.mdl`, `pytorch/mdl.py`) loads too: its model's weights under our names
+A Cerebras Model Zoo checkpoint (`.mdl`, `runtime/mdl.py`) loads too: its model's weights under our names
 (`models/modelzoo.py`) and its global_step; its optimizer state is not carried over (a fresh optimizer starts,
 and the checkpoint's `note` says so).
 """
@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig
-from waferscale.pytorch.mdl import is_mdl, load_mdl
+from waferscale.runtime.mdl import is_mdl, load_mdl
 from waferscale.util.files import atomic_path, atomic_write_bytes
 
 FORMAT = "waferscale-checkpoint-v1"

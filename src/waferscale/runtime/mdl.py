@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from waferscale.errors import CheckpointError
-from waferscale.pytorch.mdl_legacy import load_legacy
+from waferscale.runtime.mdl_legacy import load_legacy
 from waferscale.util.files import atomic_path
 
 FORMAT_VERSION = 0.5
