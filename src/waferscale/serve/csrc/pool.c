@@ -208,7 +208,7 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
     const float* xs = NULL;
     if (qt && qint8_applies(qt)) {  /* x rounded to int8 (quant.c), in one buffer: xq, then xs */
         long nb = in / 32, at = (2 * rows * in + 15) / 16 * 16;
-        if (!grow(&t_xt, &t_xt_cap, at / 4 + rows * nb * 3, sizeof(float))) return -1;
+        if (!grow(&t_xt, &t_xt_cap, at / 4 + rows * nb * XS, sizeof(float))) return -1;
         xq = (const int8_t*)t_xt;
         xs = (const float*)t_xt + at / 4;
         quantize_x(x, rows, in, (int8_t*)t_xt, (float*)xs);

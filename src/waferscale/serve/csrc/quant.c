@@ -9,8 +9,9 @@
    side by side (16 fp16 d, then 16 fp16 m for Q4_1, ...), then their quants with the 16 outputs' values of the
    same k in one run that expands to one vector per k, as a float panel's row: bf16 and Q4_K / Q6_K 16 bytes for
    one k (or two, as low and high nibbles, or four, as 2-bit fields); Q8_0, Q4_0 and Q4_1 one 32-bit word per
-   output holding 4 k (or 8, as nibbles), the integer path's operand (below). The panels go in groups of four,
-   their blocks interleaved (qpanel_at), so that a decode row reads one stream. The bytes are GGUF's, moved: a
+   output holding 4 k (or 8, as nibbles), the integer path's operand (below; Q8_0's bytes q + 128, the sign bit
+   flipped, as vpdpbusd's unsigned side takes them). The panels go in groups of four, their blocks interleaved
+   (qpanel_at), so that a decode row reads one stream. The bytes are GGUF's, moved: a
    block of 16 outputs is 16 times GGUF's block (Q4_K's 6-bit scales and mins are unpacked to bytes: 148 bytes
    a block instead of 144).
 
@@ -99,10 +100,12 @@ static inline v16 ldh16(const uint8_t* p) {  /* 16 fp16 -> floats */
 
 static inline v16 bf16_w(const uint8_t* p) { return (v16)(zx16(p) << 16); }  /* bf16: the high half of a float */
 /* Q8_0 block: d[16] fp16, then eight groups of 4 k, 64 bytes each: output c's 32-bit word holds k = 4g + t in
-   its byte t (int8), as the integer path's vpdpbusd takes them: d q. The four weight vectors of group g at q: */
+   its byte t as q + 128 (q int8, its sign bit flipped), as the integer path's vpdpbusd takes them: d q. The four
+   weight vectors of group g at q: */
 static inline void q8_group(const uint8_t* q, v16 d, v16* w) {
     v16i L;
     __builtin_memcpy(&L, q, 64);
+    L ^= (int)0x80808080u;  /* back to int8 */
     for (int t = 0; t < 4; t++) w[t] = i2f(L << (24 - 8 * t) >> 24) * d;
 }
 /* Q4_0 and Q4_1 blocks: d[16] (Q4_1: then m[16]), then four groups of 8 k, 64 bytes each: output c's 32-bit
@@ -329,6 +332,7 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
    bench/serve_quant_kernels.py). Every row is computed alone by the same code. On by default (wsc_qset_int8). */
 
 static _Atomic int g_qint8 = 1;
+#define XS 5        /* floats of xs per row and block of 32 (quantize_x) */
 
 /* whether products over qt take the integer path (1) or the float path (0) from now on: on != 0 / 0; returns
    the previous setting (on < 0: only returns it) */
@@ -355,8 +359,9 @@ static inline v16i round_to_i8(v16 t, int8_t* q) {
     return qi;
 }
 
-/* x (rows, in) -> per row its two int8 digits, xq then xr (2 in bytes a row), and xs (rows, in / 32, 3): each
-   block's dx, dr and sum of x (the sum in a fixed order: lanes pairwise, then hsum16). xq = x / dx rounded, dx
+/* x (rows, in) -> per row its two int8 digits, xq then xr (2 in bytes a row), and xs (rows, in / 32, XS): each
+   block's dx, dr, sum of x (the sum in a fixed order: lanes pairwise, then hsum16), and 128 times the sum of
+   its xq and of its xr (Q8_0's correction, i8_q8). xq = x / dx rounded, dx
    = max |x| / 127; xr = (x - dx xq) / dr rounded, dr = dx / 254 (|x - dx xq| <= dx / 2, so |xr| <= 127). */
 static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs) {
     const v16i abs_mask = ~(v16i)vsplat(-0.0f);
@@ -371,93 +376,110 @@ static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs
             for (int c = 0; c < PANEL; c++) amax = m[c] > amax ? m[c] : amax;
             float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
             int8_t *q = xq + 2 * r * in + 32 * j, *qr = q + in;
+            v16i sq = {0}, sr = {0};
             for (int h = 0; h < 2; h++) {
                 v16 xv = h ? hi : lo;
-                v16 qf = i2f(round_to_i8(xv * id, q + 16 * h));
-                round_to_i8((xv - qf * dx) * idr, qr + 16 * h);
+                v16i qi = round_to_i8(xv * id, q + 16 * h);
+                sq += qi;
+                sr += round_to_i8((xv - i2f(qi) * dx) * idr, qr + 16 * h);
             }
-            float* s = xs + 3 * (r * nb + j);
+            float* s = xs + XS * (r * nb + j);
             s[0] = dx;
             s[1] = dr;
             s[2] = hsum16(lo + hi);
+            s[3] = s[4] = 0;
+            for (int c = 0; c < PANEL; c++) { s[3] += 128 * sq[c]; s[4] += 128 * sr[c]; }  /* (integers: exact) */
         }
 }
 
-/* acc + per lane the sum of its four u8 bytes of a times the four s8 bytes of b */
-static inline v16i dpbusd(v16i acc, v16i a, int32_t b) {
+/* the four bytes at x in every lane (a 32-bit load of its own, broadcast from memory: a wider load split in
+   registers costs each broadcast two more vector uops) */
+static inline v16i bcast4(const int8_t* x) {
+    int32_t b;
+    __builtin_memcpy(&b, x, 4);
+    v16i v = {b, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b};
+    return v;
+}
+
+/* acc + per lane the sum of its four u8 bytes of a times the four s8 bytes of b (b: the same in every lane) */
+static inline v16i dpbusd(v16i acc, v16i a, v16i b) {
 #if defined(__AVX512VNNI__)
-    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, _mm512_set1_epi32(b));
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
 #else
-    for (int t = 0; t < 4; t++) acc += (v16i)((v16u)a >> (8 * t) & 255) * (int8_t)(b >> (8 * t));
+    for (int t = 0; t < 4; t++) acc += (v16i)((v16u)a >> (8 * t) & 255) * (int8_t)(b[0] >> (8 * t));
     return acc;
 #endif
 }
 
-/* acc + per lane the sum of the four u8 bytes of b times its four s8 bytes of a */
-static inline v16i dpbusd_s(v16i acc, v16i a, uint32_t b) {
-#if defined(__AVX512VNNI__)
-    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32((int)b), (__m512i)a);
-#else
-    for (int t = 0; t < 4; t++) acc += (a << (24 - 8 * t) >> 24) * (int)(b >> (8 * t) & 255);
-    return acc;
-#endif
-}
+/* The integer path runs NP panels x MR rows at once (NP MR <= 4: one decode row against a group of panels, or
+   up to four rows against one panel): each weight group is loaded and unpacked once for the MR rows, and each
+   row's x words are broadcast once for the NP panels. */
 
 /* MR rows of xq (two digits, ldq apart) against NP panels of Q8_0: a[p * MR + r] += their block sums. vpdpbusd
-   takes one side unsigned: a digit + 128 (its sign bit flipped), then 128 times the block's sum of q (a
-   vpdpbusd with ones) off */
+   takes one side unsigned: the panels hold q + 128, so 128 times the block's sum of each digit (xs) comes off,
+   in float: both terms are integers below 2^24, so the difference is exact, the integer sum itself */
 AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
               const int NP, const int MR) {
     const long nb = in / 32;
     for (long j = 0; j < nb; j++) {
-        FOR_P {
-            const uint8_t* blk = w + p * ps + j * bs;
-            prefetch_block(blk, 544);
-            v16 d = ldh16(blk);
-            v16i acc[4] = {{0}}, acr[4] = {{0}}, sq = {0};
-            for (int g = 0; g < 8; g++) {
+        const uint8_t* blk[QNP];
+        FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], 544); }
+        v16i acc[QNP] = {{0}}, acr[QNP] = {{0}};
+        for (int g = 0; g < 8; g++) {
+            v16i xb[QNP][2];
+            for (int r = 0; r < MR; r++) {
+                xb[r][0] = bcast4(xq + r * ldq + 32 * j + 4 * g);
+                xb[r][1] = bcast4(xq + r * ldq + in + 32 * j + 4 * g);
+            }
+            FOR_P {
                 v16i L;
-                __builtin_memcpy(&L, blk + 32 + 64 * g, 64);
-                sq = dpbusd_s(sq, L, 0x01010101u);
+                __builtin_memcpy(&L, blk[p] + 32 + 64 * g, 64);
                 for (int r = 0; r < MR; r++) {
-                    uint32_t xu, ru;
-                    __builtin_memcpy(&xu, xq + r * ldq + 32 * j + 4 * g, 4);
-                    __builtin_memcpy(&ru, xq + r * ldq + in + 32 * j + 4 * g, 4);
-                    acc[r] = dpbusd_s(acc[r], L, xu ^ 0x80808080u);
-                    acr[r] = dpbusd_s(acr[r], L, ru ^ 0x80808080u);
+                    acc[p * MR + r] = dpbusd(acc[p * MR + r], L, xb[r][0]);
+                    acr[p * MR + r] = dpbusd(acr[p * MR + r], L, xb[r][1]);
                 }
             }
+        }
+        FOR_P {
+            v16 d = ldh16(blk[p]);
             for (int r = 0; r < MR; r++) {
-                const float* s = xs + 3 * (r * nb + j);
-                a[p * MR + r] += i2f(acc[r] - (sq << 7)) * (d * s[0]);
-                a[p * MR + r] += i2f(acr[r] - (sq << 7)) * (d * s[1]);
+                const float* s = xs + XS * (r * nb + j);
+                a[p * MR + r] += (i2f(acc[p * MR + r]) - s[3]) * (d * s[0]);
+                a[p * MR + r] += (i2f(acr[p * MR + r]) - s[4]) * (d * s[1]);
             }
         }
     }
 }
 
-/* one sub-block's digit sums into a: d dx (sum q xq) + d dr (sum q xr) + m sum x, for MR rows (xs: each row's
-   dx, dr, sum x of this block, 3 nb floats apart); the 4 groups of 8 k (Q4_1's layout) at q */
-AI void i8_q4_block(const uint8_t* q, v16 d, v16 m, const int8_t* xq, long ldq, long in, const float* xs, long nb,
-                    v16* a, const int MR) {
-    v16i acc[4] = {{0}}, acr[4] = {{0}};
+/* one sub-block of 32 k of NP panels (q[p]: its 4 groups of 8 k, Q4_1's layout; d[p], m[p] its scales) against
+   MR rows into a: d dx (sum q xq) + d dr (sum q xr) + m sum x (xs: each row's dx, dr, sum x of this block, XS
+   nb floats apart) */
+AI void i8_q4_block(const uint8_t* const* q, const v16* d, const v16* m, const int8_t* xq, long ldq, long in,
+                    const float* xs, long nb, v16* a, const int NP, const int MR) {
+    v16i acc[QNP] = {{0}}, acr[QNP] = {{0}};
     for (int g = 0; g < 4; g++) {
-        v16u L;
-        __builtin_memcpy(&L, q + 64 * g, 64);
-        v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
+        v16i xb[QNP][4];
         for (int r = 0; r < MR; r++) {
-            int32_t x[4];
-            __builtin_memcpy(x, xq + r * ldq + 8 * g, 8);
-            __builtin_memcpy(x + 2, xq + r * ldq + in + 8 * g, 8);
-            acc[r] = dpbusd(dpbusd(acc[r], lo, x[0]), hi, x[1]);
-            acr[r] = dpbusd(dpbusd(acr[r], lo, x[2]), hi, x[3]);
+            const int8_t* x = xq + r * ldq + 8 * g;
+            xb[r][0] = bcast4(x), xb[r][1] = bcast4(x + 4), xb[r][2] = bcast4(x + in), xb[r][3] = bcast4(x + in + 4);
+        }
+        FOR_P {
+            v16u L;
+            __builtin_memcpy(&L, q[p] + 64 * g, 64);
+            v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
+            for (int r = 0; r < MR; r++) {
+                int i = p * MR + r;
+                acc[i] = dpbusd(dpbusd(acc[i], lo, xb[r][0]), hi, xb[r][1]);
+                acr[i] = dpbusd(dpbusd(acr[i], lo, xb[r][2]), hi, xb[r][3]);
+            }
         }
     }
-    for (int r = 0; r < MR; r++) {
-        const float* s = xs + 3 * r * nb;
-        a[r] += i2f(acc[r]) * (d * s[0]);
-        a[r] += i2f(acr[r]) * (d * s[1]);
-        a[r] += m * s[2];
+    FOR_P for (int r = 0; r < MR; r++) {
+        const float* s = xs + XS * r * nb;
+        int i = p * MR + r;
+        a[i] += i2f(acc[i]) * (d[p] * s[0]);
+        a[i] += i2f(acr[i]) * (d[p] * s[1]);
+        a[i] += m[p] * s[2];
     }
 }
 
@@ -465,26 +487,33 @@ AI void i8_q4_block(const uint8_t* q, v16 d, v16 m, const int8_t* xq, long ldq, 
    their block sums */
 AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
               const int NP, const int MR, const int has_m, const int kq) {
-    const int bb = kq ? 2368 : has_m ? 320 : 288, h = has_m ? 64 : 32;
+    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
     const long nb = in / 32;
     for (long j = 0; j < nb / (kq ? 8 : 1); j++) {
-        FOR_P {
-            const uint8_t* blk = w + p * ps + j * bs;
-            if (kq) {
-                v16 d = ldh16(blk), dmin = ldh16(blk + 32);
-                for (int s = 0; s < 8; s++) {
-                    v16 ds, m;
-                    q4_k_scales(blk, s, d, dmin, &ds, &m);
-                    prefetch_block(blk + 320 + 256 * s, 256);
-                    i8_q4_block(blk + 320 + 256 * s, ds, m, xq + 256 * j + 32 * s, ldq, in, xs + 3 * (8 * j + s),
-                                nb, a + p * MR, MR);
+        const uint8_t* blk[QNP];
+        const uint8_t* q[QNP];
+        v16 d[QNP], m[QNP];
+        FOR_P blk[p] = w + p * ps + j * bs;
+        if (kq) {
+            v16 dk[QNP], dmin[QNP];
+            FOR_P { dk[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
+            for (int s = 0; s < 8; s++) {
+                FOR_P {
+                    q4_k_scales(blk[p], s, dk[p], dmin[p], &d[p], &m[p]);
+                    prefetch_block(blk[p] + 320 + 256 * s, 256);
+                    q[p] = blk[p] + 320 + 256 * s;
                 }
-                continue;
+                i8_q4_block(q, d, m, xq + 256 * j + 32 * s, ldq, in, xs + XS * (8 * j + s), nb, a, NP, MR);
             }
-            prefetch_block(blk, bb);
-            v16 d = ldh16(blk), m = has_m ? ldh16(blk + 32) : d * -8.0f;
-            i8_q4_block(blk + h, d, m, xq + 32 * j, ldq, in, xs + 3 * j, nb, a + p * MR, MR);
+            continue;
         }
+        FOR_P {
+            prefetch_block(blk[p], bb);
+            d[p] = ldh16(blk[p]);
+            m[p] = has_m ? ldh16(blk[p] + 32) : d[p] * -8.0f;
+            q[p] = blk[p] + h;
+        }
+        i8_q4_block(q, d, m, xq + 32 * j, ldq, in, xs + XS * j, nb, a, NP, MR);
     }
 }
 
@@ -499,7 +528,7 @@ static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ld
             MR = j->rows - r0 >= 4 ? 4 : j->rows - r0 >= 2 ? 2 : 1;
             v16 a[QNP * 4] = {{0}};
             const int8_t* xq = j->xq + 2 * r0 * in;
-            const float* xs = j->xs + 3 * r0 * nb;
+            const float* xs = j->xs + XS * r0 * nb;
 #define I8(np, mr) do { if (q8) i8_q8(w, bb, bs, in, xq, xs, 2 * in, a, np, mr); \
                          else if (kq) i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 0, 1); \
                          else if (has_m) i8_q4(w, bb, bs, in, xq, xs, 2 * in, a, np, mr, 1, 0); \
@@ -633,7 +662,7 @@ int wsc_qpack(const uint8_t* src, int qt, long out, long in, uint8_t* dst) {
                 o[2 * c + 1] = (uint8_t)(sc[0] >> 8);
                 switch (qt) {
                 case QT_Q8_0:
-                    for (int k = 0; k < 32; k++) o[32 + 64 * (k >> 2) + 4 * c + (k & 3)] = q[k];
+                    for (int k = 0; k < 32; k++) o[32 + 64 * (k >> 2) + 4 * c + (k & 3)] = q[k] ^ 0x80;
                     break;
                 case QT_Q4_0: case QT_Q4_1: {
                     int h = qt == QT_Q4_1 ? 64 : 32;
