@@ -89,7 +89,8 @@ def main() -> int:
     ours, theirs = chars / statistics.median(ours_s), chars / statistics.median(peer_s)
     print(f"corpus: shakespeare, {chars:,} characters; tokenizer {a.tokenizer} ({tok.vocab_size} ids); "
           f"max_seq_length {a.max_seq_length}; same examples written: {same}")
-    print(f"wsc data_preprocess: {ours / 1e6:6.2f} M chars/s  (median of {a.repeats}: {statistics.median(ours_s):.2f} s)")
+    print(f"wsc data_preprocess: {ours / 1e6:6.2f} M chars/s  "
+          f"(median of {a.repeats}: {statistics.median(ours_s):.2f} s)")
     print(f"peer (tokenizers/numpy + h5py): {theirs / 1e6:6.2f} M chars/s  ({statistics.median(peer_s):.2f} s)")
     print(f"ratio ours / peer: {ours / theirs:.2f}")
     return 0 if same else 1

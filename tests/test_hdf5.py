@@ -174,10 +174,12 @@ def test_data_preprocess_command(corpus: Path, tmp_path: Path, capsys: pytest.Ca
     cfg = tmp_path / "pre.yaml"  # a Model Zoo preprocessing config; the flags win over it
     cfg.write_text(yaml.safe_dump({"setup": {"data": {"source": str(corpus), "type": "local"},
                                              "output_dir": str(tmp_path / "out")},
-                                   "processing": {"max_seq_length": 64}}))
+                                   "processing": {"max_seq_length": 64, "use_ftfy": True}}))
     assert main(["data_preprocess", "--config", str(cfg), "--max_seq_length", "8", "--compression", "gzip",
                  "--no_progress"]) == 0
-    assert "examples of 8 tokens" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "examples of 8 tokens" in said.out
+    assert said.err == "ignored: processing.use_ftfy (not read by wsc data_preprocess)\n"
     with h5py.File(next((tmp_path / "out").glob("*.h5")), "r") as h:
         assert h["data"].shape[1:] == (3, 8) and h["data"].compression == "gzip"
     for argv, message in [(["--input", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "o2")],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -185,12 +186,25 @@ def _from_config(path: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConfigError(f"--config {path}: expected a mapping with setup/processing sections")
     setup, processing = cfg.get("setup") or {}, cfg.get("processing") or {}
+    if (cfg.get("dataset") or {}).get("pack_sequences", True) is not True:
+        raise ConfigError(f"--config {path}: dataset.pack_sequences false is not supported (documents are packed)")
     source = setup.get("input_dir") or (setup.get("data") or {}).get("source")
     out: dict[str, Any] = {"input": [source] if isinstance(source, str) else source,
                            "output_dir": setup.get("output_dir"), "max_seq_length": processing.get("max_seq_length"),
                            "tokenizer": processing.get("huggingface_tokenizer") or processing.get("tokenizer"),
                            "min_sequence_len": processing.get("min_sequence_len")}
+    used = {"setup.input_dir", "setup.data.source", "setup.data.type", "setup.output_dir", "processing.max_seq_length",
+            "processing.huggingface_tokenizer", "processing.tokenizer", "processing.min_sequence_len",
+            "dataset.pack_sequences"}
+    for key in _leaf_keys(cfg):
+        if key not in used:
+            print(f"ignored: {key} (not read by wsc data_preprocess)", file=sys.stderr)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _leaf_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
+    return [k for key, v in d.items()
+            for k in (_leaf_keys(v, f"{prefix}{key}.") if isinstance(v, dict) else [f"{prefix}{key}"])]
 
 
 def cmd_data_preprocess(a: argparse.Namespace) -> int:
