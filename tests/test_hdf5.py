@@ -1,7 +1,7 @@
 """Model Zoo's HDF5 data: what `wsc data_preprocess` writes (checked against Model Zoo's documented layout with
-h5py directly), files written the way Model Zoo's preprocessing writes them (gzip, chunks of one example), the
-readers' batches (shuffle, seed, drop_last, sharding, prefetch, resumption) and `wsc run` on an HDF5 directory
-(two systems streaming = one resident, exact resume)."""
+h5py directly), files written the way Model Zoo's preprocessing writes them (gzip, chunks of one example), Model
+Zoo's token-corpus format, the readers' batches (shuffle, seed, drop_last, sharding, prefetch, resumption) and
+`wsc run` on an HDF5 directory (two systems streaming = one resident, exact resume)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,26 @@ def test_reader_reads_modelzoo_written_files(tmp_path: Path) -> None:
     assert (HDF5Examples(d).rows(np.array([0]))[0] == a[0][[1, 2, 0]]).all()
 
 
+def test_corpus_format(tmp_path: Path) -> None:
+    """Model Zoo's map reader also takes a rank-1 token corpus, cut into sequences at run time (one extra token
+    read: the last label), across file boundaries."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    tokens = np.arange(23, dtype=np.int32)
+    for name, piece in (("a.h5", tokens[:10]), ("b.h5", tokens[10:])):
+        with h5py.File(d / name, "w") as h:
+            h.create_dataset("data", data=piece, chunks=(5,), compression="gzip")
+    with pytest.raises(DataError, match="set train_input.max_sequence_length"):
+        HDF5Examples(d)
+    ex = HDF5Examples(d, 4)
+    assert ex.n == 5 and ex.msl == 4  # (23 - 1) // 4
+    rows = ex.rows(np.array([2, 0]))
+    assert rows[0].tolist() == [[8, 9, 10, 11], [1, 1, 1, 1], [9, 10, 11, 12]]  # spans a.h5 and b.h5
+    assert rows[1, 0].tolist() == [0, 1, 2, 3] and rows[1, 2].tolist() == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="set data_processor: GptHDF5MapDataProcessor"):
+        HDF5Batches(ex, 2, processor="GptHDF5DataProcessor")
+
+
 def test_validation_errors(tmp_path: Path, h5dir: Path) -> None:
     validate_hdf5([str(h5dir)], MSL, vocab_size=64)
     with pytest.raises(DataError, match="sequences of 16 tokens but max_sequence_length is 32"):
@@ -107,11 +127,11 @@ def test_validation_errors(tmp_path: Path, h5dir: Path) -> None:
         validate_hdf5([str(h5dir)], MSL, vocab_size=3)
     with pytest.raises(DataError, match="does not exist"):
         validate_hdf5([str(tmp_path / "nope")], MSL, vocab_size=64)
-    (tmp_path / "corpus_fmt").mkdir()
-    with h5py.File(tmp_path / "corpus_fmt" / "a.h5", "w") as h:
-        h.create_dataset("data", data=np.arange(100, dtype=np.int32))
-    with pytest.raises(DataError, match="rank-1 'corpus' format"):
-        HDF5Examples(tmp_path / "corpus_fmt")
+    (tmp_path / "bad").mkdir()
+    with h5py.File(tmp_path / "bad" / "a.h5", "w") as h:
+        h.create_dataset("data", data=np.zeros((4, 2, 8), dtype=np.int32))
+    with pytest.raises(DataError, match=r"'data' has shape \[4, 2, 8\]"):
+        HDF5Examples(tmp_path / "bad")
     d = tiny_params(h5dir, tmp_path / "m")
     d["train_input"]["data_processor"] = "GptHDF5MapDataProcesor"
     with pytest.raises(ConfigError, match="not supported; supported: GptHDF5MapDataProcessor, GptHDF5DataProcessor"):

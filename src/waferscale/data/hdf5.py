@@ -9,9 +9,11 @@ of `*.h5` files, read in sorted file-name order, each holding
                        label is scored, 0 on padding), typically chunked (1, 3, msl) and gzip-compressed
     attrs n_examples   n (the iterable reader sums it per file)
 
-and optionally a `data_params.json` beside them whose "features" list names the three rows (the order above when
-absent). Files are opened with h5py; a dataset stored contiguous and uncompressed (what `wsc data_preprocess`
-writes) is memory-mapped, any other is read by h5py one batch of rows at a time: nothing loads the whole set.
+(or, in the rank-1 'corpus' format the map reader also takes, `data` = the documents' tokens concatenated, cut
+into sequences of max_sequence_length at run time), and optionally a `data_params.json` beside them whose
+"features" list names the three rows (the order above when absent). Files are opened with h5py; a dataset stored
+contiguous and uncompressed (what `wsc data_preprocess` writes) is memory-mapped, any other is read by h5py one
+batch of rows at a time: nothing loads the whole set.
 
 Batches: batch k is a pure function of (files, batch_size, shuffle, shuffle_seed, drop_last, k), as the token
 loader's (`waferscale.data.loader`): the examples are taken epoch by epoch, in file order or, with `shuffle`, in
@@ -100,13 +102,17 @@ def _feature_order(files: list[Path]) -> list[int]:
 
 class HDF5Examples:
     """Random access to the examples of a set of `.h5` files: `rows(ids)` -> int32 [len(ids), 3, msl] in the
-    canonical feature order. Files open lazily (after a fork, each process opens its own handles)."""
+    canonical feature order. Files open lazily (after a fork, each process opens its own handles).
 
-    def __init__(self, data_dir: str | Path | list[str | Path]) -> None:
+    Files in Model Zoo's rank-1 'corpus' format (`data`: the documents' tokens, concatenated) are read as its map
+    reader reads them, given `sequence_length`: example i is tokens[i * msl : (i + 1) * msl + 1] of the files in
+    order, its inputs the first msl and its labels the last msl, every label scored."""
+
+    def __init__(self, data_dir: str | Path | list[str | Path], sequence_length: int | None = None) -> None:
         import h5py
 
         self.files = h5_files(data_dir)
-        counts, self.msl = [], None
+        shapes = []
         for f in self.files:
             try:
                 with h5py.File(f, "r") as h:
@@ -119,26 +125,39 @@ class HDF5Examples:
                         raise DataError(f"{f}: 'data' holds {ds.dtype}, expected integer token ids")
             except OSError as e:
                 raise DataError(f"{f}: not a readable HDF5 file ({e})") from e
-            if len(shape) != 3 or shape[1] != 3:
-                kind = "the rank-1 'corpus' format" if len(shape) == 1 else f"shape {list(shape)}"
-                raise DataError(f"{f}: 'data' has {kind}; the readers here take the 'sample' format [n, 3, msl] "
-                                "(input_ids, attention_mask, labels); preprocess the text with `wsc data_preprocess`")
-            if attr is not None and int(attr) != shape[0]:
+            if len(shape) != 1 and (len(shape) != 3 or shape[1] != 3):
+                raise DataError(f"{f}: 'data' has shape {list(shape)}; Model Zoo's GPT data is [n, 3, msl] (input_ids, "
+                                "attention_mask, labels) or the rank-1 token 'corpus'; preprocess the text with "
+                                "`wsc data_preprocess`")
+            if attr is not None and len(shape) == 3 and int(attr) != shape[0]:
                 raise DataError(f"{f}: attribute n_examples={int(attr)} but 'data' holds {shape[0]} examples; the "
                                 "file is damaged or was written incompletely")
-            if self.msl is None:
-                self.msl = int(shape[2])
-            elif shape[2] != self.msl:
-                raise DataError(f"{f}: sequences of {shape[2]} tokens, but {self.files[0]} has {self.msl}; all files "
-                                "of a dataset share one max_seq_length")
-            counts.append(int(shape[0]))
-        self.counts = np.array(counts, dtype=np.int64)
+            if shapes and (len(shape) == 1) != (len(shapes[0]) == 1):
+                raise DataError(f"{f} and {self.files[0]} hold different formats (token corpus and samples); keep "
+                                "one format per dataset")
+            if shapes and len(shape) == 3 and shape[2] != shapes[0][2]:
+                raise DataError(f"{f}: sequences of {shape[2]} tokens, but {self.files[0]} has {shapes[0][2]}; all "
+                                "files of a dataset share one max_seq_length")
+            shapes.append(shape)
+        self.corpus = len(shapes[0]) == 1
+        if self.corpus:
+            if sequence_length is None:
+                raise DataError(f"{self.files[0]} holds a rank-1 token corpus, which is cut into sequences of "
+                                "max_sequence_length tokens: set train_input.max_sequence_length")
+            self.msl = int(sequence_length)
+            self.token_starts = np.concatenate([[0], np.cumsum([s[0] for s in shapes])])
+            self.n = max(0, (int(self.token_starts[-1]) - 1) // self.msl)
+            self.counts = np.array([], dtype=np.int64)
+            self.order = list(range(3))
+        else:
+            self.msl = int(shapes[0][2])
+            self.counts = np.array([s[0] for s in shapes], dtype=np.int64)
+            self.n = int(self.counts.sum())
+            self.order = _feature_order(self.files)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
-        self.n = int(self.starts[-1])
         if self.n == 0:
             raise DataError(f"the .h5 files in {', '.join(sorted({str(f.parent) for f in self.files}))} hold no "
                             "examples")
-        self.order = _feature_order(self.files)
         self._local = threading.local()  # h5py handles per thread (prefetch workers) and per process
 
     def _sources(self) -> list[Any]:
@@ -168,6 +187,11 @@ class HDF5Examples:
         """Examples `ids` (global indices in file order), int32 [len(ids), 3, msl], rows input_ids, mask, labels."""
         ids = np.asarray(ids, dtype=np.int64)
         out = np.empty((len(ids), 3, self.msl), dtype=np.int32)
+        if self.corpus:
+            for r, i in enumerate(ids):
+                tokens = self._tokens(int(i) * self.msl, (int(i) + 1) * self.msl + 1)
+                out[r, 0], out[r, 1], out[r, 2] = tokens[:-1], 1, tokens[1:]
+            return out
         file_of = np.searchsorted(self.starts, ids, side="right") - 1
         sources = self._sources()
         for fi in np.unique(file_of):
@@ -183,6 +207,18 @@ class HDF5Examples:
                 block = src[uniq]
             out[sel] = block[inverse][:, self.order]
         return out
+
+
+    def _tokens(self, lo: int, hi: int) -> np.ndarray:
+        """Corpus tokens [lo, hi) of the files in order (a range may span two files or more)."""
+        sources, parts = self._sources(), []
+        first = int(np.searchsorted(self.token_starts, lo, side="right")) - 1
+        for fi in range(first, len(self.files)):
+            a, b = self.token_starts[fi], self.token_starts[fi + 1]
+            if a >= hi:
+                break
+            parts.append(np.asarray(sources[fi][max(lo, a) - a:min(hi, b) - a]))
+        return np.concatenate(parts)
 
 
 def to_inputs_targets(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +257,9 @@ class HDF5Batches:
             raise DataError(f"need 0 <= rank < world_size and batch_size divisible by world_size, got rank="
                             f"{self.rank}, world_size={self.world_size}, batch_size={b}")
         self.carry = self.processor == MAP and self.drop_last  # the stream runs on across epochs
+        if self.examples.corpus and self.processor == ITERABLE:
+            raise ConfigError(f"{ITERABLE} reads examples [n, 3, msl]; {self.examples.files[0]} holds a rank-1 token "
+                              f"corpus, which {MAP} reads: set data_processor: {MAP}")
         if not self.carry and self.drop_last and n < b:
             raise DataError(f"the dataset has {n} examples, fewer than one batch of {b}, and drop_last drops the "
                             "incomplete batch; lower batch_size, add data, or set drop_last: false")
@@ -319,7 +358,7 @@ def validate_hdf5(data_dir: list[str], max_sequence_length: int | None, vocab_si
     """The cheap checks a run makes before building anything large: the directories hold readable `.h5` files in
     the sample layout, one max_seq_length that equals `max_sequence_length` (when given), and token ids (of the
     first rows of each file) below `vocab_size`. Returns the opened examples."""
-    ex = HDF5Examples(data_dir)
+    ex = HDF5Examples(data_dir, max_sequence_length)
     if max_sequence_length is not None and max_sequence_length != ex.msl:
         raise DataError(f"the HDF5 data in {', '.join(data_dir)} holds sequences of {ex.msl} tokens but "
                         f"max_sequence_length is {max_sequence_length}; set max_sequence_length: {ex.msl} (or "
