@@ -226,6 +226,10 @@ def test_wsc_run_on_hdf5_two_systems_and_exact_resume(h5dir: Path, tmp_path: Pat
     s = run(params_from_dict(d, "p.yaml"), RunOptions(model_dir=tmp_path / "one", mode="train_and_eval",
                                                       execution="resident", progress=False), out=io.StringIO())
     assert s["seq_len"] == MSL and s["eval_batches"] == 2 and (tmp_path / "one" / "tokenizer").is_dir()
+    no_eval = {k: v for k, v in d.items() if k != "eval_input"}
+    with pytest.raises(ConfigError, match="no held-out split; give eval_input"):
+        run(params_from_dict(no_eval, "p.yaml"), RunOptions(model_dir=tmp_path / "one", mode="eval", progress=False),
+            out=io.StringIO())
     assert main(["run", "-p", str(p), "-o", str(tmp_path / "two"), "--num_csx", "2", "--execution", "streaming",
                  "--no_progress"]) == 0
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["executor"] == "swarmx"

@@ -206,9 +206,10 @@ def prepare_hdf5_data(params: Params, cfg: ModelConfig) -> Data:
     if train.msl > cfg.max_seq_len:
         raise ConfigError(f"the HDF5 examples hold {train.msl} tokens, more than the model's max_position_embeddings "
                           f"{cfg.max_seq_len}; raise model.max_position_embeddings or preprocess a shorter length")
-    evals = train
-    if ev is not None and ev.data_dir != inp.data_dir:
-        evals = hdf5.validate_hdf5(ev.data_dir, ev.max_sequence_length or train.msl, cfg.vocab_size)
+    evals = None  # HDF5 data has no held-out split: evaluation reads eval_input's files
+    if ev is not None:
+        evals = train if ev.data_dir == inp.data_dir else hdf5.validate_hdf5(
+            ev.data_dir, ev.max_sequence_length or train.msl, cfg.vocab_size)
     spec, own = inp.tokenizer_spec, Path(inp.data_dir[0]).expanduser() / "tokenizer.json"
     tok = load_tokenizer(spec) if spec != "char" else (load_tokenizer(own) if own.is_file() else None)
     if tok is not None and tok.vocab_size > cfg.vocab_size:
@@ -239,7 +240,10 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 # ---- the run -------------------------------------------------------------------------------------------
 
 def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int | None) -> tuple[float, int]:
-    if data.h5_eval is not None:
+    if data.h5_train is not None:
+        if data.h5_eval is None:
+            raise ConfigError("HDF5 training data has no held-out split; give eval_input with a data_dir of .h5 "
+                              "files to evaluate on (Model Zoo's validation set, or `wsc data_preprocess` of text)")
         batches = hdf5.hdf5_eval_batches(data.h5_eval, batch_size, max_batches)
         return float(np.mean([executor.eval_loss(x, y) for x, y in batches])), len(batches)
     batches = eval_batches(data.val, batch_size, data.seq_len, max_batches or 10**9)
