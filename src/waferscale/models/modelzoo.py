@@ -20,6 +20,7 @@ module has every name under `model.`; either form is read.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -104,6 +105,30 @@ def state_dict_from_zoo(sd: dict[str, Any], cfg: ModelConfig, *, where: str,
                               f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}; check that the "
                               f"params file describes this checkpoint's model")
     return out
+
+
+def fold_mup(sd: dict[str, Tensor], cfg: ModelConfig) -> tuple[dict[str, Tensor], ModelConfig]:
+    """A muP model's scalings folded into its weights, for a format that has none (Hugging Face's), as Model Zoo's
+    `Converter_sP_muP` (tools/checkpoint_converters/mup.py) does: the token and position embeddings times
+    embeddings_scale, the LM head times output_logits_scale (so the head is untied), and the key projection times
+    what turns its attention scale into the standard 1/sqrt(head size) (Model Zoo's converter divides by
+    sqrt(head size) for scale_qk_dot_by_d; attention_logits_alpha, which it predates, folds the same way).
+    Returns the weights and the standard-parameterization config they compute the same logits under."""
+    if not getattr(cfg, "has_mup", False):
+        return sd, cfg
+    out = dict(sd)
+    out["head.lm_head.weight"] = sd.get("head.lm_head.weight", sd["embed.tok.weight"]) * cfg.output_logits_scale
+    if "head.lm_head.bias" in sd:
+        out["head.lm_head.bias"] = sd["head.lm_head.bias"] * cfg.output_logits_scale
+    for name in ("embed.tok.weight", "embed.pos.weight"):
+        if name in sd:
+            out[name] = sd[name] * cfg.embeddings_scale
+    k = cfg.attention_scale * math.sqrt(cfg.head_dim)
+    for name in sd:
+        if ".attn.k_proj." in name:
+            out[name] = sd[name] * k
+    return out, cfg.replace(embeddings_scale=1.0, output_logits_scale=1.0, scale_qk_dot_by_d=False,
+                            attention_logits_alpha=1.0, tie_embeddings=False)
 
 
 def model_state(ckpt: Any, where: str) -> dict[str, Any]:
