@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
 from waferscale.models.config import ModelConfig
+from waferscale.models.init import Initializer
 from waferscale.models.layers import MLP, Attention, CausalLM, make_norm
 
 
@@ -164,14 +165,27 @@ class BERT(CausalLM):
     @torch.no_grad()
     def init_parameter(self, name: str, t: Tensor) -> None:
         """BERT's initialisation (`reset_parameters` applies it to each parameter, MemoryX to the weights of a
-        model built on the meta device): every matrix and embedding N(0, init_std), biases 0, norms 1, the
-        padding token's embedding 0."""
+        model built on the meta device): biases 0, norms 1, the matrices as `init_for` says, the padding token's
+        embedding 0."""
         if t.ndim == 1:
             t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
             return
-        t.normal_(0.0, self.config.init_std)
+        self.init_for(name)(t)
         if name == "embed.tok.weight" and self.config.pad_token_id is not None:
             t[self.config.pad_token_id].zero_()
+
+    def init_for(self, name: str) -> Initializer:
+        """The config's initializers where Model Zoo's BERT applies them (embeddings: embedding_initializer;
+        attention and feed-forward outputs: output_layer_initializer, else initializer; the other matrices:
+        initializer); left out, N(0, init_std) (no depth scaling: BERT's)."""
+        cfg = self.config
+        if name.startswith("embed."):
+            chosen = cfg.embedding_initializer
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            chosen = cfg.output_layer_initializer or cfg.initializer
+        else:
+            chosen = cfg.initializer
+        return chosen or Initializer("normal", std=cfg.init_std)
 
 
 class RoBERTa(BERT):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from waferscale.errors import ConfigError
+from waferscale.models.init import Initializer
 
 FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta", "t5")
 ENCODERS = ("bert", "roberta")  # bidirectional attention, post-norm blocks, a masked-LM head
@@ -63,6 +65,20 @@ class ModelConfig:
     lm_head_bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    # initializers (models/init.py, Model Zoo's names): None = the family's own rule (the decoders': N(0, init_std),
+    # output projections N(0, init_std / sqrt(2 n_layer))). initializer: q/k/v, the MLP's input projections and a
+    # router; output_layer_initializer: the attention and MLP output projections (None with an initializer given:
+    # the initializer, as Model Zoo); embedding_initializer: token and learned position embeddings
+    initializer: Initializer | None = None
+    output_layer_initializer: Initializer | None = None
+    embedding_initializer: Initializer | None = None
+    # muP as Model Zoo's GPT models compute it (the Cerebras-GPT muP family): the embedding output (token +
+    # position) times embeddings_scale, the logits times output_logits_scale, attention logits alpha * q.k / d
+    # with scale_qk_dot_by_d (else alpha * q.k / sqrt(d)), d the head size
+    embeddings_scale: float = 1.0
+    output_logits_scale: float = 1.0
+    scale_qk_dot_by_d: bool = False
+    attention_logits_alpha: float = 1.0
     # mixture of experts (Mixtral): n_experts > 0 replaces each block's MLP by n_experts MLPs of the same shape
     # (the experts), of which a router picks experts_per_token for each token
     n_experts: int = 0
@@ -114,6 +130,15 @@ class ModelConfig:
             bad(f"dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.rope_scaling, dict):  # accept a plain mapping (from YAML / JSON)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for k in ("initializer", "output_layer_initializer", "embedding_initializer"):
+            if getattr(self, k) is not None:  # a name or a mapping (from YAML / JSON) -> Initializer
+                object.__setattr__(self, k, Initializer.parse(getattr(self, k)))
+        if self.has_mup and (self.is_encoder or self.is_encoder_decoder):
+            bad("embeddings_scale / output_logits_scale / scale_qk_dot_by_d / attention_logits_alpha (muP) belong "
+                "to the decoder families")
+        for k in ("embeddings_scale", "output_logits_scale", "attention_logits_alpha"):
+            if not getattr(self, k) > 0:
+                bad(f"{k} must be > 0, got {getattr(self, k)}")
         if self.n_experts < 0:
             bad(f"n_experts must be 0 (a dense MLP) or a positive number of experts, got {self.n_experts}")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
@@ -157,6 +182,17 @@ class ModelConfig:
                 bad("t5 needs pad_token_id (the decoder starts from it)")
 
     # ---- derived -------------------------------------------------------------------------------
+    @property
+    def has_mup(self) -> bool:
+        """Whether any muP scaling differs from the standard parameterization's."""
+        return (self.embeddings_scale, self.output_logits_scale, self.scale_qk_dot_by_d,
+                self.attention_logits_alpha) != (1.0, 1.0, False, 1.0)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k in attention: 1 / sqrt(head size), or muP's alpha / head size (see the fields)."""
+        return self.attention_logits_alpha / (self.head_dim if self.scale_qk_dot_by_d else math.sqrt(self.head_dim))
+
     @property
     def is_encoder(self) -> bool:
         return self.family in ENCODERS

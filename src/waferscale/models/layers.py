@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from waferscale.models.config import ModelConfig, RopeScaling
+from waferscale.models.init import Initializer
 
 
 class RMSNorm(nn.Module):
@@ -117,6 +118,8 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.rotary, self.rot_dim, self.interleaved = cfg.position == "rotary", cfg.rotary_dims, cfg.rotary_interleaved
         self.alibi, self.window = cfg.position == "alibi", cfg.sliding_window
+        # None: SDPA's own 1 / sqrt(hd); muP's alpha / hd (or alpha / sqrt(hd)) otherwise
+        self.scale = cfg.attention_scale if (cfg.scale_qk_dot_by_d or cfg.attention_logits_alpha != 1.0) else None
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
@@ -170,7 +173,7 @@ class Attention(nn.Module):
         mask, causal = self._mask(start_pos, T, k.shape[2], first, q.dtype, x.device)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv != self.n_head)  # (B, nh, T, hd)
+            scale=self.scale, enable_gqa=self.n_kv != self.n_head)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)  # (B, T, C)
         return self.o_proj(y)
 
@@ -291,6 +294,7 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.max_seq_len = cfg.max_seq_len
+        self.scale = cfg.embeddings_scale  # muP's embedding multiplier (1: none)
 
     def forward(self, idx: Tensor, start_pos: int = 0) -> Tensor:
         T = idx.shape[1]
@@ -299,6 +303,8 @@ class Embedding(nn.Module):
         x = self.tok(idx)  # (B, T, C)
         if self.pos is not None:
             x = x + self.pos(torch.arange(start_pos, start_pos + T, device=idx.device))
+        if self.scale != 1.0:
+            x = x * self.scale
         return self.drop(x)
 
 
@@ -309,9 +315,11 @@ class Head(nn.Module):
         super().__init__()
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        self.scale = cfg.output_logits_scale  # muP's output multiplier (1: none)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        return logits * self.scale if self.scale != 1.0 else logits
 
 
 class CausalLM(nn.Module):
@@ -375,15 +383,28 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name: str, t: Tensor) -> None:
         """The initialisation of parameter `name` (its values `t`): `reset_parameters` applies it to each, MemoryX
-        to the weights of a model built on the meta device. GPT-2's: N(0, init_std), residual projections scaled
-        by 1/sqrt(2·n_layer)."""
-        std = self.config.init_std
+        to the weights of a model built on the meta device. Norms 1, biases 0; the matrices as `init_for` says."""
         if t.ndim == 1:
             t.fill_(1.0) if name.endswith("norm.weight") else t.zero_()
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            t.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
         else:
-            t.normal_(0.0, std)
+            self.init_for(name)(t)
+
+    def init_for(self, name: str) -> Initializer:
+        """The initializer of matrix `name`, where Model Zoo's GPT models apply the config's three: embeddings
+        (token, position) `embedding_initializer`; attention and MLP output projections `output_layer_initializer`
+        (else `initializer`); the other projections (q/k/v, MLP inputs, a router) `initializer`. Left out, each
+        is GPT-2's: N(0, init_std), output projections N(0, init_std / sqrt(2 n_layer)). An untied LM head is
+        N(0, init_std) always (Model Zoo's too)."""
+        cfg = self.config
+        default = Initializer("normal", std=cfg.init_std)
+        if name.startswith("embed."):
+            return cfg.embedding_initializer or default
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return (cfg.output_layer_initializer or cfg.initializer
+                    or Initializer("normal", std=cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+        if name.startswith("blocks."):
+            return cfg.initializer or default
+        return default
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

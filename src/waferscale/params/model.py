@@ -37,8 +37,22 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from waferscale.errors import ConfigError
 from waferscale.models.config import ModelConfig, RopeScaling
-from waferscale.params.typed import FieldError, check_fields
+from waferscale.models.init import Initializer
+from waferscale.params.typed import Ctx, FieldError, check_fields, to_plain
+
+
+def _convert_initializer(value: Any, path: str, ctx: Ctx, line: int | None) -> Initializer:
+    """An initializer as Model Zoo gives one: a name, or a mapping with `name` and its arguments."""
+    try:
+        return Initializer.parse(to_plain(value))
+    except ConfigError as e:
+        raise ctx.error(path, str(e), line) from None
+
+
+def _initializer_field() -> Any:
+    return dataclasses.field(default=None, metadata={"convert": _convert_initializer})
 
 
 @dataclass
@@ -102,7 +116,8 @@ ENCODER_KEYS = ("encoder_nonlinearity", "mlm_nonlinearity", "pooler_nonlinearity
                 "mlm_loss_weight")
 # decoder keys an encoder cannot take (its positions are learned, its blocks post-norm with a two-matrix MLP)
 _DECODER_ONLY_KEYS = ("nonlinearity", "rotary_dim", "rope_theta", "rope_scaling", "pos_scaling_type",
-                      "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output")
+                      "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output",
+                      "embeddings_scale", "output_logits_scale", "scale_qk_dot_by_d", "attention_logits_alpha")
 # keys only Model Zoo's T5 model has: one of them makes a config T5
 T5_KEYS = ("src_vocab_size", "tgt_vocab_size", "extra_ids", "d_kv", "decoder_num_hidden_layers", "decoder_nonlinearity",
            "use_t5_layer_norm", "share_encoder_decoder_embedding", "relative_attention_num_buckets",
@@ -192,6 +207,18 @@ class ModelParams:
     residual_dropout_rate: float | None = None  # the GPT-J model's name for dropout_rate
     attention_dropout_rate: float | None = None
     initializer_range: float | None = None
+    # where each applies: ModelConfig's fields of the same names (models/init.py has the names and arguments)
+    initializer: Initializer | None = _initializer_field()
+    output_layer_initializer: Initializer | None = _initializer_field()
+    embedding_initializer: Initializer | None = _initializer_field()
+    # muP, Model Zoo's Cerebras-GPT form (ModelConfig's fields of the same names; the optimizer's
+    # adjust_learning_rate scales the hidden layers' learning rate)
+    embeddings_scale: float | None = None
+    output_logits_scale: float | None = None
+    scale_qk_dot_by_d: bool | None = None
+    attention_logits_alpha: float | None = None
+    mup_base_hidden_size: float | None = None
+    mup_base_filter_size: float | None = None
     # loss and precision
     loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
     loss_weight: float = 1.0
@@ -210,8 +237,8 @@ class ModelParams:
         "dropout_seed": "dropout follows runconfig.seed",
         "fixed_sparse_attention": "dense attention only",
         **dict.fromkeys(("precision_opt_level", "boundary_casting"), "a Cerebras compiler setting"),
-        **dict.fromkeys(("initializer", "embedding_initializer", "output_layer_initializer"),
-                        "weights use normal(0, initializer_range)"),
+        **dict.fromkeys(("output_logits_alpha", "scale_output_logits_by_d"),
+                        "Model Zoo reads it only with mup_base_hidden_size (muP by base widths)"),
         **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
         "compute_eval_metrics": "evaluation reports the loss",
         "enable_vts": "a Cerebras compiler setting (variable tensor shapes)",
@@ -267,7 +294,7 @@ class ModelParams:
             "rope_scaling": self._rope_scaling(), "attn_bias": self._attn_bias(), "mlp_bias": self.use_ffn_bias,
             "dropout": self._dropout(), "init_std": self.initializer_range, **self._moe(),
             "lm_head_bias": self.use_bias_in_output, "block": self._block(),
-            "sliding_window": self.attention_sliding_window_length,
+            "sliding_window": self.attention_sliding_window_length, **self._init_and_mup(),
         }
         o = {k: v for k, v in zoo.items() if v is not None}  # overrides of the preset / defaults
 
@@ -316,6 +343,11 @@ class ModelParams:
                   and getattr(self, k) is not None]
         if others:
             raise FieldError(others[0], "is not a key of Model Zoo's T5 model (an encoder-decoder); drop it")
+        inits = [k for k in ("initializer", "output_layer_initializer", "embedding_initializer")
+                 if getattr(self, k) is not None]
+        if inits:
+            raise FieldError(inits[0], "is not supported for T5: its weights take T5's own initialisation (Mesh "
+                             "TensorFlow's, models/t5.py); drop it")
         if self.position_embedding_type not in (None, "relative"):
             raise FieldError("position_embedding_type", f"{self.position_embedding_type!r} is not supported for T5; "
                              "supported: relative")
@@ -368,6 +400,18 @@ class ModelParams:
             return ModelConfig(**(_T5_DEFAULTS | {"name": self.name or "custom"} | o))
         except ValueError as e:  # ModelConfig's own checks, in Model Zoo's key names
             raise FieldError("", _zoo_names(str(e))) from None
+
+    def _init_and_mup(self) -> dict[str, Any]:
+        """ModelConfig's initializer and muP fields the file sets."""
+        for key in ("mup_base_hidden_size", "mup_base_filter_size"):
+            if getattr(self, key) is not None:
+                raise FieldError(key, "muP by base widths (Model Zoo 2.3's form) is not supported; give the "
+                                 "scalings themselves as the Cerebras-GPT muP configs do: output_logits_scale, "
+                                 "embeddings_scale, scale_qk_dot_by_d, width-scaled initializers and "
+                                 "optimizer.adjust_learning_rate")
+        keys = ("initializer", "output_layer_initializer", "embedding_initializer", "embeddings_scale",
+                "output_logits_scale", "scale_qk_dot_by_d", "attention_logits_alpha")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def _block(self) -> str | None:
         """ModelConfig.block: Model Zoo's GPT-J model (named, or told by use_untied_layer_norm) is parallel."""

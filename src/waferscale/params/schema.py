@@ -21,6 +21,7 @@ import yaml
 
 from waferscale.errors import ConfigError
 from waferscale.params.cluster_keys import CLUSTER_KEYS
+from waferscale.models.mup import check_lr_adjustment
 from waferscale.params.model import ModelParams
 from waferscale.params.schedules import convert_learning_rate, normalize_learning_rate
 from waferscale.params.trainer_layout import legacy_from_trainer
@@ -164,6 +165,8 @@ class OptimizerParams:
     scale_parameter: bool = True
     relative_step: bool = False
     warmup_init: bool = False
+    # muP: {group: scale} multiplies the scheduled learning rate of a group of parameters (models/mup.py)
+    adjust_learning_rate: dict[str, float] | None = None
 
     ALIASES: ClassVar[dict[str, str]] = {"weight_decay_rate": "weight_decay"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
@@ -174,6 +177,11 @@ class OptimizerParams:
     def __post_init__(self) -> None:
         check_fields(self)
         self.learning_rate = normalize_learning_rate(self.learning_rate)  # idempotent
+        if self.adjust_learning_rate is not None:
+            try:
+                check_lr_adjustment(self.adjust_learning_rate)
+            except ConfigError as e:
+                raise FieldError("adjust_learning_rate", str(e).split(": ", 1)[1]) from None
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise FieldError("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
