@@ -278,9 +278,11 @@ class HDF5Batches:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.examples.n)
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.examples.n))
-        return self._perm[1]
+        cached = self._perm  # one read: a prefetch thread may replace it meanwhile
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.examples.n))
+            self._perm = cached
+        return cached[1]
 
     def global_ids(self, k: int) -> np.ndarray:
         """Example indices of global batch k."""
