@@ -161,6 +161,9 @@ def test_epochs_shuffle_and_drop_last(tmp_path: Path) -> None:
     assert first == [_ids(s2, k) for k in range(5)]  # the seed decides
     assert sorted(sum(first, [])[:10]) == list(range(10)) and sum(first, [])[:10] != list(range(10))
     assert first != [_ids(HDF5Batches(ex, 4, shuffle=True, seed=8), k) for k in range(5)]
+    ahead = HDF5Batches(ex, 4, shuffle=True, seed=7, num_workers=3)  # prefetch across epoch boundaries
+    assert [next(ahead)[0].tolist() for _ in range(8)] == [s1.batch(k)[0].tolist() for k in range(8)]
+    ahead.close()
     with pytest.raises(DataError, match="fewer than one batch"):
         HDF5Batches(ex, 12, processor="GptHDF5DataProcessor")
 
