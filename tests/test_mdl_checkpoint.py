@@ -232,6 +232,8 @@ def _params(corpus: Path, model_dir: Path, model: dict) -> dict:
 
 GPT = {"name": "gpt-tiny", "vocab_size": 64, "max_position_embeddings": 32, "mixed_precision": False}
 LLAMA = {"name": "llama-tiny", "vocab_size": 64, "max_position_embeddings": 32, "mixed_precision": False}
+# Cerebras-GPT muP's model keys (params_cerebras_gpt_111m_mup.yaml's values): folded into the weights for HF
+GPT_MUP = {**GPT, "embeddings_scale": 10.0, "output_logits_scale": 1 / 3, "scale_qk_dot_by_d": True}
 
 
 def test_model_zoo_gpt_checkpoint_trains_on_through_the_runner(corpus: Path, tmp_path: Path) -> None:
@@ -251,7 +253,7 @@ def test_model_zoo_gpt_checkpoint_trains_on_through_the_runner(corpus: Path, tmp
     assert 0 < moved < 0.05  # one optimizer step from the loaded weights (a fresh model differs by ~1)
 
 
-@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("model", [GPT, LLAMA, GPT_MUP], ids=["gpt2", "llama", "gpt2-mup"])
 def test_convert_to_hugging_face_matches_transformers(model: dict, corpus: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     d = _params(corpus, tmp_path / "unused", model)
