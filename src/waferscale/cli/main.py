@@ -264,7 +264,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     from waferscale.zoo.wafer import params_graph
 
     graph = params_graph(_load_params(a.params)) if a.params else None
-    d = estimate_memory(model=a.model, graph=graph, target=a.target, mixed_precision=not a.fp32)
+    d = estimate_memory(model=a.model, graph=graph, target=a.target, mixed_precision=not a.fp32,
+                        batch_size=a.batch_size, seq_len=a.seq_len, systems=a.systems)
     print(json.dumps(d, indent=1) if a.json else estimate_table(d))
     return 0
 
@@ -453,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot": (cmd_plot, "draw a run's loss curve to a PNG"),
         "models": (cmd_models, "list the model zoo"),
         "compile": (cmd_compile, "place a model on one or more wafers and project its speed"),
-        "estimate": (cmd_estimate, "memory table: weights, gradients, optimizer state vs wafer SRAM"),
+        "estimate": (cmd_estimate, "memory table: weights, gradients, optimizer state, activations vs wafer SRAM"),
         "serve": (cmd_serve, "OpenAI-compatible inference server with a playground at /"),
         "kernel": (cmd_kernel, "run a fabric kernel's cycle model (and verify it tile by tile)"),
         "sparsity-report": (cmd_sparsity_report, "weight and activation sparsity per layer of a model, with a plot"),
@@ -552,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--params", default=None)
             p.add_argument("--target", default="wse3")
             p.add_argument("--fp32", action="store_true", help="no mixed precision")
+            p.add_argument("--batch_size", type=int, default=None, help="sequences per step (default: the params "
+                                                                         "file's, else as wsc compile)")
+            p.add_argument("--seq_len", type=int, default=None)
+            p.add_argument("--systems", type=int, default=1, help="the batch splits over this many systems")
             p.add_argument("--json", action="store_true")
         elif name == "kernel":
             p.add_argument("kind", choices=["gemv", "gemm", "spmv", "allreduce"])

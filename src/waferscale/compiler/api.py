@@ -12,7 +12,7 @@ from waferscale.compiler.ir import Graph
 from waferscale.compiler.plan import Plan
 from waferscale.compiler.sensitivity import summary_lines as sensitivity_lines
 from waferscale.compiler.sparsity import summary_lines
-from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, data_bytes_per_pe
+from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM
 from waferscale.errors import ConfigError
 from waferscale.util.files import atomic_write_bytes
 
@@ -43,6 +43,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     d.update({k: p[k] for k in keys if k in p},
              why=list(plan.decisions), assumptions=plan.assumptions, plan_version=plan.version,
              fingerprint=plan.fingerprint())
+    if "memory" in plan.extra:
+        d["memory"] = plan.extra["memory"]
     if "sparsity" in plan.extra:
         d["sparsity"] = plan.extra["sparsity"]
     if "sensitivity" in plan.extra:
@@ -95,6 +97,8 @@ def plan_summary(plan: Plan) -> str:
              f"{plan.wafers_per_pipeline} wafer(s) per pipeline, {len(plan.regions)} regions",
              f"  PEs used      {plan.pes_used:,} of {sum(w['usable_pes'] for w in plan.wafers):,} usable"
              f"  (fits in SRAM: {'yes' if plan.fits_in_sram else 'no, weights streamed'})"]
+    if "memory" in plan.extra:
+        lines.append(f"  memory        {plan.extra['memory']['why']}")
     if "encode_latency_s" in p:
         lines += [f"  encode        {p['encode_sequences_per_s']:,.0f} sequences/s = {p['encode_tokens_per_s']:,.0f} "
                   f"tokens/s ({p['seq_len']}-token sequences, MFU {p['mfu']:.1%}); latency {_t(p['encode_latency_s'])} "
@@ -186,14 +190,17 @@ def write_outputs(plan: Plan, out_dir: str | os.PathLike) -> list[Path]:
 # ---- memory estimate (`wsc estimate`) ------------------------------------------------------------------------
 
 def estimate_memory(*, model: str | None = None, graph: Graph | None = None, target: str = "wse3",
-                    mixed_precision: bool = True) -> dict[str, Any]:
-    """Training and inference memory of a model against one target's SRAM (Adam optimizer).
+                    mixed_precision: bool = True, batch_size: int | None = None, seq_len: int | None = None,
+                    systems: int = 1) -> dict[str, Any]:
+    """Training and inference memory of a model against one target's SRAM (Adam optimizer): the training figures
+    are `memory.training_memory`'s, the answer `compile_model(mode="train")` decides by, at the same batch,
+    sequence length and systems (defaults as compile's: a params file's, else the no-stall minimum batch).
 
-    Mixed precision: fp16/bf16 weights and gradients are what the wafer computes with; the fp32 master
-    weights and the two fp32 Adam moments are optimizer state (in MemoryX when streaming). fp32 training has
-    no master copy. Activations are not in the table's total (they depend on batch and schedule). A captured
-    `graph` (a params file's: `waferscale.zoo.wafer.params_graph`) brings its own precision."""
+    Mixed precision: fp16/bf16 weights and gradients are what the wafer computes with; the fp32 master weights
+    and the two fp32 Adam moments are optimizer state. fp32 training has no master copy. A captured `graph` (a
+    params file's: `waferscale.zoo.wafer.params_graph`) brings its own precision."""
     from waferscale.compiler import capture
+    from waferscale.compiler.memory import training_memory
     from waferscale.fabric.presets import fabric_from_name
 
     if (model is None) == (graph is None):
@@ -202,38 +209,44 @@ def estimate_memory(*, model: str | None = None, graph: Graph | None = None, tar
     g = capture.capture_zoo(model) if model else graph
     if graph is not None:
         mixed_precision = g.dtype != "fp32"
-    n = g.params
-    w, gr, master, m1, m2 = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed_precision else "fp32"]
+    mem = training_memory(g, spec, spec.pes, systems, batch_size, seq_len, mixed=mixed_precision)
+    w, n = mem.workload, mem.params
+    per_param = ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed_precision else "fp32"]
     half = "fp16/bf16" if mixed_precision else "fp32"
-    items = [("weights", half, w, "wafer (streamed)"), ("gradients", half, gr, "wafer -> MemoryX"),
-             ("master weights", "fp32", master, "MemoryX"), ("Adam 1st moment", "fp32", m1, "MemoryX"),
-             ("Adam 2nd moment", "fp32", m2, "MemoryX")]  # fp32 training has no master copy (0 bytes)
-    rows = [{"item": item, "dtype": dt, "bytes_per_param": bp, "bytes": n * bp, "where": where}
-            for item, dt, bp, where in items if bp]
-    total = sum(r["bytes"] for r in rows)
-    usable = spec.pes * data_bytes_per_pe(spec)
-    infer = n * (2 if mixed_precision else 4)
-    return {"model": g.name, "params": n, "target": spec.name, "mixed_precision": mixed_precision, "rows": rows,
-            "training_bytes": total, "training_bytes_per_param": w + gr + master + m1 + m2,
-            "optimizer_state_bytes": n * (master + m1 + m2), "inference_weight_bytes": infer,
-            "sram_bytes": spec.sram_bytes, "usable_sram_bytes": usable,
+    items = [("weights", half, per_param[0]), ("gradients", half, per_param[1]),
+             ("master weights", "fp32", per_param[2]), ("Adam 1st moment", "fp32", per_param[3]),
+             ("Adam 2nd moment", "fp32", per_param[4])]
+    rows = [{"item": item, "dtype": dt, "bytes_per_param": bp, "bytes": n * bp} for item, dt, bp in items if bp]
+    rows.append({"item": "activations", "dtype": half, "bytes_per_param": None, "bytes": mem.activations})
+    infer = g.params * (2 if mixed_precision else 4)
+    return {"model": g.name, "params": g.params, "params_held": n, "target": spec.name,
+            "mixed_precision": mixed_precision, "batch_size": w.batch_size, "seq_len": w.seq_len, "systems": systems,
+            "batch_defaulted": w.batch_defaulted, "rows": rows, "weights_bytes": mem.weights,
+            "gradients_bytes": mem.gradients, "optimizer_state_bytes": mem.optimizer_state,
+            "activations_bytes": mem.activations, "training_bytes": mem.total,
+            "training_bytes_per_param": mem.bytes_per_param, "inference_weight_bytes": infer,
+            "sram_bytes": spec.sram_bytes, "usable_sram_bytes": mem.sram,
             "program_reserve_bytes_per_pe": spec.program_reserve_bytes_per_pe,
-            "training_fits_in_sram": total <= usable, "inference_fits_in_sram": infer <= usable,
-            "training_verdict": ("fits in SRAM (weights, gradients and optimizer state; activations come on top)"
-                                 if total <= usable else
-                                 "needs weight streaming: MemoryX holds the optimizer state, weights stream in"),
-            "inference_systems_needed": max(1, -(-infer // usable)), "active_params": g.active_params}
+            "training_fits_in_sram": mem.fits, "inference_fits_in_sram": infer <= mem.sram,
+            "training_verdict": mem.why(), "inference_systems_needed": max(1, -(-infer // mem.sram)),
+            "active_params": g.active_params}
 
 
 def estimate_table(d: dict[str, Any]) -> str:
     gbs = lambda b: f"{b / 1e9:10.2f} GB"  # noqa: E731
+    batch = f"batch {d['batch_size']} x {d['seq_len']} tokens over {d['systems']} system(s)" + (
+        " (no batch given: the weight-streaming no-stall minimum, as wsc compile)" if d["batch_defaulted"] else "")
     lines = [f"{d['model']}: {d['params']:,} parameters, Adam, "
              f"{'mixed precision' if d['mixed_precision'] else 'fp32'}; target {d['target']} "
-             f"SRAM {d['sram_bytes'] / 1e9:.1f} GB ({d['usable_sram_bytes'] / 1e9:.1f} GB for data)",
-             f"  {'item':<18}{'dtype':<11}{'B/param':>8}{'size':>14}  where"]
+             f"SRAM {d['sram_bytes'] / 1e9:.1f} GB ({d['usable_sram_bytes'] / 1e9:.1f} GB for data); {batch}"]
+    if d["params_held"] != d["params"]:
+        lines.append(f"  the tied embedding is held twice on the wafer (embedding and LM head): "
+                     f"{d['params_held']:,} parameters held")
+    lines.append(f"  {'item':<18}{'dtype':<11}{'B/param':>8}{'size':>14}")
     for r in d["rows"]:
-        lines.append(f"  {r['item']:<18}{r['dtype']:<11}{r['bytes_per_param']:>8}{gbs(r['bytes']):>14}  {r['where']}")
-    lines.append(f"  {'training total':<18}{'':<11}{d['training_bytes_per_param']:>8}{gbs(d['training_bytes']):>14}")
+        per = r["bytes_per_param"] if r["bytes_per_param"] is not None else "-"
+        lines.append(f"  {r['item']:<18}{r['dtype']:<11}{per:>8}{gbs(r['bytes']):>14}")
+    lines.append(f"  {'training total':<18}{'':<11}{'':>8}{gbs(d['training_bytes']):>14}")
     lines.append(f"  training:  {d['training_verdict']}")
     lines.append(f"  inference: {d['inference_weight_bytes'] / 1e9:.2f} GB of weights -> "
                  + ("fits in one wafer's SRAM" if d["inference_fits_in_sram"] else

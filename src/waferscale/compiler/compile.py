@@ -142,6 +142,8 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
         proj["speculative"] = spec_dec.project(ctx, speculative, draft, regions, proj)
     extra = {"sparsity": sp.explain(ctx, out["reproject"], _probe(g, regions, proj, wafers[0]),
                                     "decode token" if mode_key == "inference" else "training step")} if g.sparse else {}
+    if "memory" in out:  # training: the memory answer `wsc estimate` also prints (memory.training_memory)
+        extra["memory"] = out.pop("memory")
     spread = out["strategy"] == "model_parallel"  # its windows lie anywhere on the full wafer (not only --pes)
     assumptions = pj.assumptions(ctx.wafer_spec if spread else spec, systems, g.dtype)
     if defects:

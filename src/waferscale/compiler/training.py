@@ -1,9 +1,8 @@
 """Training plans: resident (the layer pipeline keeps weights, gradients and Adam state in SRAM) or weight
 streaming (`weight_streaming.py`), data-parallel over systems through SwarmX (`data_parallel.py`).
 
-Resident memory per unit: fp16/bf16 weights + gradients + fp32 master weights + two Adam moments (16 B/param,
-`strategy.ADAM_STATE_BYTES_PER_PARAM`) + the activations kept for backward (1F1B: stage i holds the sequences
-between its forward and its backward, min(stages - i, sequences per step)). Times in seconds.
+Resident memory per unit and the choice between the two: `memory.training_memory` (what `wsc estimate` prints).
+Times in seconds.
 """
 
 from __future__ import annotations
@@ -16,9 +15,10 @@ from waferscale.compiler.context import CompileContext
 from waferscale.compiler.data_parallel import swarmx_allreduce, weak_scaling
 from waferscale.compiler.ir import Unit
 from waferscale.compiler.pipeline import MAX_REPLICAS_PER_WAFER, chain, place_pipelines, with_detours
-from waferscale.compiler.seq2seq import model_flops_per_token, per_sequence
+from waferscale.compiler.memory import training_memory
+from waferscale.compiler.seq2seq import model_flops_per_token
 from waferscale.compiler.placement import grid_boxes
-from waferscale.compiler.strategy import ADAM_STATE_BYTES_PER_PARAM, Layout, data_bytes_per_pe, gb
+from waferscale.compiler.strategy import Layout, gb
 from waferscale.compiler.weight_streaming import plan_weight_streaming
 from waferscale.errors import ConfigError
 from waferscale.fabric import cost
@@ -26,41 +26,21 @@ from waferscale.fabric import cost
 
 def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | None) -> dict:
     """The training plan: sequence length and batch (default: the weight-streaming no-stall minimum), then
-    resident (`_train_pipelined`) when weights + gradients + Adam state + activations fit in SRAM, else
-    weight streaming (`weight_streaming.plan_weight_streaming`). Raises ConfigError on a bad request."""
-    g, spec = ctx.g, ctx.spec
-    seq = seq_len or int(g.defaults.get("seq_len") or g.max_seq_len)
-    if seq > g.max_seq_len:
-        raise ConfigError(f"--seq_len {seq} exceeds {g.name}'s maximum sequence length {g.max_seq_len}")
-    b = g.dtype_bytes
-    mixed = g.dtype != "fp32"
-    # tokens a unit computes per sequence and the keys it attends to (an encoder-decoder: L encoder tokens, T
-    # decoder tokens; `seq_tok` = L + T), else seq and seq
-    units, tok, actx, seq_tok = per_sequence(g, seq, g.defaults.get("target_len"))
-    usable = min(w.usable_pes for w in ctx.wafers)
-    F = usable * (spec.fp16_flops_per_cycle_per_pe if mixed else spec.fp32_flops_per_cycle_per_pe) * spec.clock_hz
-    BW = spec.io_bytes_per_s
-    t_min = math.ceil((b / 3) * F / BW)  # WSE.md: T >= (b/3) F / BW
-    rule = "T >= (b/3)F/BW"
-    if g.moe:  # an expert's weights serve only the k/E of the tokens routed to it: E/k times the tokens to hide them
-        u = next(x for x in units if x.expert_of)
-        t_min = math.ceil(u.n_experts / u.experts_per_token * t_min)
-        rule = f"T >= ({u.n_experts}/{u.experts_per_token})(b/3)F/BW"
-    if batch_size is None and g.defaults.get("batch_size"):
-        batch_size = int(g.defaults["batch_size"])
-    if batch_size is None:
-        batch_size = ctx.systems * max(1, math.ceil(t_min / seq_tok))
-        ctx.say(f"batch size: none given, so {batch_size} sequences of {seq} ({batch_size // ctx.systems} per "
-                f"system) = the weight-streaming no-stall minimum {rule} = {t_min:,} tokens per system")
+    resident (`_train_pipelined`) when weights + gradients + Adam state + activations fit in SRAM, else weight
+    streaming (`weight_streaming.plan_weight_streaming`): the decision is `memory.training_memory`'s, the answer
+    `wsc estimate` prints. Raises ConfigError on a bad request."""
+    g = ctx.g
+    mem = training_memory(g, ctx.spec, min(w.usable_pes for w in ctx.wafers), ctx.systems, batch_size, seq_len)
+    w = mem.workload
+    seq, batch_size, per_sys, b = w.seq_len, w.batch_size, w.per_system, g.dtype_bytes
+    if w.batch_defaulted:
+        ctx.say(f"batch size: none given, so {batch_size} sequences of {seq} ({per_sys} per system) = the "
+                f"weight-streaming no-stall minimum {w.rule} = {w.t_min:,} tokens per system")
     if g.arch == "encoder_decoder":
-        ctx.say(f"encoder-decoder: a sequence is {seq} encoder tokens (bidirectional) and {seq_tok - seq} decoder "
+        ctx.say(f"encoder-decoder: a sequence is {seq} encoder tokens (bidirectional) and {w.seq_tok - seq} decoder "
                 f"tokens (the span-corruption target of a {seq}-token input; causal self-attention, and "
                 f"cross-attention over the {seq} encoder outputs, whose keys and values each decoder layer's cross "
-                f"K/V unit projects); tokens per step count both ({seq_tok} per sequence)")
-    if batch_size % ctx.systems:
-        raise ConfigError(f"--batch_size {batch_size} is not divisible by --systems {ctx.systems}; the global batch "
-                          f"is split evenly across systems")
-    per_sys = batch_size // ctx.systems
+                f"K/V unit projects); tokens per step count both ({w.seq_tok} per sequence)")
     micro = int(g.defaults.get("micro_batch_size") or per_sys)
     if per_sys % micro:
         micro = per_sys
@@ -68,27 +48,21 @@ def plan_training(ctx: CompileContext, batch_size: int | None, seq_len: int | No
         ctx.say(f"encoder: bidirectional attention (each of a sequence's {seq} tokens attends to all {seq}), "
                 f"trained on the masked-LM objective: the head computes every token's vocabulary logits, the loss "
                 f"reads the masked ones")
-    spp = sum(ADAM_STATE_BYTES_PER_PARAM["mixed" if mixed else "fp32"])  # bytes of training state per parameter
-    cap_w = usable * data_bytes_per_pe(spec)
-    S = len(units)
-    resident = [(u.params + u.tied_params) * spp + u.train_act_elems_per_token * b * tok(u) * min(S - i, per_sys)
-                * (u.token_share if u.expert_of else 1) for i, u in enumerate(units)]  # an expert: its tokens
-    params_b = sum((u.params + u.tied_params) * spp for u in units)
     workload = {"batch_size": batch_size, "seq_len": seq, "micro_batch_size": micro,
-                "tokens_per_step": batch_size * seq_tok, "systems": ctx.systems}
-    common = {"no_stall_min_tokens_per_step": t_min, "peak_flops_per_wafer": F, "io_bytes_per_s": BW,
-              "streamed_bytes_per_weight": b}
-    if sum(resident) <= cap_w:
-        ctx.say(f"resident training: weights + gradients + Adam state ({spp} B/param: {gb(params_b)}) + activations "
-                f"of the sequences in flight ({gb(sum(resident) - params_b)}) = {gb(sum(resident))} <= "
-                f"{gb(cap_w)} of SRAM: layer-pipelined on the wafer, no streaming")
-        return _train_pipelined(ctx, units, resident, per_sys, seq, workload, common, b, cap_w, tok, actx, seq_tok)
-    ctx.say(f"weight streaming: resident training would need {gb(sum(resident))} (weights + gradients + Adam state "
-            f"at {spp} B/param = {gb(params_b)}, + activations of a 1F1B layer pipeline {gb(sum(resident) - params_b)}) "
-            f"> {gb(cap_w)} of SRAM, so weights live in MemoryX (fp32 master + Adam moments there, the update runs "
-            f"there), stream in one layer at a time across the whole wafer, gradients stream out")
-    return plan_weight_streaming(ctx, units, per_sys, micro, seq, workload, common, b, cap_w, t_min, F,
-                                 **({"tok": tok, "actx": actx, "seq_tok": seq_tok} if seq_tok != seq else {}))
+                "tokens_per_step": batch_size * w.seq_tok, "systems": ctx.systems}
+    common = {"no_stall_min_tokens_per_step": w.t_min, "peak_flops_per_wafer": w.peak_flops,
+              "io_bytes_per_s": ctx.spec.io_bytes_per_s, "streamed_bytes_per_weight": b}
+    if mem.fits:
+        ctx.say(f"resident training: {mem.why()}, layer-pipelined on the wafer")
+        out = _train_pipelined(ctx, w.units, list(mem.per_unit), per_sys, seq, workload, common, b, mem.sram, w.tok,
+                               w.actx, w.seq_tok)
+        return out | {"memory": mem.summary()}
+    ctx.say(f"weight streaming: resident training would need {mem.why()} (fp32 master + Adam moments there, the "
+            f"update runs there), gradients stream out")
+    out = plan_weight_streaming(ctx, w.units, per_sys, micro, seq, workload, common, b, mem.sram, w.t_min,
+                                w.peak_flops, **({"tok": w.tok, "actx": w.actx, "seq_tok": w.seq_tok}
+                                                 if w.seq_tok != seq else {}))
+    return out | {"memory": mem.summary()}
 
 
 def _train_pipelined(ctx: CompileContext, units: list[Unit], mem: list[int], per_sys: int, seq: int, workload: dict,
