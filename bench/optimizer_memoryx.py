@@ -1,8 +1,9 @@
 """Benchmark: MemoryX's optimizer throughput (parameters updated per second) against torch's fused CPU AdamW
-called directly on the same parameters.
+called directly on the same parameters. MemoryX runs Cerebras' AdamW (`runtime.optimizers`: eps before the bias
+correction), a sequence of torch element-wise operations; the peer is torch's own formula in one fused kernel.
 
     peer    torch.optim.AdamW(fused=True) over the model's parameters (decay / no-decay groups), `.step()` timed
-    ours    MemoryX: the per-unit optimizers, as a training step runs them (`MemoryX._update` per unit, on its
+    ours    MemoryX: the per-unit optimizers (Cerebras' AdamW), as a training step runs them (`MemoryX._update` per unit, on its
             worker lane; timed from the first update submitted to the last finished). Gradient write-back
             (copying gradients into MemoryX) is timed separately and printed, not counted as optimizer time.
 
@@ -22,7 +23,7 @@ import torch
 from waferscale.params import OptimizerParams
 from waferscale.models import from_name
 from waferscale.runtime.memoryx import MemoryX
-from waferscale.runtime.optim import build_optimizer
+from waferscale.runtime.optim import param_groups
 
 
 def main() -> None:
@@ -41,12 +42,14 @@ def main() -> None:
     grads = [torch.randn_like(p) * 1e-3 for p in model.parameters()]
 
     mx = MemoryX(model, opt)
-    peer_opt = build_optimizer(model.parameters(), opt)
-    assert peer_opt.defaults.get("fused"), "the peer must be torch's fused AdamW"
+    # (build_optimizer gives Cerebras' AdamW, which MemoryX steps: the peer is torch's, same hyper-parameters)
+    peer_opt = torch.optim.AdamW(param_groups(model.parameters(), opt.weight_decay), lr=opt.learning_rate,
+                                 betas=opt.betas, eps=opt.eps, fused=True)
     for p, g in zip(model.parameters(), grads):
         p.grad = g
     # MemoryX gets the same gradients in its own layout (payload order of each unit)
     by_name = dict(zip([k for k, _ in model.named_parameters()], grads))
+    every = {e.global_index for lay in mx.layouts for e in lay.owned}  # (every parameter has a gradient)
     unit_grads = []
     for lay in mx.layouts:
         big = torch.cat([by_name[e.name].reshape(-1) for e in lay.entries if e.matrix] or [torch.empty(0)])
@@ -71,7 +74,7 @@ def main() -> None:
                 f.result()
             wb += time.perf_counter() - t
             t = time.perf_counter()
-            futs = [mx._lane.submit(mx._update, u, 1e-4, 1.0, 1.0) for u in range(mx.n_units)]
+            futs = [mx._lane.submit(mx._update, u, 1e-4, 1.0, 1.0, every) for u in range(mx.n_units)]
             for f in futs:
                 f.result()
             opt_s += time.perf_counter() - t

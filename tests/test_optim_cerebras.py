@@ -379,3 +379,96 @@ def test_torch_format_adam_state_resumes() -> None:
         second.step()
     for a, b in zip(whole.parameters(), resumed.parameters()):  # (beta^11 from a float64 power, not the float32
         assert ((a - b).norm() / b.norm()).item() <= 1e-5       # running product: a few ulps apart)
+
+
+# ---- schedulers (cerebras/pytorch/optim/scheduler.py, cerebras_pytorch 2.10.0) -----------------------------------
+
+def polynomial_closed_form(t: int, initial: float, end: float, total_iters: int, power: float, cycle: bool) -> float:
+    """PolynomialScheduler._get_closed_form."""
+    last_epoch = torch.tensor(t)
+    alpha = torch.tensor(1.0, dtype=torch.float32)
+    if cycle:
+        alpha = torch.add(last_epoch, 1).div(total_iters).ceil()
+    return float(torch.where(last_epoch >= total_iters, torch.tensor(end, dtype=torch.float32),
+                             torch.sub(1, torch.div(last_epoch, torch.mul(total_iters, alpha)))
+                             .pow(power).mul(initial - end).add(end).float()))
+
+
+def tagged_optimizer() -> torch.optim.Optimizer:
+    model = mlp()
+    return cstorch.optim.AdamW([{"params": [model[0].weight], "tags": "embedding"},
+                                {"params": [model[0].bias], "tags": ["norm", "bias"]},
+                                {"params": list(model[2].parameters())}], lr=0.5)
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_linear_and_polynomial_lr_follow_the_published_formula(cycle: bool) -> None:
+    opt = tagged_optimizer()
+    linear = cstorch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, 7, cycle=cycle)
+    poly = cstorch.optim.lr_scheduler.PolynomialLR(tagged_optimizer(), 1.0, 0.1, 7, 2.0)  # (power, positionally)
+    for t in range(20):
+        assert linear.get_last_lr()[0] == pytest.approx(polynomial_closed_form(t, 1.0, 0.1, 7, 1.0, cycle), rel=1e-6)
+        assert poly.get_last_lr()[0] == pytest.approx(polynomial_closed_form(t, 1.0, 0.1, 7, 2.0, False), rel=1e-6)
+        linear.step()
+        poly.step()
+
+
+def should_apply(tags: set | None, group: dict) -> bool:
+    """Scheduler._should_apply_to_param_group, after optimizer.py's Optimizer.__init__ made the group's tags a set."""
+    if group.get("tags", None):
+        if isinstance(group["tags"], (list, tuple)):
+            group = {**group, "tags": set(group["tags"])}
+        elif not isinstance(group["tags"], set):
+            group = {**group, "tags": {group["tags"]}}
+    if tags is None:
+        return True
+    if p_tags := group.get("tags", {None}):
+        return bool(tags.intersection(p_tags))
+    return False
+
+
+@pytest.mark.parametrize("tags", [None, "embedding", ["bias"], [None], ["embedding", None]])
+def test_param_group_tags_pick_the_groups(tags: Any) -> None:
+    opt = tagged_optimizer()
+    sched = cstorch.optim.lr_scheduler.ConstantLR(opt, 0.25, param_group_tags=tags)
+    wanted = None if tags is None else set(tags) if isinstance(tags, list) else {tags}
+    applies = [should_apply(wanted, g) for g in opt.param_groups]
+    assert [g["lr"] for g in opt.param_groups] == [0.25 if a else 0.5 for a in applies]
+    assert sched.get_last_lr() == [0.25 if a else None for a in applies]
+
+
+def test_param_group_tags_refusals() -> None:
+    with pytest.raises(ConfigError, match=r"match no param group .*bias, embedding, norm"):
+        cstorch.optim.lr_scheduler.ConstantLR(tagged_optimizer(), 0.1, param_group_tags="decoder")
+    with pytest.raises(ConfigError, match="holds a tag twice"):
+        cstorch.optim.lr_scheduler.ConstantLR(tagged_optimizer(), 0.1, param_group_tags=["bias", "bias"])
+    opt = tagged_optimizer()
+    a = cstorch.optim.lr_scheduler.ConstantLR(opt, 0.1, param_group_tags="bias")
+    b = cstorch.optim.lr_scheduler.ConstantLR(opt, 0.2, param_group_tags="bias")
+    with pytest.raises(ConfigError, match="must be the same"):
+        cstorch.optim.lr_scheduler.SequentialLR(opt, [a, b], [3])
+
+
+@pytest.mark.parametrize("last_epoch", [-1, 0, 3, 8])
+def test_sequential_lr_last_epoch(last_epoch: int) -> None:
+    """SequentialScheduler: its last_epoch starts at last_epoch + 1 (the constructor's step), its schedulers at 0;
+    each step advances the first and, past milestone i, scheduler i + 1 (`increment_last_epoch`); the value is
+    scheduler i's where last_epoch has passed milestone i (`_get_closed_form`)."""
+    forms = [lambda t: polynomial_closed_form(t, 0.0, 1.0, 4, 1.0, False),
+             lambda t: polynomial_closed_form(t, 1.0, 0.2, 6, 1.0, False), lambda t: 0.2]
+    milestones = [4, 10]
+    opt = tagged_optimizer()
+    lrs = cstorch.optim.lr_scheduler
+    ours = lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.0, 1.0, 4), lrs.LinearLR(opt, 1.0, 0.2, 6),
+                                  lrs.ConstantLR(opt, 0.2)], milestones, last_epoch=last_epoch)
+    seq, subs = last_epoch + 1, [0, 0, 0]
+    for _ in range(20):
+        value = forms[0](subs[0])
+        for i, m in enumerate(milestones):
+            value = value if seq < m else forms[i + 1](subs[i + 1])
+        assert ours.get_last_lr()[0] == pytest.approx(value, rel=1e-6)
+        ours.step()
+        seq += 1
+        subs[0] += 1
+        for i, m in enumerate(milestones):
+            subs[i + 1] += 0 if seq <= m else 1

@@ -158,18 +158,18 @@ class PiecewiseConstant(LRSchedule):
 class Sequential(LRSchedule):
     """Phases one after another; phase i starts at global step starts[i] and sees step - starts[i].
 
-    `last_epoch` is Cerebras' SequentialLR argument: the milestones are compared with step + last_epoch + 1 (the
-    phases after the first count from where that passes their milestone, the first phase from 0), so a sequence
-    built with last_epoch=k-1 is k steps further along its milestones."""
+    `last_epoch` is Cerebras' SequentialLR argument: built with last_epoch = k - 1 the sequence is k steps further
+    along its milestones (step + k is compared with them), while each phase counts its own steps from 0, from the
+    step where it begins (step 0 for a phase whose milestone is already passed), as Cerebras' phases do."""
 
     phases: tuple[LRSchedule, ...]
     starts: tuple[int, ...]  # starts[0] == 0, increasing
     last_epoch: int = -1
 
     def __call__(self, step: int) -> float:
-        at = step + self.last_epoch + 1
-        i = max(bisect.bisect_right(self.starts, at) - 1, 0)
-        return self.phases[i](at - self.starts[i] if i else step)
+        ahead = self.last_epoch + 1
+        i = bisect.bisect_right(self.starts, step + ahead) - 1
+        return self.phases[i](step - max(0, self.starts[i] - ahead))
 
 
 # canonical name (Model Zoo's, without the "LR" suffix) -> schedule; each class's fields are the scheduler's keys

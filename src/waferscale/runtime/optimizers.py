@@ -17,8 +17,9 @@ which enable grad around it as their published step does.
 
 State is made at a parameter's first step (zeros, as Cerebras pre-initializes it), so a parameter that never gets
 a gradient holds none; ASGD and Rprop make theirs at construction, as their initial values come from the
-constructor's lr. Param groups may carry any further keys (a muP `adjust_learning_rate`, `tags`); `tags` is
-normalized to a set as Cerebras' base optimizer does, for the schedulers' `param_group_tags`.
+constructor's lr. Param groups may carry any further keys (a muP `adjust_learning_rate`; `tags`, a name or a
+list of names, which the schedulers' `param_group_tags` select: kept as given, where Cerebras makes it a set, so
+the state dict stays savable).
 """
 
 from __future__ import annotations
@@ -41,16 +42,9 @@ def _f32(value: float, like: Tensor) -> Tensor:
 
 
 class CerebrasOptimizer(torch.optim.Optimizer):
-    """Base: group tags as sets, the closure's grad mode, the float32 global step of Cerebras' base optimizer."""
+    """Base: the closure's grad mode, the float32 global step of Cerebras' base optimizer."""
 
     closure_grad = False  # whether step() enables grad around the closure
-
-    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            tags = group.get("tags")
-            if tags and not isinstance(tags, set):
-                group["tags"] = set(tags) if isinstance(tags, (list, tuple)) else {tags}
 
     def _run_closure(self, closure: Any) -> Any:
         if closure is None:

@@ -31,17 +31,14 @@ class LRScheduler:
         self.optimizer, self.schedule = optimizer, schedule
         self.param_group_tags = _tag_set(param_group_tags)
         if not any(self._applies_to(g) for g in optimizer.param_groups):
-            known = sorted({str(t) for g in optimizer.param_groups for t in _tag_set(g.get("tags")) or {None}})
+            known = sorted({str(t) for g in optimizer.param_groups for t in _group_tags(g)})
             raise ConfigError(f"{type(self).__name__}: param_group_tags {sorted(map(str, self.param_group_tags))} "
                               f"match no param group of the optimizer (its groups' tags: {', '.join(known)})")
         self.last_epoch = 0
         self._apply()
 
     def _applies_to(self, group: dict[str, Any]) -> bool:
-        if self.param_group_tags is None:
-            return True
-        tags = _tag_set(group.get("tags", None)) or {None}
-        return bool(self.param_group_tags & tags)
+        return self.param_group_tags is None or bool(self.param_group_tags & _group_tags(group))
 
     def _apply(self) -> None:
         lr = float(self.schedule(self.last_epoch))
@@ -69,6 +66,14 @@ class LRScheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_epoch = int(state["last_epoch"])
         self._apply()
+
+
+def _group_tags(group: dict[str, Any]) -> set[str | None]:
+    """A param group's tags as a set; {None} for a group without (an empty list: no tag, matched by none)."""
+    tags = group.get("tags", None)
+    if tags is None:
+        return {None}
+    return set(tags) if isinstance(tags, (list, tuple, set)) else {tags}
 
 
 def _tag_set(tags: Tags) -> set[str | None] | None:
