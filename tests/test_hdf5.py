@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -17,12 +18,12 @@ import yaml
 from conftest import tiny_params
 from waferscale.cli.main import main
 from waferscale.data import load_tokenizer
-from waferscale.data.hdf5 import HDF5Batches, HDF5Examples, hdf5_eval_batches, validate_hdf5
+from waferscale.data.hdf5 import HDF5Batches, HDF5Examples, hdf5_eval_batches, short_batch_rows, validate_hdf5
 from waferscale.data.masking import IGNORE_INDEX
 from waferscale.data.preprocess import preprocess
 from waferscale.errors import ConfigError, DataError
 from waferscale.params import params_from_dict
-from waferscale.zoo.runner import RunOptions, run
+from waferscale.zoo.runner import RunOptions, check_hdf5_split, run
 
 MSL = 16
 
@@ -155,7 +156,11 @@ def test_epochs_shuffle_and_drop_last(tmp_path: Path) -> None:
     assert [_ids(drop, k) for k in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
     short = HDF5Batches(ex, 4, drop_last=False)
     assert [_ids(short, k) for k in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
-    assert short.short_batch == 2 and next(iter(short))[0].shape == (4, MSL)
+    assert short_batch_rows(10, 4, False) == 2 and next(iter(short))[0].shape == (4, MSL)
+    inp = SimpleNamespace(drop_last=False, batch_size=4, micro_batch_size=2)
+    check_hdf5_split(ex, inp, 1)  # the short batch of 2 is one micro-batch of 2
+    with pytest.raises(ConfigError, match="last batch of 2 of the 10 examples"):
+        check_hdf5_split(ex, inp, 2)  # 1 row per system: no micro-batch of 2
     s1, s2 = (HDF5Batches(ex, 4, shuffle=True, seed=7) for _ in range(2))
     first = [_ids(s1, k) for k in range(5)]
     assert first == [_ids(s2, k) for k in range(5)]  # the seed decides

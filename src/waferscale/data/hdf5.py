@@ -42,7 +42,7 @@ from waferscale.data.masking import IGNORE_INDEX
 from waferscale.errors import ConfigError, DataError
 
 __all__ = ["FEATURES", "HDF5_PROCESSORS", "HDF5Batches", "HDF5Examples", "TEXT_PROCESSORS", "check_data_processor",
-           "h5_files", "hdf5_eval_batches", "is_hdf5_dir", "validate_hdf5"]
+           "h5_files", "hdf5_eval_batches", "is_hdf5_dir", "short_batch_rows", "validate_hdf5"]
 
 MAP, ITERABLE = "GptHDF5MapDataProcessor", "GptHDF5DataProcessor"
 HDF5_PROCESSORS = (MAP, ITERABLE)
@@ -270,11 +270,6 @@ class HDF5Batches:
         self._pool = ThreadPoolExecutor(self.num_workers) if self.num_workers > 0 else None
         self._ahead: dict[int, Future] = {}
 
-    @property
-    def short_batch(self) -> int:
-        """Rows of the short last batch of each epoch (drop_last false), 0 when every batch is full."""
-        return 0 if self.drop_last else self.examples.n % self.batch_size
-
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.examples.n)
@@ -344,6 +339,11 @@ class HDF5Batches:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def short_batch_rows(n_examples: int, batch_size: int, drop_last: bool) -> int:
+    """Rows of the short last batch of each epoch (drop_last false), 0 when every batch is full."""
+    return 0 if drop_last else n_examples % batch_size
 
 
 def check_vocab(rows: np.ndarray, vocab_size: int, where: str) -> None:

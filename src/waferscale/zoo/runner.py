@@ -273,6 +273,8 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
     if data.h5_train is None and inp.batch_size * data.seq_len + 1 > len(data.train):
         raise DataError(f"the training split has {len(data.train)} tokens, fewer than one batch of "
                         f"{inp.batch_size}x{data.seq_len}; add data or lower batch_size/max_sequence_length")
+    if data.h5_train is not None:
+        check_hdf5_split(data.h5_train, inp, opts.num_csx)
     torch.manual_seed(params.runconfig.seed)
     model, executor, why = build_executor(params, opts, device, model)
     try:
@@ -281,18 +283,21 @@ def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str,
         executor.close()
 
 
-def hdf5_loader(examples: hdf5.HDF5Examples, inp: Any, num_csx: int, vocab_size: int) -> hdf5.HDF5Batches:
+def hdf5_loader(examples: hdf5.HDF5Examples, inp: Any, vocab_size: int) -> hdf5.HDF5Batches:
     """The training batches of HDF5 data, as train_input's processor, shuffle, shuffle_seed, drop_last and
-    num_workers say; a short last batch (drop_last false) must split over the systems and micro-batches too."""
-    loader = hdf5.HDF5Batches(examples, inp.batch_size, shuffle=inp.shuffle, seed=inp.shuffle_seed,
-                              drop_last=inp.drop_last, processor=inp.data_processor or hdf5.MAP,
-                              num_workers=inp.num_workers, vocab_size=vocab_size)
-    short = loader.short_batch
+    num_workers say."""
+    return hdf5.HDF5Batches(examples, inp.batch_size, shuffle=inp.shuffle, seed=inp.shuffle_seed,
+                            drop_last=inp.drop_last, processor=inp.data_processor or hdf5.MAP,
+                            num_workers=inp.num_workers, vocab_size=vocab_size)
+
+
+def check_hdf5_split(examples: hdf5.HDF5Examples, inp: Any, num_csx: int) -> None:
+    """A short last batch (drop_last false) must split over the systems and micro-batches, as full ones do."""
+    short = hdf5.short_batch_rows(examples.n, inp.batch_size, inp.drop_last)
     if short and (short % num_csx or (inp.micro_batch_size and (short // num_csx) % inp.micro_batch_size)):
         raise ConfigError(f"drop_last: false leaves a last batch of {short} of the {examples.n} examples each "
                           f"epoch, which does not split over {num_csx} system(s) and micro_batch_size "
                           f"{inp.micro_batch_size}; set drop_last: true or a batch_size that divides {examples.n}")
-    return loader
 
 
 def build_executor(params: Params, opts: RunOptions, device: torch.device,
@@ -333,7 +338,7 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     schedule = build_schedule(params.optimizer.learning_rate)
     loader: BatchLoader | MaskedBatches | PairBatches | SpanCorruptedBatches | hdf5.HDF5Batches = BatchLoader(
         data.train, inp.batch_size, data.seq_len, seed=inp.shuffle_seed, shuffle=inp.shuffle) \
-        if data.h5_train is None else hdf5_loader(data.h5_train, inp, opts.num_csx, cfg.vocab_size)
+        if data.h5_train is None else hdf5_loader(data.h5_train, inp, cfg.vocab_size)
     if data.pairs is not None:
         loader = PairBatches(loader, data.pairs)
     elif data.masker is not None:
