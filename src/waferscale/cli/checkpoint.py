@@ -6,7 +6,7 @@ trained with), --output-dir (default: beside the checkpoint, `<name>_to_hf`), --
 `cs-X.Y` source format (and `cs-auto`) reads the same way: the .mdl format 0.5 and the GPT/Llama parameter names are
 those of the Model Zoo releases that write it. The Hugging Face side is always safetensors (cszoo's
 `--export-safetensors`, accepted, changes nothing). A muP model (the Cerebras-GPT muP family) is written with its
-scalings folded into the weights, as cszoo does (`modelzoo.fold_mup`).
+scalings folded into the weights, as cszoo does (`modelzoo.fold_mup`, applied by `hf.save_hf_dir`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MODELS = {"gpt2": ("gpt",), "llama": ("llama",), "llamaV2": ("llama",), "code-ll
 
 def cmd_checkpoint_convert(a: argparse.Namespace) -> int:
     from waferscale.models.hf import save_hf_dir
-    from waferscale.models.modelzoo import fold_mup, model_state, state_dict_from_zoo
+    from waferscale.models.modelzoo import model_state, state_dict_from_zoo
     from waferscale.models.registry import build
     from waferscale.params import load_params
     from waferscale.runtime.mdl import is_mdl, load_mdl
@@ -48,7 +48,6 @@ def cmd_checkpoint_convert(a: argparse.Namespace) -> int:
         raise ConfigError(f"--config {a.config} describes a {cfg.family} model, not --model {a.model}")
     weights = state_dict_from_zoo(model_state(load_mdl(src), str(src)), cfg, where=str(src),
                                   drop_unmatched=a.drop_unmatched_keys)
-    weights, cfg = fold_mup(weights, cfg)  # (Hugging Face's GPT-2 and Llama have no muP scalings)
     model = build(cfg, device="cpu")
     load_model_weights(model, weights, str(src))
     out = Path(a.output_dir) if a.output_dir else src.with_name(f"{src.stem}_to_hf")

@@ -44,6 +44,7 @@ from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig
 from waferscale.models.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, hf_model_type
 from waferscale.models.layers import Attention, CausalLM
+from waferscale.models.modelzoo import fold_mup
 from waferscale.models.registry import build
 from waferscale.util.files import atomic_dir
 
@@ -426,7 +427,8 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
     """
     from safetensors.torch import save_file
 
-    cfg: ModelConfig = model.config
+    # Hugging Face's models have no muP scalings: they are folded into the weights (as Model Zoo's converter does)
+    weights, cfg = fold_mup(model.state_dict(), model.config)
     hf_config = config_to_hf(cfg)  # raises before anything is written if not expressible
     if any(p.is_meta for p in model.parameters()):
         raise CheckpointError(f"model {cfg.name!r} lives on the meta device (shapes only); materialize or load "
@@ -444,7 +446,7 @@ def save_hf_dir(model: CausalLM, out_dir: str | os.PathLike, tokenizer: Any = No
             hf_config[key] = gen[key] = val
 
     with atomic_dir(out, install=_move_into_place) as tmp:
-        sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(model.state_dict(), cfg).items()}
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict_to_hf(weights, cfg).items()}
         save_file(sd, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
