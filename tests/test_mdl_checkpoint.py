@@ -140,6 +140,10 @@ def test_save_round_trips_and_is_read_independently(tmp_path: Path) -> None:
     _assert_same(cstorch.load(tmp_path / "b.mdl"), state)
     flat = read_mdl(tmp_path / "b.mdl")
     assert flat["model.lm_head.weight"] == ("link", "model.embedding_layer.word_embeddings.weight")
+    model = build(ModelConfig(name="t", family="gpt", vocab_size=16, n_layer=1, n_head=2, d_model=8, max_seq_len=8),
+                  device="cpu")
+    cstorch.save({"model": model.state_dict()}, tmp_path / "tied.mdl", format="mdl")  # (new tensor per name)
+    assert read_mdl(tmp_path / "tied.mdl")["model.head.lm_head.weight"] == ("link", "model.embed.tok.weight")
     # cstorch links any object met twice, CPython's shared small ints too (global_step 4 is last_epoch's 4)
     flat = {k: flat[v[1]] if isinstance(v, tuple) else v for k, v in flat.items()}
     assert torch.equal(flat["model.norm.weight"], state["model"]["norm.weight"])

@@ -15,7 +15,8 @@ The layout follows the published cerebras-pytorch 2.10.0 (`cerebras/pytorch/stor
   `dtypes` ("torch.bfloat16"), `rtfx_dtypes`, `__TYPE__` = "TorchTensorSerializer", `__NUMPY__`, `compressed`.
 * Python numbers and strings have no dataset: `scalar_value` / `string_value` in the JSON metadata
   (`ScalarSerializer` / `StringSerializer`, `__NONE__`). None is `NoneSerializer`. A value met again (the same
-  object: tied weights, as cstorch also links CPython's shared small ints) is a `LinkedObject` naming the first key.
+  object, as cstorch links CPython's shared small ints too; or a view of the same memory: tied weights) is a
+  `LinkedObject` naming the first key.
 
 Older formats (`__version__` below 0.5) are read by `mdl_legacy.py`. Not read: pickled Python objects
 (`ObjectSerializer`): loading never unpickles them. Not written: anything but tensors, numpy arrays, numbers,
@@ -106,12 +107,18 @@ def _tensor_array(t: torch.Tensor, key: str) -> tuple[np.ndarray, dict[str, Any]
     return array, meta
 
 
-def _leaf_metadata(key: str, value: Any, first_key: dict[int, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
+def _leaf_metadata(key: str, value: Any, first_key: dict[Any, str]) -> tuple[np.ndarray | None, dict[str, Any]]:
     """(the dataset to write or None, the serializer metadata) of one leaf. As cstorch.save does, a value met
-    again (the same object: tied weights, but also CPython's shared small ints and None) links to its first key."""
-    if id(value) in first_key:
-        return None, {"key": first_key[id(value)], "__LINKED__": True, "__TYPE__": "LinkedObject", "__NONE__": True}
-    first_key[id(value)] = key
+    again (the same object: tied weights, but also CPython's shared small ints and None) links to its first key.
+    A tensor is also met again as another view of the same memory (`state_dict()` detaches each name of a tied
+    weight into a new tensor object, which cstorch's identity test would store twice)."""
+    ident: Any = id(value)
+    if isinstance(value, torch.Tensor) and value.numel():
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
+                 value.dtype)
+    if ident in first_key:
+        return None, {"key": first_key[ident], "__LINKED__": True, "__TYPE__": "LinkedObject", "__NONE__": True}
+    first_key[ident] = key
     if isinstance(value, torch.Tensor):
         return _tensor_array(value, key)
     if isinstance(value, np.ndarray):
@@ -137,7 +144,7 @@ def save_mdl(state: Any, path: str | os.PathLike) -> None:
                               f"path is joined with '.'; rename one")
     root: dict[str, Any] = {"__spec__": _spec_json(spec), "__version__": FORMAT_VERSION,
                             "__cstorch_version__": CSTORCH_VERSION}
-    first_key: dict[int, str] = {}
+    first_key: dict[Any, str] = {}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
