@@ -329,6 +329,17 @@ class Params:
                                  f"model's max_position_embeddings {max_len}; lower it or raise "
                                  f"model.max_position_embeddings")
         self._check_loss_scaling()
+        self._check_loss_scale_keys()
+        if self.eval_input is not None:
+            self._check_eval_input(self.eval_input)
+        mup_lr = self.model.lr_adjustment()
+        if mup_lr:  # muP by base widths: Model Zoo's per-group learning rates; the file's own, given, win
+            self.optimizer.adjust_learning_rate = mup_lr | (self.optimizer.adjust_learning_rate or {})
+            try:
+                check_lr_adjustment(self.optimizer.adjust_learning_rate)
+            except ConfigError as e:
+                raise FieldError("optimizer.adjust_learning_rate", f"{str(e).split(': ', 1)[1]} (with the groups "
+                                 f"model.mup_base_hidden_size gives: {', '.join(mup_lr)})") from None
         if self.train_input.dynamic_mlm_scale:
             # Model Zoo then scales each batch's summed masked-LM loss by its sequences / masked positions (the mean
             # over the masked positions) and leaves mlm_loss_weight out: the mean is the encoder's loss without it
@@ -357,6 +368,35 @@ class Params:
             raise FieldError("model.loss_weight", f"{m.loss_weight} with loss_scaling batch_size scales the loss "
                              f"to {m.loss_weight * seq:g} x the mean over tokens, which is not supported; set "
                              f"loss_weight to 1/max_sequence_length ({1 / seq:g}) or loss_scaling: num_tokens")
+
+    def _check_loss_scale_keys(self) -> None:
+        """Loss scaling guards float16's range only: bfloat16 (cbfloat16) and fp32 runs have none, so their
+        loss-scale keys are listed as ignored; a float16 run scales dynamically from 2**16, doubling after 2000
+        clean steps, or by a fixed loss_scaling_factor, and refuses the keys that would change that rule."""
+        opt, fields = self.optimizer, OptimizerParams.__dataclass_fields__
+        given = [k for k in ("loss_scaling_factor", "initial_loss_scale", "steps_per_increase", "min_loss_scale",
+                             "max_loss_scale") if getattr(opt, k) != fields[k].default]
+        if self.model.half_dtype != "float16":
+            why = f"{self.model.half_dtype or 'fp32'} training needs no loss scaling"
+            self.ignored.update({f"optimizer.{k}": why for k in given})
+            return
+        for k in given[1:] if given[:1] == ["loss_scaling_factor"] else given:
+            raise FieldError(f"optimizer.{k}", "is not supported: float16 loss scaling starts at 2**16 and doubles "
+                             "after 2000 clean steps (or is a fixed loss_scaling_factor); leave it out, or train "
+                             "in bfloat16 (fp16_type: bfloat16), which needs no loss scaling")
+
+    def _check_eval_input(self, ev: InputParams) -> None:
+        """eval_input: its data_dir, batch_size and val_fraction are read; on HDF5 data its max_sequence_length is
+        checked against the files; it reads the validation batches in order (shuffle is the training loader's). It
+        reads with train_input's tokenizer, and its loader tuning changes no loss: those keys are listed."""
+        tr = self.train_input
+        if ev.tokenizer_spec != tr.tokenizer_spec and (ev.tokenizer != "char" or ev.vocab_file or ev.src_vocab_file):
+            key = "vocab_file" if ev.vocab_file else "src_vocab_file" if ev.src_vocab_file else "tokenizer"
+            self.ignored[f"eval_input.{key}"] = f"evaluation reads with train_input's tokenizer {tr.tokenizer_spec!r}"
+        why = {"micro_batch_size": (ev.micro_batch_size is not None,
+                                    "evaluation computes each batch's loss whole (accumulation gives the same loss)"),
+               "num_workers": (ev.num_workers > 0, "evaluation batches are read in the main process")}
+        self.ignored.update({f"eval_input.{k}": reason for k, (given, reason) in why.items() if given})
 
     @staticmethod
     def _check_span_corruption(section: str, inp: InputParams, cfg: Any) -> None:

@@ -430,8 +430,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             if r.stats:
                 line.update(r.stats)
                 accumulate_stream_stats(stream_totals, r.stats)
-            metrics.write(json.dumps(line) + "\n")
-            metrics.flush()
+            if step % rc.log_steps == 0 or step == end_step:  # runconfig.log_steps (Model Zoo's logging rule)
+                metrics.write(json.dumps(line) + "\n")
+                metrics.flush()
             bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{acc['tokens'] / acc['time']:,.0f}")
             bar.update(1)
 
