@@ -56,6 +56,10 @@ PUBLISHED = {
     # meta-llama/Meta-Llama-3-8B's and Meta-Llama-3-70B's config.json (the model cards round to "8B" and "70B")
     "params_llama3_8b.yaml": 8_030_261_248,
     **dict.fromkeys(("params_llama3_70b.yaml", "params_llama3p1_70b_msl_8k.yaml"), 70_553_706_496),
+    # Cerebras-GPT muP (same shapes as the standard releases): the model card's training table (huggingface.co/
+    # cerebras/Cerebras-GPT-111M) trains each to 20 tokens per parameter, in steps x batch x 2048 tokens
+    **{f"params_cerebras_gpt_{size}_mup.yaml": steps * batch * 2048 / 20 for size, steps, batch in (
+        ("111m", 9037, 120), ("590m", 21836, 264), ("1p3b", 24334, 528), ("2p7b", 49041, 528))},
 }
 # Active parameters per token of the mixture-of-experts releases (same sources): "12.9B active parameters"
 PUBLISHED_ACTIVE = {"params_mixtral_8x7b.yaml": 12.9e9}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from waferscale.errors import ConfigError
 from waferscale.models import build, config_from_name
 from waferscale.models.init import Initializer
+from waferscale.models.mup import lr_adjustment
 from waferscale.params import load_params, params_from_dict
 from waferscale.runtime.optim import OptimizerSpec, build_optimizer, set_lr
 from waferscale.zoo.lm import adjust_learning_rates
@@ -128,19 +129,19 @@ def test_initializers_reach_a_model_built_on_the_meta_device():
                                                 embedding_initializer="zeros")
     model = build(cfg, device="meta")
     assert all(p.is_meta for p in model.parameters())  # nothing materialized
-    t = torch.empty(2048, 8192)
+    t = torch.empty(512, 1024)
     model.init_parameter("blocks.3.mlp.down_proj.weight", t)  # as MemoryX fills a streamed model's weights
     _check(t, 0.0, 0.02 / math.sqrt(12), -0.01, 0.01)
-    e = torch.ones(10, 2048)
+    e = torch.ones(10, 64)
     model.init_parameter("embed.tok.weight", e)
     assert not e.any()
-    q = torch.empty(2048, 2048)
+    q = torch.empty(512, 1024)
     model.init_parameter("blocks.0.attn.q_proj.weight", q)  # no initializer given: N(0, initializer_range)
     _check(q, 0.0, cfg.init_std)
 
 
 def test_mup_scalings_in_the_forward_pass():
-    small = _small_mup_config()
+    small = _small_mup_config().replace(d_model=64, d_ff=256)
     torch.manual_seed(0)
     mup = build(small)
     plain = build(small.replace(embeddings_scale=1.0, output_logits_scale=1.0, scale_qk_dot_by_d=False))
@@ -150,8 +151,8 @@ def test_mup_scalings_in_the_forward_pass():
     x = torch.randn(2, 8, small.d_model)
     assert torch.allclose(mup.head(x), plain.head(x) / 3, atol=1e-6)
     attn = mup.blocks[0].attn
-    q, k, v = (proj(x).view(2, 8, 4, 64).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    logits = q @ k.transpose(-1, -2) / 64  # q.k / d, not / sqrt(d)
+    q, k, v = (proj(x).view(2, 8, 4, 16).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    logits = q @ k.transpose(-1, -2) / 16  # q.k / d, not / sqrt(d)
     logits = logits.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
     want = attn.o_proj((F.softmax(logits, -1) @ v).transpose(1, 2).reshape(2, 8, small.d_model))
     assert torch.allclose(attn(x), want, atol=1e-5)
@@ -215,10 +216,43 @@ def test_mup_keeps_the_update_size_width_independent():
     assert standard[2] / standard[0] > 2.5, standard  # Adam's update moves features ~ width without muP
 
 
+def test_base_widths_derive_the_published_scalings():
+    """Model Zoo 2.3's muP by base widths, from the 111M config's base (hidden 256, filter 1024, sigma 0.08),
+    gives the scalings the published 111M config spells out, and the same learning rate for every parameter."""
+    published = load_params(MUP_111M)
+    d = published.to_dict()
+    for key in ("initializer", "output_layer_initializer", "output_logits_scale"):
+        del d["model"][key]
+    del d["optimizer"]["adjust_learning_rate"]
+    sigma = {"name": "truncated_normal", "mean": 0.0, "std": 0.08}
+    d["model"].update(mup_base_hidden_size=256, mup_base_filter_size=1024, initializer=sigma,
+                      output_layer_initializer=sigma, ffn_output_layer_initializer=sigma)
+    derived = params_from_dict(d)
+    want, got = published.model.to_model_config(), derived.model.to_model_config()
+    assert got.output_logits_scale == pytest.approx(want.output_logits_scale)
+    for key in ("initializer", "ffn_initializer", "output_layer_initializer", "ffn_output_layer_initializer"):
+        spec = getattr(got, key)
+        expect = want.output_layer_initializer if "output" in key else want.initializer
+        assert (spec.name, spec.mean) == (expect.name, expect.mean)
+        assert (spec.std, spec.a, spec.b) == pytest.approx((expect.std, expect.a, expect.b), rel=1e-12), key
+    model = build(_small_mup_config())
+    for name, _ in model.named_parameters():
+        assert lr_adjustment(name, derived.optimizer.adjust_learning_rate) == pytest.approx(
+            lr_adjustment(name, published.optimizer.adjust_learning_rate)), name
+
+
 def test_model_zoo_mup_keys_in_the_params_file():
     d = load_params(MUP_111M).to_dict()
     d["model"]["mup_base_hidden_size"] = 256
-    with pytest.raises(ConfigError, match="mup_base_hidden_size.*not supported"):
+    with pytest.raises(ConfigError, match="mup_base_hidden_size.*needs both"):
+        params_from_dict(d)
+    d["model"]["mup_base_filter_size"] = 1024
+    with pytest.raises(ConfigError, match="output_logits_scale.*drop it"):
+        params_from_dict(d)
+    del d["model"]["output_logits_scale"]
+    assert params_from_dict(d).optimizer.adjust_learning_rate["decoder_kernel"] == pytest.approx(1 / 3)
+    d["optimizer"]["adjust_learning_rate"] = {"decoder_kernel": 0.5}  # the base widths give the attention 1/3
+    with pytest.raises(ConfigError, match="decoder_kernel, decoder_attention with different scales"):
         params_from_dict(d)
     d = load_params(MUP_111M).to_dict()
     d["optimizer"]["adjust_learning_rate"] = {"decoder_kernels": 0.5}

@@ -175,14 +175,18 @@ class BERT(CausalLM):
             t[self.config.pad_token_id].zero_()
 
     def init_for(self, name: str) -> Initializer:
-        """The config's initializers where Model Zoo's BERT applies them (embeddings: embedding_initializer;
-        attention and feed-forward outputs: output_layer_initializer, else initializer; the other matrices:
-        initializer); left out, N(0, init_std) (no depth scaling: BERT's)."""
+        """The config's initializers where Model Zoo's BERT applies them (as the decoders' `CausalLM.init_for`;
+        the heads' matrices: initializer); left out, N(0, init_std) (no depth scaling: BERT's)."""
         cfg = self.config
         if name.startswith("embed."):
             chosen = cfg.embedding_initializer
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        elif name.endswith("o_proj.weight"):
             chosen = cfg.output_layer_initializer or cfg.initializer
+        elif name.endswith("down_proj.weight"):
+            chosen = (cfg.ffn_output_layer_initializer or cfg.output_layer_initializer or cfg.ffn_initializer
+                      or cfg.initializer)
+        elif name.endswith("up_proj.weight"):
+            chosen = cfg.ffn_initializer or cfg.initializer
         else:
             chosen = cfg.initializer
         return chosen or Initializer("normal", std=cfg.init_std)

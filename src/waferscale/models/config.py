@@ -25,6 +25,8 @@ POSITIONS = ("learned", "rotary", "alibi", "relative")  # relative: T5's buckete
 # Falcon-40B). parallel_shared_norm: one norm feeds both, x += attn(h) + mlp(h), h = norm(x) (GPT-J, Falcon-7B).
 # post_norm (BERT, RoBERTa): x = norm1(x + attn(x)); x = norm2(x + mlp(x)).
 BLOCKS = ("sequential", "parallel", "parallel_shared_norm", "post_norm")
+INITIALIZER_FIELDS = ("initializer", "ffn_initializer", "output_layer_initializer", "ffn_output_layer_initializer",
+                      "embedding_initializer")
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,16 @@ class ModelConfig:
     lm_head_bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
-    # initializers (models/init.py, Model Zoo's names): None = the family's own rule (the decoders': N(0, init_std),
-    # output projections N(0, init_std / sqrt(2 n_layer))). initializer: q/k/v, the MLP's input projections and a
-    # router; output_layer_initializer: the attention and MLP output projections (None with an initializer given:
-    # the initializer, as Model Zoo); embedding_initializer: token and learned position embeddings
+    # initializers (models/init.py, Model Zoo's names; where each applies: `CausalLM.init_for`): None = the next
+    # one in its line, finally the family's own rule (the decoders': N(0, init_std), output projections
+    # N(0, init_std / sqrt(2 n_layer))). initializer: q/k/v and a router; ffn_initializer: the MLP's input
+    # projections (else initializer); output_layer_initializer: the attention output projection (else
+    # initializer); ffn_output_layer_initializer: the MLP's output projection (else output_layer_initializer, else
+    # ffn_initializer); embedding_initializer: token and learned position embeddings
     initializer: Initializer | None = None
+    ffn_initializer: Initializer | None = None
     output_layer_initializer: Initializer | None = None
+    ffn_output_layer_initializer: Initializer | None = None
     embedding_initializer: Initializer | None = None
     # muP as Model Zoo's GPT models compute it (the Cerebras-GPT muP family): the embedding output (token +
     # position) times embeddings_scale, the logits times output_logits_scale, attention logits alpha * q.k / d
@@ -130,7 +136,7 @@ class ModelConfig:
             bad(f"dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.rope_scaling, dict):  # accept a plain mapping (from YAML / JSON)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        for k in ("initializer", "output_layer_initializer", "embedding_initializer"):
+        for k in INITIALIZER_FIELDS:
             if getattr(self, k) is not None:  # a name or a mapping (from YAML / JSON) -> Initializer
                 object.__setattr__(self, k, Initializer.parse(getattr(self, k)))
         if self.has_mup and (self.is_encoder or self.is_encoder_decoder):

@@ -390,18 +390,21 @@ class CausalLM(nn.Module):
             self.init_for(name)(t)
 
     def init_for(self, name: str) -> Initializer:
-        """The initializer of matrix `name`, where Model Zoo's GPT models apply the config's three: embeddings
-        (token, position) `embedding_initializer`; attention and MLP output projections `output_layer_initializer`
-        (else `initializer`); the other projections (q/k/v, MLP inputs, a router) `initializer`. Left out, each
-        is GPT-2's: N(0, init_std), output projections N(0, init_std / sqrt(2 n_layer)). An untied LM head is
-        N(0, init_std) always (Model Zoo's too)."""
+        """The initializer of matrix `name`, where Model Zoo's GPT models apply the config's (ModelConfig's
+        comment has each one's stand-in when left out). Left out altogether, GPT-2's: N(0, init_std), output
+        projections N(0, init_std / sqrt(2 n_layer)). An untied LM head is N(0, init_std) always (Model Zoo's too)."""
         cfg = self.config
         default = Initializer("normal", std=cfg.init_std)
+        depth_scaled = Initializer("normal", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if name.startswith("embed."):
             return cfg.embedding_initializer or default
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return (cfg.output_layer_initializer or cfg.initializer
-                    or Initializer("normal", std=cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+        if name.endswith("o_proj.weight"):
+            return cfg.output_layer_initializer or cfg.initializer or depth_scaled
+        if name.endswith("down_proj.weight"):
+            return (cfg.ffn_output_layer_initializer or cfg.output_layer_initializer or cfg.ffn_initializer
+                    or cfg.initializer or depth_scaled)
+        if name.endswith(("up_proj.weight", "gate_proj.weight")):
+            return cfg.ffn_initializer or cfg.initializer or default
         if name.startswith("blocks."):
             return cfg.initializer or default
         return default

@@ -27,6 +27,10 @@ def _block_matrix(name: str) -> bool:
     return name.startswith("blocks.") and name.endswith("_proj.weight")
 
 
+# a parameter of each kind the groups tell apart
+_ONE_OF_EACH = ("embed.tok.weight", "blocks.0.attn.q_proj.weight", "blocks.0.mlp.up_proj.weight",
+                "blocks.0.mlp.down_proj.weight")
+
 LR_ADJUSTMENT_GROUPS: dict[str, Callable[[str], bool]] = {
     "embedding": lambda n: n.startswith("embed.") and n.endswith("weight"),
     "decoder_kernel": _block_matrix,
@@ -44,6 +48,8 @@ def check_lr_adjustment(scales: Mapping[str, float]) -> None:
                               f"{', '.join(LR_ADJUSTMENT_GROUPS)}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
             raise ConfigError(f"adjust_learning_rate.{group}: must be a positive number, got {scale!r}")
+    for name in _ONE_OF_EACH:  # overlapping groups must agree on the parameters they share
+        lr_adjustment(name, scales)
 
 
 def lr_adjustment(name: str, scales: Mapping[str, float]) -> float:

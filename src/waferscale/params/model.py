@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from waferscale.errors import ConfigError
-from waferscale.models.config import ModelConfig, RopeScaling
+from waferscale.models.config import INITIALIZER_FIELDS, ModelConfig, RopeScaling
 from waferscale.models.init import Initializer
 from waferscale.params.typed import Ctx, FieldError, check_fields, to_plain
 
@@ -89,7 +89,7 @@ class MoEParams:
         "router_fp32": "the router's softmax always runs in fp32",
         "moe_implementation": "the implementation is the runtime's",
         "sinkhorn_n_iters": "used by sinkhorn routing only, which is not supported",
-        "gate_initializer": "the router's weights use normal(0, initializer_range)",
+        "gate_initializer": "the router's weights take model.initializer (else normal(0, initializer_range))",
     }
 
     def __post_init__(self) -> None:
@@ -117,7 +117,8 @@ ENCODER_KEYS = ("encoder_nonlinearity", "mlm_nonlinearity", "pooler_nonlinearity
 # decoder keys an encoder cannot take (its positions are learned, its blocks post-norm with a two-matrix MLP)
 _DECODER_ONLY_KEYS = ("nonlinearity", "rotary_dim", "rope_theta", "rope_scaling", "pos_scaling_type",
                       "use_untied_layer_norm", "attention_sliding_window_length", "moe", "use_bias_in_output",
-                      "embeddings_scale", "output_logits_scale", "scale_qk_dot_by_d", "attention_logits_alpha")
+                      "embeddings_scale", "output_logits_scale", "scale_qk_dot_by_d", "attention_logits_alpha",
+                      "mup_base_hidden_size", "mup_base_filter_size", "output_logits_alpha", "scale_output_logits_by_d")
 # keys only Model Zoo's T5 model has: one of them makes a config T5
 T5_KEYS = ("src_vocab_size", "tgt_vocab_size", "extra_ids", "d_kv", "decoder_num_hidden_layers", "decoder_nonlinearity",
            "use_t5_layer_norm", "share_encoder_decoder_embedding", "relative_attention_num_buckets",
@@ -209,16 +210,21 @@ class ModelParams:
     initializer_range: float | None = None
     # where each applies: ModelConfig's fields of the same names (models/init.py has the names and arguments)
     initializer: Initializer | None = _initializer_field()
+    ffn_initializer: Initializer | None = _initializer_field()
     output_layer_initializer: Initializer | None = _initializer_field()
+    ffn_output_layer_initializer: Initializer | None = _initializer_field()
     embedding_initializer: Initializer | None = _initializer_field()
-    # muP, Model Zoo's Cerebras-GPT form (ModelConfig's fields of the same names; the optimizer's
-    # adjust_learning_rate scales the hidden layers' learning rate)
+    # muP (ModelConfig's fields of the same names; the optimizer's adjust_learning_rate scales the hidden layers'
+    # learning rates): the Cerebras-GPT configs give the scalings themselves (output_logits_scale, width-scaled
+    # initializers); Model Zoo 2.3's form gives the base widths and derives them (`_mup_by_base_widths`)
     embeddings_scale: float | None = None
     output_logits_scale: float | None = None
     scale_qk_dot_by_d: bool | None = None
     attention_logits_alpha: float | None = None
     mup_base_hidden_size: float | None = None
     mup_base_filter_size: float | None = None
+    output_logits_alpha: float | None = None  # base widths: the logits times alpha x base / width
+    scale_output_logits_by_d: bool | None = None  # base widths: false, alpha x sqrt(base / width)
     # loss and precision
     loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
     loss_weight: float = 1.0
@@ -237,8 +243,6 @@ class ModelParams:
         "dropout_seed": "dropout follows runconfig.seed",
         "fixed_sparse_attention": "dense attention only",
         **dict.fromkeys(("precision_opt_level", "boundary_casting"), "a Cerebras compiler setting"),
-        **dict.fromkeys(("output_logits_alpha", "scale_output_logits_by_d"),
-                        "Model Zoo reads it only with mup_base_hidden_size (muP by base widths)"),
         **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
         "compute_eval_metrics": "evaluation reports the loss",
         "enable_vts": "a Cerebras compiler setting (variable tensor shapes)",
@@ -317,7 +321,7 @@ class ModelParams:
         try:
             cfg = ModelConfig(name=self.name or "custom", **o) if preset is None else \
                 registry.config_from_name(self.name, **o)  # type: ignore[arg-type]
-            cfg = self._decoder_shape(cfg)
+            cfg = self._mup_by_base_widths(self._decoder_shape(cfg))
         except ValueError as e:  # ModelConfig's own shape checks, in Model Zoo's key names
             raise FieldError("", _zoo_names(str(e))) from None
         if preset is None and self.name is None:  # name an explicit shape after the preset it equals, if any
@@ -343,8 +347,7 @@ class ModelParams:
                   and getattr(self, k) is not None]
         if others:
             raise FieldError(others[0], "is not a key of Model Zoo's T5 model (an encoder-decoder); drop it")
-        inits = [k for k in ("initializer", "output_layer_initializer", "embedding_initializer")
-                 if getattr(self, k) is not None]
+        inits = [k for k in INITIALIZER_FIELDS if getattr(self, k) is not None]
         if inits:
             raise FieldError(inits[0], "is not supported for T5: its weights take T5's own initialisation (Mesh "
                              "TensorFlow's, models/t5.py); drop it")
@@ -402,16 +405,63 @@ class ModelParams:
             raise FieldError("", _zoo_names(str(e))) from None
 
     def _init_and_mup(self) -> dict[str, Any]:
-        """ModelConfig's initializer and muP fields the file sets."""
-        for key in ("mup_base_hidden_size", "mup_base_filter_size"):
-            if getattr(self, key) is not None:
-                raise FieldError(key, "muP by base widths (Model Zoo 2.3's form) is not supported; give the "
-                                 "scalings themselves as the Cerebras-GPT muP configs do: output_logits_scale, "
-                                 "embeddings_scale, scale_qk_dot_by_d, width-scaled initializers and "
-                                 "optimizer.adjust_learning_rate")
-        keys = ("initializer", "output_layer_initializer", "embedding_initializer", "embeddings_scale",
-                "output_logits_scale", "scale_qk_dot_by_d", "attention_logits_alpha")
+        """ModelConfig's initializer and muP fields the file sets (the base-widths form: `_mup_by_base_widths`)."""
+        bases = [k for k in ("mup_base_hidden_size", "mup_base_filter_size") if getattr(self, k) is not None]
+        if bases:
+            if len(bases) == 1:
+                raise FieldError(bases[0], "muP by base widths needs both mup_base_hidden_size and "
+                                 "mup_base_filter_size (Model Zoo's rule); give the other")
+            if self.output_logits_scale is not None:
+                raise FieldError("output_logits_scale", "is the muP form without base widths; with "
+                                 "mup_base_hidden_size the logits scale is output_logits_alpha x base / width: drop it")
+        else:
+            given = [k for k in ("output_logits_alpha", "scale_output_logits_by_d") if getattr(self, k) is not None]
+            if given:
+                raise FieldError(given[0], "has an effect only with muP's base widths (mup_base_hidden_size, "
+                                 "mup_base_filter_size); give them or drop it")
+        keys = (*INITIALIZER_FIELDS, "embeddings_scale", "output_logits_scale", "scale_qk_dot_by_d",
+                "attention_logits_alpha")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    def _width_mults(self, cfg: ModelConfig) -> tuple[float, float] | None:
+        """(hidden_size / mup_base_hidden_size, filter_size / mup_base_filter_size), or None without base widths."""
+        if self.mup_base_hidden_size is None:
+            return None
+        return cfg.d_model / self.mup_base_hidden_size, cfg.ffn_dim / self.mup_base_filter_size
+
+    def _mup_by_base_widths(self, cfg: ModelConfig) -> ModelConfig:
+        """Model Zoo 2.3's muP by base widths, as its GPT models derive it: with wh = hidden_size / base and
+        wf = filter_size / base, the attention and MLP-input initializers' spread times wh^-1/2, the attention
+        output's times wh^-1/2 (2 n_layer)^-1/2, the MLP output's times wf^-1/2 (2 n_layer)^-1/2 (each left out:
+        truncated_normal(0, initializer_range), Model Zoo's default), the logits times output_logits_alpha / wh
+        (/ sqrt(wh) with scale_output_logits_by_d false); learning rates: `lr_adjustment`."""
+        mults = self._width_mults(cfg)
+        if mults is None:
+            return cfg
+        if cfg.n_experts:
+            raise FieldError("mup_base_hidden_size", "muP by base widths with a mixture of experts is not supported "
+                             "(Model Zoo leaves the router's initializer unscaled, which this model cannot say)")
+        wh, wf = mults
+        default = Initializer("truncated_normal", mean=0.0, std=cfg.init_std)
+        depth = (2 * cfg.n_layer) ** -0.5
+        alpha = self.output_logits_alpha if self.output_logits_alpha is not None else 1.0
+        return cfg.replace(
+            initializer=(self.initializer or default).scaled(wh ** -0.5),
+            ffn_initializer=(self.ffn_initializer or self.initializer or default).scaled(wh ** -0.5),
+            output_layer_initializer=(self.output_layer_initializer or default).scaled(wh ** -0.5 * depth),
+            ffn_output_layer_initializer=(self.ffn_output_layer_initializer or default).scaled(wf ** -0.5 * depth),
+            embedding_initializer=self.embedding_initializer or default,
+            output_logits_scale=alpha / (wh ** 0.5 if self.scale_output_logits_by_d is False else wh))
+
+    def lr_adjustment(self) -> dict[str, float]:
+        """The learning-rate scales muP by base widths gives the optimizer's groups (models/mup.py), Model Zoo's:
+        the attention and MLP-input matrices 1 / wh, the MLP output 1 / wf; none without base widths. A params
+        file's optimizer.adjust_learning_rate overrides them group by group."""
+        mults = self._width_mults(self.to_model_config())
+        if mults is None:
+            return {}
+        wh, wf = mults
+        return {"decoder_attention": 1 / wh, "decoder_input_ffn": 1 / wh, "decoder_output_ffn": 1 / wf}
 
     def _block(self) -> str | None:
         """ModelConfig.block: Model Zoo's GPT-J model (named, or told by use_untied_layer_norm) is parallel."""
