@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from waferscale.errors import ConfigError
+from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import build, config_from_name
 from waferscale.models.init import Initializer
 from waferscale.models.mup import lr_adjustment
@@ -264,9 +264,13 @@ def test_model_zoo_mup_keys_in_the_params_file():
         params_from_dict(d)
 
 
-def test_serving_refuses_a_mup_model_by_name():
+def test_serving_and_hugging_face_export_refuse_a_mup_model_by_name():
+    from waferscale.models.hf_config import hf_model_type
     from waferscale.serve.model_runner import check_servable
 
     with pytest.raises(ConfigError, match="muP scaling"):
         check_servable(_small_mup_config())
+    with pytest.raises(CheckpointError, match="muP scaling.*embeddings_scale 10.0"):
+        hf_model_type(_small_mup_config())
     check_servable(config_from_name("gpt-tiny"))
+    assert hf_model_type(config_from_name("gpt-tiny")) == "gpt2"

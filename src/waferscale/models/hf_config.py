@@ -329,6 +329,11 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """Which HF architecture expresses this config exactly: the family's own for GPT-J, GPT-NeoX, Falcon, MPT and
     Mistral (checked to fit it), else decided by structure (GPT-2 or Llama shapes); Mixtral for experts on a
     Mistral shape."""
+    if cfg.has_mup:  # transformers' architectures have no such multipliers (a tied head cannot fold them in)
+        raise CheckpointError(f"model {cfg.name!r} cannot be saved as Hugging Face: its muP scaling (embeddings_scale "
+                              f"{cfg.embeddings_scale}, output_logits_scale {cfg.output_logits_scale}, "
+                              f"scale_qk_dot_by_d {cfg.scale_qk_dot_by_d}, attention_logits_alpha "
+                              f"{cfg.attention_logits_alpha}) has no place in their configs")
     if cfg.is_encoder or cfg.is_encoder_decoder:
         return cfg.family
     if cfg.n_experts:
