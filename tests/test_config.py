@@ -201,8 +201,8 @@ def test_legacy_spellings_and_ignored_keys(tmp_path: Path) -> None:
         {"scheduler": "Constant", "learning_rate": 1e-4}]
     assert p.runconfig.checkpoint_steps == 5
     assert p.model.half_dtype == "bfloat16" and p.model.loss_weight == 0.5
-    assert set(p.ignored) == {"train_input.prefetch_factor", "model.attention_module", "model.precision_opt_level",
-                              "runconfig.save_summary_steps", "model.loss_weight"}
+    assert set(p.ignored) == {"train_input.prefetch_factor", "model.precision_opt_level", "runconfig.save_summary_steps",
+                              "model.loss_weight"}
     assert Params.from_dict(p.to_dict()) == p
 
 

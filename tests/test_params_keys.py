@@ -130,3 +130,18 @@ def test_log_steps_sets_which_steps_metrics_jsonl_has(corpus: Path, tmp_path: Pa
     assert main(["run", "--params", str(path), "--no_progress"]) == 0
     lines = (tmp_path / "md" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == [4, 6]  # every 4th step and the last
+
+
+def test_attention_module_and_norm_placement_are_honoured_or_refused(tmp_path: Path) -> None:
+    d = tiny()
+    d["model"].update(attention_module="multiquery_attention")  # Model Zoo's MQA: one key/value head by default
+    assert load_params(write(tmp_path, d)).model.to_model_config().kv_heads == 1
+    d["model"].update(attention_module="aiayn_attention", extra_attention_params={"num_kv_groups": 2})
+    with pytest.raises(ConfigError, match=r"extra_attention_params: num_kv_groups applies to attention_module "
+                                          r"multiquery_attention"):
+        load_params(write(tmp_path, d))
+    d["model"] = {"name": "gpt-tiny", "norm_first": True}
+    load_params(write(tmp_path, d))
+    d["model"]["norm_first"] = False
+    with pytest.raises(ConfigError, match=r"model\.norm_first: false is not supported: decoder blocks are pre-norm"):
+        load_params(write(tmp_path, d))

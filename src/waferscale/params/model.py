@@ -153,6 +153,9 @@ class ModelParams:
     filter_size: int | None = None
     max_position_embeddings: int | None = None
     extra_attention_params: ExtraAttentionParams | None = None
+    # multiquery_attention: num_kv_groups key/value heads (1 when not given, as Model Zoo); aiayn_attention: one per
+    # head; None: as num_kv_groups says
+    attention_module: Literal["aiayn_attention", "multiquery_attention"] | None = None
     # structure
     position_embedding_type: Literal["learned", "rotary", "alibi", "relative"] | None = None
     share_embedding_weights: bool | None = None
@@ -174,6 +177,8 @@ class ModelParams:
     use_position_embedding: bool = True
     embedding_layer_norm: bool | None = None  # encoders always have it, decoders never
     attention_type: Literal["scaled_dot_product"] = "scaled_dot_product"
+    use_pre_normalization: bool | None = None  # checked: decoders are pre-norm, encoders post-norm
+    norm_first: bool | None = None  # the same, torch's spelling
     moe: MoEParams | None = None  # a mixture of experts
     # encoders (Model Zoo's BERT model; see the module docstring)
     encoder_nonlinearity: Literal["gelu", "gelu_new", "gelu_tanh", "relu", "geglu", "gated-gelu"] | None = None
@@ -236,14 +241,12 @@ class ModelParams:
                                          "d_model": "hidden_size", "d_ff": "filter_size",
                                          "encoder_num_hidden_layers": "num_hidden_layers"}
     IGNORED_KEYS: ClassVar[dict[str, str]] = {
-        "attention_module": "attention is always multi-head / grouped-query as num_kv_groups says",
         "attention_softmax_fp32": "softmax always runs in fp32",
         "attention_kernel": "kernel choice is the compiler's",
         "tf_summary": "TensorFlow-only",
         "dropout_seed": "dropout follows runconfig.seed",
         "fixed_sparse_attention": "dense attention only",
         **dict.fromkeys(("precision_opt_level", "boundary_casting"), "a Cerebras compiler setting"),
-        **dict.fromkeys(("use_pre_normalization", "norm_first"), "blocks are always pre-norm"),
         "compute_eval_metrics": "evaluation reports the loss",
         "enable_vts": "a Cerebras compiler setting (variable tensor shapes)",
     }
@@ -286,6 +289,12 @@ class ModelParams:
         encoder = self._is_encoder()
         self._refuse_unsupported(encoder)
         kv = self.extra_attention_params.num_kv_groups if self.extra_attention_params else None
+        if self.attention_module == "aiayn_attention" and kv is not None:
+            raise FieldError("extra_attention_params", "num_kv_groups applies to attention_module "
+                             "multiquery_attention (aiayn_attention has a key/value head per head); set "
+                             "attention_module: multiquery_attention or leave num_kv_groups out")
+        if self.attention_module == "multiquery_attention" and kv is None:
+            kv = 1  # Model Zoo's MultiQueryAttention: one key/value head unless num_kv_groups says otherwise
         zoo = {  # ModelConfig field <- Model Zoo key
             "vocab_size": self.vocab_size, "d_model": self.hidden_size, "n_layer": self.num_hidden_layers,
             "n_head": self.num_heads, "n_kv_head": kv, "d_ff": self.filter_size,
@@ -558,6 +567,11 @@ class ModelParams:
         return defaults | o | {"family": family, "nsp_head": nsp} | {k: v for k, v in given.items() if v is not None}
 
     def _refuse_unsupported(self, encoder: bool) -> None:
+        for key in ("use_pre_normalization", "norm_first"):  # decoder blocks are pre-norm, encoder blocks post-norm
+            if getattr(self, key) is not None and getattr(self, key) == encoder:
+                raise FieldError(key, f"{str(encoder).lower()} is not supported: {'encoder' if encoder else 'decoder'} "
+                                 f"blocks are {'post' if encoder else 'pre'}-norm here; set {str(not encoder).lower()} "
+                                 f"or leave it out")
         if not self.use_position_embedding:
             raise FieldError("use_position_embedding", "false is not supported; use position_embedding_type "
                              "learned or rotary")
