@@ -253,8 +253,9 @@ def test_trainer_layout_maps_to_the_legacy_one() -> None:
     assert p.optimizer.optimizer_type == "AdamW" and p.optimizer.max_gradient_norm == 1.0
     assert [ph["scheduler"] for ph in p.optimizer.learning_rate] == ["Linear", "CosineDecay"]
     rc = p.runconfig
-    assert (rc.max_steps, rc.eval_steps, rc.checkpoint_steps, rc.num_csx, rc.seed) == (100, 2, 25, 2, 7)
-    assert "runconfig.eval_frequency" in p.ignored and "trainer.init.callbacks[1].ComputeNorm" in p.ignored
+    assert (rc.max_steps, rc.eval_steps, rc.eval_frequency, rc.checkpoint_steps, rc.num_csx, rc.seed) == \
+        (100, 2, 50, 25, 2, 7)
+    assert "trainer.init.callbacks[1].ComputeNorm" in p.ignored
     assert p.train_input.micro_batch_size == 4 and p.eval_input is not None
 
 

@@ -125,11 +125,15 @@ def test_eval_input_keys_it_does_not_read_are_listed(tmp_path: Path) -> None:
     assert ignored["eval_input.tokenizer"] == "evaluation reads with train_input's tokenizer 'char'"
 
 
-def test_log_steps_sets_which_steps_metrics_jsonl_has(corpus: Path, tmp_path: Path) -> None:
-    path = write(tmp_path, tiny_params(corpus, tmp_path / "md", log_steps=4, max_steps=6))
+def test_log_steps_and_eval_frequency_shape_metrics_jsonl(corpus: Path, tmp_path: Path) -> None:
+    path = write(tmp_path, tiny_params(corpus, tmp_path / "md", log_steps=4, max_steps=6, eval_frequency=3,
+                                       mode="train_and_eval"))
     assert main(["run", "--params", str(path), "--no_progress"]) == 0
-    lines = (tmp_path / "md" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(ln)["step"] for ln in lines] == [4, 6]  # every 4th step and the last
+    lines = [json.loads(ln) for ln in (tmp_path / "md" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [3, 4, 6]  # every 4th step, the last, and the evaluated step 3
+    assert [ln.get("eval_batches") for ln in lines] == [2, None, None] and lines[0]["eval_loss"] > 0
+    summary = json.loads((tmp_path / "md" / "summary.json").read_text())
+    assert summary["mode"] == "train_and_eval" and summary["eval_batches"] == 2  # runconfig.mode; after training
 
 
 def test_attention_module_and_norm_placement_are_honoured_or_refused(tmp_path: Path) -> None:

@@ -235,6 +235,7 @@ class RunConfig:
     model_dir: str | None = None
     execution: Literal["auto", "resident", "streaming"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_frequency: int | None = None  # train_and_eval: also evaluate every this many steps (metrics.jsonl)
     # the run's defaults for the `wsc run` flags of the same names (a flag given wins; zoo.runner.prepare_run)
     mode: Literal["train", "eval", "train_and_eval"] | None = None
     checkpoint_path: str | None = None
@@ -257,7 +258,6 @@ class RunConfig:
         "save_losses": "every logged loss is written to metrics.jsonl",
         "enable_distributed": "distributed runs follow num_csx",
         "multireplica": "a Cerebras compiler setting (replicas are the compiler's choice)",
-        "eval_frequency": "train_and_eval evaluates once, after training",
         "disable_strict_checkpoint_loading": "checkpoints always load strictly: another architecture is an error",
         "num_wgt_servers": "one MemoryX process holds all the weights",
         "dist_backend": "SwarmX's processes always talk over gloo",
@@ -266,7 +266,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        positive(self, "max_steps", "eval_steps", "log_steps", "num_csx")
+        positive(self, "max_steps", "eval_steps", "log_steps", "num_csx", "eval_frequency")
         positive(self, "device_memory_mb", "memoryx_ram_mb", what="a positive number of MiB")
         non_negative(self, "checkpoint_steps")
 

@@ -397,6 +397,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
                                "mode": opts.mode, "seq_len": data.seq_len,
                                "batch_size": inp.batch_size, "start_step": start_step}
     stream_totals: dict[str, float] = {}
+    eval_steps = opts.eval_steps or rc.eval_steps
+    eval_bs = params.eval_input.batch_size if params.eval_input else inp.batch_size
+    every_eval = rc.eval_frequency if opts.mode == "train_and_eval" else None  # also during training, in its line
     trace_step = start_step + (2 if end_step - start_step >= 2 else 1)
     last_ckpt: Path | None = None
     if opts.mode in ("train", "train_and_eval") and end_step > start_step:
@@ -430,7 +433,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             if r.stats:
                 line.update(r.stats)
                 accumulate_stream_stats(stream_totals, r.stats)
-            if step % rc.log_steps == 0 or step == end_step:  # runconfig.log_steps (Model Zoo's logging rule)
+            if every_eval and step % every_eval == 0 and step != end_step:  # (the last step's evaluation follows)
+                line["eval_loss"], line["eval_batches"] = evaluate(executor, data, eval_bs, eval_steps)
+            if step % rc.log_steps == 0 or step == end_step or "eval_loss" in line:  # Model Zoo's logging rule
                 metrics.write(json.dumps(line) + "\n")
                 metrics.flush()
             bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{acc['tokens'] / acc['time']:,.0f}")
@@ -475,8 +480,6 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
         if opts.trace:
             summary["trace"] = opts.trace
     if opts.mode in ("eval", "train_and_eval"):
-        eval_steps = opts.eval_steps or rc.eval_steps
-        eval_bs = params.eval_input.batch_size if params.eval_input else inp.batch_size
         eval_loss, n = evaluate(executor, data, eval_bs, eval_steps)
         summary.update({"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0)),
                         "eval_batches": n})
