@@ -14,6 +14,7 @@ from waferscale.cli.main import main
 from waferscale.errors import ConfigError
 from waferscale.params import load_params, params_from_dict
 from waferscale.params.cluster_keys import CLUSTER_KEYS
+from waferscale.zoo import runner
 from waferscale.zoo.runner import prepare_run
 
 from conftest import tiny_params
@@ -149,3 +150,12 @@ def test_attention_module_and_norm_placement_are_honoured_or_refused(tmp_path: P
     d["model"]["norm_first"] = False
     with pytest.raises(ConfigError, match=r"model\.norm_first: false is not supported: decoder blocks are pre-norm"):
         load_params(write(tmp_path, d))
+
+
+def test_the_hdf5_loader_keys_are_listed_on_text(corpus: Path, tmp_path: Path, capsys) -> None:
+    d = tiny_params(corpus, tmp_path / "md")
+    d["train_input"].update(num_workers=4, drop_last=False)
+    params = load_params(write(tmp_path, d))
+    runner.prepare_data(params, params.model.to_model_config(), progress=False)
+    err = capsys.readouterr().err
+    assert "ignored: train_input.num_workers (" in err and "ignored: train_input.drop_last (" in err

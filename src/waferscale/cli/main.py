@@ -17,7 +17,6 @@ from waferscale.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from waferscale.compiler import Plan
-    from waferscale.compiler.ir import Graph
     from waferscale.data import Tokenizer
     from waferscale.models.t5 import T5
     from waferscale.params import Params
@@ -193,7 +192,7 @@ def _say_ignored(params: "Params") -> None:
     --json)."""
     from waferscale.params.schema import ignored_block
 
-    sys.stderr.write(ignored_block(params))
+    sys.stderr.write(ignored_block(params.ignored))
 
 
 def _params_sparsity(params: "Params") -> dict[str, float] | None:

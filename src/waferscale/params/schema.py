@@ -477,10 +477,10 @@ def params_from_dict(d: Any, source: str = "<dict>") -> Params:
     return params
 
 
-def ignored_block(params: Params) -> str:
-    """What `wsc run`, `validate`, `compile --params` and `estimate --params` print first: one
-    `ignored: key (reason)` line per key of the file that changes nothing here (empty when none)."""
-    return "".join(f"ignored: {key} ({why})\n" for key, why in params.ignored.items())
+def ignored_block(ignored: Mapping[str, str]) -> str:
+    """What `wsc run`, `validate`, `compile --params` and `estimate --params` print first (a Params' `ignored`):
+    one `ignored: key (reason)` line per key of the file that changes nothing here (empty when none)."""
+    return "".join(f"ignored: {key} ({why})\n" for key, why in ignored.items())
 
 
 __all__ = ["InputParams", "OptimizerParams", "RunConfig", "Params", "OPTIMIZERS", "SECTIONS", "CLUSTER_KEYS",

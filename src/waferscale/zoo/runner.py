@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import waferscale.pytorch as cstorch
 from waferscale.params import Params, check_batch_split, load_params
+from waferscale.params.schema import ignored_block
 from waferscale.data import (BatchLoader, MaskedBatches, Masker, build_token_splits, eval_batches, load_tokenizer,
                              read_documents, tokenizer_with_mask)
 from waferscale.data import hdf5
@@ -138,6 +139,11 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
     if inp.src_vocab_file is not None and not inp.src_vocab_file.endswith(".json"):
         raise ConfigError(f"train_input.src_vocab_file {inp.src_vocab_file!r}: Model Zoo's SentencePiece vocabulary "
                           "is not read; give a T5 tokenizer.json there (or as train_input.tokenizer), or 'char'")
+    unused = {"train_input.num_workers": "text is tokenized once and read in the main process"} \
+        if inp.num_workers else {}  # (the HDF5 reader's loader keys)
+    if not inp.drop_last:
+        unused["train_input.drop_last"] = "a token stream has no short last batch"
+    sys.stderr.write(ignored_block(unused))
     docs = read_documents(inp.data_dir)
     tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
     if cfg.is_encoder:
