@@ -196,8 +196,8 @@ def _read_tensor(f: h5py.File, key: str, meta: dict[str, Any], where: str) -> to
     return t
 
 
-def _read_leaf(f: h5py.File, key: str, where: str) -> Any:
-    raw = f.attrs.get(f"{key}.__metadata__")
+def _read_leaf(f: h5py.File, attrs: dict[str, Any], key: str, where: str) -> Any:
+    raw = attrs.get(f"{key}.__metadata__")
     if raw is None:
         raise CheckpointError(f"{where} is damaged: no metadata for {key}")
     entry = json.loads(raw)
@@ -251,7 +251,7 @@ def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
         raise CheckpointError(f"{where} is not a readable HDF5 checkpoint ({str(e).splitlines()[0][:120]}); it "
                               f"was partially written or is another format") from None
     with f:
-        attrs = f.attrs
+        attrs = dict(f.attrs)  # read once: a file in HDF5's earliest format finds each attribute by linear search
         if "__version__" not in attrs and "__spec__" not in attrs:
             raise CheckpointError(f"{where} is an HDF5 file but not a Cerebras checkpoint (no __version__ or "
                                   f"__spec__ attribute); was it written by cstorch.save?")
@@ -270,7 +270,7 @@ def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
         except (KeyError, ValueError, TypeError, NotImplementedError) as e:
             raise CheckpointError(f"{where}: its structure (__spec__) cannot be read: {e}") from None
         keys = leaf_keys(spec)
-        values = {k: _read_leaf(f, k, where) for k in keys}
+        values = {k: _read_leaf(f, attrs, k, where) for k in keys}
     for k, v in values.items():  # re-tie: the same tensor object under both keys
         if isinstance(v, _Link):
             if v.key not in values or isinstance(values[v.key], _Link):
