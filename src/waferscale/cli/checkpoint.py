@@ -3,8 +3,9 @@ GPT or Llama model -> a Hugging Face directory (config.json + model.safetensors)
 
 The flags are cszoo's: CHECKPOINT, --model, --src-fmt, --tgt-fmt, --config (the params YAML the checkpoint was
 trained with), --output-dir (default: beside the checkpoint, `<name>_to_hf`), --drop-unmatched-keys. Every
-`cs-X.Y` source format (and `cs-auto`) reads the same way: the .mdl format 0.5 and the GPT/Llama parameter names are
-those of the Model Zoo releases that write it. The Hugging Face side is always safetensors (cszoo's
+`cs-X.Y` source format (and `cs-auto`) reads the same way: the file's own `__version__` tells its .mdl format
+(`runtime/mdl.py`), and the GPT/Llama parameter names are those Model Zoo's converters read
+(`models/modelzoo.py`). The Hugging Face side is always safetensors (cszoo's
 `--export-safetensors`, accepted, changes nothing). A muP model (the Cerebras-GPT muP family) is written with its
 scalings folded into the weights, as cszoo does (`modelzoo.fold_mup`, applied by `hf.save_hf_dir`).
 """
@@ -28,8 +29,8 @@ def cmd_checkpoint_convert(a: argparse.Namespace) -> int:
     from waferscale.models.modelzoo import model_state, state_dict_from_zoo
     from waferscale.models.registry import build
     from waferscale.params import load_params
-    from waferscale.runtime.mdl import is_mdl, load_mdl
     from waferscale.runtime.checkpoint import load_model_weights
+    from waferscale.runtime.mdl import is_mdl, load_mdl
 
     if not re.fullmatch(r"cs(-auto|-\d+\.\d+)?", a.src_fmt):
         raise ConfigError(f"--src-fmt {a.src_fmt!r} is not supported; give cs-X.Y (e.g. cs-2.4) or cs-auto, a "

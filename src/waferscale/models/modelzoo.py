@@ -57,8 +57,8 @@ def _halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
 
 
 def _strip_wrapper(sd: dict[str, Any]) -> dict[str, Any]:
-    """Names without the `model.` prefix of Model Zoo's wrapper module, where every name has it."""
-    if sd and all(k.startswith("model.") for k in sd) and not any(k.startswith("embedding_layer.") for k in sd):
+    """Names without the `model.` prefix of Model Zoo's wrapper module, where the decoder's names have it."""
+    if any(k.startswith("model.transformer_decoder.") for k in sd):
         return {k.removeprefix("model."): v for k, v in sd.items()}
     return sd
 
