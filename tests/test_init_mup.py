@@ -21,7 +21,8 @@ from waferscale.params import load_params, params_from_dict
 from waferscale.runtime.optim import OptimizerSpec, build_optimizer, set_lr
 from waferscale.zoo.lm import adjust_learning_rates
 
-MUP_111M = Path(__file__).resolve().parent / "data" / "modelzoo" / "params_cerebras_gpt_111m_mup.yaml"
+ZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
+MUP_111M = ZOO / "params_cerebras_gpt_111m_mup.yaml"
 FAN_OUT, FAN_IN = 256, 1024  # a Linear weight (out, in): torch's fan_in is its second dimension
 
 
@@ -124,6 +125,35 @@ def test_published_mup_config_is_honoured_by_the_model_and_its_optimizer():
         assert t.std().item() == pytest.approx(s, rel=0.05), name
 
 
+def _spread(t: torch.Tensor, spec: Initializer) -> None:
+    """t is spec's truncated normal (its bounds, its std)."""
+    assert spec.arg("a") <= t.min().item() and t.max().item() <= spec.arg("b")
+    mean, std = _truncated_moments(spec.arg("mean"), spec.arg("std"), spec.arg("a"), spec.arg("b"))
+    assert t.mean().item() == pytest.approx(mean, abs=0.05 * std)
+    assert t.std().item() == pytest.approx(std, rel=0.05)
+
+
+def test_each_family_applies_the_initializers_where_model_zoo_does():
+    shape = dict(n_layer=2, d_model=256, n_head=4, d_ff=1024, vocab_size=512, max_seq_len=64)
+    # Model Zoo's GPT-J model (the published GPT-J 6B config): the MLP takes output_layer_initializer
+    gptj = load_params(ZOO / "params_gptj_6B.yaml").model.to_model_config().replace(**shape, rotary_dim=None)
+    torch.manual_seed(0)
+    w = dict(build(gptj).named_parameters())
+    for name in ("attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+        _spread(w[f"blocks.1.{name}.weight"], gptj.output_layer_initializer)
+    _spread(w["blocks.1.attn.q_proj.weight"], gptj.initializer)
+    _spread(w["embed.tok.weight"], gptj.embedding_initializer)
+    assert w["head.lm_head.weight"].std().item() == pytest.approx(gptj.init_std, rel=0.05)  # untied: normal
+    assert w["head.lm_head.weight"].abs().max().item() > 3 * gptj.init_std
+    # Model Zoo's GPT-2 model given only `initializer`: the outputs take it too, the embeddings Model Zoo's
+    # default truncated_normal(0, initializer_range)
+    gpt = config_from_name("gpt-tiny").replace(**shape, initializer={"name": "uniform", "a": -0.1, "b": 0.1})
+    w = dict(build(gpt).named_parameters())
+    for name in ("attn.q_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+        _check(w[f"blocks.0.{name}.weight"], 0.0, 0.2 / math.sqrt(12), -0.1, 0.1)
+    _spread(w["embed.tok.weight"], Initializer("truncated_normal", std=gpt.init_std))
+
+
 def test_initializers_reach_a_model_built_on_the_meta_device():
     cfg = config_from_name("gpt3-1.3b").replace(output_layer_initializer={"name": "uniform", "a": -0.01, "b": 0.01},
                                                 embedding_initializer="zeros")
@@ -136,8 +166,8 @@ def test_initializers_reach_a_model_built_on_the_meta_device():
     model.init_parameter("embed.tok.weight", e)
     assert not e.any()
     q = torch.empty(512, 1024)
-    model.init_parameter("blocks.0.attn.q_proj.weight", q)  # no initializer given: N(0, initializer_range)
-    _check(q, 0.0, cfg.init_std)
+    model.init_parameter("blocks.0.attn.q_proj.weight", q)  # left out beside others: Model Zoo's default
+    _spread(q, Initializer("truncated_normal", std=cfg.init_std))
 
 
 def test_mup_scalings_in_the_forward_pass():

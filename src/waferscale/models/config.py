@@ -67,12 +67,10 @@ class ModelConfig:
     lm_head_bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
-    # initializers (models/init.py, Model Zoo's names; where each applies: `CausalLM.init_for`): None = the next
-    # one in its line, finally the family's own rule (the decoders': N(0, init_std), output projections
-    # N(0, init_std / sqrt(2 n_layer))). initializer: q/k/v and a router; ffn_initializer: the MLP's input
-    # projections (else initializer); output_layer_initializer: the attention output projection (else
-    # initializer); ffn_output_layer_initializer: the MLP's output projection (else output_layer_initializer, else
-    # ffn_initializer); embedding_initializer: token and learned position embeddings
+    # initializers (models/init.py, Model Zoo's names): initializer: q/k/v and a router; ffn_initializer: the MLP's
+    # input projections; output_layer_initializer: the attention output projection; ffn_output_layer_initializer:
+    # the MLP's output projection; embedding_initializer: token and learned position embeddings. None: as Model
+    # Zoo's model for the family falls back (`CausalLM.init_for`), all None: the family's own rule
     initializer: Initializer | None = None
     ffn_initializer: Initializer | None = None
     output_layer_initializer: Initializer | None = None

@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from waferscale.models.config import ModelConfig, RopeScaling
+from waferscale.models.config import INITIALIZER_FIELDS, ModelConfig, RopeScaling
 from waferscale.models.init import Initializer
+
+# the families Model Zoo runs as its GPT-J model (the others of ours: as its GPT-2 model); see CausalLM.init_for
+_GPTJ_MODEL = ("gptj", "gpt_neox", "falcon")
 
 
 class RMSNorm(nn.Module):
@@ -390,24 +393,38 @@ class CausalLM(nn.Module):
             self.init_for(name)(t)
 
     def init_for(self, name: str) -> Initializer:
-        """The initializer of matrix `name`, where Model Zoo's GPT models apply the config's (ModelConfig's
-        comment has each one's stand-in when left out). Left out altogether, GPT-2's: N(0, init_std), output
+        """The initializer of matrix `name`, as Model Zoo's models apply the config's (ModelConfig's comment says
+        which covers what). Model Zoo's GPT-2 model (our gpt, llama, mistral, mixtral, mpt) falls back from a
+        missing one to the next in its line; its GPT-J model (our gptj, gpt_neox, falcon) gives the MLP the output
+        layer's initializer and nothing the input projections'. What is left once the file gives some: Model Zoo's
+        default truncated_normal(0, init_std) within 2 stds (the GPT-2 model's output projections' over
+        sqrt(2 n_layer) unless an initializer is given); when it gives none: GPT-2's N(0, init_std), output
         projections N(0, init_std / sqrt(2 n_layer)). An untied LM head is N(0, init_std) always (Model Zoo's too)."""
         cfg = self.config
-        default = Initializer("normal", std=cfg.init_std)
-        depth_scaled = Initializer("normal", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+        if any(getattr(cfg, k) is not None for k in INITIALIZER_FIELDS):
+            default = Initializer("truncated_normal", mean=0.0, std=cfg.init_std)
+            depth_scaled = default if cfg.family in _GPTJ_MODEL else default.scaled((2 * cfg.n_layer) ** -0.5)
+        else:
+            default = Initializer("normal", std=cfg.init_std)
+            depth_scaled = Initializer("normal", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
         if name.startswith("embed."):
             return cfg.embedding_initializer or default
-        if name.endswith("o_proj.weight"):
-            return cfg.output_layer_initializer or cfg.initializer or depth_scaled
-        if name.endswith("down_proj.weight"):
-            return (cfg.ffn_output_layer_initializer or cfg.output_layer_initializer or cfg.ffn_initializer
-                    or cfg.initializer or depth_scaled)
-        if name.endswith(("up_proj.weight", "gate_proj.weight")):
-            return cfg.ffn_initializer or cfg.initializer or default
-        if name.startswith("blocks."):
-            return cfg.initializer or default
-        return default
+        if not name.startswith("blocks."):  # an untied head
+            return Initializer("normal", std=cfg.init_std)
+        out = name.endswith("o_proj.weight")
+        mlp_in, mlp_out = name.endswith(("up_proj.weight", "gate_proj.weight")), name.endswith("down_proj.weight")
+        if cfg.family in _GPTJ_MODEL:
+            chain = ((cfg.output_layer_initializer, depth_scaled) if out else
+                     (cfg.ffn_initializer, cfg.output_layer_initializer, default) if mlp_in else
+                     (cfg.ffn_output_layer_initializer, cfg.output_layer_initializer, depth_scaled) if mlp_out else
+                     (cfg.initializer, default))
+        else:
+            chain = ((cfg.output_layer_initializer, cfg.initializer, depth_scaled) if out else
+                     (cfg.ffn_initializer, cfg.initializer, default) if mlp_in else
+                     (cfg.ffn_output_layer_initializer, cfg.output_layer_initializer, cfg.ffn_initializer,
+                      cfg.initializer, depth_scaled) if mlp_out else
+                     (cfg.initializer, default))
+        return next(i for i in chain if i is not None)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
