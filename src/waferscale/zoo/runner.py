@@ -39,6 +39,7 @@ from waferscale.data.span_corruption import (T5_EXTRA_IDS, SpanCorruptedBatches,
                                              tokenizer_with_sentinels)
 from waferscale.errors import CheckpointError, ConfigError, DataError
 from waferscale.models import CausalLM, ModelConfig, build
+from waferscale.models.config import INITIALIZER_FIELDS
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import Executor, choose_execution, resolve_device
 from waferscale.runtime.optim import build_schedule
@@ -357,7 +358,9 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
     if source is not None:
         c = ckpt.load_checkpoint(source, model_config=cfg)  # (a Cerebras .mdl's names are mapped for cfg)
-        if ModelConfig.from_dict(c.model_config).replace(name=cfg.name) != cfg:
+        # initializers only shape a fresh model's weights: a checkpoint's are the weights
+        inits = {k: getattr(cfg, k) for k in INITIALIZER_FIELDS}
+        if ModelConfig.from_dict(c.model_config).replace(name=cfg.name, **inits) != cfg:
             raise CheckpointError(f"{c.path} was written for another architecture "
                                   f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
         executor.load_model_weights(c.model, str(c.path))
