@@ -16,6 +16,7 @@ from torch import nn
 
 import waferscale.pytorch as cstorch
 from waferscale.errors import ConfigError
+from waferscale.runtime import optimizers
 
 # ---- references (cerebras_pytorch 2.10.0, cerebras/pytorch/optim/*.py) ------------------------------------------
 # Each: (state initializer per parameter, step per parameter). `t` (the float32 global step, Cerebras'
@@ -331,6 +332,17 @@ CASES = [  # (class name, constructor arguments, reference param-group values be
 
 @pytest.mark.parametrize("name,kwargs,extra,scale", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_cerebras_step_for_step(name: str, kwargs: dict, extra: dict, scale: float) -> None:
+    check_against_reference(name, kwargs, extra, scale)
+
+
+def test_adam_in_several_multi_tensor_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adam/AdamW step a group in chunks of bounded size (their temporaries): 40 elements here, a chunk per layer
+    tensor or two, the same result."""
+    monkeypatch.setattr(optimizers, "_CHUNK_NUMEL", 40)
+    check_against_reference(*CASES[0])
+
+
+def check_against_reference(name: str, kwargs: dict, extra: dict, scale: float) -> None:
     ours_model, ref_model = mlp(scale), mlp(scale)
     opt = getattr(cstorch.optim, name)(ours_model.parameters(), **kwargs)
     group = {**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, **extra}

@@ -29,16 +29,37 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from waferscale.errors import ConfigError
+
 
 def _check(name: str, lr: float, eps: float = 0.0, betas: tuple[float, float] = (0.0, 0.0),
            weight_decay: float = 0.0) -> None:
     if lr < 0.0 or eps < 0.0 or weight_decay < 0.0 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{name} needs lr >= 0, eps >= 0, weight_decay >= 0 and betas in [0, 1), got lr={lr}, "
+        raise ConfigError(f"{name} needs lr >= 0, eps >= 0, weight_decay >= 0 and betas in [0, 1), got lr={lr}, "
                          f"eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}")
 
 
 def _f32(value: float, like: Tensor) -> Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+# elements per multi-tensor call: bounds its temporaries (two float32 copies of a chunk, 1 GiB), where torch's
+# multi-tensor optimizers copy a whole group (an assumption: large enough that launches are few on a GPU)
+_CHUNK_NUMEL = 1 << 27
+
+
+def _chunks(items: list[tuple[Tensor, Tensor, dict]]) -> Any:
+    """(parameter, gradient, state) triples in runs of at most _CHUNK_NUMEL elements (a larger tensor alone)."""
+    chunk: list[tuple[Tensor, Tensor, dict]] = []
+    numel = 0
+    for item in items:
+        if chunk and numel + item[0].numel() > _CHUNK_NUMEL:
+            yield chunk
+            chunk, numel = [], 0
+        chunk.append(item)
+        numel += item[0].numel()
+    if chunk:
+        yield chunk
 
 
 class CerebrasOptimizer(torch.optim.Optimizer):
@@ -95,31 +116,39 @@ class AdamBase(CerebrasOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """Cerebras' per-parameter operations, each applied to a chunk of the group's parameters at once (torch's
+        multi-tensor kernels: one launch per operation, not per parameter)."""
         loss = self._run_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p, grad, state in self._stepped(group):
+            for chunk in _chunks(list(self._stepped(group))):
+                ps, grads = [p for p, _, _ in chunk], [g for _, g, _ in chunk]
                 if group["l2_regularization_rate"] > 0.0:
-                    grad = grad.add(p, alpha=group["l2_regularization_rate"])
-                exp_avg, exp_avg_sq = self._zeros(state, p, "exp_avg", "exp_avg_sq")
-                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                    grads = torch._foreach_add(grads, ps, alpha=group["l2_regularization_rate"])
+                exp_avg, exp_avg_sq = map(list, zip(*(self._zeros(s, p, "exp_avg", "exp_avg_sq") for p, _, s in chunk)))
+                torch._foreach_mul_(exp_avg, beta1)
+                torch._foreach_add_(exp_avg, grads, alpha=1.0 - beta1)
+                torch._foreach_mul_(exp_avg_sq, beta2)
+                torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1.0 - beta2)
                 if group["amsgrad"]:
-                    (max_sq,) = self._zeros(state, p, "max_exp_avg_sq")
-                    torch.maximum(max_sq, exp_avg_sq, out=max_sq)
-                    denom = max_sq.sqrt().add_(group["eps"])
-                else:
-                    denom = exp_avg_sq.sqrt().add_(group["eps"])
-                update = torch.div(exp_avg, denom, out=denom)
+                    max_sq = [self._zeros(s, p, "max_exp_avg_sq")[0] for p, _, s in chunk]
+                    torch._foreach_maximum_(max_sq, exp_avg_sq)
+                    exp_avg_sq = max_sq
+                denom = torch._foreach_sqrt(exp_avg_sq)
+                torch._foreach_add_(denom, group["eps"])
+                update = torch._foreach_div(exp_avg, denom)
+                del denom
                 if group["correct_bias"]:
-                    beta1_power, beta2_power = self._beta_powers(state, group, p)
-                    update *= torch.sqrt(1.0 - beta2_power) / (1.0 - beta1_power)
-                    beta1_power *= beta1
-                    beta2_power *= beta2
+                    beta1_power, beta2_power = map(list, zip(*(self._beta_powers(s, group, p) for p, _, s in chunk)))
+                    step_size = torch._foreach_sqrt(torch._foreach_add(torch._foreach_neg(beta2_power), 1.0))
+                    torch._foreach_div_(step_size, torch._foreach_add(torch._foreach_neg(beta1_power), 1.0))
+                    torch._foreach_mul_(update, step_size)
+                    torch._foreach_mul_(beta1_power, beta1)
+                    torch._foreach_mul_(beta2_power, beta2)
                 if group["weight_decay"]:
-                    update.add_(p * group["weight_decay"])
-                update *= group["lr"]
-                p.sub_(update)
+                    torch._foreach_add_(update, torch._foreach_mul(ps, group["weight_decay"]))
+                torch._foreach_mul_(update, group["lr"])
+                torch._foreach_sub_(ps, update)
         return loss
 
 
@@ -162,9 +191,9 @@ class SGD(CerebrasOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False) -> None:
         _check("SGD", lr, weight_decay=weight_decay)
         if momentum < 0.0:
-            raise ValueError(f"SGD needs momentum >= 0, got {momentum}")
+            raise ConfigError(f"SGD needs momentum >= 0, got {momentum}")
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"SGD: Nesterov momentum needs momentum > 0 and dampening 0, got momentum={momentum}, "
+            raise ConfigError(f"SGD: Nesterov momentum needs momentum > 0 and dampening 0, got momentum={momentum}, "
                              f"dampening={dampening}")
         super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
                                   "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize})
@@ -250,7 +279,7 @@ class Adagrad(CerebrasOptimizer):
                  initial_accumulator_value: float = 0.0, eps: float = 1e-6, maximize: bool = False) -> None:
         _check("Adagrad", lr, eps, weight_decay=weight_decay)
         if lr_decay < 0.0 or initial_accumulator_value < 0.0:
-            raise ValueError(f"Adagrad needs lr_decay >= 0 and initial_accumulator_value >= 0, got {lr_decay}, "
+            raise ConfigError(f"Adagrad needs lr_decay >= 0 and initial_accumulator_value >= 0, got {lr_decay}, "
                              f"{initial_accumulator_value}")
         super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,
                                   "initial_accumulator_value": initial_accumulator_value, "maximize": maximize})
@@ -305,7 +334,7 @@ class RMSprop(CerebrasOptimizer):
                  weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False) -> None:
         _check("RMSprop", lr, eps, weight_decay=weight_decay)
         if momentum < 0.0 or alpha < 0.0:
-            raise ValueError(f"RMSprop needs momentum >= 0 and alpha >= 0, got {momentum}, {alpha}")
+            raise ConfigError(f"RMSprop needs momentum >= 0 and alpha >= 0, got {momentum}, {alpha}")
         super().__init__(params, {"lr": lr, "momentum": momentum, "alpha": alpha, "eps": eps, "centered": centered,
                                   "weight_decay": weight_decay})
 
@@ -340,7 +369,7 @@ class NAdam(CerebrasOptimizer):
                  weight_decay: float = 0.0, momentum_decay: float = 4e-3) -> None:
         _check("NAdam", lr, eps, betas, weight_decay)
         if momentum_decay < 0.0:
-            raise ValueError(f"NAdam needs momentum_decay >= 0, got {momentum_decay}")
+            raise ConfigError(f"NAdam needs momentum_decay >= 0, got {momentum_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                                   "momentum_decay": momentum_decay})
 
@@ -445,7 +474,7 @@ class Adadelta(CerebrasOptimizer):
                  maximize: bool = False) -> None:
         _check("Adadelta", lr, eps, weight_decay=weight_decay)
         if not 0.0 <= rho <= 1.0:
-            raise ValueError(f"Adadelta needs rho in [0, 1], got {rho}")
+            raise ConfigError(f"Adadelta needs rho in [0, 1], got {rho}")
         super().__init__(params, {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay,
                                   "maximize": maximize})
 
