@@ -26,6 +26,7 @@ from hf_helpers import ids, max_diff, perturbed
 from waferscale.cli.main import main
 from waferscale.errors import CheckpointError
 from waferscale.models import ModelConfig, build
+from waferscale.models.hf import save_hf_dir
 from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.zoo.runner import RunOptions, run
@@ -275,6 +276,29 @@ def test_convert_to_hugging_face_matches_transformers(model: dict, corpus: Path,
         assert max_diff(theirs(x).logits, ours(x)) < 1e-4
 
 
+@pytest.mark.parametrize("model,config", [(GPT, "params.yaml"), (LLAMA, "config.json")], ids=["gpt2", "llama"])
+def test_convert_from_hugging_face_writes_model_zoo_names(model: dict, config: str, corpus: Path,
+                                                          tmp_path: Path) -> None:
+    d = _params(corpus, tmp_path / "unused", model)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
+    cfg = params_from_dict(d, "t").model.to_model_config()
+    ours = perturbed(cfg)
+    save_hf_dir(ours, tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json" if config == "config.json" else tmp_path / "params.yaml"
+    kind = "gpt2" if cfg.family == "gpt" else "llama"
+    assert main(["checkpoint", "convert", str(tmp_path / "hf"), "--model", kind, "--src-fmt", "hf", "--tgt-fmt",
+                 "cs-2.4", "--config", str(config_path)]) == 0
+    flat = read_mdl(tmp_path / "hf_to_cs-2.4.mdl")
+    expected = zoo_names(ours.state_dict(), cfg)
+    assert sorted(flat) == sorted(f"model.model.{k}" for k in expected)  # {"model": Model Zoo 2.x's wrapper names}
+    for k, t in expected.items():
+        got = flat[f"model.model.{k}"]
+        if isinstance(got, tuple):  # the tied head: a link to the embedding
+            assert got == ("link", "model.model.embedding_layer.word_embeddings.weight") and cfg.tie_embeddings
+        else:
+            assert torch.equal(got, t), k
+
+
 # ---- bad input -------------------------------------------------------------------------------------------
 
 def test_bad_files_are_one_error_line_and_exit_2(corpus: Path, tmp_path: Path,
@@ -296,3 +320,8 @@ def test_bad_files_are_one_error_line_and_exit_2(corpus: Path, tmp_path: Path,
                    "--tgt-fmt", "hf", "--config", str(tmp_path / "params.yaml")])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], (name, err)
+    save_hf_dir(build(cfg.replace(norm_eps=1e-6), device="cpu"), tmp_path / "other_hf")  # (same shapes)
+    rc = main(["checkpoint", "convert", str(tmp_path / "other_hf"), "--model", "gpt2", "--src-fmt", "hf",
+               "--tgt-fmt", "cs-current", "--config", str(tmp_path / "params.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "describes another model" in err[0], err

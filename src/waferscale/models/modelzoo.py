@@ -1,4 +1,4 @@
-"""Cerebras Model Zoo parameter names -> ours, for the decoders Model Zoo builds as `GPT2LMHeadModel` (its
+"""Cerebras Model Zoo parameter names <-> ours, for the decoders Model Zoo builds as `GPT2LMHeadModel` (its
 gpt2 / gpt3 / llama / mistral configs).
 
 The names follow Model Zoo's own HF <-> CS checkpoint converters (`tools/checkpoint_converters/gpt2_hf_cs.py`,
@@ -14,8 +14,9 @@ The names follow Model Zoo's own HF <-> CS checkpoint converters (`tools/checkpo
 
 Model Zoo's rotary embedding rotates interleaved pairs (x0, y0, x1, y1, ...) where ours (and HF's) rotates the
 halves (x0, x1, ..., y0, y1, ...): each head's first `rotary_dim` rows of the q and k projections are permuted
-from the one layout to the other, as the llama converter does. A state dict saved from Model Zoo's wrapper
-module has every name under `model.`; either form is read.
+from the one layout to the other, as the llama converter does. Model Zoo 2.x saves its wrapper module's state
+dict (every name under `model.`) and loads that or the bare decoder's (`trainer/callbacks/model.py`); either form
+is read, the first is written.
 """
 
 from __future__ import annotations
@@ -56,6 +57,40 @@ def _halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
     return torch.cat([rot, h[:, rotary_dim:]], dim=1).reshape(t.shape).contiguous()
 
 
+def _pairs_from_halves(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
+    """The inverse of `_halves_from_pairs`: halves (x0, x1, ..., y0, y1, ...) to interleaved pairs."""
+    rest = t.shape[1:]
+    h = t.reshape(heads, -1, *rest)
+    rot = h[:, :rotary_dim].reshape(heads, 2, rotary_dim // 2, *rest).transpose(1, 2).reshape(heads, rotary_dim,
+                                                                                               *rest)
+    return torch.cat([rot, h[:, rotary_dim:]], dim=1).reshape(t.shape).contiguous()
+
+
+def _rotary_rows(cfg: ModelConfig, ours: str) -> int | None:
+    """The heads whose rotary rows are laid out differently in Model Zoo (q and k of a rotate-halves model)."""
+    if cfg.position != "rotary" or cfg.rotary_interleaved or ours.split(".")[-2] not in ("q_proj", "k_proj"):
+        return None
+    return cfg.n_head if ".q_proj." in ours else cfg.kv_heads
+
+
+def state_dict_to_zoo(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Ours -> the model state dict Model Zoo 2.x saves and loads: its wrapper module's names (`model.` + the
+    decoder's), the tied head under both its names (one tensor), q and k rows in its interleaved rotary layout."""
+    if cfg.family not in FAMILIES:
+        raise CheckpointError(f"Model Zoo checkpoints are written for GPT and Llama models, not {cfg.family}")
+    rotary_dim = cfg.rotary_dim or cfg.head_dim
+    out: dict[str, Tensor] = {}
+    for ours, theirs in _renames(cfg):
+        t = sd.get(ours)
+        if t is None or (ours == "head.lm_head.weight" and cfg.tie_embeddings):
+            continue
+        heads = _rotary_rows(cfg, ours)
+        out[f"model.{theirs}"] = _pairs_from_halves(t, heads, rotary_dim) if heads else t
+    if cfg.tie_embeddings:
+        out["model.lm_head.weight"] = out["model.embedding_layer.word_embeddings.weight"]
+    return out
+
+
 def _strip_wrapper(sd: dict[str, Any]) -> dict[str, Any]:
     """Names without the `model.` prefix of Model Zoo's wrapper module, where the decoder's names have it."""
     if any(k.startswith("model.transformer_decoder.") for k in sd):
@@ -92,8 +127,8 @@ def state_dict_from_zoo(sd: dict[str, Any], cfg: ModelConfig, *, where: str,
             continue
         if not isinstance(t, Tensor):
             raise CheckpointError(f"{where}: {theirs} is a {type(t).__name__}, not a tensor")
-        if cfg.position == "rotary" and not cfg.rotary_interleaved and ours.split(".")[-2] in ("q_proj", "k_proj"):
-            heads = cfg.n_head if ".q_proj." in ours else cfg.kv_heads
+        heads = _rotary_rows(cfg, ours)
+        if heads:
             if t.shape[0] != heads * cfg.head_dim:
                 raise CheckpointError(f"{where}: {theirs} has {t.shape[0]} rows; {heads} heads of {cfg.head_dim} "
                                       f"need {heads * cfg.head_dim} (is the params file the checkpoint's?)")
