@@ -515,3 +515,13 @@ def test_sequential_lr_last_epoch(last_epoch: int) -> None:
         subs[0] += 1
         for i, m in enumerate(milestones):
             subs[i + 1] += 0 if seq <= m else 1
+
+
+def test_scheduled_rate_takes_each_groups_mup_adjustment() -> None:
+    """A group's `adjust_learning_rate` (muP, as ScalePerParamScheduler applies it) scales what a scheduler sets."""
+    model = mlp()
+    opt = cstorch.optim.AdamW([{"params": [model[0].weight], "adjust_learning_rate": 0.25, "tags": "hidden"},
+                               {"params": list(model[2].parameters())}], lr=1.0)
+    sched = cstorch.optim.lr_scheduler.LinearLR(opt, 0.8, 0.0, 4, param_group_tags=["hidden", None])
+    sched.step()
+    assert sched.get_last_lr() == pytest.approx([0.6 * 0.25, 0.6])

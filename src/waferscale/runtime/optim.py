@@ -435,11 +435,13 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
     return cls(groups, lr=float(lr), **kwargs)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, applies: Any = None) -> None:
     """Set every param group's learning rate (weight decay per group is left as built): `lr` times the group's
-    `adjust_learning_rate` where it has one (muP's per-group scale, as cstorch's ScalePerParamLR applies it)."""
+    `adjust_learning_rate` where it has one (muP's per-group scale, as cstorch's ScalePerParamLR applies it).
+    `applies(group)`, when given, picks the groups (a scheduler's `param_group_tags`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("adjust_learning_rate", 1.0)
+        if applies is None or applies(group):
+            group["lr"] = lr * group.get("adjust_learning_rate", 1.0)
 
 
 __all__ = ["LRSchedule", "SCHEDULES", "canonical_scheduler", "build_schedule", "OptimizerSpec", "OPTIMIZERS",

@@ -41,20 +41,16 @@ class LRScheduler:
         return self.param_group_tags is None or bool(self.param_group_tags & _group_tags(group))
 
     def _apply(self) -> None:
-        lr = float(self.schedule(self.last_epoch))
-        self._last_lr: list[float | None] = []
-        for group in self.optimizer.param_groups:
-            applies = self._applies_to(group)
-            if applies:
-                group["lr"] = lr
-            self._last_lr.append(lr if applies else None)
+        _sched.set_lr(self.optimizer, float(self.schedule(self.last_epoch)), self._applies_to)
+        self._last_lr = [g["lr"] if self._applies_to(g) else None for g in self.optimizer.param_groups]
 
     def step(self, *args: Any) -> None:
         self.last_epoch += 1
         self._apply()
 
     def get_last_lr(self) -> list[float | None]:
-        """The rate per param group; None for groups this scheduler does not set (Cerebras' `get_last_value`)."""
+        """The rate per param group (muP's `adjust_learning_rate` applied); None for groups this scheduler does not
+        set (Cerebras' `get_last_value`)."""
         return list(self._last_lr)
 
     def get_lr(self, step: int | None = None) -> float:
