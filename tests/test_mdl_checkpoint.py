@@ -1,8 +1,9 @@
 """Cerebras `.mdl` checkpoints: a file written here straight with h5py + hdf5plugin, following the layout of the
 published cerebras-pytorch 2.10.0 (`storage/save.py`) and cerebras-appliance (`storage/h5_storage.py`), loads with
-`cstorch.load`; `cstorch.save(format="mdl")` round-trips and is read by the same independent reader; a tiny Model
-Zoo-named GPT checkpoint trains on through the runner; `wsc checkpoint convert` gives a Hugging Face directory that
-transformers loads with our logits; bad files are one `error:` line and exit 2."""
+`cstorch.load`, as does one in the older (0.4) layout; `cstorch.save(format="mdl")` round-trips and is read by the
+same independent reader; a tiny Model Zoo-named GPT checkpoint trains on through the runner; `wsc checkpoint
+convert` gives a Hugging Face directory that transformers loads with our logits (muP folded in), and back a .mdl
+under Model Zoo's names; bad files are one `error:` line and exit 2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import transformers
 import yaml
 
 import waferscale.pytorch as cstorch
@@ -260,7 +262,6 @@ def test_model_zoo_gpt_checkpoint_trains_on_through_the_runner(corpus: Path, tmp
 
 @pytest.mark.parametrize("model", [GPT, LLAMA, GPT_MUP], ids=["gpt2", "llama", "gpt2-mup"])
 def test_convert_to_hugging_face_matches_transformers(model: dict, corpus: Path, tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
     d = _params(corpus, tmp_path / "unused", model)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
     cfg = params_from_dict(d, "t").model.to_model_config()
