@@ -525,3 +525,19 @@ def test_scheduled_rate_takes_each_groups_mup_adjustment() -> None:
     sched = cstorch.optim.lr_scheduler.LinearLR(opt, 0.8, 0.0, 4, param_group_tags=["hidden", None])
     sched.step()
     assert sched.get_last_lr() == pytest.approx([0.6 * 0.25, 0.6])
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Lamb"])
+def test_params_file_path_computes_cerebras_update(kind: str) -> None:
+    """`wsc run`'s optimizer section builds the same optimizers (Cerebras' formulas are the default there too)."""
+    from waferscale.params import OptimizerParams
+    from waferscale.zoo.optim import build_optimizer
+
+    ours_model, ref_model = mlp(8.0), mlp(8.0)
+    opt = build_optimizer(ours_model.parameters(), OptimizerParams(optimizer_type=kind, learning_rate=1e-2))
+    train_ours(opt, ours_model)
+    train_reference(kind, ref_model, {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0,
+                                      "l2_regularization_rate": 0.0, "correct_bias": True, "amsgrad": False,
+                                      "adam": False})
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-6
