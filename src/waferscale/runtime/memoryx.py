@@ -5,13 +5,13 @@
                 (files under `flash_dir`, memory-mapped only while a unit is being read or updated) for the rest
     layout      per unit one flat fp32 buffer per slot ("param", "grad", and one per optimizer state tensor such
                 as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
-    optimizer   one torch optimizer per unit (fused CPU AdamW/Adam/SGD when torch has one), same hyper-parameters
-                and weight-decay groups as the resident run; it runs on a worker thread ("lane")
+    optimizer   one optimizer per unit, the resident run's class (`runtime.optimizers`: Cerebras' update rules),
+                same hyper-parameters and weight-decay groups; it runs on a worker thread ("lane")
     leaves      the optimizer steps a unit's matrices and its vectors as two flat tensors, until one of the unit's
                 parameters goes without a gradient in a step (an expert its router gave no token, a head the
                 objective does not use): from then on the unit has one leaf per parameter, each with its own
-                state, made lazily as torch makes it (a parameter first stepped later starts afresh then), so it
-                is skipped as the resident optimizer skips it and its step count (Adam's bias correction) is its
+                state, made lazily at its first step (a parameter first stepped later starts afresh then), so it
+                is skipped as the resident optimizer skips it and its step count (Adam's beta powers) is its
                 own; its parameter-shaped state tensors live in the unit's slots like the flat ones. A checkpoint
                 whose parameters of one unit differ in step count or in having state loads per parameter alike
     Adafactor   steps each parameter whole (its second moment is factored over the parameter's rows and columns
