@@ -159,3 +159,15 @@ def test_the_hdf5_loader_keys_are_listed_on_text(corpus: Path, tmp_path: Path, c
     runner.prepare_data(params, params.model.to_model_config(), progress=False)
     err = capsys.readouterr().err
     assert "ignored: train_input.num_workers (" in err and "ignored: train_input.drop_last (" in err
+
+
+@pytest.mark.parametrize("key, typo", [("rotary_dim", "rotary_dims"), ("weight_decay", "weight_decy"),
+                                       ("shuffle_seed", "shufle_seed")])
+def test_a_misspelt_trainer_layout_key_points_at_its_line(tmp_path: Path, key: str, typo: str) -> None:
+    text = (ZOO / "params_llama3_70b.yaml").read_text()
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.strip().startswith(f"{key}:"))
+    path = tmp_path / "p.yaml"
+    path.write_text(text.replace(f" {key}:", f" {typo}:", 1))
+    with pytest.raises(ConfigError, match=rf"^{path}:{line}: \w+\.{typo}: unknown key '{typo}' \(did you mean "
+                                          rf"'{key}'\?\)"):
+        load_params(path)

@@ -13,6 +13,7 @@ from typing import Any
 
 from waferscale.params.cluster_keys import CLUSTER_KEYS
 from waferscale.params.typed import Ctx, expect_keys, show, unknown_key
+from waferscale.params.yaml_lines import LinedDict
 
 
 def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
@@ -33,6 +34,8 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
     optimizer: dict[str, Any] = {}
     run: dict[str, Any] = {}
     out: dict[str, Any] = {"model": model, "optimizer": optimizer, "runconfig": run}
+    # each legacy key's line in the file, so that errors about it point there
+    lines: dict[str, dict[Any, int]] = {"model": dict(_lines(init.get("model"))), "optimizer": {}, "runconfig": {}}
 
     opt = init.get("optimizer")
     if opt is not None:
@@ -41,10 +44,13 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
                             f"{show(opt)}")
         ((name, kwargs),) = opt.items()
         optimizer.update({"optimizer_type": name, **(kwargs or {})})
+        lines["optimizer"].update({**_lines(kwargs), "optimizer_type": _lines(opt).get(name)})
     if "schedulers" in init:
         optimizer["learning_rate"] = _trainer_schedulers(init["schedulers"], ctx)
+        lines["optimizer"]["learning_rate"] = _lines(init).get("schedulers")
 
     precision = dict(init.get("precision") or {})
+    lines["optimizer"].update(_lines(init.get("precision")))
     expect_keys(precision, "trainer.init.precision", ("enabled", "fp16_type", "loss_scaling_factor",
                                                        "max_gradient_norm", "initial_loss_scale",
                                                        "steps_per_increase", "min_loss_scale", "max_loss_scale",
@@ -93,6 +99,7 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
         values = init.get(section) or {}
         expect_keys(values, f"trainer.init.{section}", tuple(mapping), ctx)
         run.update({mapping[k]: v for k, v in values.items() if mapping[k]})
+        lines["runconfig"].update({mapping[k]: line for k, line in _lines(values).items() if mapping.get(k)})
         if "log_level" in values:
             ctx.ignored[f"trainer.init.{section}.log_level"] = "wsc prints progress and errors only"
 
@@ -102,6 +109,7 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
 
     if "train_dataloader" in fit:
         out["train_input"] = dict(fit["train_dataloader"])
+        lines["train_input"] = dict(_lines(fit["train_dataloader"]))
         if micro_batch is not None:
             out["train_input"].setdefault("micro_batch_size", micro_batch)
     val = fit.get("val_dataloader")
@@ -109,8 +117,23 @@ def legacy_from_trainer(trainer: Any, ctx: Ctx) -> dict[str, Any]:
         val = val[0] if val else None
     if val is not None:
         out["eval_input"] = dict(val)
+        lines["eval_input"] = dict(_lines(val))
     if "ckpt_path" in fit:
         run["checkpoint_path"] = fit["ckpt_path"]
+    lines["runconfig"].update({k: line for k, line in _lines(init).items() if k in ("model_dir", "seed")})
+    return {name: _lined(section, lines.get(name, {})) if isinstance(section, dict) else section
+            for name, section in out.items()}
+
+
+def _lines(mapping: Any) -> dict[Any, int]:
+    """The (1-based) line of each key of a mapping read from the file (none for one built in code)."""
+    return getattr(mapping, "key_lines", {})
+
+
+def _lined(section: dict[str, Any], lines: dict[Any, int]) -> LinedDict:
+    """A legacy section that keeps the file's line of each of its keys (what error messages point at)."""
+    out = LinedDict(section)
+    out.key_lines = {k: line for k, line in lines.items() if k in section and line is not None}
     return out
 
 
