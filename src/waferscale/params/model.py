@@ -9,6 +9,14 @@ Our extensions to the Model Zoo keys (all optional):
     model.rope_scaling    {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}
                           (same meaning as Model Zoo's pos_scaling_type: llama3 + pos_scaling_*)
 
+Initializers (`initializer`, `ffn_initializer`, `output_layer_initializer`, `ffn_output_layer_initializer`,
+`embedding_initializer`: models/init.py) apply where Model Zoo's models apply them (`CausalLM.init_for`); a decoder
+config naming no preset and giving none initializes as Model Zoo's models do by default (truncated_normal(0,
+initializer_range)), one on a preset keeps the preset's rule. muP: the Cerebras-GPT configs' scalings
+(embeddings_scale, output_logits_scale, scale_qk_dot_by_d, attention_logits_alpha, width-scaled initializers,
+optimizer.adjust_learning_rate), or Model Zoo 2.3's base widths (mup_base_hidden_size, mup_base_filter_size), from
+which they are derived as Model Zoo derives them.
+
 Model Zoo runs GPT-J, GPT-NeoX and Falcon as one model (`name: gptj` or `falcon`): parallel attention + MLP
 blocks, with one LayerNorm or, under `use_untied_layer_norm: true`, one per branch. Which of our families a
 config is follows from its structure: ALiBi -> MPT; parallel blocks -> Falcon (named so, or grouped-query),
@@ -333,9 +341,14 @@ class ModelParams:
             cfg = self._mup_by_base_widths(self._decoder_shape(cfg))
         except ValueError as e:  # ModelConfig's own shape checks, in Model Zoo's key names
             raise FieldError("", _zoo_names(str(e))) from None
+        if preset is None and not encoder and not any(getattr(cfg, k) for k in INITIALIZER_FIELDS):
+            # Model Zoo's model, not a preset's: its default initializers (CausalLM.init_for: the embedding's given,
+            # the others follow as they do in Model Zoo)
+            cfg = cfg.replace(embedding_initializer=Initializer("truncated_normal", mean=0.0, std=cfg.init_std))
         if preset is None and self.name is None:  # name an explicit shape after the preset it equals, if any
-            cfg = next((p for p in registry.PRESETS.values() if _explicit(cfg.replace(name=p.name)) == _explicit(p)),
-                       cfg)
+            inits = {k: getattr(cfg, k) for k in INITIALIZER_FIELDS}
+            cfg = next((p.replace(**inits) for p in registry.PRESETS.values()
+                        if _explicit(cfg.replace(name=p.name)) == _explicit(p.replace(**inits))), cfg)
         return cfg
 
     def _is_t5(self) -> bool:
