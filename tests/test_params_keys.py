@@ -155,10 +155,12 @@ def test_attention_module_and_norm_placement_are_honoured_or_refused(tmp_path: P
 def test_the_hdf5_loader_keys_are_listed_on_text(corpus: Path, tmp_path: Path, capsys) -> None:
     d = tiny_params(corpus, tmp_path / "md")
     d["train_input"].update(num_workers=4, drop_last=False)
+    d["eval_input"] = {"data_dir": str(corpus), "batch_size": 4, "max_sequence_length": 16}
     params = load_params(write(tmp_path, d))
     runner.prepare_data(params, params.model.to_model_config(), progress=False)
     err = capsys.readouterr().err
     assert "ignored: train_input.num_workers (" in err and "ignored: train_input.drop_last (" in err
+    assert "ignored: eval_input.max_sequence_length (evaluation reads windows of train_input's length)" in err
 
 
 @pytest.mark.parametrize("key, typo", [("rotary_dim", "rotary_dims"), ("weight_decay", "weight_decy"),

@@ -144,6 +144,9 @@ def prepare_data(params: Params, cfg: ModelConfig, progress: bool) -> Data:
         if inp.num_workers else {}  # (the HDF5 reader's loader keys)
     if not inp.drop_last:
         unused["train_input.drop_last"] = "a token stream has no short last batch"
+    ev_len = params.eval_input.max_sequence_length if params.eval_input is not None else None
+    if ev_len not in (None, inp.max_sequence_length or cfg.max_seq_len):
+        unused["eval_input.max_sequence_length"] = "evaluation reads windows of train_input's length"
     sys.stderr.write(ignored_block(unused))
     docs = read_documents(inp.data_dir)
     tok = load_tokenizer(inp.tokenizer_spec, text_for_char="".join(docs), lowercase=inp.do_lower)
