@@ -97,7 +97,7 @@ class MoEParams:
         "router_fp32": "the router's softmax always runs in fp32",
         "moe_implementation": "the implementation is the runtime's",
         "sinkhorn_n_iters": "used by sinkhorn routing only, which is not supported",
-        "gate_initializer": "the router's weights take model.initializer (else normal(0, initializer_range))",
+        "gate_initializer": "the router's weights take model.initializer (else the model's default initializer)",
     }
 
     def __post_init__(self) -> None:
