@@ -294,7 +294,31 @@ def test_model_zoo_mup_keys_in_the_params_file():
         params_from_dict(d)
 
 
-def test_serving_and_hugging_face_export_refuse_a_mup_model_by_name():
+def test_a_mup_model_is_served_as_its_folded_standard_copy():
+    """The serving kernels have no muP multipliers: the engine serves fold_mup_model's copy, whose greedy tokens
+    are the muP model's own (its full forward pass, argmax after argmax)."""
+    from waferscale.serve.llm import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    model = build(_small_mup_config(), device="cpu").eval()
+    prompt = [5, 17, 3, 99, 42]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+
+    class Tok:  # token ids only (the engine's detokenizer needs decode)
+        eos_id, vocab_size = None, 512
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    with LLM(model, Tok(), max_model_len=32) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.token_ids == ids[len(prompt):]
+
+
+def test_hugging_face_config_refuses_an_unfolded_mup_model_by_name():
     from waferscale.models.hf_config import hf_model_type
     from waferscale.serve.model_runner import check_servable
 

@@ -166,6 +166,21 @@ def fold_mup(sd: dict[str, Tensor], cfg: ModelConfig) -> tuple[dict[str, Tensor]
                             attention_logits_alpha=1.0, tie_embeddings=False)
 
 
+def fold_mup_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`fold_mup` applied to a built model: a standard-parameterization copy (same device and dtype) that computes
+    the same logits, for code that runs the standard model's arithmetic only (the serving kernels). A model
+    without muP is returned as it is."""
+    if not getattr(model.config, "has_mup", False):
+        return model
+    from waferscale.models.registry import build
+
+    sd, cfg = fold_mup(model.state_dict(), model.config)
+    p = next(model.parameters())
+    folded = build(cfg, device=p.device, dtype=p.dtype)
+    folded.load_state_dict(sd)
+    return folded
+
+
 def model_state(ckpt: Any, where: str) -> dict[str, Any]:
     """The model state dict of a loaded Model Zoo checkpoint ({"model": ..., "optimizer": ..., ...})."""
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):

@@ -36,6 +36,7 @@ import torch
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM
+from waferscale.models.modelzoo import fold_mup_model
 from waferscale.serve.file_weights import served_weights
 from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.serve.kv import BlockAllocator, KVPool
@@ -164,6 +165,7 @@ class Engine:
                  fast_linear: bool | None = None, threads: int | None = None,
                  decode_threads: int | None = None, enable_prefix_caching: bool = True,
                  speculative: NgramSpeculation | None = None, dtype: str = "auto") -> None:
+        model = fold_mup_model(model)  # muP's multipliers folded into the weights: the same logits, standard kernels
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
             raise ValueError(f"stages must be in [1, {cfg.n_layer}] (the model's layers), got {stages!r}")

@@ -244,8 +244,7 @@ def check_servable(cfg: ModelConfig) -> None:
         ("encoder (bidirectional attention, no next-token decoding)", cfg.is_encoder),
         ("encoder-decoder (wsc generate runs T5 sequence to sequence)", cfg.is_encoder_decoder),
         ("partial rotary over an odd head_dim", cfg.rotary_dims and cfg.head_dim % 2),
-        ("muP scaling (embeddings_scale, output_logits_scale, scale_qk_dot_by_d, attention_logits_alpha)",
-         cfg.has_mup),
+        ("muP scaling (the engine serves models.modelzoo.fold_mup_model's standard copy)", cfg.has_mup),
     ) if has]
     if missing:
         raise ConfigError(f"wsc serve / generate cannot serve {cfg.name!r} ({cfg.family}): the serving engine "
