@@ -76,6 +76,18 @@ def test_quantized_by_gguf_runs_as_dequantized(qtype: str, float_path) -> None:
     assert quant.pack(w).packed.numel() >= quant.packed_bytes(qtype, w.shape) // (4 if qtype == "fp32" else 1)
 
 
+@pytest.mark.parametrize("qtype", list(quant.QTYPES))
+def test_take_reads_rows_as_dequantize(qtype: str) -> None:
+    """An embedding lookup (the C kernels' row read) gives the rows of `dequantize` bit for bit, in the ids'
+    shape, repeats included; an id outside the matrix is an IndexError, as torch's lookup."""
+    g = torch.Generator().manual_seed(11)
+    w = quant.random(qtype, (37, 512), g)
+    ids = torch.tensor([[36, 0, 5], [5, 17, 36]])
+    assert torch.equal(quant.take(w, ids), quant.dequantize(w)[ids])
+    with pytest.raises(IndexError):
+        quant.take(w, torch.tensor([3, 37]))
+
+
 def test_leading_dimensions_and_packing_once() -> None:
     g = torch.Generator().manual_seed(3)
     w = quant.random("q4_1", (20, 64), g)

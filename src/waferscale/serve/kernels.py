@@ -100,6 +100,7 @@ def _build() -> ctypes.CDLL:
             ("wsc_linear_sparse", [P, P, P, P, P, P, L, L, L], I),
             ("wsc_qlinear", [P, I, P, P, P, P, L, L, L], I),  # (quant.py)
             ("wsc_qpack", [P, I, L, L, P], I),
+            ("wsc_qrows", [P, I, L, L, P, L, P], I),
             ("wsc_qset_int8", [I], I),
             ("wsc_rms_norm", [P, P, F, P, L, L], None),
             ("wsc_decode_attention_ex", [P, P, P, P, L, L, L, L, L, L, F, P, L, P], I),

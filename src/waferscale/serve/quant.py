@@ -129,8 +129,24 @@ def random(qtype: str, shape: tuple[int, int], g: torch.Generator) -> QWeight:
 
 
 def take(w: QWeight, ids: Tensor) -> Tensor:
-    """Rows `ids` of `w` in float32 (an embedding lookup): only those rows are dequantized."""
-    return dequantize(w.rows(ids.reshape(-1))).reshape(*ids.shape, w.shape[1])
+    """Rows `ids` of `w` in float32 (an embedding lookup): only those rows are dequantized, with the same values
+    as `dequantize` (by the C kernels when they are available: a decode step's lookup, where the gguf package's
+    numpy path costs tens of microseconds)."""
+    out, inp = w.shape
+    flat = ids.reshape(-1)
+    if w.qtype == "fp32":
+        return w.data.view(torch.float32)[flat].reshape(*ids.shape, inp)
+    if not kernels.available():
+        return dequantize(w.rows(flat)).reshape(*ids.shape, inp)
+    idx = flat.to(torch.int64).contiguous()
+    y = torch.empty(idx.numel(), inp)
+    rc = kernels._lib.wsc_qrows(w.data.data_ptr(), QTYPE_CODE[w.qtype], out, inp, idx.data_ptr(), idx.numel(),
+                                y.data_ptr())
+    if rc == -2:
+        raise IndexError(f"an index of {flat.tolist()} is outside the {out} rows of the matrix")
+    if rc != 0:
+        raise ConfigError(f"the C kernels cannot read rows of a {w.qtype} matrix of shape {w.shape}")
+    return y.reshape(*ids.shape, inp)
 
 
 QTYPE_CODE = {q: i for i, q in enumerate(QTYPES)}  # csrc/quant.c's QT_* numbering (0: float panels)

@@ -9,6 +9,7 @@
 
 #include "panels.c"         /* the panel microkernel: y = residual + x W^T + bias, per chunk of panels */
 #include "quant.c"          /* the same over bf16 and GGUF's quantized blocks */
+#include "qpack.c"          /* GGUF rows -> quantized panels (packing), rows -> floats (wsc_qrows) */
 #include "spanels.c"        /* the same over sparse panels (masks + non-zero values) */
 #include "pool.c"           /* the work-stealing pool, wsc_set_threads, wsc_linear */
 #include "attention.c"      /* wsc_decode_attention, wsc_decode_attention_batch */
