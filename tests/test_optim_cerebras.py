@@ -335,11 +335,15 @@ def test_matches_cerebras_step_for_step(name: str, kwargs: dict, extra: dict, sc
     check_against_reference(name, kwargs, extra, scale)
 
 
-def test_adam_in_several_multi_tensor_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_adam_in_several_multi_tensor_chunks(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Adam/AdamW step a group in chunks of bounded size (their temporaries): 40 elements here, a chunk per layer
-    tensor or two, the same result."""
+    tensor or two, the same result; through torch's fused kernel (float32 on CPU/CUDA) and through the per-operation
+    path (any other dtype or device)."""
     monkeypatch.setattr(optimizers, "_CHUNK_NUMEL", 40)
-    check_against_reference(*CASES[0])
+    monkeypatch.setattr(optimizers, "_FUSED", fused)
+    for case in CASES[:3]:
+        check_against_reference(*case)
 
 
 def check_against_reference(name: str, kwargs: dict, extra: dict, scale: float) -> None:

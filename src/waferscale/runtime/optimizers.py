@@ -24,6 +24,7 @@ the state dict stays savable).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -116,12 +117,18 @@ class AdamBase(CerebrasOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Cerebras' per-parameter operations, each applied to a chunk of the group's parameters at once (torch's
-        multi-tensor kernels: one launch per operation, not per parameter)."""
+        """Cerebras' update, through torch's fused AdamW kernel where it applies (`_fused_step`), else Cerebras'
+        per-parameter operations, each applied to a chunk of the group's parameters at once (torch's multi-tensor
+        kernels: one launch per operation, not per parameter)."""
         loss = self._run_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for chunk in _chunks(list(self._stepped(group))):
+            stepped = list(self._stepped(group))
+            if _FUSED and all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") and g.dtype == p.dtype
+                              for p, g, _ in stepped):
+                self._fused_step(group, stepped)
+                continue
+            for chunk in _chunks(stepped):
                 ps, grads = [p for p, _, _ in chunk], [g for _, g, _ in chunk]
                 if group["l2_regularization_rate"] > 0.0:
                     grads = torch._foreach_add(grads, ps, alpha=group["l2_regularization_rate"])
@@ -150,6 +157,50 @@ class AdamBase(CerebrasOptimizer):
                 torch._foreach_mul_(update, group["lr"])
                 torch._foreach_sub_(ps, update)
         return loss
+
+
+    def _fused_step(self, group: dict[str, Any], stepped: list[tuple[Tensor, Tensor, dict]]) -> None:
+        """The same update in one pass per tensor. torch's fused AdamW at step 1 computes
+            p <- p (1 - lr' wd') - lr' / (1 - b1) * m / (sqrt(v) / sqrt(1 - b2) + eps')
+        with m, v updated as Cerebras updates them (m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2, or their
+        running maximum with amsgrad), which is Cerebras' p - lr wd p - lr c m / (sqrt(v) + eps) for
+            eps' = eps / sqrt(1 - b2),   lr' = lr c (1 - b1) / sqrt(1 - b2),   wd' = lr wd / lr'
+        where c = sqrt(1 - beta2^t) / (1 - beta1^t), computed in float32 from the state's powers as Cerebras
+        computes it (1 without correct_bias). Only the rounding of the scalars' products differs (~1e-7)."""
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        runs: dict[tuple[float, float, torch.device], list[tuple[Tensor, Tensor, dict]]] = {}
+        for p, g, st in stepped:  # parameters whose powers agree share one call (all of them, in a normal run)
+            powers = self._beta_powers(st, group, p) if group["correct_bias"] else (p.new_zeros(()),) * 2
+            runs.setdefault((float(powers[0]), float(powers[1]), p.device), []).append((p, g, st))
+        t1 = math.sqrt(1.0 - beta2)
+        for (b1p, b2p, device), run in runs.items():
+            c = 1.0
+            if group["correct_bias"]:  # float32, as Cerebras' tensors compute it
+                one = torch.ones((), dtype=torch.float32)
+                c = float(torch.sqrt(one - b2p) / (one - b1p))
+            lr1 = lr * c * (1.0 - beta1) / t1
+            for chunk in _chunks(run):
+                ps = [p for p, _, _ in chunk]
+                grads = [g for _, g, _ in chunk]
+                if group["l2_regularization_rate"] > 0.0:
+                    grads = torch._foreach_add(grads, ps, alpha=group["l2_regularization_rate"])
+                names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+                state = [self._zeros(st, p, *names) for p, _, st in chunk]
+                m, v = [s[0] for s in state], [s[1] for s in state]
+                vmax = [s[2] for s in state] if group["amsgrad"] else []
+                step = [torch.ones((), dtype=torch.float32, device=device)] * len(ps)
+                torch._fused_adamw_(ps, grads, m, v, vmax, step, lr=lr1, beta1=beta1, beta2=beta2,
+                                    weight_decay=(lr * wd / lr1) if lr1 else 0.0,  # lr 0: weights stay, moments move
+                                    eps=eps / t1, amsgrad=group["amsgrad"], maximize=False)
+            if group["correct_bias"]:
+                for p, _, st in run:
+                    st["beta1_power"].mul_(beta1)
+                    st["beta2_power"].mul_(beta2)
+
+
+# torch's fused AdamW kernel (CPU and CUDA float32) where this torch has it
+_FUSED = hasattr(torch, "_fused_adamw_")
 
 
 class AdamW(AdamBase):
