@@ -9,8 +9,8 @@ The manifest is written last, by rename: a checkpoint without a manifest, or who
 sizes it lists, is partial and refused. Loading never unpickles anything.
 
 A Cerebras Model Zoo checkpoint (`.mdl`, `runtime/mdl.py`) loads too: its model's weights under our names
-(`models/modelzoo.py`) and its global_step; its optimizer state is not carried over (a fresh optimizer starts,
-and the checkpoint's `note` says so).
+(`models/modelzoo.py`), its global_step and, given our optimizer's parameter indices, its optimizer state
+renumbered from Model Zoo's param groups to ours (`models/modelzoo_optim.py`).
 """
 
 from __future__ import annotations
@@ -82,12 +82,18 @@ class Checkpoint:
     model: dict[str, torch.Tensor]
     manifest: dict[str, Any]
     optim_tensors: dict[str, torch.Tensor] | None
+    # a Model Zoo checkpoint's per-parameter optimizer state under our indices (its param groups are ours)
+    optimizer_per_param: dict[int, dict[str, Any]] | None = None
 
     @property
     def model_config(self) -> dict[str, Any]:
         return self.manifest["model_config"]
 
     def optimizer_state(self) -> dict[str, Any] | None:
+        """The optimizer state dict; for a Model Zoo checkpoint only its "state" (the caller's optimizer gives the
+        param groups: hyper-parameters come from the params file)."""
+        if self.optimizer_per_param is not None:
+            return {"state": self.optimizer_per_param}
         if self.optim_tensors is None or "optimizer" not in self.manifest:
             return None
         return optimizer_from_tensors(self.optim_tensors, self.manifest["optimizer"])
@@ -97,20 +103,40 @@ class Checkpoint:
         return (self.optim_tensors or {}).get("rng.torch")
 
 
-def load_cerebras_checkpoint(path: str | Path, cfg: ModelConfig) -> Checkpoint:
-    """A Model Zoo .mdl as a Checkpoint of `cfg`'s model: weights under our names, the step it reached."""
+def load_cerebras_checkpoint(path: str | Path, cfg: ModelConfig, optimizer_index: Mapping[str, int] | None = None,
+                             lr_scales: Mapping[str, float] | None = None) -> Checkpoint:
+    """A Model Zoo .mdl as a Checkpoint of `cfg`'s model: weights under our names, the step it reached and, given
+    `optimizer_index` (parameter name -> its index in our optimizer's state dict) and the params file's
+    `adjust_learning_rate` scales (which shape Model Zoo's param groups), its optimizer state."""
     from waferscale.models.modelzoo import model_state, state_dict_from_zoo
+    from waferscale.models.modelzoo_optim import optimizer_state_from_zoo
 
     path = Path(path)
     state = load_mdl(path)
     weights = state_dict_from_zoo(model_state(state, str(path)), cfg, where=str(path))
-    step = state.get("global_step", 0)
-    step = int(step.item() if torch.is_tensor(step) else step)
-    # Model Zoo's optimizer state is keyed by its own parameter order and state names: not mapped
-    note = "its optimizer state is not carried over (a fresh optimizer starts)" if "optimizer" in state else None
+    step = _int(state.get("global_step", 0))
+    notes = []
+    per_param = None
+    if state.get("optimizer") is not None:
+        if optimizer_index is None:
+            notes.append("its optimizer state is not carried over (a fresh optimizer starts)")
+        else:
+            shapes = {n: tuple(weights[n].shape) for n in optimizer_index if n in weights}
+            per_param = optimizer_state_from_zoo(state["optimizer"], cfg, optimizer_index, shapes, lr_scales or {},
+                                                 str(path))
+    # our schedules are functions of the step (runtime/optim.py): the scheduler's own position is only checked
+    scheduler = state.get("lr_scheduler") or next(iter(state.get("schedulers") or []), None)
+    if isinstance(scheduler, dict) and "last_epoch" in scheduler and _int(scheduler["last_epoch"]) != step:
+        notes.append(f"its learning-rate scheduler was at step {_int(scheduler['last_epoch'])}, global_step {step}; "
+                     f"the schedule here follows global_step")
     manifest = {"format": "cerebras-mdl", "step": step, "model_config": cfg.to_dict(), "data": {"step": step},
-                "note": note}
-    return Checkpoint(step=step, path=path, model=weights, manifest=manifest, optim_tensors=None)
+                "note": "; ".join(notes) or None}
+    return Checkpoint(step=step, path=path, model=weights, manifest=manifest, optim_tensors=None,
+                      optimizer_per_param=per_param)
+
+
+def _int(v: Any) -> int:
+    return int(v.item() if torch.is_tensor(v) else v)
 
 
 def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -171,14 +197,16 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
     return manifest
 
 
-def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config: ModelConfig | None = None
+def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config: ModelConfig | None = None,
+                    optimizer_index: Mapping[str, int] | None = None, lr_scales: Mapping[str, float] | None = None
                     ) -> Checkpoint:
-    """One of ours, or (given the model's config, which its parameter names are mapped for) a Cerebras .mdl."""
+    """One of ours, or (given the model's config, which its parameter names are mapped for) a Cerebras .mdl, whose
+    optimizer state is read given our optimizer's indices (`load_cerebras_checkpoint`)."""
     if Path(path).is_file() and is_mdl(path):
         if model_config is None:
             raise CheckpointError(f"{path} is a Cerebras checkpoint: its parameter names are mapped for a model, so "
                                   f"give the params file of the model it holds")
-        return load_cerebras_checkpoint(path, model_config)
+        return load_cerebras_checkpoint(path, model_config, optimizer_index if with_optimizer else None, lr_scales)
     manifest_path = resolve_checkpoint_path(path)
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -42,11 +42,13 @@ from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.models.config import INITIALIZER_FIELDS
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.executor import Executor, choose_execution, resolve_device
+from waferscale.runtime.mdl import is_mdl
 from waferscale.runtime.optim import build_schedule
 from waferscale.runtime.perf import measured_peak_flops
 from waferscale.util.files import atomic_dir, atomic_write_json, atomic_write_text
 from waferscale.util.paths import cache_dir
 from waferscale.zoo.lm import compile_lm_step
+from waferscale.zoo.mdl import resident_param_index
 
 MODES = ("train", "eval", "train_and_eval")
 
@@ -360,7 +362,10 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     start_step = 0
     source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
     if source is not None:
-        c = ckpt.load_checkpoint(source, model_config=cfg)  # (a Cerebras .mdl's names are mapped for cfg)
+        # a Cerebras .mdl's names are mapped for cfg, its optimizer state renumbered to our optimizer's indices
+        index = resident_param_index(cfg, params.optimizer) if Path(source).is_file() and is_mdl(source) else None
+        c = ckpt.load_checkpoint(source, model_config=cfg, optimizer_index=index,
+                                 lr_scales=params.optimizer.adjust_learning_rate)
         # initializers only shape a fresh model's weights: a checkpoint's are the weights
         inits = {k: getattr(cfg, k) for k in INITIALIZER_FIELDS}
         if ModelConfig.from_dict(c.model_config).replace(name=cfg.name, **inits) != cfg:
@@ -371,6 +376,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             executor.sparsity.redraw()  # sparse training from dense weights: masks from the loaded weights
         if opts.load_checkpoint_states == "all":
             if (state := c.optimizer_state()) is not None:
+                if "param_groups" not in state:  # a Model Zoo checkpoint's: the groups (hyper-parameters) are ours
+                    state = {**executor.optimizer_state(), "state": state["state"]}
                 executor.load_optimizer_state(state)
             loader.load_state_dict(c.manifest.get("data", {"step": c.step}))
             if executor.sparsity is not None and "sparsity" in c.manifest:

@@ -1,0 +1,41 @@
+"""A run's optimizer as a Model Zoo checkpoint sees it: the index of each parameter in the resident optimizer's
+state dict (what `runtime.checkpoint` renumbers a Model Zoo optimizer state to, and from), and one of our
+checkpoints as the state a Model Zoo run saves, for `cstorch.save(..., format="mdl")`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from waferscale.models import ModelConfig, build
+from waferscale.models.modelzoo import state_dict_to_zoo
+from waferscale.models.modelzoo_optim import optimizer_state_to_zoo
+from waferscale.params import OptimizerParams
+from waferscale.runtime.checkpoint import Checkpoint
+from waferscale.zoo.lm import adjust_learning_rates
+from waferscale.zoo.optim import build_optimizer
+
+
+def resident_param_index(cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, int]:
+    """Parameter name -> its index in the state dict of the optimizer `compile_lm_step` builds for `cfg` (MemoryX
+    keeps the same indices), found on a model with meta tensors (no weight memory)."""
+    model = build(cfg, device="meta")
+    opt = build_optimizer(model.parameters(), optimizer)
+    adjust_learning_rates(opt, model.named_parameters(), optimizer.adjust_learning_rate or {})
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+
+
+def zoo_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, Any]:
+    """One of our checkpoints as Model Zoo 2.x saves a run: {"model": its wrapper's names, "optimizer": numbered
+    in its param groups, "global_step"}. The learning-rate scheduler's state is not written: its layout depends on
+    the scheduler classes the Model Zoo run builds."""
+    out: dict[str, Any] = {"model": state_dict_to_zoo(ckpt.model, cfg)}
+    state = ckpt.optimizer_state()
+    if state is not None:
+        scales = optimizer.adjust_learning_rate or {}
+        out["optimizer"] = optimizer_state_to_zoo(state, cfg, resident_param_index(cfg, optimizer), scales)
+    out["global_step"] = ckpt.step
+    return out
+
+
+__all__ = ["resident_param_index", "zoo_checkpoint"]

@@ -1,0 +1,149 @@
+"""A Model Zoo checkpoint's optimizer state carries into the resumed run: a `.mdl` whose Adam moments and beta
+powers are numbered as Model Zoo numbers them (an optimizer built, as Model Zoo's `configure_param_groups` builds
+it, on a module tree registered as its GPT2LMHeadModel is, then `state_dict()`), written by the independent h5py
+writer, resumes to the same weights as the run that produced those moments continues to; and a run of ours
+written back as a Model Zoo checkpoint holds its state in that numbering."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from test_mdl_checkpoint import GPT, LLAMA, _params, read_mdl, write_mdl, zoo_names
+from waferscale.errors import CheckpointError
+from waferscale.models import ModelConfig, build
+from waferscale.params import params_from_dict
+from waferscale.pytorch import save
+from waferscale.runtime import checkpoint as ckpt
+from waferscale.runtime.optimizers import AdamW
+from waferscale.zoo.mdl import zoo_checkpoint
+from waferscale.zoo.runner import RunOptions, run
+
+
+class _RMSNorm(nn.Module):  # Model Zoo's RMSNorm: a plain module with a weight (so not exempt from weight decay)
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=bias)
+
+
+def zoo_model(cfg: ModelConfig) -> nn.Module:
+    """Modules registered in the order of Model Zoo's Gpt2Model / GPT2LMHeadModel / TransformerDecoderLayer /
+    MultiheadAttention / FeedForwardNetwork constructors (shapes from cfg; values are copied in later)."""
+    norm = (lambda: nn.LayerNorm(cfg.d_model, bias=cfg.norm_bias)) if cfg.norm == "layernorm" \
+        else (lambda: _RMSNorm(cfg.d_model))
+    kv = cfg.kv_heads * cfg.head_dim
+
+    def layer() -> nn.Module:
+        m = nn.Module()
+        m.self_attn = nn.Module()
+        for name, n_out in (("q", cfg.n_head * cfg.head_dim), ("k", kv), ("v", kv)):
+            setattr(m.self_attn, f"proj_{name}_dense_layer", _linear(cfg.d_model, n_out, cfg.attn_bias))
+        m.self_attn.proj_output_dense_layer = _linear(cfg.n_head * cfg.head_dim, cfg.d_model, cfg.attn_bias)
+        m.norm1, m.norm3 = norm(), norm()
+        m.ffn = nn.Module()
+        first, second = nn.Module(), nn.Module()
+        first.linear_layer = _linear(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
+        if cfg.activation in ("swiglu", "geglu"):
+            first.linear_layer_for_glu = _linear(cfg.d_model, cfg.ffn_dim, cfg.mlp_bias)
+        second.linear_layer = _linear(cfg.ffn_dim, cfg.d_model, cfg.mlp_bias)
+        m.ffn.ffn = nn.ModuleList([first, second])
+        return m
+
+    lm = nn.Module()
+    lm.embedding_layer = nn.Module()
+    lm.embedding_layer.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    if cfg.position == "learned":
+        lm.embedding_layer.position_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+    lm.ln_f = norm()  # registered before the decoder, which holds it as its norm
+    lm.transformer_decoder = nn.Module()
+    lm.transformer_decoder.layers = nn.ModuleList([layer() for _ in range(cfg.n_layer)])
+    lm.transformer_decoder.norm = lm.ln_f
+    lm.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg.lm_head_bias)
+    if cfg.tie_embeddings:
+        lm.lm_head.weight = lm.embedding_layer.word_embeddings.weight
+    wrapper = nn.Module()
+    wrapper.model = lm
+    return wrapper
+
+
+def zoo_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """optim_utils' `_partition_params_groups_with_weight_decay` (no muP, no tags)."""
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if "bias" in name or any(n in name for n in norms) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _zoo_state(c: ckpt.Checkpoint, cfg: ModelConfig, weight_decay: float) -> dict:
+    """Our checkpoint's weights and Adam state as a Model Zoo run holds them, numbered by its optimizer."""
+    names = [n for n, _ in build(cfg, device="meta").named_parameters()]  # (the tied head once)
+    ours = [n for n in names if c.model[n].ndim >= 2] + [n for n in names if c.model[n].ndim < 2]  # our groups
+    state = c.optimizer_state()
+    by_name = {n: state["state"][i] for i, n in enumerate(ours)}
+    model = zoo_model(cfg)
+    weights = zoo_names({n: c.model[n] for n in names}, cfg)
+    moments = {k: zoo_names({n: by_name[n][k] for n in names}, cfg) for k in ("exp_avg", "exp_avg_sq")}
+    zoo_of = dict(zip(names, weights))  # (zoo_names keeps the order)
+    theirs = {zoo: ours for ours, zoo in zoo_of.items()}
+    opt = AdamW(zoo_groups(model, weight_decay), lr=1e-3)
+    with torch.no_grad():
+        for name, p in model.model.named_parameters():
+            key = name.replace("ln_f.", "transformer_decoder.norm.")
+            p.copy_(weights[key])
+            opt.state[p] = {"exp_avg": moments["exp_avg"][key], "exp_avg_sq": moments["exp_avg_sq"][key],
+                            "beta1_power": by_name[theirs[key]]["beta1_power"],
+                            "beta2_power": by_name[theirs[key]]["beta2_power"]}
+    return {"model": {f"model.{k}": v for k, v in weights.items()}, "optimizer": opt.state_dict(),
+            "lr_scheduler": {"last_epoch": torch.tensor(c.step)}, "global_step": c.step}
+
+
+@pytest.mark.parametrize("model,execution", [(GPT, "resident"), (LLAMA, "resident"), (GPT, "streaming")],
+                         ids=["gpt2", "llama", "gpt2-streaming"])
+def test_model_zoo_optimizer_state_resumes_exactly(model: dict, execution: str, corpus: Path,
+                                                   tmp_path: Path) -> None:
+    d = _params(corpus, tmp_path / "a", model)
+    d["runconfig"].update(max_steps=4, checkpoint_steps=2)
+    run(params_from_dict(d, "t"), RunOptions(model_dir=tmp_path / "a", progress=False, execution=execution),
+        out=io.StringIO())
+    params = params_from_dict(d, "t")
+    cfg = params.model.to_model_config()
+    c2 = ckpt.load_checkpoint(tmp_path / "a" / "checkpoint_2.json")
+    zoo = _zoo_state(c2, cfg, d["optimizer"]["weight_decay"])
+    write_mdl(tmp_path / "zoo.mdl", zoo)
+
+    out = io.StringIO()
+    run(params, RunOptions(model_dir=tmp_path / "b", progress=False, execution=execution,
+                           checkpoint_path=str(tmp_path / "zoo.mdl")), out=out)
+    assert "(step 2)" in out.getvalue() and "note:" not in out.getvalue(), out.getvalue()
+    want = ckpt.load_checkpoint(tmp_path / "a").model
+    got = ckpt.load_checkpoint(tmp_path / "b").model
+    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-6
+
+    if execution == "resident" and model is GPT:  # a checkpoint grouped otherwise (tags, other muP scales) is refused
+        one_group = [{**zoo["optimizer"]["param_groups"][0], "params": list(range(len(zoo["optimizer"]["state"])))}]
+        write_mdl(tmp_path / "other.mdl", {**zoo, "optimizer": {**zoo["optimizer"], "param_groups": one_group}})
+        with pytest.raises(CheckpointError, match=r"param groups of \[\d+\] parameters; Model Zoo groups"):
+            run(params, RunOptions(model_dir=tmp_path / "c", progress=False,
+                                   checkpoint_path=str(tmp_path / "other.mdl")), out=io.StringIO())
+
+    # written back: the same numbering, moments and beta powers as Model Zoo's optimizer holds them
+    save(zoo_checkpoint(c2, cfg, params.optimizer), tmp_path / "back.mdl", format="mdl")
+    flat = read_mdl(tmp_path / "back.mdl")
+    flat = {k: flat[v[1]] if isinstance(v, tuple) else v for k, v in flat.items()}  # (values met twice are links)
+    expected = zoo["optimizer"]
+    for i, st in expected["state"].items():
+        for k, v in st.items():
+            assert torch.equal(flat[f"optimizer.state.{i}.{k}"], v), (i, k)
+    sizes = [len(g["params"]) for g in expected["param_groups"]]
+    assert [len([k for k in flat if k.startswith(f"optimizer.param_groups.{g}.params.")]) for g in range(2)] == sizes
+    assert flat["optimizer.param_groups.0.weight_decay"] == d["optimizer"]["weight_decay"]
+    assert flat["global_step"] == 2
