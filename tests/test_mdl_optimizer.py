@@ -7,13 +7,14 @@ written back as a Model Zoo checkpoint holds its state in that numbering."""
 from __future__ import annotations
 
 import io
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from test_mdl_checkpoint import GPT, LLAMA, _params, read_mdl, write_mdl, zoo_names
+from test_mdl_checkpoint import GPT, GPT_MUP, LLAMA, _params, read_mdl, write_mdl, zoo_names
 from waferscale.errors import CheckpointError
 from waferscale.models import ModelConfig, build
 from waferscale.params import params_from_dict
@@ -74,27 +75,66 @@ def zoo_model(cfg: ModelConfig) -> nn.Module:
     return wrapper
 
 
-def zoo_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """optim_utils' `_partition_params_groups_with_weight_decay` (no muP, no tags)."""
+# Model Zoo's default lr_adjustment_groups (GPT2LMHeadModelConfig.create_default_lr_adjustment_groups), in order
+ZOO_LR_GROUPS = {"embedding": ["*embedding*weight"], "decoder_kernel": ["*decoder*dense*weight", "*decoder*linear*weight"],
+                 "decoder_attention": ["*decoder*attn*dense*weight"], "decoder_input_ffn": ["*decoder*ffn.ffn.[!1]*weight"],
+                 "decoder_output_ffn": ["*decoder*ffn.ffn.[1]*weight"]}
+
+
+def _buckets(scales: dict) -> list[tuple[float, list[str]]]:
+    """process_lr_adjustment_params: a bucket per distinct scale other than 1, patterns of equal scales merged."""
+    out: list[tuple[float, list[str]]] = []
+    for group, patterns in ZOO_LR_GROUPS.items():
+        s = scales.get(group, 1.0)
+        if s != 1.0:
+            hit = [b for b in out if b[0] == s]
+            hit[0][1].extend(patterns) if hit else out.append((s, list(patterns)))
+    return out
+
+
+def _scale(name: str, scales: dict) -> float:
+    return next((s for s, pats in _buckets(scales) if any(fnmatchcase(name, p) for p in pats)), 1.0)
+
+
+def zoo_groups(model: nn.Module, weight_decay: float, scales: dict) -> list[dict]:
+    """optim_utils' `_partition_params_groups_with_weight_decay`, then `_partition_params_groups_with_adjusted_lr`
+    (no param tags: a weight-decay group stays when empty unless muP splits it)."""
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (no_decay if "bias" in name or any(n in name for n in norms) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        (no_decay if "bias" in name or any(n in name for n in norms) else decay).append((name, p))
+    buckets = _buckets(scales)
+    groups = []
+    for rate, members in ((weight_decay, decay), (0.0, no_decay)):
+        if not buckets:
+            groups.append({"params": [p for _, p in members], "weight_decay": rate})
+            continue
+        for s in [*(b[0] for b in buckets), 1.0]:
+            ps = [p for n, p in members if _scale(n, scales) == s]
+            if ps:
+                groups.append({"params": ps, "weight_decay": rate, "adjust_learning_rate": s})
+    return groups
 
 
-def _zoo_state(c: ckpt.Checkpoint, cfg: ModelConfig, weight_decay: float) -> dict:
+def _zoo_state(c: ckpt.Checkpoint, cfg: ModelConfig, weight_decay: float, scales: dict) -> dict:
     """Our checkpoint's weights and Adam state as a Model Zoo run holds them, numbered by its optimizer."""
     names = [n for n, _ in build(cfg, device="meta").named_parameters()]  # (the tied head once)
-    ours = [n for n in names if c.model[n].ndim >= 2] + [n for n in names if c.model[n].ndim < 2]  # our groups
-    state = c.optimizer_state()
-    by_name = {n: state["state"][i] for i, n in enumerate(ours)}
-    model = zoo_model(cfg)
     weights = zoo_names({n: c.model[n] for n in names}, cfg)
-    moments = {k: zoo_names({n: by_name[n][k] for n in names}, cfg) for k in ("exp_avg", "exp_avg_sq")}
     zoo_of = dict(zip(names, weights))  # (zoo_names keeps the order)
     theirs = {zoo: ours for ours, zoo in zoo_of.items()}
-    opt = AdamW(zoo_groups(model, weight_decay), lr=1e-3)
+    # our resident optimizer's order: [ndim >= 2], [ndim < 2], then each one's muP-scaled parameters by scale
+    ours, scaled = [], []
+    for group in ([n for n in names if c.model[n].ndim >= 2], [n for n in names if c.model[n].ndim < 2]):
+        by_scale: dict[float, list[str]] = {}
+        for n in group:
+            by_scale.setdefault(_scale(zoo_of[n], scales), []).append(n)
+        ours += by_scale.pop(1.0, [])
+        scaled += [n for ns in by_scale.values() for n in ns]
+    state = c.optimizer_state()
+    by_name = {n: state["state"][i] for i, n in enumerate(ours + scaled)}
+    model = zoo_model(cfg)
+    moments = {k: zoo_names({n: by_name[n][k] for n in names}, cfg) for k in ("exp_avg", "exp_avg_sq")}
+    opt = AdamW(zoo_groups(model, weight_decay, scales), lr=1e-3)
     with torch.no_grad():
         for name, p in model.model.named_parameters():
             key = name.replace("ln_f.", "transformer_decoder.norm.")
@@ -106,18 +146,24 @@ def _zoo_state(c: ckpt.Checkpoint, cfg: ModelConfig, weight_decay: float) -> dic
             "lr_scheduler": {"last_epoch": torch.tensor(c.step)}, "global_step": c.step}
 
 
-@pytest.mark.parametrize("model,execution", [(GPT, "resident"), (LLAMA, "resident"), (GPT, "streaming")],
-                         ids=["gpt2", "llama", "gpt2-streaming"])
-def test_model_zoo_optimizer_state_resumes_exactly(model: dict, execution: str, corpus: Path,
+MUP = {"embedding": 0.5, "decoder_kernel": 0.25}  # legacy Cerebras-GPT muP: adjust_learning_rate per group
+
+
+@pytest.mark.parametrize("model,scales,execution", [(GPT, {}, "resident"), (LLAMA, {}, "resident"),
+                                                    (GPT, {}, "streaming"), (GPT_MUP, MUP, "resident")],
+                         ids=["gpt2", "llama", "gpt2-streaming", "gpt2-mup"])
+def test_model_zoo_optimizer_state_resumes_exactly(model: dict, scales: dict, execution: str, corpus: Path,
                                                    tmp_path: Path) -> None:
     d = _params(corpus, tmp_path / "a", model)
     d["runconfig"].update(max_steps=4, checkpoint_steps=2)
+    if scales:
+        d["optimizer"]["adjust_learning_rate"] = scales
     run(params_from_dict(d, "t"), RunOptions(model_dir=tmp_path / "a", progress=False, execution=execution),
         out=io.StringIO())
     params = params_from_dict(d, "t")
     cfg = params.model.to_model_config()
     c2 = ckpt.load_checkpoint(tmp_path / "a" / "checkpoint_2.json")
-    zoo = _zoo_state(c2, cfg, d["optimizer"]["weight_decay"])
+    zoo = _zoo_state(c2, cfg, d["optimizer"]["weight_decay"], scales)
     write_mdl(tmp_path / "zoo.mdl", zoo)
 
     out = io.StringIO()
@@ -144,6 +190,7 @@ def test_model_zoo_optimizer_state_resumes_exactly(model: dict, execution: str, 
         for k, v in st.items():
             assert torch.equal(flat[f"optimizer.state.{i}.{k}"], v), (i, k)
     sizes = [len(g["params"]) for g in expected["param_groups"]]
-    assert [len([k for k in flat if k.startswith(f"optimizer.param_groups.{g}.params.")]) for g in range(2)] == sizes
+    assert [len([k for k in flat if k.startswith(f"optimizer.param_groups.{g}.params.")])
+            for g in range(len(sizes))] == sizes
     assert flat["optimizer.param_groups.0.weight_decay"] == d["optimizer"]["weight_decay"]
     assert flat["global_step"] == 2
