@@ -272,8 +272,10 @@ def evaluate(executor: Executor, data: Data, batch_size: int, max_batches: int |
     return float(np.mean(losses)), len(batches)
 
 
-def run(params: Params, opts: RunOptions, out: TextIO = sys.stdout) -> dict[str, Any]:
-    """Train and/or evaluate per `opts.mode`; returns the summary dict also written to model_dir/summary.json."""
+def run(params: Params, opts: RunOptions, out: TextIO | None = None) -> dict[str, Any]:
+    """Train and/or evaluate per `opts.mode`; returns the summary dict also written to model_dir/summary.json.
+    out: where the log goes, default the sys.stdout of the call (not of the import: a caller may redirect it)."""
+    out = out if out is not None else sys.stdout
     inp = params.train_input
     device = resolve_device(opts.device if opts.device != "auto" else params.runconfig.device)
     check_batch_split(inp, opts.num_csx, num_csx_name="--num_csx")
