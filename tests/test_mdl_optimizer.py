@@ -1,8 +1,9 @@
 """A Model Zoo checkpoint's optimizer state carries into the resumed run: a `.mdl` whose Adam moments and beta
 powers are numbered as Model Zoo numbers them (an optimizer built, as Model Zoo's `configure_param_groups` builds
 it, on a module tree registered as its GPT2LMHeadModel is, then `state_dict()`), written by the independent h5py
-writer, resumes to the same weights as the run that produced those moments continues to; and a run of ours
-written back as a Model Zoo checkpoint holds its state in that numbering."""
+writer, resumes to the same weights as the run that produced those moments continues to (GPT-2, Llama with GQA and
+rotary q/k, weight streaming, muP learning-rate groups); and a run of ours written back as a Model Zoo checkpoint
+(`wsc checkpoint convert --src-fmt wsc`) holds its state in that numbering and resumes the same way."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from test_mdl_checkpoint import GPT, GPT_MUP, LLAMA, _params, read_mdl, write_mdl, zoo_names
+from waferscale.cli.main import main
 from waferscale.errors import CheckpointError
 from waferscale.models import ModelConfig, build
 from waferscale.params import params_from_dict
-from waferscale.pytorch import save
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.optimizers import AdamW
-from waferscale.zoo.mdl import zoo_checkpoint
 from waferscale.zoo.runner import RunOptions, run
 
 
@@ -76,8 +77,10 @@ def zoo_model(cfg: ModelConfig) -> nn.Module:
 
 
 # Model Zoo's default lr_adjustment_groups (GPT2LMHeadModelConfig.create_default_lr_adjustment_groups), in order
-ZOO_LR_GROUPS = {"embedding": ["*embedding*weight"], "decoder_kernel": ["*decoder*dense*weight", "*decoder*linear*weight"],
-                 "decoder_attention": ["*decoder*attn*dense*weight"], "decoder_input_ffn": ["*decoder*ffn.ffn.[!1]*weight"],
+ZOO_LR_GROUPS = {"embedding": ["*embedding*weight"],
+                 "decoder_kernel": ["*decoder*dense*weight", "*decoder*linear*weight"],
+                 "decoder_attention": ["*decoder*attn*dense*weight"],
+                 "decoder_input_ffn": ["*decoder*ffn.ffn.[!1]*weight"],
                  "decoder_output_ffn": ["*decoder*ffn.ffn.[1]*weight"]}
 
 
@@ -182,8 +185,11 @@ def test_model_zoo_optimizer_state_resumes_exactly(model: dict, scales: dict, ex
                                    checkpoint_path=str(tmp_path / "other.mdl")), out=io.StringIO())
 
     # written back: the same numbering, moments and beta powers as Model Zoo's optimizer holds them
-    save(zoo_checkpoint(c2, cfg, params.optimizer), tmp_path / "back.mdl", format="mdl")
-    flat = read_mdl(tmp_path / "back.mdl")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
+    assert main(["checkpoint", "convert", str(c2.path), "--model", "gpt2" if cfg.family == "gpt" else "llama",
+                 "--src-fmt", "wsc", "--tgt-fmt", "cs-2.4", "--config", str(tmp_path / "params.yaml"),
+                 "--output-dir", str(tmp_path)]) == 0
+    flat = read_mdl(tmp_path / "checkpoint_2_to_cs-2.4.mdl")
     flat = {k: flat[v[1]] if isinstance(v, tuple) else v for k, v in flat.items()}  # (values met twice are links)
     expected = zoo["optimizer"]
     for i, st in expected["state"].items():
@@ -193,4 +199,10 @@ def test_model_zoo_optimizer_state_resumes_exactly(model: dict, scales: dict, ex
     assert [len([k for k in flat if k.startswith(f"optimizer.param_groups.{g}.params.")])
             for g in range(len(sizes))] == sizes
     assert flat["optimizer.param_groups.0.weight_decay"] == d["optimizer"]["weight_decay"]
+    for g, group in enumerate(expected["param_groups"]):
+        assert flat.get(f"optimizer.param_groups.{g}.adjust_learning_rate") == group.get("adjust_learning_rate")
     assert flat["global_step"] == 2
+    run(params, RunOptions(model_dir=tmp_path / "d", progress=False, execution=execution,
+                           checkpoint_path=str(tmp_path / "checkpoint_2_to_cs-2.4.mdl")), out=io.StringIO())
+    got = ckpt.load_checkpoint(tmp_path / "d").model  # and it resumes as the run it came from continues
+    assert max((want[k] - got[k]).abs().max().item() for k in want) < 1e-6

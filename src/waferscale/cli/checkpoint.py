@@ -14,6 +14,10 @@ converters read and its 2.x trainer saves (`models/modelzoo.py`).
   YAML the model will train with on the Cerebras system, which must describe the same model. The checkpoint
   `{"model": ...}` is written to --output-dir (default: beside the directory) as `<name>_to_<tgt-fmt>.mdl`; unlike
   cszoo, no params YAML is written (the one given, or Model Zoo's for the architecture, is what trains it).
+* wsc -> cs (ours, not cszoo's): CHECKPOINT is one of our run's checkpoints (its manifest, or a model_dir for the
+  latest), --config the params YAML it trained with. The .mdl holds what a Model Zoo run saves: the weights under
+  its names, the optimizer state numbered in its param groups (`models/modelzoo_optim.py`) and global_step, so the
+  run can go on on a Cerebras system (the learning-rate scheduler's state is not written: `zoo/mdl.py`).
 """
 
 from __future__ import annotations
@@ -41,10 +45,10 @@ def cmd_checkpoint_convert(a: argparse.Namespace) -> int:
         raise ConfigError(f"--model {a.model!r} is not supported; give one of {', '.join(MODELS)}")
     if _CS.fullmatch(a.src_fmt) and a.tgt_fmt == "hf":
         return _cs_to_hf(a)
-    if a.src_fmt == "hf" and _CS.fullmatch(a.tgt_fmt) and a.tgt_fmt != "cs-auto":
-        return _hf_to_cs(a)
+    if a.src_fmt in ("hf", "wsc") and _CS.fullmatch(a.tgt_fmt) and a.tgt_fmt != "cs-auto":
+        return _hf_to_cs(a) if a.src_fmt == "hf" else _wsc_to_cs(a)
     raise ConfigError(f"--src-fmt {a.src_fmt} --tgt-fmt {a.tgt_fmt} is not supported; convert cs-X.Y (or cs-auto) "
-                      f"-> hf, or hf -> cs-X.Y (or cs-current)")
+                      f"-> hf, or hf or wsc (a waferscale run's checkpoint) -> cs-X.Y (or cs-current)")
 
 
 def _params_config(a: argparse.Namespace) -> Any:
@@ -113,6 +117,28 @@ def _hf_to_cs(a: argparse.Namespace) -> int:
     return 0
 
 
+def _wsc_to_cs(a: argparse.Namespace) -> int:
+    from waferscale.models import ModelConfig
+    from waferscale.params import load_params
+    from waferscale.runtime.checkpoint import load_checkpoint
+    from waferscale.runtime.mdl import save_mdl
+    from waferscale.zoo.mdl import zoo_checkpoint
+
+    params = load_params(a.config)
+    cfg = _params_config(a)
+    c = load_checkpoint(a.checkpoint_file)
+    saved = ModelConfig.from_dict(c.model_config)
+    differ = [f for f in _FUNCTION if getattr(cfg, f) != getattr(saved, f)]
+    if differ:
+        raise ConfigError(f"--config {a.config} describes another model than {c.path}: {differ[0]} is "
+                          f"{getattr(cfg, differ[0])!r} there and {getattr(saved, differ[0])!r} in the checkpoint")
+    out = Path(a.output_dir) if a.output_dir else c.path.parent
+    path = out / f"{c.path.stem}_to_{a.tgt_fmt}.mdl"
+    save_mdl(zoo_checkpoint(c, cfg, params.optimizer), path)
+    print(f"Checkpoint saved to {path}")
+    return 0
+
+
 def register(sub: Any) -> None:
     """Add `wsc checkpoint convert` to the `wsc` subparsers."""
     p = sub.add_parser("checkpoint", help="convert a Cerebras Model Zoo checkpoint (cszoo checkpoint)",
@@ -123,9 +149,10 @@ def register(sub: Any) -> None:
     c.set_defaults(fn=cmd_checkpoint_convert)
     c.add_argument("checkpoint_file", metavar="CHECKPOINT", help="a Model Zoo .mdl, or a Hugging Face directory")
     c.add_argument("--model", required=True, help=f"the model: {', '.join(MODELS)}")
-    c.add_argument("--src-fmt", "--src_fmt", dest="src_fmt", required=True, help="cs-X.Y / cs-auto, or hf")
+    c.add_argument("--src-fmt", "--src_fmt", dest="src_fmt", required=True,
+                   help="cs-X.Y / cs-auto, hf, or wsc (a waferscale run's checkpoint)")
     c.add_argument("--tgt-fmt", "--tgt_fmt", dest="tgt_fmt", required=True, help="hf, or cs-X.Y / cs-current")
-    c.add_argument("--config", required=True, help="cs -> hf: the params YAML the checkpoint was trained with; "
+    c.add_argument("--config", required=True, help="cs/wsc -> : the params YAML the checkpoint was trained with; "
                                                    "hf -> cs: the directory's config.json or the params YAML")
     c.add_argument("--output-dir", "--output_dir", dest="output_dir", default=None,
                    help="where to write (default: beside CHECKPOINT)")
