@@ -139,19 +139,22 @@ def optimizer_state_to_zoo(ours: Mapping[str, Any], cfg: ModelConfig, index: Map
                            scales: Mapping[str, float]) -> dict[str, Any]:
     """Our optimizer state dict (`index`: name -> its index there) as Model Zoo's optimizer saves it: parameters
     numbered in Model Zoo's groups, each group with our hyper-parameters, Model Zoo's weight decay (the decayed
-    groups take the rate of our decayed parameters) and its `adjust_learning_rate` under muP."""
+    groups take the rate of our decayed parameters, which Cerebras' optimizer applies to the norm gains of a Llama
+    too when the run goes on there) and its `adjust_learning_rate` under muP."""
     state = {int(k): v for k, v in ours["state"].items()}
     group_of: dict[int, dict[str, Any]] = {}
     for g in ours["param_groups"]:
         group_of.update({int(i): g for i in g["params"]})
-    rate = max((float(g.get("weight_decay", 0.0)) for g in ours["param_groups"]), default=0.0)
+    # the rates of our decayed parameters (AdamW's weight_decay; Adam's, as Cerebras' Adam, l2_regularization_rate)
+    rates = {k: max(float(g.get(k, 0.0)) for g in ours["param_groups"])
+             for k in ("weight_decay", "l2_regularization_rate")}
     zoo_state: dict[int, dict[str, Any]] = {}
     param_groups: list[dict[str, Any]] = []
     position = 0
     for decayed, scale, names in zoo_param_groups(cfg, index, scales):
         first = group_of[index[names[0]]] if names else ours["param_groups"][0]
         group = {k: v for k, v in first.items() if k not in ("params", "name", "adjust_learning_rate")}
-        group["weight_decay"] = rate if decayed else 0.0
+        group.update({k: rate if decayed else 0.0 for k, rate in rates.items() if k in group or k == "weight_decay"})
         if scale != 1.0 or any("adjust_learning_rate" in g for g in ours["param_groups"]):
             group["adjust_learning_rate"] = scale
         group["params"] = list(range(position, position + len(names)))
