@@ -133,6 +133,29 @@ def test_checkpoints_interchange_with_resident(corpus: Path, tmp_path: Path) -> 
     _assert_same_run(tmp_path / "r", mixed, rel=1e-5, wrel=1e-5)
 
 
+# muP's scalings and three learning-rate scales that split a block's matrices into runs (attention, the MLP's input,
+# its output) and the embeddings from the head: MemoryX steps each run with its resident group's rate and decay
+MUP = {"model": {"embeddings_scale": 10.0, "output_logits_scale": 0.25, "scale_qk_dot_by_d": True},
+       "optimizer": {"adjust_learning_rate": {"decoder_attention": 0.5, "decoder_output_ffn": 0.25,
+                                              "embedding": 2.0}}}
+
+
+def test_mup_streams_and_runs_on_two_systems_as_resident(corpus: Path, tmp_path: Path) -> None:
+    """A muP config: streaming and --num_csx 2 give the resident run; checkpoints interchange both ways (4 steps on
+    two systems then resident resumes; 4 resident steps then streaming resumes)."""
+    _run(corpus, tmp_path / "r", over=MUP, execution="resident")
+    _run(corpus, tmp_path / "s", over=MUP, execution="streaming")
+    _assert_same_run(tmp_path / "r", tmp_path / "s", rel=1e-5, wrel=1e-5)
+    two = tmp_path / "two"
+    assert _run(corpus, two, over=MUP, execution="streaming", num_csx=2, num_steps=4)["executor"] == "swarmx"
+    _run(corpus, two, over=MUP, execution="resident")
+    _assert_same_run(tmp_path / "r", two, rel=1e-5, wrel=1e-5)
+    back = tmp_path / "back"
+    _run(corpus, back, over=MUP, execution="resident", num_steps=4)
+    _run(corpus, back, over=MUP, execution="streaming")
+    _assert_same_run(tmp_path / "r", back, rel=1e-5, wrel=1e-5)
+
+
 def test_device_budget_a_tenth_of_the_state(corpus: Path, tmp_path: Path) -> None:
     """weights + optimizer state are 10x --device_memory_mb; the reported peak working set stays within it."""
     over = {"model": {"name": "gpt-tiny", "hidden_size": 64, "num_hidden_layers": 24, "num_heads": 4},

@@ -7,6 +7,7 @@ precision) and the vectors (biases, norms: always fp32), each in payload order: 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -26,7 +27,7 @@ class ParamEntry:
     owner: int  # unit that stores it
     offset: int  # in the owner's flat buffers
     payload_offset: int  # in this unit's payload (the matrices' buffer if matrix, else the vectors')
-    global_index: int  # index in the resident optimizer's state dict (decay group first, as param_groups)
+    global_index: int  # index in the resident optimizer's state dict (its param groups in order)
     param_order: int  # position in model.parameters() (clip_grad_norm_'s summation order)
 
 
@@ -56,18 +57,20 @@ class UnitLayout:
         return self.n_matrices * half_itemsize + self.n_vectors * 4
 
 
-def build_layouts(model: nn.Module, units: list[nn.Module] | None = None) -> list[UnitLayout]:
+def build_layouts(model: nn.Module, units: list[nn.Module] | None = None,
+                  index: Mapping[str, int] | None = None) -> list[UnitLayout]:
     """Layouts of `units` (default `model.units()`), modules that together hold all of `model`'s parameters, in
     execution order (submodules of `model`, or units split from its traced forward that share its parameter
     objects); works on meta-device models (shapes only). A parameter is stored by the first unit that uses it
-    and named by its name in `model`."""
+    and named by its name in `model`. `index`: each parameter's index in the resident optimizer's state dict,
+    by name, where its groups are not `runtime.optim.param_groups`' (matrices, then vectors)."""
     units = model.units() if units is None else units
     mod_name = {id(m): n for n, m in model.named_modules()}
     all_params = list(model.parameters())  # unique, in order
     pname = {id(p): n for n, p in model.named_parameters()}
     order = {id(p): i for i, p in enumerate(all_params)}
     by_group = [p for p in all_params if p.ndim >= 2] + [p for p in all_params if p.ndim < 2]  # as param_groups
-    gidx = {id(p): i for i, p in enumerate(by_group)}
+    gidx = {id(p): i if index is None else index[pname[id(p)]] for i, p in enumerate(by_group)}
     owner: dict[int, tuple[int, str, int]] = {}  # id(param) -> (unit, name, offset)
     layouts = []
     for u, mod in enumerate(units):

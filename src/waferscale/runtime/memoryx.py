@@ -6,9 +6,11 @@
     layout      per unit one flat fp32 buffer per slot ("param", "grad", and one per optimizer state tensor such
                 as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
     optimizer   one optimizer per unit, the resident run's class (`runtime.optimizers`: Cerebras' update rules),
-                same hyper-parameters and weight-decay groups; it runs on a worker thread ("lane")
-    leaves      the optimizer steps a unit's matrices and its vectors as two flat tensors, until one of the unit's
-                parameters goes without a gradient in a step (an expert its router gave no token, a head the
+                its param groups copies of the resident run's (`resident_groups`: weight decay on matrices only,
+                muP's per-group learning-rate scales); it runs on a worker thread ("lane")
+    leaves      the optimizer steps each run of a unit's parameters that share a group as one flat tensor (without
+                muP: its matrices, then its vectors), until one of the unit's parameters goes without a gradient
+                in a step (an expert its router gave no token, a head the
                 objective does not use): from then on the unit has one leaf per parameter, each with its own
                 state, made lazily at its first step (a parameter first stepped later starts afresh then), so it
                 is skipped as the resident optimizer skips it and its step count (Adam's beta powers) is its
@@ -46,6 +48,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -55,15 +58,15 @@ from torch import Tensor, nn
 
 from waferscale.errors import ConfigError
 from waferscale.runtime.lane import Lane, done_future
-from waferscale.runtime.layout import UnitLayout, build_layouts
+from waferscale.runtime.layout import ParamEntry, UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.memoryx_state import OptimizerStateIO
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
 from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
 from waferscale.sparse import Group
-from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, set_lr
+from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, set_lr, split_by_lr_scale
 
-__all__ = ["MemoryX", "STATE_SLOTS", "state_bytes_per_param"]
+__all__ = ["MemoryX", "STATE_SLOTS", "resident_groups", "state_bytes_per_param"]
 
 # optimizer state tensors with the parameter's shape, per optimizer (for sizing the RAM tier up front);
 # Adafactor's second moment is factored (rows + columns of each matrix, not counted), its exp_avg needs beta1
@@ -76,6 +79,25 @@ def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: flo
     Adafactor with beta1 keeps one)."""
     slots = 0 if optimizer_type == "SGD" and not momentum else STATE_SLOTS.get(optimizer_type, 2)
     return 4 * (2 + slots + (optimizer_type == "Adafactor" and beta1 is not None))
+
+
+def resident_groups(model: nn.Module, spec: Any, lr_scale: Callable[[str], float] | None
+                    ) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, int]]:
+    """The param groups the resident run builds over `model`'s parameters (`build_optimizer`, then split by
+    `lr_scale`, muP's): each group's hyper-parameters, each parameter's group and its index in the resident
+    optimizer's state dict (groups in order), by name. Built over meta stand-ins: nothing is allocated."""
+    stand_ins = [(n, torch.empty(p.shape, device="meta", requires_grad=True)) for n, p in model.named_parameters()]
+    opt = build_optimizer(stand_ins, spec)
+    if lr_scale is not None:
+        split_by_lr_scale(opt, {id(t): lr_scale(n) for n, t in stand_ins})
+    name = {id(t): n for n, t in stand_ins}
+    hyper, group_of, index = [], {}, {}
+    for g, group in enumerate(opt.param_groups):
+        hyper.append({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            group_of[name[id(p)]] = g
+            index[name[id(p)]] = len(index)
+    return hyper, group_of, index
 
 
 # ---- the store -------------------------------------------------------------------------------------------
@@ -91,10 +113,12 @@ class MemoryX(OptimizerStateIO):
     def __init__(self, model: nn.Module, optimizer: Any, *, stream_dtype: torch.dtype | None = None,
                  ram_budget_bytes: int | None = None, flash_dir: str | Path | None = None,
                  pin_memory: bool = False, max_gradient_norm: float | None = None,
-                 loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None) -> None:
+                 loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None,
+                 lr_scale: Callable[[str], float] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
         by the model's `init_parameter`, unit by unit); any other nn.Module with CPU weights and its `units`.
-        optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters)."""
+        optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters). lr_scale: each
+        parameter's learning-rate scale by name (muP's `adjust_learning_rate`), as the resident run's groups."""
         if optimizer.optimizer_type == "Lamb":
             raise ConfigError("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit "
                               "fused update does not compute yet: use AdamW, Adam, SGD or Lion with weight "
@@ -102,7 +126,9 @@ class MemoryX(OptimizerStateIO):
         self.stream_dtype = stream_dtype or torch.float32  # dtype of streamed matrices
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
-        self.layouts = build_layouts(model, units)
+        # the resident run's param groups: each parameter's group and state-dict index (checkpoints interchange)
+        self._hyper, self._group_of, index = resident_groups(model, optimizer, lr_scale)
+        self.layouts = build_layouts(model, units, index)
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
         flash_dir = Path(flash_dir) if flash_dir is not None else None
@@ -133,6 +159,7 @@ class MemoryX(OptimizerStateIO):
         self._mask_version = -1
         self.unit_masks = UnitMasks(self.layouts)  # the kept payload elements of units with masked matrices
         self._groups: list[list[tuple[Tensor, slice]]] = [[] for _ in self.layouts]  # (leaf, region of the slots)
+        self._group_ids: list[list[int]] = [[] for _ in self.layouts]  # resident group of each optimizer group
         self.optimizers: list[torch.optim.Optimizer | None] = [None] * self.n_units
         self._adopted: list[set[int]] = [set() for _ in self.layouts]  # per unit: leaves whose state is in slots
         skeleton = dict(model.named_parameters())
@@ -159,22 +186,28 @@ class MemoryX(OptimizerStateIO):
 
     def _make_leaves(self, u: int, flat: Tensor) -> None:
         """Unit u's optimizer and its leaves over the parameter slot `flat`: per parameter (in owned order), or
-        two flat tensors, [matrices] and [vectors] (the owned layout puts them in that order): the decay /
-        no-decay groups of the resident optimizer, as one fused call each."""
+        one flat tensor per run of consecutive parameters in the same resident group (the owned layout puts
+        matrices first: without muP the runs are [matrices] and [vectors], the decay and no-decay groups), as
+        one fused call each. The optimizer's groups are copies of the resident groups its leaves are in."""
         lay = self.layouts[u]
-        if self.per_parameter[u]:
-            regions = [(slice(e.offset, e.offset + e.numel), e.shape) for e in lay.owned]
-        else:  # matrices as a (1, n) tensor so build_optimizer puts them in the weight-decay group (ndim >= 2)
-            nb = sum(e.numel for e in lay.owned if e.matrix)
-            regions = [(slice(0, nb), (1, nb)), (slice(nb, lay.numel), (lay.numel - nb,))]
-            regions = [(region, shape) for region, shape in regions if region.stop > region.start]
+        runs: list[list[ParamEntry]] = []
+        for e in lay.owned:
+            if runs and not self.per_parameter[u] and self._group_of[runs[-1][0].name] == self._group_of[e.name]:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+        by_group: dict[int, list[Tensor]] = {}
         groups = []
-        for region, shape in regions:
+        for run in runs:
+            region = slice(run[0].offset, run[-1].offset + run[-1].numel)
             leaf = torch.empty(0)
-            leaf.data = flat[region].view(shape)  # a plain leaf (a view would pin a flash mapping)
+            # a plain leaf (a view would pin a flash mapping)
+            leaf.data = flat[region].view(run[0].shape if self.per_parameter[u] else (-1,))
             groups.append((leaf.requires_grad_(True), region))
+            by_group.setdefault(self._group_of[run[0].name], []).append(leaf)
         self._groups[u] = groups
-        self.optimizers[u] = build_optimizer([(f"{lay.name}.{k}", t) for k, (t, _) in enumerate(groups)],
+        self._group_ids[u] = sorted(by_group)
+        self.optimizers[u] = build_optimizer([{**self._hyper[g], "params": by_group[g]} for g in sorted(by_group)],
                                              self._spec) if groups else None
         self._adopted[u] = set()
 

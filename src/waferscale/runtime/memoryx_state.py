@@ -1,7 +1,7 @@
 """MemoryX's optimizer state in and out of checkpoints, in torch's per-parameter state-dict format with the
-resident optimizer's parameter indices, whichever way MemoryX holds it (a unit's two flat leaves, or a leaf per
-parameter; state in the unit's slots or, for Adafactor's factored averages, with the optimizer). A mixin of
-`runtime.memoryx.MemoryX`, whose attributes it reads."""
+resident optimizer's param groups and parameter indices, whichever way MemoryX holds it (a unit's flat leaves,
+one per run of parameters in one group, or a leaf per parameter; state in the unit's slots or, for Adafactor's
+factored averages, with the optimizer). A mixin of `runtime.memoryx.MemoryX`, whose attributes it reads."""
 
 from __future__ import annotations
 
@@ -20,16 +20,16 @@ class OptimizerStateIO:
         """torch's optimizer state-dict format with the resident optimizer's parameter indices."""
         self.synchronize()
         state: dict[int, dict[str, Any]] = {}
-        hyper: dict[str, dict[str, Any]] = {}
-        members: dict[str, list[int]] = {"decay": [], "no_decay": []}
+        hyper: dict[int, dict[str, Any]] = {}  # by resident group
+        members: dict[int, list[int]] = {}
         for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
             if opt is None:
                 continue
             slots = {s: store.open(s) for s in store.slots() if s not in ("param", "grad")}
-            for g in opt.param_groups:
-                hyper.setdefault(g["name"], {k: v for k, v in g.items() if k != "params"})
+            for g, group in zip(self._group_ids[u], opt.param_groups):
+                hyper.setdefault(g, {k: v for k, v in group.items() if k != "params"})
             for e in lay.owned:
-                members["decay" if e.matrix else "no_decay"].append(e.global_index)
+                members.setdefault(self._group_of[e.name], []).append(e.global_index)
             for i, (p, region) in enumerate(self._groups[u]):
                 own = opt.state.get(p)
                 if not own:
@@ -45,8 +45,8 @@ class OptimizerStateIO:
                         elif v is not None:  # scalars (AdamW's "step"): a flat leaf's are each of its parameters'
                             st[k] = v.clone() if torch.is_tensor(v) else v
                     state[e.global_index] = st
-        param_groups = [{**hyper[n], "lr": self._lr, "params": sorted(members[n])}
-                        for n in ("decay", "no_decay") if members[n]]
+        param_groups = [{**hyper[g], "lr": self._lr * hyper[g].get("adjust_learning_rate", 1.0),
+                         "params": sorted(members[g])} for g in sorted(members)]
         out: dict[str, Any] = {"state": state, "param_groups": param_groups}
         if self.scaler is not None:
             out["grad_scaler"] = self.scaler.state_dict()

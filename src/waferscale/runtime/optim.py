@@ -241,7 +241,11 @@ def param_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, A
     """Split trainable parameters into {"name": "decay"} (ndim >= 2: matmul and embedding weights) and
     {"name": "no_decay"} (ndim < 2: biases and norm gains), the usual GPT recipe. Empty groups are left out.
 
-    `params` may yield tensors or (name, tensor) pairs (as `model.named_parameters()`)."""
+    `params` may yield tensors or (name, tensor) pairs (as `model.named_parameters()`), or param-group dicts,
+    which are taken as given (MemoryX's per-unit copies of the resident groups)."""
+    params = list(params)
+    if params and all(isinstance(p, dict) for p in params):
+        return params
     tensors = (p[1] if isinstance(p, tuple) else p for p in params)
     trainable = [p for p in tensors if p.requires_grad]
     groups = [{"name": "decay", "params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
@@ -435,6 +439,26 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
     return cls(groups, lr=float(lr), **kwargs)
 
 
+def split_by_lr_scale(optimizer: torch.optim.Optimizer, scale_of: Mapping[int, float]) -> None:
+    """Split each param group of a new optimizer (no state yet) by its parameters' learning-rate scales
+    (`scale_of`: id(parameter) -> scale, 1 where absent): the parameters of a scale other than 1 go to a copy of
+    the group with `adjust_learning_rate` set, which `set_lr` multiplies into every step's rate. Groups in order:
+    the given ones (scale 1), then for each given group its copies, scales in order of first appearance; empty
+    groups are dropped. The resident run's groups (muP: `zoo.lm.adjust_learning_rates`) and MemoryX's copies of
+    them come from here, so their order, and the state-dict indices, agree."""
+    if all(s == 1.0 for s in scale_of.values()):
+        return
+    for group in list(optimizer.param_groups):
+        by_scale: dict[float, list[Any]] = {}
+        for p in group["params"]:
+            by_scale.setdefault(scale_of.get(id(p), 1.0), []).append(p)
+        group["params"] = by_scale.pop(1.0, [])
+        for scale, params in by_scale.items():
+            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": params,
+                                       "adjust_learning_rate": scale, "lr": group["lr"] * scale})
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, applies: Any = None) -> None:
     """Set every param group's learning rate (weight decay per group is left as built): `lr` times the group's
     `adjust_learning_rate` where it has one (muP's per-group scale, as cstorch's ScalePerParamLR applies it).
@@ -445,4 +469,4 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, applies: Any = None) -> 
 
 
 __all__ = ["LRSchedule", "SCHEDULES", "canonical_scheduler", "build_schedule", "OptimizerSpec", "OPTIMIZERS",
-           "build_optimizer", "param_groups", "default_eps", "set_lr", "Adafactor"]
+           "build_optimizer", "param_groups", "default_eps", "split_by_lr_scale", "set_lr", "Adafactor"]

@@ -7,20 +7,18 @@ shape and their rows of the batch (not copies of the script) while this process 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from waferscale import sparse
-from waferscale.errors import ConfigError
 from waferscale.models import CausalLM, ModelConfig, build
 from waferscale.models.mup import lr_adjustment
 from waferscale.params import OptimizerParams
 from waferscale.pytorch.backend import Backend
 from waferscale.runtime.executor import Executor, ResidentExecutor
-from waferscale.runtime.optim import build_optimizer
+from waferscale.runtime.optim import build_optimizer, split_by_lr_scale
 from waferscale.util import dtypes
 from waferscale.zoo.optim import optimizer_spec
 
@@ -30,21 +28,9 @@ __all__ = ["compile_lm_step", "adjust_learning_rates"]
 def adjust_learning_rates(opt: torch.optim.Optimizer, named_params: Iterable[tuple[str, Any]],
                           scales: Mapping[str, float]) -> None:
     """Split each param group of a new optimizer (no state yet) by its parameters' muP learning-rate scales
-    (`optimizer.adjust_learning_rate`, models/mup.py): the parameters of a scale other than 1 go to a copy of the
-    group with `adjust_learning_rate` set, which `runtime.optim.set_lr` multiplies into every step's rate, as
-    Model Zoo's optimizer groups and cstorch's ScalePerParamLR do."""
-    scale_of = {id(p): lr_adjustment(n, scales) for n, p in named_params}
-    if all(s == 1.0 for s in scale_of.values()):
-        return
-    for group in list(opt.param_groups):
-        by_scale: dict[float, list[Any]] = defaultdict(list)
-        for p in group["params"]:
-            by_scale[scale_of.get(id(p), 1.0)].append(p)
-        group["params"] = by_scale.pop(1.0, [])
-        for scale, params in by_scale.items():
-            opt.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": params,
-                                 "adjust_learning_rate": scale, "lr": group["lr"] * scale})
-    opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]
+    (`optimizer.adjust_learning_rate`, models/mup.py), as Model Zoo's optimizer groups and cstorch's
+    ScalePerParamLR do (`runtime.optim.split_by_lr_scale`)."""
+    split_by_lr_scale(opt, {id(p): lr_adjustment(n, scales) for n, p in named_params})
 
 
 def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, optimizer: OptimizerParams, *,
@@ -71,10 +57,6 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
                                     loss_scaling_factor=optimizer.loss_scaling_factor)
         resident.sparsity = group
         return model, resident
-    if any(s != 1.0 for s in (optimizer.adjust_learning_rate or {}).values()):
-        raise ConfigError("optimizer.adjust_learning_rate (muP's per-group learning rates) is not applied by "
-                          "MemoryX's per-unit update yet: run it resident (runconfig.execution: resident, or "
-                          "--execution resident), or leave the key out")
     from waferscale.models.registry import META_THRESHOLD_PARAMS
     from waferscale.runtime.loss_scale import LossScaler
     from waferscale.runtime.memoryx import MemoryX
@@ -88,7 +70,8 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
     scaler = LossScaler.from_config(optimizer.loss_scaling_factor) if half_dtype == "float16" else None
     mx = MemoryX(model if model is not None else build_skeleton(cfg), spec, stream_dtype=stream_dtype,
                  ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
-                 max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler)
+                 max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler,
+                 lr_scale=lambda name: lr_adjustment(name, optimizer.adjust_learning_rate or {}))
     del model
     if group is not None:
         mx.attach_sparsity(group)
