@@ -153,8 +153,9 @@ MUP = {"embedding": 0.5, "decoder_kernel": 0.25}  # legacy Cerebras-GPT muP: adj
 
 
 @pytest.mark.parametrize("model,scales,execution", [(GPT, {}, "resident"), (LLAMA, {}, "resident"),
-                                                    (GPT, {}, "streaming"), (GPT_MUP, MUP, "resident")],
-                         ids=["gpt2", "llama", "gpt2-streaming", "gpt2-mup"])
+                                                    (GPT, {}, "streaming"), (GPT_MUP, MUP, "resident"),
+                                                    (GPT_MUP, MUP, "streaming")],
+                         ids=["gpt2", "llama", "gpt2-streaming", "gpt2-mup", "gpt2-mup-streaming"])
 def test_model_zoo_optimizer_state_resumes_exactly(model: dict, scales: dict, execution: str, corpus: Path,
                                                    tmp_path: Path) -> None:
     d = _params(corpus, tmp_path / "a", model)
