@@ -17,6 +17,7 @@ import yaml
 
 from conftest import TEXT, wsc
 from train_helpers import assert_same_training
+from waferscale.cli.main import main
 from waferscale.data.masking import IGNORE_INDEX, Masker
 from waferscale.data.tokenizer import load_tokenizer
 from waferscale.errors import ConfigError
@@ -35,29 +36,37 @@ ENCODERS = {"params_bert_base_MSL128.yaml": ("bert", 110_106_428, True, 2, 0.058
             "params_roberta_base.yaml": ("roberta", 108_340_036, False, 0, 0.019)}
 
 
+def _wsc(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """`wsc ARGV` by its main in this process (no fresh interpreter to start): (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def _model_section(d: dict) -> dict:
     return d["trainer"]["init"]["model"] if "trainer" in d else d["model"]
 
 
 @pytest.mark.parametrize("name", sorted(ENCODERS))
-def test_published_encoder_config_validates(name: str) -> None:
+def test_published_encoder_config_validates(name: str, capsys) -> None:
     family, count, nsp, segments, weight = ENCODERS[name]
-    r = wsc("validate", str(DATA / name))
-    assert r.returncode == 0, r.stderr
-    assert f"({count / 1e6:,.1f}M-parameter model)" in r.stdout
-    r = wsc("estimate", "--params", str(DATA / name), "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["params"] == count
+    code, out, err = _wsc(capsys, "validate", str(DATA / name))
+    assert code == 0, err
+    assert f"({count / 1e6:,.1f}M-parameter model)" in out
+    code, out, err = _wsc(capsys, "estimate", "--params", str(DATA / name), "--json")
+    assert code == 0, err
+    assert json.loads(out)["params"] == count
     cfg = load_params(DATA / name).model.to_model_config()
     assert (cfg.family, cfg.nsp_head, cfg.type_vocab_size, cfg.norm_eps, cfg.dropout, cfg.mlm_loss_weight) == \
         (family, nsp, segments, 1e-5, 0.1, weight)
     assert registry.build(cfg, device="meta").num_params() == count
 
 
-def test_published_mixtral_config_validates() -> None:
-    r = wsc("validate", str(DATA / "params_mixtral_8x7b.yaml"))
-    assert r.returncode == 0, r.stderr
-    assert "(46,702.8M-parameter model, 12,879.9M active per token)" in r.stdout
+def test_published_mixtral_config_validates(capsys) -> None:
+    code, out, err = _wsc(capsys, "validate", str(DATA / "params_mixtral_8x7b.yaml"))
+    assert code == 0, err
+    assert "(46,702.8M-parameter model, 12,879.9M active per token)" in out
     cfg = load_params(DATA / "params_mixtral_8x7b.yaml").model.to_model_config()
     assert (cfg.family, cfg.n_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == ("mixtral", 8, 2, 0.02)
     assert (cfg.num_params, cfg.num_active_params) == (46_702_792_704, 12_879_925_248)
@@ -179,7 +188,7 @@ def _same_training(a: Path, b: Path, learns: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(corpus: Path, tmp_path: Path,
-                                                                              name: str) -> None:
+                                                                              name: str, capsys) -> None:
     family, _, nsp, _, _ = ENCODERS[name]
     d = yaml.safe_load((DATA / name).read_text())
     vocab = _vocab(tmp_path)  # in place of the config's vocab_file; its do_lower stays
@@ -189,9 +198,13 @@ def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(c
         p = tmp_path / f"{run}.yaml"
         p.write_text(yaml.safe_dump(_tiny(json.loads(json.dumps(d)), corpus, tmp_path / run,
                                           len(vocab.read_text().split()), vocab_file=str(vocab))))
-        r = wsc("run", "-p", str(p), "--no_progress", *flags)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "not trained" not in r.stdout  # the next-sentence head, where there is one, trains
+        if run == "swarmx":  # the real command line, its ranks processes of their own
+            r = wsc("run", "-p", str(p), "--no_progress", *flags)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        else:  # one process: `wsc run` by its main here
+            code, out, err = _wsc(capsys, "run", "-p", str(p), "--no_progress", *flags)
+        assert code == 0, err[-3000:]
+        assert "not trained" not in out  # the next-sentence head, where there is one, trains
         runs[run] = json.loads((tmp_path / run / "summary.json").read_text())["executor"]
     assert runs == {"resident": "resident", "streaming": "streaming", "swarmx": "swarmx"}
     _same_training(tmp_path / "resident", tmp_path / "streaming", learns=not nsp)
