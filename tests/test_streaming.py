@@ -156,6 +156,31 @@ def test_mup_streams_and_runs_on_two_systems_as_resident(corpus: Path, tmp_path:
     _assert_same_run(tmp_path / "r", back, rel=1e-5, wrel=1e-5)
 
 
+def test_mup_groups_are_the_resident_ones_and_a_checkpoint_must_have_them() -> None:
+    from waferscale.errors import CheckpointError
+    from waferscale.models import build
+    from waferscale.models.mup import lr_adjustment
+    from waferscale.models.registry import config_from_name
+    from waferscale.runtime.memoryx import MemoryX
+    from waferscale.runtime.optim import OptimizerSpec, build_optimizer
+    from waferscale.zoo.lm import adjust_learning_rates
+
+    scales = MUP["optimizer"]["adjust_learning_rate"]
+    model = build(config_from_name("gpt-tiny", vocab_size=64, max_seq_len=16))
+    spec = OptimizerSpec("AdamW", learning_rate=1e-3, weight_decay=0.1)
+    resident = build_optimizer(model.parameters(), spec)
+    adjust_learning_rates(resident, model.named_parameters(), scales)
+    mup, plain = MemoryX(model, spec, lr_scale=lambda n: lr_adjustment(n, scales)), MemoryX(model, spec)
+    want = resident.state_dict()["param_groups"]
+    got = mup.optimizer_state_dict()["param_groups"]
+    assert [(g["params"], g["weight_decay"], g.get("adjust_learning_rate")) for g in got] == \
+        [(g["params"], g["weight_decay"], g.get("adjust_learning_rate")) for g in want]
+    with pytest.raises(CheckpointError, match="adjust_learning_rate"):  # indices would name other parameters
+        mup.load_optimizer_state_dict(plain.optimizer_state_dict())
+    mup.close()
+    plain.close()
+
+
 def test_device_budget_a_tenth_of_the_state(corpus: Path, tmp_path: Path) -> None:
     """weights + optimizer state are 10x --device_memory_mb; the reported peak working set stays within it."""
     over = {"model": {"name": "gpt-tiny", "hidden_size": 64, "num_hidden_layers": 24, "num_heads": 4},
