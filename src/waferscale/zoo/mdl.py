@@ -9,20 +9,19 @@ from typing import Any
 from waferscale.models import ModelConfig, build
 from waferscale.models.modelzoo import state_dict_to_zoo
 from waferscale.models.modelzoo_optim import optimizer_state_to_zoo
+from waferscale.models.mup import lr_adjustment
 from waferscale.params import OptimizerParams
 from waferscale.runtime.checkpoint import Checkpoint
-from waferscale.zoo.lm import adjust_learning_rates
-from waferscale.zoo.optim import build_optimizer
+from waferscale.runtime.memoryx import resident_groups
+from waferscale.zoo.optim import optimizer_spec
 
 
 def resident_param_index(cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, int]:
     """Parameter name -> its index in the state dict of the optimizer `compile_lm_step` builds for `cfg` (MemoryX
-    keeps the same indices), found on a model with meta tensors (no weight memory)."""
+    keeps the same indices: `runtime.memoryx.resident_groups`), found on a model with meta tensors."""
+    scales = optimizer.adjust_learning_rate or {}
     model = build(cfg, device="meta")
-    opt = build_optimizer(model.parameters(), optimizer)
-    adjust_learning_rates(opt, model.named_parameters(), optimizer.adjust_learning_rate or {})
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return resident_groups(model, optimizer_spec(optimizer), lambda name: lr_adjustment(name, scales))[2]
 
 
 def zoo_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, Any]:
