@@ -123,15 +123,11 @@ class StreamRunner:
         stream_dtype = half or torch.float32
         self.mx: MemoryX | None = None
         if _dist.is_master():
-            opt_params, vector_decay = memoryx_optimizer_params(self.optimizer, model)
+            opt_params, groups = memoryx_optimizer_params(self.optimizer, model)
             mib = lambda v: int(v * 2**20) if v is not None else None  # noqa: E731
             self.mx = MemoryX(model, opt_params, stream_dtype=stream_dtype, units=self.units,
                               ram_budget_bytes=mib(backend.memoryx_ram_mb), flash_dir=backend.flash_dir,
-                              pin_memory=self.device.type == "cuda")
-            if vector_decay:
-                for opt in self.mx.optimizers:
-                    for g in opt.param_groups if opt is not None else []:
-                        g["weight_decay"] = vector_decay if g["name"] == "no_decay" else g["weight_decay"]
+                              pin_memory=self.device.type == "cuda", groups=groups)
         self._alias_parameters()
         for unit in [model, *self.units]:  # buffers (rope tables, masks, norms' statistics) live on the device
             for owner in unit.modules():
@@ -250,7 +246,8 @@ class StreamRunner:
             self.mx.max_gradient_norm = self.max_gradient_norm
             self.mx.scaler = self.scaler.loss_scaler if self.scaler is not None else None
             self.mx.policy = "deferred" if (self.max_gradient_norm or self.scaler is not None) else "eager"
-            self.mx.begin_step(self.optimizer.param_groups[0]["lr"])
+            # each group's rate as the user's scheduler set it (MemoryX's groups are the optimizer's, in order)
+            self.mx.begin_step([g["lr"] or 0.0 for g in self.optimizer.param_groups])  # (None: relative_step)
         self.grads_pending = True
 
     def backward(self, saved: dict[str, Any], out: Tensor, grad: Tensor) -> Tensor | None:

@@ -64,7 +64,7 @@ from waferscale.runtime.memoryx_state import OptimizerStateIO
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
 from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
 from waferscale.sparse import Group
-from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, set_lr, split_by_lr_scale
+from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, split_by_lr_scale
 
 __all__ = ["MemoryX", "STATE_SLOTS", "resident_groups", "state_bytes_per_param"]
 
@@ -114,11 +114,14 @@ class MemoryX(OptimizerStateIO):
                  ram_budget_bytes: int | None = None, flash_dir: str | Path | None = None,
                  pin_memory: bool = False, max_gradient_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None,
-                 lr_scale: Callable[[str], float] | None = None) -> None:
+                 lr_scale: Callable[[str], float] | None = None,
+                 groups: tuple[list[dict[str, Any]], dict[str, int], dict[str, int]] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
         by the model's `init_parameter`, unit by unit); any other nn.Module with CPU weights and its `units`.
         optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters). lr_scale: each
-        parameter's learning-rate scale by name (muP's `adjust_learning_rate`), as the resident run's groups."""
+        parameter's learning-rate scale by name (muP's `adjust_learning_rate`), as the resident run's groups.
+        groups: a user's own param groups instead (a cstorch optimizer's: `cstorch.optim.memoryx_groups`), as
+        `resident_groups` returns them; their rates then come each step from `begin_step`, one per group."""
         if optimizer.optimizer_type == "Lamb":
             raise ConfigError("Lamb scales each parameter's update by its own trust ratio, which MemoryX's per-unit "
                               "fused update does not compute yet: use AdamW, Adam, SGD or Lion with weight "
@@ -127,7 +130,7 @@ class MemoryX(OptimizerStateIO):
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
         # the resident run's param groups: each parameter's group and state-dict index (checkpoints interchange)
-        self._hyper, self._group_of, index = resident_groups(model, optimizer, lr_scale)
+        self._hyper, self._group_of, index = groups or resident_groups(model, optimizer, lr_scale)
         self.layouts = build_layouts(model, units, index)
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
@@ -368,9 +371,11 @@ class MemoryX(OptimizerStateIO):
         return self.sparsity is not None and self.sparsity.wants_dense_grads()
 
     # ---- a step ----
-    def begin_step(self, lr: float) -> None:
+    def begin_step(self, lr: float | list[float]) -> None:
+        """lr: the step's rate (times each group's `adjust_learning_rate`), or each group's own rate, in group
+        order (a user's optimizer whose scheduler sets every group's rate)."""
         self.sync_masks()
-        self._lr = float(lr)
+        self._lr = [float(r) for r in lr] if isinstance(lr, (list, tuple)) else float(lr)
         self._written: set[int] = set()  # global indices of the gradients written this step
         self._got: set[int] = set()  # global indices of the parameters that got a gradient this step
         self._sqnorms: dict[int, Tensor] = {}  # param_order -> norm
@@ -386,7 +391,12 @@ class MemoryX(OptimizerStateIO):
         self._grad_futs.append(fut)
         return fut
 
-    def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float, absent: frozenset[int]) -> None:
+    def group_lr(self, g: int, lr: float | list[float]) -> float:
+        """Resident group g's rate at a step whose `begin_step` rate was `lr`."""
+        return lr[g] if isinstance(lr, list) else lr * self._hyper[g].get("adjust_learning_rate", 1.0)
+
+    def _accumulate(self, u: int, matrices: Tensor, vectors: Tensor, lr: float | list[float],
+                    absent: frozenset[int]) -> None:
         """Unit u's gradients into its (and its weights' owners') gradient slots. A unit with masked matrices
         sends the kept values only, or, when the algorithm needs them, dense gradients, which are kept for it
         and then masked."""
@@ -479,7 +489,7 @@ class MemoryX(OptimizerStateIO):
                 g = (matrices if e.matrix else vectors)[e.payload_offset:e.payload_offset + e.numel].view(e.shape)
                 dense[e.name] = dense[e.name] + g if e.name in dense else g.clone()
 
-    def _update(self, u: int, lr: float, coef: float, inv_scale: float, got: set[int]) -> None:
+    def _update(self, u: int, lr: float | list[float], coef: float, inv_scale: float, got: set[int]) -> None:
         if self.optimizers[u] is None:
             return
         t0 = time.perf_counter()
@@ -499,7 +509,8 @@ class MemoryX(OptimizerStateIO):
                 torch._foreach_mul_(grads, inv_scale)
             if self.max_gradient_norm:
                 torch._foreach_mul_(grads, coef)
-            set_lr(opt, lr)
+            for g, group in zip(self._group_ids[u], opt.param_groups):
+                group["lr"] = self.group_lr(g, lr)
             opt.step()
             for e in owned:
                 if e.name in self._masks:

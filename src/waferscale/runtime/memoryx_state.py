@@ -45,7 +45,7 @@ class OptimizerStateIO:
                         elif v is not None:  # scalars (AdamW's "step"): a flat leaf's are each of its parameters'
                             st[k] = v.clone() if torch.is_tensor(v) else v
                     state[e.global_index] = st
-        param_groups = [{**hyper[g], "lr": self._lr * hyper[g].get("adjust_learning_rate", 1.0),
+        param_groups = [{**hyper[g], "lr": self.group_lr(g, self._lr),
                          "params": sorted(members[g])} for g in sorted(members)]
         out: dict[str, Any] = {"state": state, "param_groups": param_groups}
         if self.scaler is not None:

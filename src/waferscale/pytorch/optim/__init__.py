@@ -9,6 +9,7 @@ optimizer binds to MemoryX on the model's first call: `step()` then completes Me
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from typing import Any
@@ -40,6 +41,9 @@ class _Streamable:
     def _bind_stream(self, runner: Any) -> None:
         if getattr(self, "_no_stream", None):
             raise ConfigError(self._no_stream)
+        if self.state and runner.mx is not None:  # a state dict loaded before the model's first call: MemoryX's now
+            runner.mx.load_optimizer_state_dict(super().state_dict())  # type: ignore[misc]
+        self.state.clear()  # type: ignore[attr-defined]  # (MemoryX holds the state from here on)
         self._stream = runner
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -56,7 +60,14 @@ class _Streamable:
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         if self._stream is not None and self._stream.mx is not None:
-            return self._stream.mx.optimizer_state_dict()
+            sd = self._stream.mx.optimizer_state_dict()  # (MemoryX numbers the parameters as this optimizer does)
+            # the groups' settings as they are now, as torch's state_dict (a scheduler set the rates of the next step)
+            sd["param_groups"], n = [], 0
+            for g in self.param_groups:  # type: ignore[attr-defined]
+                sd["param_groups"].append({**{k: v for k, v in g.items() if k != "params"},
+                                           "params": list(range(n, n + len(g["params"])))})
+                n += len(g["params"])
+            return sd
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -155,31 +166,31 @@ def find_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
     return found[0] if found else None
 
 
-def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module) -> tuple[OptimizerSpec, float]:
-    """MemoryX's optimizer description from a user's optimizer, and the weight decay of vectors (MemoryX
-    groups a unit's matrices and its vectors: the decay may differ between the two, not within one)."""
+Groups = tuple[list[dict[str, Any]], dict[str, int], dict[str, int]]  # settings, group and index by name
+
+
+def memoryx_optimizer_params(opt: torch.optim.Optimizer | None,
+                             model: nn.Module) -> tuple[OptimizerSpec, Groups | None]:
+    """MemoryX's optimizer description from a user's optimizer: the class and its defaults (the first group's
+    settings), and the user's own param groups (`memoryx_groups`), which MemoryX steps as they are: each
+    group's membership, weight decay, betas, eps and other keys, its rate set by the user's scheduler."""
     if opt is None:
-        return OptimizerSpec(optimizer_type="SGD", learning_rate=0.0), 0.0
+        return OptimizerSpec(optimizer_type="SGD", learning_rate=0.0), None
     kind = type(opt).__name__
     if getattr(opt, "_no_stream", None):
         raise ConfigError(opt._no_stream)
     if kind.lower() not in _BY_NAME or kind not in OPTIMIZERS:  # (Lamb, which cannot stream, was refused above)
         raise ConfigError(f"{kind} is not supported with weight streaming")
-    groups = opt.param_groups
-    if len({g["lr"] for g in groups}) > 1:
-        raise ConfigError("with weight streaming every parameter group must share one learning rate")
+    for g in opt.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if g.get(flag):
+                raise ConfigError(f"{kind}({flag}=True) is not supported with weight streaming")
+        if kind == "SGD" and g.get("dampening"):
+            raise ConfigError("SGD(dampening=...) is not supported with weight streaming")
+    g0 = opt.param_groups[0]
     key = "l2_regularization_rate" if kind == "Adam" else "weight_decay"  # (Adam's decay: an L2 term, as built)
-    decay = {matrix: {g.get(key, 0.0) for g in groups for p in g["params"] if (p.ndim >= 2) == matrix}
-             for matrix in (True, False)}
-    if len(decay[True]) > 1 or len(decay[False]) > 1:
-        raise ConfigError("with weight streaming weight decay may differ between matrices and vectors, not within "
-                          "them: MemoryX updates each unit's matrices (and its vectors) in one fused call")
-    g0 = groups[0]
-    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
-        if g0.get(flag):
-            raise ConfigError(f"{kind}({flag}=True) is not supported with weight streaming")
     kw: dict[str, Any] = {"optimizer_type": kind, "learning_rate": float(g0["lr"] or 0.0),  # (None: relative_step)
-                          "weight_decay": next(iter(decay[True]), 0.0)}
+                          "weight_decay": g0.get(key, 0.0)}
     if "betas" in g0:
         kw["betas"] = tuple(g0["betas"])
     if "eps" in g0:
@@ -191,6 +202,30 @@ def memoryx_optimizer_params(opt: torch.optim.Optimizer | None, model: nn.Module
         kw["correct_bias"] = g0["correct_bias"]
     if kind == "SGD":
         kw.update(momentum=g0["momentum"], nesterov=g0["nesterov"])
-        if g0.get("dampening"):
-            raise ConfigError("SGD(dampening=...) is not supported with weight streaming")
-    return OptimizerSpec(**kw), next(iter(decay[False]), 0.0)
+    return OptimizerSpec(**kw), memoryx_groups(opt, model)
+
+
+def memoryx_groups(opt: torch.optim.Optimizer, model: nn.Module) -> Groups:
+    """The user's param groups as MemoryX takes them (`runtime.memoryx.resident_groups`' form): each group's
+    settings (copied: MemoryX's unit optimizers own theirs), each parameter's group and its index in the
+    optimizer's state dict (torch numbers the parameters group after group), by the parameter's name in
+    `model`; so MemoryX's state dict is the user's optimizer's."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    hyper: list[dict[str, Any]] = []
+    group_of: dict[str, int] = {}
+    index: dict[str, int] = {}
+    for g, group in enumerate(opt.param_groups):
+        hyper.append(copy.deepcopy({k: v for k, v in group.items() if k != "params"}))
+        for p in group["params"]:
+            if id(p) not in name:
+                raise ConfigError(f"param group {g} of the {type(opt).__name__} holds a tensor of shape "
+                                  f"{tuple(p.shape)} that is not a parameter of the compiled model; with weight "
+                                  f"streaming the optimizer holds the model's parameters only")
+            group_of[name[id(p)]] = g
+            index[name[id(p)]] = len(index)
+    missing = [n for n in name.values() if n not in group_of]
+    if missing:
+        raise ConfigError(f"the {type(opt).__name__} leaves out parameters of the model ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}); with weight streaming MemoryX updates every "
+                          f"parameter: put each in a param group")
+    return hyper, group_of, index
