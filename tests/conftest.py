@@ -9,6 +9,14 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread per process, for the suite and every process it starts (CLI runs, ranks, servers inherit
+# the variable): the tests' models are tiny, and on a busy 2-core machine (CI, with the servers and ranks the tests
+# start) torch's second OpenMP thread only spins. tests/test_nsp.py took 83 s with torch's default of 2, 16 s with 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402  (after the variable: OpenMP reads it when torch loads)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n") * 40
 
