@@ -1,11 +1,21 @@
 """A user's own param groups (different rates, weight decay and tags, each group's rate set by its own scheduler)
-stream through MemoryX as they are: the same losses, weights and optimizer state dict as on the "CPU" backend."""
+stream through MemoryX as they are: the same losses, weights and optimizer state dict as on the "CPU" backend.
+Also a script (the two-system run relaunches it):
+
+    python tests/test_cstorch_param_groups.py --num_csx 2 --out weights.safetensors
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+import pytest
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import waferscale.pytorch as cstorch
@@ -14,10 +24,15 @@ from user_models import TutorialLM, batches
 STEPS = 6
 
 
-def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, save_to: Path | None = None):
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, save_to: Path | None = None,
+        num_csx: int = 1):
     torch.manual_seed(0)
     model = TutorialLM(dropout=0.0)
-    compiled = cstorch.compile(model, cstorch.backend(backend, artifact_dir=str(tmp)))
+    cluster = cstorch.distributed.ClusterConfig(num_csx=num_csx)
+    compiled = cstorch.compile(model, cstorch.backend(backend, artifact_dir=str(tmp), cluster_config=cluster))
     named = list(model.named_parameters())
     # the head's weight joins the vectors: the groups cut across MemoryX's matrices-then-vectors runs of a unit
     decay = [p for n, p in named if p.ndim >= 2 and n != "head.weight"]
@@ -90,3 +105,25 @@ def test_param_groups_checkpoint_round_trips_both_ways(tmp_path):
     run("CPU", tmp_path, steps=3, save_to=tmp_path / "cpu3.mdl")
     _, from_cpu, _ = run("CSX", tmp_path, start=tmp_path / "cpu3.mdl")
     assert rel(from_cpu, full) < 1e-5
+
+
+@pytest.mark.slow
+def test_param_groups_on_two_systems_equal_cpu(tmp_path):
+    _, cpu_w, _ = run("CPU", tmp_path)
+    out = tmp_path / "two.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, __file__, "--num_csx", "2", "--artifact_dir", str(tmp_path), "--out",
+                        str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert rel(load_file(str(out)), cpu_w) < 1e-5
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num_csx", type=int, default=1)
+    ap.add_argument("--artifact_dir", default="artifacts")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    _, weights, _ = run("CSX", Path(a.artifact_dir), num_csx=a.num_csx)
+    if cstorch.distributed.is_master():
+        save_file({k: v.contiguous() for k, v in weights.items()}, a.out)
