@@ -6,16 +6,17 @@
     layout      per unit one flat fp32 buffer per slot ("param", "grad", and one per optimizer state tensor such
                 as "exp_avg"); parameters are views, matrices first (they stream in the half dtype) then vectors
     optimizer   one optimizer per unit, the resident run's class (`runtime.optimizers`: Cerebras' update rules),
-                its param groups copies of the resident run's (`resident_groups`: weight decay on matrices only,
-                muP's per-group learning-rate scales); it runs on a worker thread ("lane")
-    leaves      the optimizer steps each run of a unit's parameters that share a group as one flat tensor (without
-                muP: its matrices, then its vectors), until one of the unit's parameters goes without a gradient
-                in a step (an expert its router gave no token, a head the
-                objective does not use): from then on the unit has one leaf per parameter, each with its own
-                state, made lazily at its first step (a parameter first stepped later starts afresh then), so it
-                is skipped as the resident optimizer skips it and its step count (Adam's beta powers) is its
-                own; its parameter-shaped state tensors live in the unit's slots like the flat ones. A checkpoint
-                whose parameters of one unit differ in step count or in having state loads per parameter alike
+                its param groups copies of the resident run's (`resident_groups`: the weight-decay split, by
+                dimension or by a given rule such as Model Zoo's, and muP's per-group learning-rate scales); it
+                runs on a worker thread ("lane")
+    leaves      the optimizer steps each run of a unit's parameters that share a group as one flat tensor (split by
+                dimension, without muP: its matrices, then its vectors), until one of the unit's parameters goes
+                without a gradient in a step (an expert its router gave no token, a head the objective does not
+                use): from then on the unit has one leaf per parameter, each with its own state, made lazily at
+                its first step (a parameter first stepped later starts afresh then), so it is skipped as the
+                resident optimizer skips it and its step count (Adam's beta powers) is its own; its
+                parameter-shaped state tensors live in the unit's slots like the flat ones. A checkpoint whose
+                parameters of one unit differ in step count or in having state loads per parameter alike
     Adafactor   steps each parameter whole (its second moment is factored over the parameter's rows and columns
                 and its rate scales by the parameter's RMS), so it has one leaf per parameter from the start; its
                 parameter-shaped state (`exp_avg`, with beta1) is a slot, the factored row and column averages
@@ -81,13 +82,15 @@ def state_bytes_per_param(optimizer_type: str, momentum: float = 0.0, beta1: flo
     return 4 * (2 + slots + (optimizer_type == "Adafactor" and beta1 is not None))
 
 
-def resident_groups(model: nn.Module, spec: Any, lr_scale: Callable[[str], float] | None
+def resident_groups(model: nn.Module, spec: Any, lr_scale: Callable[[str], float] | None,
+                    decays: Callable[[str], bool] | None = None
                     ) -> tuple[list[dict[str, Any]], dict[str, int], dict[str, int]]:
-    """The param groups the resident run builds over `model`'s parameters (`build_optimizer`, then split by
-    `lr_scale`, muP's): each group's hyper-parameters, each parameter's group and its index in the resident
-    optimizer's state dict (groups in order), by name. Built over meta stand-ins: nothing is allocated."""
+    """The param groups the resident run builds over `model`'s parameters (`build_optimizer`, weight decay split by
+    `decays` where given, then split by `lr_scale`, muP's): each group's hyper-parameters, each parameter's group
+    and its index in the resident optimizer's state dict (groups in order), by name. Built over meta stand-ins:
+    nothing is allocated."""
     stand_ins = [(n, torch.empty(p.shape, device="meta", requires_grad=True)) for n, p in model.named_parameters()]
-    opt = build_optimizer(stand_ins, spec)
+    opt = build_optimizer(stand_ins, spec, decays)
     if lr_scale is not None:
         split_by_lr_scale(opt, {id(t): lr_scale(n) for n, t in stand_ins})
     name = {id(t): n for n, t in stand_ins}
@@ -114,12 +117,13 @@ class MemoryX(OptimizerStateIO):
                  ram_budget_bytes: int | None = None, flash_dir: str | Path | None = None,
                  pin_memory: bool = False, max_gradient_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, units: list[nn.Module] | None = None,
-                 lr_scale: Callable[[str], float] | None = None,
+                 lr_scale: Callable[[str], float] | None = None, decays: Callable[[str], bool] | None = None,
                  groups: tuple[list[dict[str, Any]], dict[str, int], dict[str, int]] | None = None) -> None:
         """model: a CausalLM, on CPU (weights are copied in) or with meta parameters (weights are initialised
         by the model's `init_parameter`, unit by unit); any other nn.Module with CPU weights and its `units`.
         optimizer: a `runtime.optim.OptimizerSpec` (what to build and its hyper-parameters). lr_scale: each
-        parameter's learning-rate scale by name (muP's `adjust_learning_rate`), as the resident run's groups.
+        parameter's learning-rate scale by name (muP's `adjust_learning_rate`), as the resident run's groups;
+        decays: whether each takes weight decay, by name (default: matrices do, `runtime.optim.param_groups`).
         groups: a user's own param groups instead (a cstorch optimizer's: `cstorch.optim.memoryx_groups`), as
         `resident_groups` returns them; their rates then come each step from `begin_step`, one per group."""
         if optimizer.optimizer_type == "Lamb":
@@ -130,7 +134,7 @@ class MemoryX(OptimizerStateIO):
         self.max_gradient_norm = max_gradient_norm
         self.scaler = loss_scaler
         # the resident run's param groups: each parameter's group and state-dict index (checkpoints interchange)
-        self._hyper, self._group_of, index = groups or resident_groups(model, optimizer, lr_scale)
+        self._hyper, self._group_of, index = groups or resident_groups(model, optimizer, lr_scale, decays)
         self.layouts = build_layouts(model, units, index)
         self.n_units = len(self.layouts)
         self.policy = "deferred" if (max_gradient_norm or loss_scaler is not None) else "eager"
@@ -190,7 +194,7 @@ class MemoryX(OptimizerStateIO):
     def _make_leaves(self, u: int, flat: Tensor) -> None:
         """Unit u's optimizer and its leaves over the parameter slot `flat`: per parameter (in owned order), or
         one flat tensor per run of consecutive parameters in the same resident group (the owned layout puts
-        matrices first: without muP the runs are [matrices] and [vectors], the decay and no-decay groups), as
+        matrices first: split by dimension and without muP the runs are [matrices] and [vectors]), as
         one fused call each. The optimizer's groups are copies of the resident groups its leaves are in."""
         lay = self.layouts[u]
         runs: list[list[ParamEntry]] = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,19 +237,27 @@ def build_schedule(learning_rate: float | Mapping[str, Any] | Sequence[Mapping[s
 
 # ---- optimizers ----------------------------------------------------------------------------------------
 
-def param_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, Any]]:
-    """Split trainable parameters into {"name": "decay"} (ndim >= 2: matmul and embedding weights) and
-    {"name": "no_decay"} (ndim < 2: biases and norm gains), the usual GPT recipe. Empty groups are left out.
+def param_groups(params: Iterable[Any], weight_decay: float,
+                 decays: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
+    """Split trainable parameters into {"name": "decay"} and {"name": "no_decay"}. By default by dimension (ndim >= 2:
+    matmul and embedding weights; ndim < 2: biases and norm gains), the usual GPT recipe; `decays(name)`, when given,
+    decides instead (a params file's run: Model Zoo's split, `models.modelzoo_optim.weight_decay_exempt`), and
+    `params` must then be (name, tensor) pairs. Empty groups are left out.
 
     `params` may yield tensors or (name, tensor) pairs (as `model.named_parameters()`), or param-group dicts,
     which are taken as given (MemoryX's per-unit copies of the resident groups)."""
     params = list(params)
     if params and all(isinstance(p, dict) for p in params):
         return params
-    tensors = (p[1] if isinstance(p, tuple) else p for p in params)
-    trainable = [p for p in tensors if p.requires_grad]
-    groups = [{"name": "decay", "params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
-              {"name": "no_decay", "params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    if decays is not None and not all(isinstance(p, tuple) for p in params):
+        raise TypeError("param_groups: a `decays` rule needs (name, tensor) pairs, as model.named_parameters()")
+    named = [p if isinstance(p, tuple) else ("", p) for p in params]
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    decayed = [decays(n) if decays is not None else p.ndim >= 2 for n, p in trainable]
+    groups = [{"name": "decay", "params": [p for (_, p), d in zip(trainable, decayed) if d],
+               "weight_decay": weight_decay},
+              {"name": "no_decay", "params": [p for (_, p), d in zip(trainable, decayed) if not d],
+               "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ConfigError("the model has no trainable parameters to optimize")
@@ -377,7 +385,7 @@ class OptimizerSpec:
     """Which optimizer and its hyper-parameters, as `build_optimizer` and MemoryX read them.
 
     `learning_rate` is the rate of the first update (a schedule, if any, sets the later ones each step);
-    `weight_decay` goes to parameters with ndim >= 2 only (`param_groups`); `momentum` / `nesterov` are SGD's
+    `weight_decay` goes to the "decay" group only (`param_groups`); `momentum` / `nesterov` are SGD's
     (`momentum` is also RMSprop's); betas and eps are used by the optimizers that take them. `eps` left out is
     the optimizer's default (`default_eps`). `correct_bias` is AdamW's (false: no bias correction).
     The fields from clip_threshold on are Adafactor's, with cstorch's defaults (relative_step False: the
@@ -412,9 +420,11 @@ class OptimizerSpec:
             object.__setattr__(self, "eps", tuple(float(e) for e in self.eps))
 
 
-def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[Any], spec: OptimizerSpec,
+                    decays: Callable[[str], bool] | None = None) -> torch.optim.Optimizer:
     """An optimizer (`OPTIMIZERS`) for `params` per `spec`, at the spec's (first-update) learning rate, weight decay
-    on the "decay" group only (`param_groups`). Any object with OptimizerSpec's attributes is read the same way."""
+    on the "decay" group only (`param_groups`, split by `decays` where given). Any object with OptimizerSpec's
+    attributes is read the same way."""
     kind = spec.optimizer_type
     cls = OPTIMIZERS.get(kind)
     if cls is None:
@@ -428,7 +438,7 @@ def build_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> torch.optim.O
     if not getattr(spec, "correct_bias", True) and kind != "AdamW":
         raise ConfigError(f"optimizer.correct_bias: false applies to AdamW only (Cerebras' {kind} has no such "
                           f"option); use AdamW or leave correct_bias out")
-    groups = param_groups(params, spec.weight_decay)
+    groups = param_groups(params, spec.weight_decay, decays)
     kwargs: dict[str, Any] = {k: getattr(spec, k) for k in _SPEC_FIELDS.get(kind, ("betas", "eps"))}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
