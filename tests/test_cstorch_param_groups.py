@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, save_to: Path | None = None,
-        num_csx: int = 1):
+        num_csx: int = 1, decay_rate: float = 0.1, bind_first: bool = False):
     torch.manual_seed(0)
     model = TutorialLM(dropout=0.0)
     cluster = cstorch.distributed.ClusterConfig(num_csx=num_csx)
@@ -37,7 +37,7 @@ def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, 
     # the head's weight joins the vectors: the groups cut across MemoryX's matrices-then-vectors runs of a unit
     decay = [p for n, p in named if p.ndim >= 2 and n != "head.weight"]
     rest = [p for n, p in named if p.ndim < 2 or n == "head.weight"]
-    opt = cstorch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "tags": "decay"},
+    opt = cstorch.optim.AdamW([{"params": decay, "weight_decay": decay_rate, "tags": "decay"},
                                {"params": rest, "weight_decay": 0.0, "lr": 1e-3, "tags": "rest",
                                 "adjust_learning_rate": 0.5}], lr=3e-3, betas=(0.8, 0.95))
     schedulers = [cstorch.optim.lr_scheduler.LinearLR(opt, initial_learning_rate=3e-2, end_learning_rate=1e-3,
@@ -46,6 +46,8 @@ def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, 
                                                       total_iters=STEPS, param_group_tags="rest")]
     data = batches(STEPS)
     first, losses = 0, []
+    if bind_first:
+        compiled(data[0][0])  # binds the optimizer to MemoryX before the load (a forward alone changes nothing)
     if start is not None:
         s = cstorch.load(start)
         model.load_state_dict(s["model"])
@@ -97,11 +99,15 @@ def test_param_groups_stream_as_they_train_on_cpu(tmp_path):
 
 def test_param_groups_checkpoint_round_trips_both_ways(tmp_path):
     """3 steps, cstorch.save, a fresh run loads and trains 3 more: the 6-step weights, streamed from a streamed
-    checkpoint and from one the CPU backend wrote (the same numbering)."""
+    checkpoint (also into an optimizer built with other settings) and from one the CPU backend wrote (the same
+    numbering)."""
     _, full, _ = run("CSX", tmp_path)
     run("CSX", tmp_path, steps=3, save_to=tmp_path / "csx3.mdl")
     _, resumed, _ = run("CSX", tmp_path, start=tmp_path / "csx3.mdl")
     assert rel(resumed, full) < 1e-6
+    # built with another weight decay, the optimizer takes the checkpoint's (as torch's load_state_dict does)
+    _, other_decay, opt = run("CSX", tmp_path, start=tmp_path / "csx3.mdl", decay_rate=0.5, bind_first=True)
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and rel(other_decay, full) < 1e-6
     run("CPU", tmp_path, steps=3, save_to=tmp_path / "cpu3.mdl")
     _, from_cpu, _ = run("CSX", tmp_path, start=tmp_path / "cpu3.mdl")
     assert rel(from_cpu, full) < 1e-5

@@ -5,6 +5,7 @@ factored averages, with the optimizer). A mixin of `runtime.memoryx.MemoryX`, wh
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -51,6 +52,16 @@ class OptimizerStateIO:
         if self.scaler is not None:
             out["grad_scaler"] = self.scaler.state_dict()
         return out
+
+    def set_group_settings(self, settings: list[dict[str, Any]]) -> None:
+        """Give each resident group these settings (its keys but "params", in group order: a user's optimizer
+        after its load_state_dict took a checkpoint's), in every unit optimizer's copy of it too."""
+        self.synchronize()
+        for g, given in enumerate(settings):
+            self._hyper[g].update(copy.deepcopy(given))
+        for u, opt in enumerate(self.optimizers):
+            for g, group in zip(self._group_ids[u], opt.param_groups if opt is not None else []):
+                group.update(copy.deepcopy(settings[g]))
 
     def load_optimizer_state_dict(self, sd: dict[str, Any]) -> None:
         self.synchronize()

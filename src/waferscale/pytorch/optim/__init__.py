@@ -71,11 +71,17 @@ class _Streamable:
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        if self._stream is not None:
-            if self._stream.mx is not None:
-                self._stream.mx.load_optimizer_state_dict(state_dict)
+        if self._stream is None:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
             return
-        super().load_state_dict(state_dict)  # type: ignore[misc]
+        # the groups take the saved settings as torch's load_state_dict gives them (its checks of the groups'
+        # sizes, the class's own reading of them) without the state, which goes to MemoryX
+        settings = {"state": {}, "param_groups": copy.deepcopy(state_dict["param_groups"])}
+        super().load_state_dict(settings)  # type: ignore[misc]
+        if self._stream.mx is not None:
+            self._stream.mx.load_optimizer_state_dict(state_dict)
+            self._stream.mx.set_group_settings([{k: v for k, v in g.items() if k != "params"}
+                                                for g in self.param_groups])  # type: ignore[attr-defined]
 
     def apply(self, sparsity: Any) -> None:
         """`optimizer.apply(sparsity)` (cstorch.sparse): prune state and update the masks around each step."""
