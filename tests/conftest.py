@@ -52,6 +52,17 @@ def tiny_params(corpus: Path, model_dir: Path, **run: object) -> dict:
     }
 
 
+def wsc_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`wsc ARGS` by its main in this process, for tests whose subject is not the command line itself (no fresh
+    interpreter to start, seconds each): (exit code, stdout, stderr)."""
+    from waferscale.cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def wsc(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real CLI in a fresh interpreter, as a user would."""
     src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's package, not another install's
