@@ -15,9 +15,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import TEXT, wsc
+from conftest import TEXT, wsc, wsc_main
 from train_helpers import assert_same_training
-from waferscale.cli.main import main
 from waferscale.data.masking import IGNORE_INDEX, Masker
 from waferscale.data.tokenizer import load_tokenizer
 from waferscale.errors import ConfigError
@@ -36,14 +35,6 @@ ENCODERS = {"params_bert_base_MSL128.yaml": ("bert", 110_106_428, True, 2, 0.058
             "params_roberta_base.yaml": ("roberta", 108_340_036, False, 0, 0.019)}
 
 
-def _wsc(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    """`wsc ARGV` by its main in this process (no fresh interpreter to start): (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def _model_section(d: dict) -> dict:
     return d["trainer"]["init"]["model"] if "trainer" in d else d["model"]
 
@@ -51,10 +42,10 @@ def _model_section(d: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_published_encoder_config_validates(name: str, capsys) -> None:
     family, count, nsp, segments, weight = ENCODERS[name]
-    code, out, err = _wsc(capsys, "validate", str(DATA / name))
+    code, out, err = wsc_main(capsys, "validate", str(DATA / name))
     assert code == 0, err
     assert f"({count / 1e6:,.1f}M-parameter model)" in out
-    code, out, err = _wsc(capsys, "estimate", "--params", str(DATA / name), "--json")
+    code, out, err = wsc_main(capsys, "estimate", "--params", str(DATA / name), "--json")
     assert code == 0, err
     assert json.loads(out)["params"] == count
     cfg = load_params(DATA / name).model.to_model_config()
@@ -64,7 +55,7 @@ def test_published_encoder_config_validates(name: str, capsys) -> None:
 
 
 def test_published_mixtral_config_validates(capsys) -> None:
-    code, out, err = _wsc(capsys, "validate", str(DATA / "params_mixtral_8x7b.yaml"))
+    code, out, err = wsc_main(capsys, "validate", str(DATA / "params_mixtral_8x7b.yaml"))
     assert code == 0, err
     assert "(46,702.8M-parameter model, 12,879.9M active per token)" in out
     cfg = load_params(DATA / "params_mixtral_8x7b.yaml").model.to_model_config()
@@ -202,7 +193,7 @@ def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(c
             r = wsc("run", "-p", str(p), "--no_progress", *flags)
             code, out, err = r.returncode, r.stdout, r.stderr
         else:  # one process: `wsc run` by its main here
-            code, out, err = _wsc(capsys, "run", "-p", str(p), "--no_progress", *flags)
+            code, out, err = wsc_main(capsys, "run", "-p", str(p), "--no_progress", *flags)
         assert code == 0, err[-3000:]
         assert "not trained" not in out  # the next-sentence head, where there is one, trains
         runs[run] = json.loads((tmp_path / run / "summary.json").read_text())["executor"]
