@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TEXT, wsc
+from conftest import TEXT, wsc_main
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -71,22 +71,23 @@ def _pipeline_top(model_dir: Path, prompt: str) -> str:
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_fill_mask_equals_the_pipeline(tmp_path: Path, family: str) -> None:
+def test_fill_mask_equals_the_pipeline(tmp_path: Path, family: str, capsys) -> None:
     model_dir = (_bert_dir if family == "bert" else _roberta_dir)(tmp_path / family)
     mask = "[MASK]" if family == "bert" else "<mask>"
     for prompt in PROMPTS:
         prompt = prompt.replace("[MASK]", mask)
-        r = wsc("generate", "--model", str(model_dir), "--prompt", prompt)
-        assert r.returncode == 0, r.stderr
+        code, out, err = wsc_main(capsys, "generate", "--model", str(model_dir), "--prompt", prompt)
+        assert code == 0, err
         expected = _pipeline_top(model_dir, prompt)
-        assert r.stdout == expected + "\n"
-        assert mask not in r.stdout
+        assert out == expected + "\n"
+        assert mask not in out
 
 
-def test_fill_mask_needs_a_mask_token(tmp_path: Path) -> None:
+def test_fill_mask_needs_a_mask_token(tmp_path: Path, capsys) -> None:
     model_dir = _bert_dir(tmp_path / "bert")
-    r = wsc("generate", "--checkpoint", str(model_dir), "--prompt", "Before we proceed any further.")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error: the prompt has no mask token '[MASK]'"), r.stderr
-    r = wsc("generate", "--checkpoint", str(model_dir), "--chat", "[MASK] citizen")
-    assert r.returncode == 2 and "is an encoder: it fills the mask tokens of --prompt" in r.stderr
+    code, _, err = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--prompt",
+                            "Before we proceed any further.")
+    assert code == 2
+    assert err.startswith("error: the prompt has no mask token '[MASK]'"), err
+    code, _, err = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--chat", "[MASK] citizen")
+    assert code == 2 and "is an encoder: it fills the mask tokens of --prompt" in err
