@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import waferscale.pytorch as cstorch
+from waferscale.errors import ConfigError
 from user_models import TutorialLM, batches
 
 STEPS = 6
@@ -111,6 +112,15 @@ def test_param_groups_checkpoint_round_trips_both_ways(tmp_path):
     run("CPU", tmp_path, steps=3, save_to=tmp_path / "cpu3.mdl")
     _, from_cpu, _ = run("CSX", tmp_path, start=tmp_path / "cpu3.mdl")
     assert rel(from_cpu, full) < 1e-5
+
+
+def test_groups_that_leave_out_a_parameter_are_named(tmp_path):
+    model = TutorialLM(dropout=0.0)
+    compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path)))
+    opt = cstorch.optim.AdamW([p for n, p in model.named_parameters() if n != "ln_f.bias"], lr=1e-3)
+    with pytest.raises(ConfigError, match=r"leaves out parameters of the model \(ln_f.bias\)"):
+        compiled(batches(1)[0][0])
+    assert opt._stream is None
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@
 Each optimizer computes Cerebras' update with Cerebras' signature and defaults (`waferscale.runtime.optimizers`,
 the one home of the formulas, which MemoryX steps too: AdamW puts eps before the bias correction, Lamb caps the
 weight norm, SGD needs `lr`). Over a weight-streamed model (the "CSX" backend) the
-optimizer binds to MemoryX on the model's first call: `step()` then completes MemoryX's update and
-`state_dict()` is MemoryX's state, in torch's format.
+optimizer binds to MemoryX on the model's first call: MemoryX steps the user's own param groups (their members,
+settings and, each step, the rates the schedulers set), `step()` completes MemoryX's update and `state_dict()`
+is MemoryX's state, numbered and grouped as this optimizer's in torch's format.
 """
 
 from __future__ import annotations
