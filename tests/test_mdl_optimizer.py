@@ -121,13 +121,17 @@ def zoo_groups(model: nn.Module, weight_decay: float, scales: dict) -> list[dict
 
 def _zoo_state(c: ckpt.Checkpoint, cfg: ModelConfig, weight_decay: float, scales: dict) -> dict:
     """Our checkpoint's weights and Adam state as a Model Zoo run holds them, numbered by its optimizer."""
-    names = [n for n, _ in build(cfg, device="meta").named_parameters()]  # (the tied head once)
+    ours_model = build(cfg, device="meta")
+    names = [n for n, _ in ours_model.named_parameters()]  # (the tied head once)
     weights = zoo_names({n: c.model[n] for n in names}, cfg)
     zoo_of = dict(zip(names, weights))  # (zoo_names keeps the order)
     theirs = {zoo: ours for ours, zoo in zoo_of.items()}
-    # our resident optimizer's order: [ndim >= 2], [ndim < 2], then each one's muP-scaled parameters by scale
+    # our resident optimizer's order, split as Model Zoo splits: [decayed], [biases and torch LayerNorm
+    # parameters], then each one's muP-scaled parameters by scale
+    exempt = {f"{m}.{p}" for m, mod in ours_model.named_modules() for p, _ in mod.named_parameters(recurse=False)
+              if p == "bias" or isinstance(mod, nn.LayerNorm)}
     ours, scaled = [], []
-    for group in ([n for n in names if c.model[n].ndim >= 2], [n for n in names if c.model[n].ndim < 2]):
+    for group in ([n for n in names if n not in exempt], [n for n in names if n in exempt]):
         by_scale: dict[float, list[str]] = {}
         for n in group:
             by_scale.setdefault(_scale(zoo_of[n], scales), []).append(n)

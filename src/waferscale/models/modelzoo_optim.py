@@ -15,7 +15,8 @@ the `GPT2LMHeadModel` of its gpt2 / gpt3 / llama / mistral configs):
 2. `_partition_params_groups_with_weight_decay`: two groups, [decayed, not decayed], each in that order; not
    decayed is a name containing "bias" or a parameter of a torch norm module (`nn.LayerNorm`, also the
    biasless one). Model Zoo's `RMSNorm` is a plain `nn.Module`, so a Llama's norm gains are in the decayed group.
-   Both groups stay, an empty one too, when no param `tags` are used.
+   Both groups stay, an empty one too, when no param `tags` are used. `weight_decay_exempt` is this rule for
+   every family; a params file's run groups its own optimizer by it too (`zoo.lm.zoo_group_rules`).
 3. `_partition_params_groups_with_adjusted_lr` (muP): each of the two is split into one group per distinct
    `adjust_learning_rate` scale other than 1 (`process_lr_adjustment_params`: in the order the model's
    `lr_adjustment_groups` first give that scale: embedding, decoder_kernel, decoder_attention, decoder_input_ffn,
@@ -32,11 +33,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig
 from waferscale.models.modelzoo import _halves_from_pairs, _pairs_from_halves, _renames, _rotary_rows
 from waferscale.models.mup import LR_ADJUSTMENT_GROUPS, lr_adjustment
+from waferscale.models.registry import build
+from waferscale.models.t5 import RelativeBias
 
 # a decoder layer's modules in the order TransformerDecoderLayer registers them
 _LAYER = ("self_attn.proj_q_dense_layer", "self_attn.proj_k_dense_layer", "self_attn.proj_v_dense_layer",
@@ -60,10 +64,20 @@ def zoo_parameter_order(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
     return order
 
 
-def _decayed(cfg: ModelConfig, name: str) -> bool:
-    """Model Zoo's `_should_apply_weight_decay` on our name: not a bias, not in a (torch) LayerNorm."""
-    norm = name.startswith("head.norm.") or name.split(".")[-2] in ("attn_norm", "mlp_norm")
-    return not name.endswith(".bias") and not (norm and cfg.norm == "layernorm")
+def weight_decay_exempt(model: nn.Module) -> frozenset[str]:
+    """The names of `model`'s parameters that Model Zoo's `_should_apply_weight_decay` keeps out of weight decay
+    (step 2 above), for every family: a name with "bias" in Model Zoo's naming, which is each of our biases and
+    T5's relative-position table (Model Zoo's `relative_attention_bias`, our `RelativeBias`), and the parameters of
+    a torch norm module. Model Zoo builds a family's norms with `get_norm(norm_type)`: "layernorm" (GPT-2/3,
+    GPT-J, NeoX, Falcon, BERT/RoBERTa) and "biasless-layernorm" (MPT) are `nn.LayerNorm`, as ours are
+    (`layers.make_norm`); "rmsnorm" (Llama, Mistral, Mixtral, T5) is its own plain module, as our `RMSNorm` is, so
+    those gains are decayed. The rule therefore reads our module types."""
+    exempt = set()
+    for prefix, module in model.named_modules():
+        for name, _ in module.named_parameters(prefix=prefix, recurse=False):
+            if name.rsplit(".", 1)[-1] == "bias" or isinstance(module, (nn.LayerNorm, RelativeBias)):
+                exempt.add(name)
+    return frozenset(exempt)
 
 
 def zoo_param_groups(cfg: ModelConfig, names: Iterable[str],
@@ -77,9 +91,10 @@ def zoo_param_groups(cfg: ModelConfig, names: Iterable[str],
         if s != 1.0 and s not in distinct:
             distinct.append(s)
     order = zoo_parameter_order(cfg, names)
+    exempt = weight_decay_exempt(build(cfg, device="meta"))
     out: list[tuple[bool, float, list[str]]] = []
     for decayed in (True, False):
-        members = [n for n in order if _decayed(cfg, n) == decayed]
+        members = [n for n in order if (n not in exempt) == decayed]
         if not distinct:
             out.append((decayed, 1.0, members))
             continue
@@ -139,8 +154,8 @@ def optimizer_state_to_zoo(ours: Mapping[str, Any], cfg: ModelConfig, index: Map
                            scales: Mapping[str, float]) -> dict[str, Any]:
     """Our optimizer state dict (`index`: name -> its index there) as Model Zoo's optimizer saves it: parameters
     numbered in Model Zoo's groups, each group with our hyper-parameters, Model Zoo's weight decay (the decayed
-    groups take the rate of our decayed parameters, which Cerebras' optimizer applies to the norm gains of a Llama
-    too when the run goes on there) and its `adjust_learning_rate` under muP."""
+    groups take the rate of our decayed parameters: a params file's run splits them as Model Zoo does) and its
+    `adjust_learning_rate` under muP."""
     state = {int(k): v for k, v in ours["state"].items()}
     group_of: dict[int, dict[str, Any]] = {}
     for g in ours["param_groups"]:
@@ -166,4 +181,5 @@ def optimizer_state_to_zoo(ours: Mapping[str, Any], cfg: ModelConfig, index: Map
     return {"state": zoo_state, "param_groups": param_groups}
 
 
-__all__ = ["zoo_parameter_order", "zoo_param_groups", "optimizer_state_from_zoo", "optimizer_state_to_zoo"]
+__all__ = ["weight_decay_exempt", "zoo_parameter_order", "zoo_param_groups", "optimizer_state_from_zoo",
+           "optimizer_state_to_zoo"]

@@ -7,13 +7,15 @@ shape and their rows of the batch (not copies of the script) while this process 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from waferscale import sparse
 from waferscale.models import CausalLM, ModelConfig, build
+from waferscale.models.modelzoo_optim import weight_decay_exempt
 from waferscale.models.mup import lr_adjustment
 from waferscale.params import OptimizerParams
 from waferscale.pytorch.backend import Backend
@@ -22,7 +24,7 @@ from waferscale.runtime.optim import build_optimizer, split_by_lr_scale
 from waferscale.util import dtypes
 from waferscale.zoo.optim import optimizer_spec
 
-__all__ = ["compile_lm_step", "adjust_learning_rates"]
+__all__ = ["compile_lm_step", "adjust_learning_rates", "zoo_group_rules"]
 
 
 def adjust_learning_rates(opt: torch.optim.Optimizer, named_params: Iterable[tuple[str, Any]],
@@ -31,6 +33,17 @@ def adjust_learning_rates(opt: torch.optim.Optimizer, named_params: Iterable[tup
     (`optimizer.adjust_learning_rate`, models/mup.py), as Model Zoo's optimizer groups and cstorch's
     ScalePerParamLR do (`runtime.optim.split_by_lr_scale`)."""
     split_by_lr_scale(opt, {id(p): lr_adjustment(n, scales) for n, p in named_params})
+
+
+def zoo_group_rules(model: nn.Module, optimizer: OptimizerParams
+                    ) -> tuple[Callable[[str], float], Callable[[str], bool]]:
+    """How a params file's run groups `model`'s parameters, as Model Zoo's `configure_param_groups` does, by name:
+    each one's muP learning-rate scale and whether it takes weight decay (`weight_decay_exempt`: not biases nor
+    torch LayerNorm parameters; RMSNorm gains do). The resident optimizer and MemoryX's copies of its groups
+    (`runtime.memoryx.resident_groups`) are both split by these, so their indices agree."""
+    scales = optimizer.adjust_learning_rate or {}
+    exempt = weight_decay_exempt(model)
+    return (lambda name: lr_adjustment(name, scales)), (lambda name: name not in exempt)
 
 
 def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, optimizer: OptimizerParams, *,
@@ -47,7 +60,7 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
     if not backend.is_csx:
         model = model if model is not None else build(cfg, device="cpu")
         model.to(device)
-        opt = build_optimizer(model.parameters(), spec)
+        opt = build_optimizer(model.named_parameters(), spec, zoo_group_rules(model, optimizer)[1])
         adjust_learning_rates(opt, model.named_parameters(), optimizer.adjust_learning_rate or {})
         if group is not None:
             sparse.sparsify_module(group, model)
@@ -68,11 +81,12 @@ def compile_lm_step(model: CausalLM | None, cfg: ModelConfig, backend: Backend, 
         model = build(cfg, device="cpu")
     stream_dtype = dtypes.half_dtype(half_dtype)
     scaler = LossScaler.from_config(optimizer.loss_scaling_factor) if half_dtype == "float16" else None
-    mx = MemoryX(model if model is not None else build_skeleton(cfg), spec, stream_dtype=stream_dtype,
-                 ram_budget_bytes=ram, flash_dir=backend.flash_dir, pin_memory=device.type == "cuda",
-                 max_gradient_norm=optimizer.max_gradient_norm, loss_scaler=scaler,
-                 lr_scale=lambda name: lr_adjustment(name, optimizer.adjust_learning_rate or {}))
-    del model
+    source = model if model is not None else build_skeleton(cfg)
+    lr_scale, decays = zoo_group_rules(source, optimizer)
+    mx = MemoryX(source, spec, stream_dtype=stream_dtype, ram_budget_bytes=ram, flash_dir=backend.flash_dir,
+                 pin_memory=device.type == "cuda", max_gradient_norm=optimizer.max_gradient_norm,
+                 loss_scaler=scaler, lr_scale=lr_scale, decays=decays)
+    del source, model
     if group is not None:
         mx.attach_sparsity(group)
     skeleton = build_skeleton(cfg, device)

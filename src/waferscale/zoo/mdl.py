@@ -9,19 +9,19 @@ from typing import Any
 from waferscale.models import ModelConfig, build
 from waferscale.models.modelzoo import state_dict_to_zoo
 from waferscale.models.modelzoo_optim import optimizer_state_to_zoo
-from waferscale.models.mup import lr_adjustment
 from waferscale.params import OptimizerParams
 from waferscale.runtime.checkpoint import Checkpoint
 from waferscale.runtime.memoryx import resident_groups
+from waferscale.zoo.lm import zoo_group_rules
 from waferscale.zoo.optim import optimizer_spec
 
 
 def resident_param_index(cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, int]:
     """Parameter name -> its index in the state dict of the optimizer `compile_lm_step` builds for `cfg` (MemoryX
     keeps the same indices: `runtime.memoryx.resident_groups`), found on a model with meta tensors."""
-    scales = optimizer.adjust_learning_rate or {}
     model = build(cfg, device="meta")
-    return resident_groups(model, optimizer_spec(optimizer), lambda name: lr_adjustment(name, scales))[2]
+    lr_scale, decays = zoo_group_rules(model, optimizer)
+    return resident_groups(model, optimizer_spec(optimizer), lr_scale, decays)[2]
 
 
 def zoo_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, optimizer: OptimizerParams) -> dict[str, Any]:
