@@ -58,7 +58,7 @@ def run(backend: str, tmp: Path, steps: int = STEPS, start: Path | None = None, 
         first = s["global_step"]
     for x, y in data[first:steps]:
         logits = compiled(x)
-        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1).to(logits.device))
         loss.backward()
         opt.step()
         opt.zero_grad()
