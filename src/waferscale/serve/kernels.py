@@ -89,7 +89,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed into place
             out = Path(tmp) / so.name
             r = subprocess.run([cc, *_FLAGS, str(_CSRC / _MAIN), "-o", str(out), "-lm"], capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=900)  # (a busy machine can take minutes)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, so)
