@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from waferscale.errors import ConfigError
+from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models.layers import CausalLM
 from waferscale.runtime import checkpoint
 from waferscale.runtime.loss_scale import LossScaler
@@ -165,6 +165,13 @@ class ResidentExecutor(Executor):
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         state = dict(state)
         scaler = state.pop("grad_scaler", None)
+        given = [len(g["params"]) for g in state.get("param_groups", [])]
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        if given != sizes:  # (torch refuses too, without saying why)
+            raise CheckpointError(f"the optimizer state's param groups hold {given} parameters, this run's {sizes}: "
+                                  f"it was grouped otherwise (another weight-decay split or other "
+                                  f"optimizer.adjust_learning_rate groups); load its weights only, or resume with "
+                                  f"the grouping it was written with")
         self.optimizer.load_state_dict(state)
         if scaler is not None and self.scaler is not None:
             self.scaler.load_state_dict(scaler)
