@@ -77,3 +77,15 @@ def test_two_swarmx_workers_on_the_gpu_equal_one_cpu_system(corpus: Path, tmp_pa
         assert r.returncode == 0, r.stderr[-3000:]
     assert _metrics(two)[0]["num_csx"] == 2
     _assert_same_run(one, two, rel=1e-4, wrel=1e-3)
+
+
+def test_cstorch_script_streams_to_the_gpu_as_it_trains_on_the_cpu(tmp_path: Path) -> None:
+    """A cstorch script whose batches are CPU tensors (it never moves them): on "CSX" the executor hands them to
+    the GPU the weights stream to, and on "GPU" to the GPU the model lives on; both train the CPU's run."""
+    from test_cstorch import TINY_GPT, assert_close_weights, build, train
+
+    lc, wc, _ = train("CPU", lambda: build(TINY_GPT), tmp=tmp_path)
+    for kind in ("CSX", "GPU"):
+        lg, wg, _ = train(kind, lambda: build(TINY_GPT), tmp=tmp_path)
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(lg, lc)), (kind, lg, lc)
+        assert_close_weights({k: v.cpu() for k, v in wg.items()}, wc, 1e-4)

@@ -86,6 +86,18 @@ def _batch_size(batch: Any) -> int:
     return 1
 
 
+def _to(batch: Any, device: torch.device) -> Any:
+    """The batch's tensors on the backend's device (as Cerebras' executor moves them: a script's loss compares
+    the model's output with targets it never moved)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
 def _shard(batch: Any, rank: int, world: int) -> Any:
     if isinstance(batch, torch.Tensor):
         if batch.ndim == 0 or batch.shape[0] % world:
@@ -159,6 +171,9 @@ class DataExecutor:
                     got_any = True
                     self._batch = _batch_size(batch)
                     local = _shard(batch, rank, world) if world > 1 else batch
+                    b = current_backend()
+                    if b is not None and b.device.type != "cpu":
+                        local = _to(local, b.device)
                     self._step = self.iteration + 1
                     _dist.step_started(self._step)
                     yield local
