@@ -148,7 +148,7 @@ class OptimizerParams:
     betas: tuple[float, float] = (0.9, 0.999)
     # None: the optimizer's default (runtime.optim.default_eps: cstorch's, 1e-6 for AdamW where torch has 1e-8)
     eps: float | tuple[float, float] | None = None
-    weight_decay: float = 0.0  # applied to parameters with ndim >= 2 only (see runtime.optim.param_groups)
+    weight_decay: float = 0.0  # not to biases nor LayerNorm parameters, as Model Zoo (zoo.lm.zoo_group_rules)
     momentum: float = 0.0  # SGD
     nesterov: bool = False  # SGD
     max_gradient_norm: float | None = None

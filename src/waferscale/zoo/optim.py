@@ -22,7 +22,8 @@ def optimizer_spec(opt: OptimizerParams) -> rt.OptimizerSpec:
 
 def build_optimizer(params: Iterable[Any], opt: OptimizerParams) -> torch.optim.Optimizer:
     """A torch optimizer for `params` per the section, starting at the schedule's step-0 learning rate (weight
-    decay on parameters with ndim >= 2 only; see `runtime.optim.build_optimizer`)."""
+    decay split by dimension, `runtime.optim.param_groups`; a `wsc run` splits as Model Zoo does instead:
+    `zoo.lm.zoo_group_rules`)."""
     return rt.build_optimizer(params, optimizer_spec(opt))
 
 
