@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import hdf5plugin
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
@@ -136,6 +135,8 @@ def _leaf_metadata(key: str, value: Any, first_key: dict[Any, str]) -> tuple[np.
 
 def save_mdl(state: Any, path: str | os.PathLike) -> None:
     """Write `state` as a Cerebras .mdl checkpoint (to a temporary file, renamed into place when complete)."""
+    import hdf5plugin  # the LZ4 filter, loaded where a .mdl is written or read, not by every run
+
     leaves, spec = pytree.tree_flatten(state)
     keys = leaf_keys(spec)
     if len(set(keys)) != len(keys):
@@ -243,6 +244,8 @@ class _Link:
 
 def load_mdl(path: str | os.PathLike, map_location: Any = None) -> Any:
     """Read a Cerebras .mdl checkpoint (format 0.5) into the nested state it was saved from."""
+    import hdf5plugin  # noqa: F401 - registers the LZ4 filter its datasets are read through
+
     path = Path(path)
     where = str(path)
     try:
