@@ -52,15 +52,15 @@ def tiny_params(corpus: Path, model_dir: Path, **run: object) -> dict:
     }
 
 
-def wsc_main(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """`wsc ARGS` by its main in this process, for tests whose subject is not the command line itself (no fresh
-    interpreter to start, seconds each): (exit code, stdout, stderr)."""
+def wsc_main(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """`wsc ARGS` by its main in this process, for tests whose subject is not the fresh-interpreter command line
+    (no interpreter to start, seconds each): what `wsc` returns, its exit code and what it printed."""
     from waferscale.cli.main import main
 
     capsys.readouterr()
     code = main(list(args))
     out = capsys.readouterr()
-    return code, out.out, out.err
+    return subprocess.CompletedProcess(["wsc", *args], code, out.out, out.err)
 
 
 def wsc(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
