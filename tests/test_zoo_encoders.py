@@ -42,12 +42,12 @@ def _model_section(d: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_published_encoder_config_validates(name: str, capsys) -> None:
     family, count, nsp, segments, weight = ENCODERS[name]
-    code, out, err = wsc_main(capsys, "validate", str(DATA / name))
-    assert code == 0, err
-    assert f"({count / 1e6:,.1f}M-parameter model)" in out
-    code, out, err = wsc_main(capsys, "estimate", "--params", str(DATA / name), "--json")
-    assert code == 0, err
-    assert json.loads(out)["params"] == count
+    r = wsc_main(capsys, "validate", str(DATA / name))
+    assert r.returncode == 0, r.stderr
+    assert f"({count / 1e6:,.1f}M-parameter model)" in r.stdout
+    r = wsc_main(capsys, "estimate", "--params", str(DATA / name), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["params"] == count
     cfg = load_params(DATA / name).model.to_model_config()
     assert (cfg.family, cfg.nsp_head, cfg.type_vocab_size, cfg.norm_eps, cfg.dropout, cfg.mlm_loss_weight) == \
         (family, nsp, segments, 1e-5, 0.1, weight)
@@ -55,9 +55,9 @@ def test_published_encoder_config_validates(name: str, capsys) -> None:
 
 
 def test_published_mixtral_config_validates(capsys) -> None:
-    code, out, err = wsc_main(capsys, "validate", str(DATA / "params_mixtral_8x7b.yaml"))
-    assert code == 0, err
-    assert "(46,702.8M-parameter model, 12,879.9M active per token)" in out
+    r = wsc_main(capsys, "validate", str(DATA / "params_mixtral_8x7b.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "(46,702.8M-parameter model, 12,879.9M active per token)" in r.stdout
     cfg = load_params(DATA / "params_mixtral_8x7b.yaml").model.to_model_config()
     assert (cfg.family, cfg.n_experts, cfg.experts_per_token, cfg.router_aux_loss_coef) == ("mixtral", 8, 2, 0.02)
     assert (cfg.num_params, cfg.num_active_params) == (46_702_792_704, 12_879_925_248)
@@ -191,11 +191,10 @@ def test_tiny_published_encoder_trains_streamed_and_on_two_systems_as_resident(c
                                           len(vocab.read_text().split()), vocab_file=str(vocab))))
         if run == "swarmx":  # the real command line, its ranks processes of their own
             r = wsc("run", "-p", str(p), "--no_progress", *flags)
-            code, out, err = r.returncode, r.stdout, r.stderr
         else:  # one process: `wsc run` by its main here
-            code, out, err = wsc_main(capsys, "run", "-p", str(p), "--no_progress", *flags)
-        assert code == 0, err[-3000:]
-        assert "not trained" not in out  # the next-sentence head, where there is one, trains
+            r = wsc_main(capsys, "run", "-p", str(p), "--no_progress", *flags)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "not trained" not in r.stdout  # the next-sentence head, where there is one, trains
         runs[run] = json.loads((tmp_path / run / "summary.json").read_text())["executor"]
     assert runs == {"resident": "resident", "streaming": "streaming", "swarmx": "swarmx"}
     _same_training(tmp_path / "resident", tmp_path / "streaming", learns=not nsp)
