@@ -76,18 +76,17 @@ def test_fill_mask_equals_the_pipeline(tmp_path: Path, family: str, capsys) -> N
     mask = "[MASK]" if family == "bert" else "<mask>"
     for prompt in PROMPTS:
         prompt = prompt.replace("[MASK]", mask)
-        code, out, err = wsc_main(capsys, "generate", "--model", str(model_dir), "--prompt", prompt)
-        assert code == 0, err
+        r = wsc_main(capsys, "generate", "--model", str(model_dir), "--prompt", prompt)
+        assert r.returncode == 0, r.stderr
         expected = _pipeline_top(model_dir, prompt)
-        assert out == expected + "\n"
-        assert mask not in out
+        assert r.stdout == expected + "\n"
+        assert mask not in r.stdout
 
 
 def test_fill_mask_needs_a_mask_token(tmp_path: Path, capsys) -> None:
     model_dir = _bert_dir(tmp_path / "bert")
-    code, _, err = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--prompt",
-                            "Before we proceed any further.")
-    assert code == 2
-    assert err.startswith("error: the prompt has no mask token '[MASK]'"), err
-    code, _, err = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--chat", "[MASK] citizen")
-    assert code == 2 and "is an encoder: it fills the mask tokens of --prompt" in err
+    r = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--prompt", "Before we proceed any further.")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: the prompt has no mask token '[MASK]'"), r.stderr
+    r = wsc_main(capsys, "generate", "--checkpoint", str(model_dir), "--chat", "[MASK] citizen")
+    assert r.returncode == 2 and "is an encoder: it fills the mask tokens of --prompt" in r.stderr
