@@ -158,7 +158,7 @@ def test_memoryx_refuses_masks_and_foreign_state() -> None:
     try:
         with pytest.raises(ConfigError, match="weight sparsity with Adafactor is not supported"):
             mx.set_mask("0.weight", torch.ones(3, 4, dtype=torch.bool))
-        adamw = torch.optim.AdamW(model.parameters())
+        adamw = torch.optim.AdamW(rt.param_groups(model.parameters(), 0.01))  # the run's groups, AdamW's state
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         adamw.step()

@@ -76,11 +76,11 @@ class OptimizerStateIO:
             raise CheckpointError(f"the optimizer state holds {n_given} parameters, this model has {n_expected}")
         given_sizes = [len(g["params"]) for g in sd["param_groups"]]
         sizes = [list(self._group_of.values()).count(g) for g in range(len(self._hyper))]
-        mup = any("adjust_learning_rate" in g for g in [*sd["param_groups"], *self._hyper])
-        if mup and given_sizes != sizes:  # the indices would name other parameters (as torch, refused)
+        if given_sizes != sizes:  # the indices would name other parameters (as torch, refused)
             raise CheckpointError(f"the optimizer state's param groups hold {given_sizes} parameters, this run's "
-                                  f"{sizes}: resume with the optimizer.adjust_learning_rate (muP) groups the "
-                                  f"checkpoint was written with")
+                                  f"{sizes}: the checkpoint's groups were made another way (other muP "
+                                  f"adjust_learning_rate groups, or an earlier version's weight-decay split); "
+                                  f"resume its weights alone with --load_checkpoint_states model")
         for u, (lay, store, opt) in enumerate(zip(self.layouts, self.stores, self.optimizers)):
             if opt is None:
                 continue
