@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import wsc
+from conftest import wsc_main
 from waferscale.compiler.capture import capture_zoo
 from waferscale.compiler.compile import compile_model
 from waferscale.compiler.sensitivity import sensitivity
@@ -106,18 +106,18 @@ def test_sensitivity_reports_the_speculative_rate(mini):
     assert 0 < clock["plus"]["speculative_tokens_per_s_per_user"] < 10
 
 
-def test_cli():
+def test_cli(capsys):
     base = ("compile", "--model", "gpt-mini", "--pes", "64x64", "--context_len", "64")
-    r = wsc(*base, "--speculative", "draft", "--draft_model", "gpt-tiny", "--num_speculative_tokens", "4",
-            "--acceptance", "0.8", "--json")
+    r = wsc_main(capsys, *base, "--speculative", "draft", "--draft_model", "gpt-tiny", "--num_speculative_tokens",
+                 "4", "--acceptance", "0.8", "--json")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["speculative"]
     assert s["method"] == "draft" and s["num_speculative_tokens"] == 4 and s["acceptance"] == 0.8
-    r = wsc(*base, "--speculative", "ngram", "--num_speculative_tokens", "4", "--acceptance", "0.8")
+    r = wsc_main(capsys, *base, "--speculative", "ngram", "--num_speculative_tokens", "4", "--acceptance", "0.8")
     assert r.returncode == 0 and "speculative" in r.stdout and "ngram" in r.stdout, r.stderr
     for bad in (("--speculative", "draft", "--num_speculative_tokens", "4", "--acceptance", "0.8"),
                 ("--speculative", "ngram", "--num_speculative_tokens", "0", "--acceptance", "0.8"),
                 ("--speculative", "ngram", "--num_speculative_tokens", "4", "--acceptance", "1"),
                 ("--draft_model", "gpt-tiny",)):
-        r = wsc(*base, *bad)
+        r = wsc_main(capsys, *base, *bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (bad, r.stderr)
