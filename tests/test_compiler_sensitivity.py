@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import wsc
+from conftest import wsc_main
 from waferscale.compiler.api import plan_summary
 from waferscale.compiler.capture import capture_zoo
 from waferscale.compiler.compile import compile_model
@@ -112,11 +112,11 @@ def test_bad_percentages(mini, pct):
         sensitivity(req, compile_model(**req), pct)
 
 
-def test_cli_sensitivity_json_and_bad_input():
-    r = wsc("compile", "--model", "gpt-mini", "--pes", "16x16", "--sensitivity", "--json")
+def test_cli_sensitivity_json_and_bad_input(capsys):
+    r = wsc_main(capsys, "compile", "--model", "gpt-mini", "--pes", "16x16", "--sensitivity", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)["sensitivity"]
     assert d["pct"] == 10 and [x["name"] for x in d["rows"]] == [a.name for a in hw.unpublished("wse3")]
     for args in (("--sensitivity", "0"), ("--assume", "power_w=1"), ("--assume", "clock_hz=1e9", "--clock_hz", "1e9")):
-        r = wsc("compile", "--model", "gpt-mini", "--pes", "16x16", *args)
+        r = wsc_main(capsys, "compile", "--model", "gpt-mini", "--pes", "16x16", *args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
