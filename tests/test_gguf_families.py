@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import wsc
+from conftest import wsc_main
 from gguf_helpers import (EOS, VOCAB, write_byte_bpe_vocab_gguf, write_gguf_like_llama_cpp,
                           write_sentencepiece_vocab_gguf)
 from hf_helpers import max_diff, perturbed
@@ -177,7 +177,7 @@ def _ascii_only_head(theirs) -> None:
 
 
 @pytest.mark.parametrize("case", ["gpt_neox-parallel", "falcon-40b-like", "mpt", "mixtral"])
-def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
+def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path, capsys) -> None:
     from waferscale.data.tokenizer import tokenizer_from_gguf
 
     theirs = _hf_model(CASES[case])
@@ -190,7 +190,8 @@ def test_wsc_generate_on_a_family_gguf(case: str, tmp_path: Path) -> None:
     out = out[0, len(ids):].tolist()
     assert len(out) == 8 and EOS not in out
     expected = prompt + tokenizer_from_gguf(path).decode(out)
-    r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
+    r = wsc_main(capsys, "generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature",
+                 "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
 
@@ -288,7 +289,7 @@ def test_t5_gguf_matches_transformers_and_llama_cpp(case: str, tmp_path: Path) -
         assert np.abs(got - want).max() < 5e-3 * np.abs(want).max()
 
 
-def test_wsc_generate_on_a_t5_gguf(tmp_path: Path) -> None:
+def test_wsc_generate_on_a_t5_gguf(tmp_path: Path, capsys) -> None:
     from waferscale.data.tokenizer import tokenizer_from_gguf
 
     theirs, path = _t5_gguf(T5_CASES["flan-t5"], tmp_path, "flan-t5", ascii_only=True)
@@ -298,14 +299,15 @@ def test_wsc_generate_on_a_t5_gguf(tmp_path: Path) -> None:
         out = theirs.generate(input_ids=torch.tensor([tok.encode(prompt) + [EOS]]), max_new_tokens=8,
                               do_sample=False, decoder_start_token_id=0, eos_token_id=EOS)[0, 1:].tolist()
     assert len(out) == 8 and EOS not in out
-    r = wsc("generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0")
+    r = wsc_main(capsys, "generate", "--model", str(path), "--prompt", prompt, "--max_new_tokens", "8", "--temperature",
+                 "0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.rstrip("\n") == tok.decode(out)
 
 
 @pytest.mark.parametrize("arch, why", [("gptj", "neither converts nor runs it"),
                                        ("bert", "without the masked-LM head"), ("bloom", "")])
-def test_unsupported_architecture_is_one_error_line(arch: str, why: str, tmp_path: Path) -> None:
+def test_unsupported_architecture_is_one_error_line(arch: str, why: str, tmp_path: Path, capsys) -> None:
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
@@ -316,7 +318,7 @@ def test_unsupported_architecture_is_one_error_line(arch: str, why: str, tmp_pat
     w.close()
     with pytest.raises(CheckpointError, match=f"architecture '{arch}' is not supported.*{why}.*; supported: llama"):
         load_gguf(path)
-    r = wsc("generate", "--model", str(path), "--prompt", "x")
+    r = wsc_main(capsys, "generate", "--model", str(path), "--prompt", "x")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert f"'{arch}'" in lines[0] and all(a in lines[0] for a in ARCHITECTURES)
