@@ -39,6 +39,9 @@ def train(backend_type: str, make_model, steps: int = 6, *, opt: str = "AdamW", 
     model = make_model()
     cstorch.amp.set_half_dtype(half)
     try:
+        # on the host, where a GPU is present too: these compare arithmetic with the CPU backend's (dropout's random
+        # masks included); tests/test_gpu.py runs the GPU
+        backend_kw.setdefault("device", "cpu")
         backend = cstorch.backend(backend_type, artifact_dir=str(tmp or "artifacts"), **backend_kw)
         compiled = cstorch.compile(model, backend)
         optimizer = cstorch.optim.configure_optimizer(opt, model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -231,7 +234,7 @@ def test_streamed_checkpoint_resumes_exactly(tmp_path):
     def run(steps, start=None, save_to=None):
         torch.manual_seed(0)
         model = build(TINY_GPT)
-        compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path)))
+        compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path), device="cpu"))
         opt = cstorch.optim.AdamW(model.parameters(), lr=1e-2)
         sch = cstorch.optim.lr_scheduler.LinearLR(opt, initial_learning_rate=1e-2, end_learning_rate=0.0,
                                                   total_iters=6)

@@ -125,7 +125,8 @@ class SwarmXExecutor(MemoryXExecutor):
         scale = self.mx.scaler.scale if self.mx.scaler else 1.0
         self.cluster.store.set(f"cmd/{self._seq}", json.dumps({"cmd": "step", "b": b, "t": T, "scale": scale,
                                                                   "recompute": recompute}))
-        rows = torch.stack([x, y]).view(2, N, b, T).transpose(0, 1).contiguous()  # (N, 2, b, T)
+        # (N, 2, b, T) on the host: gloo carries host tensors, and the executor may have put the batch on a GPU
+        rows = torch.stack([x, y]).view(2, N, b, T).transpose(0, 1).to("cpu", torch.long).contiguous()
         recv = torch.empty(2, b, T, dtype=torch.long)
         figures = torch.zeros(len(_FIGURES), dtype=torch.float64)
         peak = torch.zeros(1, dtype=torch.float64)
