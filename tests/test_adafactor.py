@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch import nn
 
-from conftest import wsc
+from conftest import wsc_main
 from train_helpers import assert_same_training
 from waferscale.errors import ConfigError
 from waferscale.params import params_from_dict
@@ -75,8 +75,8 @@ def test_spec_and_params_take_model_zoo_keys() -> None:
             params_from_dict(bad, "t")
 
 
-def test_wsc_validate_accepts_model_zoo_t5_base() -> None:
-    r = wsc("validate", str(MODELZOO / "params_t5_base.yaml"))
+def test_wsc_validate_accepts_model_zoo_t5_base(capsys) -> None:
+    r = wsc_main(capsys, "validate", str(MODELZOO / "params_t5_base.yaml"))
     assert r.returncode == 0 and "valid (222.9M-parameter model)" in r.stdout, r.stderr[-2000:]
 
 
@@ -142,11 +142,12 @@ def test_tiny_t5_base_resumes_exactly_resident_and_streamed(corpus: Path, tmp_pa
 
 
 @pytest.mark.slow
-def test_tiny_t5_base_on_two_systems_equals_one(corpus: Path, tmp_path: Path) -> None:
+def test_tiny_t5_base_on_two_systems_equals_one(corpus: Path, tmp_path: Path, capsys) -> None:
     _run(_tiny_t5_base(corpus, tmp_path / "one"), tmp_path / "one", execution="resident")
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(_tiny_t5_base(corpus, tmp_path / "unused")))
-    r = wsc("run", "-p", str(p), "-o", str(tmp_path / "two"), "--no_progress", "--num_csx", "2")
+    # `wsc run` by its main in this process: rank 0 here, the two systems' ranks processes of their own
+    r = wsc_main(capsys, "run", "-p", str(p), "-o", str(tmp_path / "two"), "--no_progress", "--num_csx", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["executor"] == "swarmx"
     _same_training(tmp_path / "one", tmp_path / "two")
