@@ -187,13 +187,13 @@ def test_a_sparse_run_from_a_dense_checkpoint_trains_alike_resident_and_streamed
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["sparsity"] == b["sparsity"]
 
 
-def test_export_writes_dense_weights_with_zeros_and_no_masks(corpus, tmp_path):
-    from conftest import wsc
+def test_export_writes_dense_weights_with_zeros_and_no_masks(corpus, tmp_path, capsys):
+    from conftest import wsc_main
     from safetensors.torch import load_file
 
     md = tmp_path / "run"
     _zoo(corpus, md, execution="streaming", num_steps=2)
-    r = wsc("export", "--checkpoint", str(md), "--format", "hf", "--out", str(tmp_path / "hf"))
+    r = wsc_main(capsys, "export", "--checkpoint", str(md), "--format", "hf", "--out", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
     tensors = {}
     for f in (tmp_path / "hf").glob("*.safetensors"):
@@ -212,16 +212,16 @@ def test_a_params_sparsity_section_on_two_systems_equals_one(corpus, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["sparsity"] == b["sparsity"]
 
 
-def test_a_filter_that_matches_nothing_names_its_line(corpus, tmp_path):
+def test_a_filter_that_matches_nothing_names_its_line(corpus, tmp_path, capsys):
     import yaml
 
-    from conftest import tiny_params, wsc
+    from conftest import tiny_params, wsc_main
 
     d = tiny_params(corpus, tmp_path / "run")
     d["sparsity"] = {"sparsity": 0.5, "param_filter": ["blocks.*.nothing"]}
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
-    r = wsc("run", "--params", str(path), "--execution", "streaming")
+    r = wsc_main(capsys, "run", "--params", str(path), "--execution", "streaming")
     line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip().startswith("param_filter"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{path}:{line}: sparsity param_filter" in r.stderr and "matches no parameter" in r.stderr, r.stderr
