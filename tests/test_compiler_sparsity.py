@@ -27,11 +27,11 @@ DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 DENSE_FINGERPRINTS = {
     (("model", "gpt-tiny"), ("pes", (8, 8))): "42a3d9558f85d492307148cd3201040eb360306f94a89ac6742cfb3d4e9007b7",
     (("model", "llama-tiny"), ("pes", (16, 16)), ("mode", "train")):
-        "a3d2f410d8c964147d66755e92a1f045aea2fb3e0bd1e3ab965ed298ac9cddbf",
+        "dff3447088b48d47e669a3c92251f0e5fea4075323c1957c8dd7de084540cd01",
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):
-        "c0b11aed48639242a73cbee6a0612414fa35505edf93336adecbd3e4783c313b",
+        "7248733c1f06e5acaf6032da630534785b192a18b1c24650ce775ba743c54ce2",
     (("model", "gpt-tiny"), ("pes", (16, 16)), ("defects", 0.02), ("seed", 1), ("mode", "train")):
-        "62cb4531b8780aaaf8a4e3f6fc1f9b0e17813b17f2420f0f871451d21ca16989",
+        "97b1ea1306e6214eef51aa85e67e8d1f0918f47542e83fbe26bb4c87ab828a23",
 }
 
 
