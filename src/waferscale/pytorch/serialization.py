@@ -68,8 +68,12 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def save(state: Any, path: str | os.PathLike, format: str = "safetensors") -> None:
-    """`format`: "safetensors" (this package's file) or "mdl" (a Cerebras checkpoint, for a Cerebras system)."""
+def save(state: Any, path: str | os.PathLike, format: str | None = None) -> None:
+    """`format`: "safetensors" (this package's file) or "mdl" (a Cerebras checkpoint, for a Cerebras system); by
+    default the name decides: a `.mdl` path gets Cerebras' format (what an unchanged Cerebras script saves there
+    goes back to a Cerebras system), any other the safetensors file."""
+    if format is None:
+        format = "mdl" if Path(path).suffix == ".mdl" else "safetensors"
     if format not in ("safetensors", "mdl"):
         raise CheckpointError(f"cstorch.save: format {format!r} is not supported; use 'safetensors' or 'mdl'")
     if not _dist.is_master():  # one writer: rank 0 holds the weights
