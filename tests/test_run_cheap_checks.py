@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,21 @@ LLAMA3_70B = ROOT / "tests" / "data" / "modelzoo" / "params_llama3p1_70b_msl_8k.
 
 
 def test_a_70b_config_with_a_missing_data_dir_fails_before_allocating(tmp_path: Path) -> None:
-    """Its data_dir (Model Zoo's ./datasets/...) does not exist here: one `error:` line, exit 2, in seconds, and the
+    """Its data_dir (Model Zoo's ./datasets/...) does not exist here: one `error:` line, exit 2, and the
     process's peak RSS stays far below the 70B model's weights (282 GB in fp32; built first, it was killed)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     # the run's peak RSS as its own parent sees it (this process's RUSAGE_CHILDREN would be the largest of every
     # process the suite has started so far): a small parent runs it and prints its children's peak last
     parent = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
-    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", parent, sys.executable, "-m", "waferscale", "run", "--params",
                         str(LLAMA3_70B), "--model_dir", str(tmp_path / "md"), "--no_progress"], capture_output=True,
                        text=True, cwd=tmp_path, env=env, timeout=120)
-    seconds = time.perf_counter() - t0
     peak_mb = int(r.stdout.split()[-1]) / 1024  # Linux: KiB
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "rpj_1t_100k_llama3p1_msl8k_train' does not exist" in errors[0]
-    assert seconds < 30 and peak_mb < 1024, (seconds, peak_mb)
+    assert peak_mb < 1024, peak_mb  # the model was never built (its weights alone are 282 GB)
     assert not (tmp_path / "md").exists()
 
 
