@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from waferscale.data.loader import resume_step
+from waferscale.data.loader import StepBatches, resume_step
 from waferscale.data.masking import IGNORE_INDEX
 from waferscale.errors import ConfigError, DataError
 
@@ -230,7 +230,7 @@ def to_inputs_targets(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(eq=False, repr=False)
-class HDF5Batches:
+class HDF5Batches(StepBatches):
     """Infinite iterator of (x, y) LongTensors [rows // world_size, msl]: this rank's contiguous block of global
     batch k (see the module docstring for how batches are drawn). `num_workers` > 0 reads that many batches ahead
     on background threads (batch k is a pure function of k, so prefetching changes nothing but the timing).
@@ -315,14 +315,6 @@ class HDF5Batches:
         for j in [j for j in self._ahead if j < k]:
             del self._ahead[j]
         return self._ahead.pop(k).result()
-
-    def __iter__(self) -> HDF5Batches:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable position and what decides the batches (rank/world_size/num_workers are not)."""

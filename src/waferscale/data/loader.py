@@ -47,8 +47,24 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+class StepBatches:
+    """An iterator over `batch(step)`, `step` counting up: a loader whose batch k depends on k alone (so its
+    position is one number, `step`, and a run resumes by setting it)."""
+
+    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __iter__(self) -> StepBatches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+
 @dataclass(eq=False, repr=False)
-class BatchLoader:
+class BatchLoader(StepBatches):
     """Infinite iterator of (x, y) LongTensors of shape (batch_size // world_size, seq_len); y is x shifted by one.
 
     shuffle=True: the batch_size window starts of batch k are drawn uniformly from [0, n_tokens - seq_len)
@@ -92,14 +108,6 @@ class BatchLoader:
         lo = self.rank * self.local_batch_size
         starts = self.global_starts(k)[lo : lo + self.local_batch_size]
         return _windows(self.tokens, starts, self.seq_len)
-
-    def __iter__(self) -> BatchLoader:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable position; rank/world_size are not part of it (resume on any world size)."""
