@@ -190,7 +190,8 @@ def test_c_stack_runs_the_window_and_alibi_decode(tok, tmp_path_factory) -> None
     nh, nkv, hd, S, slots = 6, 2, 16, 37, 64
     cache = torch.randn(2 * nkv, slots, hd)
     slopes = torch.rand(nh) * 0.5
-    for window, alibi in [(8, False), (0, True), (5, True)]:
+    for threads, window, alibi in [(t, w, a) for t in (1, 2) for w, a in [(8, False), (0, True), (5, True)]]:
+        kernels.set_threads(threads)  # (2 threads, 37 positions: the query heads are shared out)
         qkv = torch.randn(1, (nh + 2 * nkv) * hd)
         c = cache.clone()
         got = kernels.decode_attention(qkv.clone(), None, None, c, 3, S, nh, nkv, window,
@@ -201,7 +202,7 @@ def test_c_stack_runs_the_window_and_alibi_decode(tok, tmp_path_factory) -> None
         bias = slopes[:, None, None] * torch.arange(lo - S + 1, 1).float() if alibi else None
         want = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], attn_mask=bias,
                                                                 enable_gqa=True).reshape(1, nh * hd)
-        assert (got - want).abs().max() < 1e-5, (window, alibi)
+        assert (got - want).abs().max() < 1e-5, (threads, window, alibi)
 
 
 def test_still_unsupported_is_refused_by_name() -> None:

@@ -60,10 +60,13 @@ def test_norm_swiglu_argmax() -> None:
     assert kernels.argmax(torch.full((50,), -float("inf"))) == 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("S", [1, 17, 100])
-def test_decode_attention_matches_sdpa(S: int) -> None:
-    """rope in place, k/v written to the last slot, GQA attention over the contiguous slots."""
+def test_decode_attention_matches_sdpa(S: int, threads: int) -> None:
+    """rope in place, k/v written to the last slot, GQA attention over the contiguous slots (at 2 threads and
+    100 positions the query heads are shared out among the threads)."""
     torch.manual_seed(0)
+    kernels.set_threads(threads)
     nh, nkv, hd, slot0 = 6, 2, 32, 40
     cache = torch.randn(2 * nkv, 256, hd)
     qkv = torch.randn(1, (nh + 2 * nkv) * hd)
@@ -91,7 +94,7 @@ def test_decode_attention_batch_over_block_tables(threads: int) -> None:
     cos_t, sin_t = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd), 0, T)
     sin_s = sin_t * torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
     cache = torch.randn(2 * nkv, 40 * bs, hd)
-    lens = [1, 9, 23, 4, 16]  # each token sits at position len - 1
+    lens = [1, 9, 23, 4, 16, 45]  # each token sits at position len - 1 (45: alone, its heads are shared out)
     perm = torch.randperm(40).tolist()
     tables, k = [], 0
     for n in lens:
@@ -99,7 +102,7 @@ def test_decode_attention_batch_over_block_tables(threads: int) -> None:
         tables.append(perm[k:k + nb])
         k += nb
     N = len(lens) + 2  # two rows that are not decode rows (left alone)
-    rows = torch.tensor([0, 2, 3, 5, 6])
+    rows = torch.tensor([0, 2, 3, 5, 6, 7])
     qkv = torch.randn(N, (nh + 2 * nkv) * hd)
     width = max(len(t) for t in tables)
     tab = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])

@@ -519,6 +519,10 @@ int main(void) {
     check_decode_attention(3, 1, 64, 33, 1);
     check_decode_attention(2, 2, 48, 17, 1);
     check_decode_attention(8, 1, 64, 40, 1);
+    wsc_set_threads(2);  /* one sequence's KV heads shared out among the threads (32 positions or more) */
+    check_decode_attention(6, 3, 64, 40, 1);
+    check_decode_attention(4, 2, 32, 100, 0);
+    wsc_set_threads(1);
     check_decode_attention_batch(4, 2, 32, 4);
     check_decode_attention_batch(3, 1, 64, 16);
     check_decode_layers();

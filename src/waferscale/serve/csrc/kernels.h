@@ -116,14 +116,17 @@ static inline void* grow(void** buf, long* cap, long n, size_t size) {
 #define PF_DIST 512   /* floats ahead of the panel read to prefetch */
 #endif
 
-/* decode attention of B sequences over a paged cache (see wsc_decode_attention_batch) */
+/* decode attention for the pool: B sequences over a paged cache, one a chunk (see wsc_decode_attention_batch),
+   or (hsplit > 0) one sequence whose KV sits in consecutive slots from slot0, hsplit query heads a chunk (see
+   wsc_decode_attention_ex) */
 typedef struct {
     const float* qkv; long ldq; const long *rows, *pos; const float* cache; long slots;
     const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
     long window; const float* slopes;  /* sliding window (0: none), ALiBi slopes per query head (NULL: none) */
+    long slot0, hsplit;
 } attn_t;
 
-/* one job for the pool: a product (at == NULL) or decode attention, one sequence per chunk. A product's W is in
+/* one job for the pool: a product (at == NULL) or decode attention (attn_t's chunks). A product's W is in
    dense panels (off == NULL, qt == 0, panels.c), in sparse panels with panel offsets off (spanels.c), or in
    quantized panels at qw of type qt (quant.c), x then as it is, or as xq and xs when quantized (quant.c). */
 typedef struct {
@@ -136,6 +139,6 @@ typedef struct {
 } job_t;
 
 /* defined in attention.c, run by the pool (pool.c) */
-static int attend_chunk(const attn_t* a, long b, float* y);
+static int attend_chunk(const attn_t* a, long c, float* y);
 
 #endif  /* WSC_KERNELS_H */
