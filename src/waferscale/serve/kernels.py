@@ -13,7 +13,7 @@ of many by the FMA units; both bounds are within reach only if the weights strea
   `pack_sparse`, `sparse_pays`; csrc/spanels.c): masks and non-zero values only, fewer bytes a decode token, the
   same bits as its dense panels.
 - The weights live in one 2 MiB-aligned arena on transparent huge pages (`hugepage_tensor`).
-- `set_threads` starts a work-stealing pool that measures whether sharing pays (csrc/pool.c).
+- `set_threads` starts a work-stealing pool that shares a product while its workers keep up (csrc/pool.c).
 
 csrc/serve_kernels.c is the one translation unit; it includes the other csrc/ files. Not available
 (`available()` is False) without a C compiler, when the build fails, or with WSC_NO_C_KERNELS=1: serving then

@@ -1,4 +1,4 @@
-/* The work-stealing thread pool, its share-or-not measurement, and wsc_linear (the products' entry point). */
+/* The work-stealing thread pool, when it shares a product, and wsc_linear (the products' entry point). */
 #ifndef WSC_SERVE_KERNELS_TU
 #error "part of serve_kernels.c, which includes it: compile that file"
 #endif
@@ -26,6 +26,7 @@ static job_t g_job;
 static _Atomic long g_chunk_panels, g_nchunks, g_nseg;
 
 static _Atomic uint64_t g_gen;     /* job generation; 0: none yet */
+static _Atomic long g_wstart;  /* when the first worker entered the current job (0: none yet) */
 /* A chunk reads the caller's x and W, which may be freed once the caller returns: a worker enters a chunk
    only while its job is live (g_live) and counts itself in g_inflight, and the caller, once every chunk is
    done, ends the job and waits until no worker is inside one. */
@@ -115,6 +116,10 @@ static void work(uint64_t gen, const job_t* j, long me) {
     long cp = atomic_load(&g_chunk_panels), ns = atomic_load(&g_nseg);
     if (atomic_load(&g_gen) != gen || me >= ns) return;
     float* buf = NULL;
+    if (me) {
+        long zero = 0;
+        atomic_compare_exchange_strong(&g_wstart, &zero, now_ns());
+    }
     for (long c; (c = take(me, 1)) >= 0;) {
         if (!enter_with_buf(gen, j, cp, &buf)) return;  /* stale: the segments belong to a newer job */
         finish_chunk(gen, j, c, cp, buf);
@@ -175,25 +180,26 @@ int wsc_set_threads(int threads) {
 static int run_pool(const job_t* jp, long cp, long nc, long ns);
 static _Atomic int g_busy;  /* the pool serves one caller at a time; others run alone */
 
-/* Whether sharing pays is measured, not assumed: when another process keeps the other cores busy, a worker
-   shows up late and the caller loses time to it. Each way keeps decaying sums of time spent and weight bytes
-   streamed, per size class (a product's log2 bytes: big products share better than small ones, so a mix of
-   sizes must not decide for one size) and over all sizes (for a class not measured both ways yet); the
-   faster way is used. Every EXPLORE_EVERY products the other way runs a burst of EXPLORE_BURST, the first of
-   which (which wakes sleeping workers, or lets them fall asleep) is not counted, nor is any product that had
-   to wake a worker. */
+/* Whether to share a product of few rows is decided by whether the other threads show up: when another process
+   keeps the other cores busy, a worker starts late or is descheduled in the middle of a chunk, and the caller
+   waits for it. A shared product is late when its first worker started more than LATE_NS after the job was
+   published, or none did before the caller ran out of chunks, or the caller then waited more than LATE_NS for
+   chunks in progress. g_late is the decaying fraction of late products (the last ~16 count); products of few
+   rows are shared while it stays under LATE_SHARE, else run by the caller alone, and every EXPLORE_EVERY
+   products alone a burst of EXPLORE_BURST runs shared to look again (the first of a burst, which wakes sleeping
+   workers, is not counted, nor is any product that had to wake one).
+   Measured (bench/serve_kernels_ab.py, SmolLM2's GGUF files, single-stream decode, 2 threads on this 2-core
+   VM) against the rule this replaces, which compared timings of both ways per product size and whose
+   estimates (a few products each) flipped between the two from token to token: +5.1% on Q4_1 and +5.5% on
+   Q8_0 with nothing else running (the same as always sharing), -1.6% with a busy loop on the other core
+   (always sharing: -10.8%). */
 #define SHARE_ROWS 4  /* products of this many rows or more are always shared */
+#define LATE_NS 5000
+#define LATE_SHARE 0.25
 #define EXPLORE_EVERY 256
 #define EXPLORE_BURST 8
-#define NCLASS 64
-static double g_ns[2], g_bytes[2];  /* [0]: caller alone, [1]: shared */
-static double g_cns[NCLASS][2], g_cbytes[NCLASS][2];
+static double g_late;
 static long g_njobs, g_burst_left;
-static int g_burst_mode;
-
-static inline int faster_shared(const double* ns, const double* bytes) {
-    return ns[1] * bytes[0] <= ns[0] * bytes[1];
-}
 
 static _Thread_local void* t_xt;
 static _Thread_local long t_xt_cap;
@@ -236,31 +242,21 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
         any_panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
         return 0;
     }
-    double bytes = (double)per * np * 4;  /* weight bytes streamed; the class is by work (bytes x rows) */
-    int cls = 63 - __builtin_clzl((unsigned long)(bytes * rows) | 1);
-    int pref = g_bytes[0] > 0 && g_bytes[1] > 0 && faster_shared(g_ns, g_bytes);
-    if (g_cbytes[cls][0] > 0 && g_cbytes[cls][1] > 0) pref = faster_shared(g_cns[cls], g_cbytes[cls]);
-    if (rows < SHARE_ROWS && g_burst_left == 0 && g_bytes[0] > 0 && (g_bytes[1] == 0 || ++g_njobs % EXPLORE_EVERY == 0)) {
-        g_burst_left = EXPLORE_BURST;
-        g_burst_mode = !pref;
+    int shared = 1, count = 0;
+    if (rows < SHARE_ROWS) {  /* (more rows are compute-bound: two cores beat one, a late worker gets robbed) */
+        shared = g_late < LATE_SHARE;
+        count = 1;
+        if (!shared && g_burst_left == 0 && ++g_njobs % EXPLORE_EVERY == 0) g_burst_left = EXPLORE_BURST;
+        if (g_burst_left > 0) {
+            shared = 1;
+            count = g_burst_left-- < EXPLORE_BURST;
+        }
     }
-    int shared = pref, count = 1;
-    if (rows >= SHARE_ROWS) {  /* compute-bound: two cores beat one (a descheduled worker just gets robbed) */
-        shared = 1;
-        count = 0;
-    } else if (g_burst_left > 0) {
-        shared = g_burst_mode;
-        count = g_burst_left < EXPLORE_BURST;
-        g_burst_left--;
-    }
-    long t0 = now_ns();
-    if (shared) count &= run_pool(&j, cp, nc, ns); else any_panels_into(&j, 0, np, y, out);
-    if (count) {  /* decay: overall, the last ~64 MB-weighted products of each way count; per class, ~4 */
-        double dt = (double)(now_ns() - t0), keep = 1.0 - bytes / (bytes + 64e6);
-        g_ns[shared] = g_ns[shared] * keep + dt;
-        g_bytes[shared] = g_bytes[shared] * keep + bytes;
-        g_cns[cls][shared] = g_cns[cls][shared] * 0.75 + dt;
-        g_cbytes[cls][shared] = g_cbytes[cls][shared] * 0.75 + bytes;
+    if (!shared) {
+        any_panels_into(&j, 0, np, y, out);
+    } else {
+        int late = run_pool(&j, cp, nc, ns);
+        if (count && late >= 0) g_late = g_late * (15.0 / 16) + late / 16.0;
     }
     atomic_store(&g_busy, 0);
     return 0;
@@ -289,8 +285,8 @@ int wsc_linear_sparse(const float* W, const int64_t* off, const float* x, const 
     return product(W, off, x, b, res, y, rows, out, in);
 }
 
-/* returns 0 when a worker had to be woken (a transient, e.g. the first product of a token: not a fair sample
-   of what sharing costs), else 1 */
+/* returns -1 when a worker had to be woken (a transient, e.g. the first product of a token: not a fair sample
+   of whether the workers keep up), else 1 when the job was late (see LATE_NS), 0 when not */
 static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     job_t j = *jp;
     uint64_t gen = atomic_load(&g_gen) + 1;
@@ -302,6 +298,8 @@ static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     atomic_store(&g_chunk_panels, cp);
     atomic_store(&g_nchunks, nc);
     atomic_store(&g_nseg, ns);
+    atomic_store(&g_wstart, 0);
+    long t_pub = now_ns();
     atomic_store(&g_gen, gen);
     int warm = atomic_load(&g_sleeping) == 0;
     if (!warm) {
@@ -311,7 +309,7 @@ static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     }
     work(gen, &j, 0);
     /* nothing left to take; wait briefly for chunks in progress, then redo what is still missing */
-    long t0 = now_ns();
+    long t0 = now_ns(), ws = atomic_load(&g_wstart);
     float* buf = chunk_buf(job_buf(&j, cp));  /* (reserved by the caller) */
     for (long c = 0; c < nc; c++) {
         while ((atomic_load(&g_state[c]) & 3) != DONE) {
@@ -322,5 +320,6 @@ static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     }
     atomic_store(&g_live, 0);
     while (atomic_load(&g_inflight) != 0) cpu_relax();  /* a late worker still reading x / W */
-    return warm;
+    if (!warm) return -1;
+    return ws == 0 || ws - t_pub > LATE_NS || now_ns() - t0 > LATE_NS;
 }
