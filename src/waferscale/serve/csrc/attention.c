@@ -250,7 +250,8 @@ static inline long window_lo(long S, long window) { return window > 0 && S > win
    head's K and V read once, by one thread), once it reads at least this many positions; shorter ones run on
    the caller alone. Measured with SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64), 30 layers' caches
    in turn, 2 threads against 1 on this 2-core VM: 1.08x at 100 positions, 1.3x at 500, 1.2x at 2,000 (there
-   the caches exceed L3; a lone thread reads them at ~24 GB/s). */
+   the caches exceed L3; a lone thread reads them at ~24 GB/s). Only while the pool's workers keep up (g_late,
+   pool.c): with the other core busy, sharing measured 0.73x at 2,000 positions. */
 #define SPLIT_MIN_POSITIONS 32
 
 /* One sequence whose KV sits in consecutive slots (position t in slot slot0 + t); its new token is position
@@ -264,7 +265,8 @@ int wsc_decode_attention_ex(float* qkv, const float* cos, const float* sin_signe
     long lo = window_lo(S, window), ns = atomic_load(&g_use);
     if (ns > nkv) ns = nkv;
     int idle = 0;
-    if (ns >= 2 && S - lo >= SPLIT_MIN_POSITIONS && nkv <= MAX_CHUNKS && scores_buf(nh / nkv * (S - lo))
+    if (ns >= 2 && S - lo >= SPLIT_MIN_POSITIONS && g_late < LATE_SHARE && nkv <= MAX_CHUNKS
+        && scores_buf(nh / nkv * (S - lo))
         && chunk_buf(nh * hd) && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
         long row = 0, pos = S - 1;
         attn_t a = {qkv, 0, &row, &pos, cache, slots, NULL, 0, 0, nh, nkv, hd, scale, y, 0, window, slopes, slot0,

@@ -160,9 +160,12 @@ static void* worker_main(void* arg) {
     return NULL;
 }
 
-/* Let `threads` threads (the caller's included) share each product from now on, starting workers as needed;
-   returns how many will. */
+static double g_late;  /* the decaying fraction of shared products whose workers were late (see LATE_NS) */
+
+/* Let `threads` threads (the caller's included) share each product from now on, starting workers as needed
+   (and, until they are seen late, assuming they keep up); returns how many will. */
 int wsc_set_threads(int threads) {
+    g_late = 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     while (atomic_load(&g_workers) < threads - 1) {
@@ -198,7 +201,6 @@ static _Atomic int g_busy;  /* the pool serves one caller at a time; others run 
 #define LATE_SHARE 0.25
 #define EXPLORE_EVERY 256
 #define EXPLORE_BURST 8
-static double g_late;
 static long g_njobs, g_burst_left;
 
 static _Thread_local void* t_xt;
