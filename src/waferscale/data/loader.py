@@ -6,6 +6,7 @@ the global batch is the same whatever the world size (rank r takes its contiguou
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +48,15 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
-class StepBatches:
+class StepBatches(ABC):
     """An iterator over `batch(step)`, `step` counting up: a loader whose batch k depends on k alone (so its
     position is one number, `step`, and a run resumes by setting it)."""
 
+    step: int
+
+    @abstractmethod
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """Batch k: (x, y) of this rank."""
 
     def __iter__(self) -> StepBatches:
         return self
