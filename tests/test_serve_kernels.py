@@ -60,15 +60,17 @@ def test_norm_swiglu_argmax() -> None:
     assert kernels.argmax(torch.full((50,), -float("inf"))) == 0
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("S", [1, 17, 100])
-def test_decode_attention_matches_sdpa(S: int, threads: int) -> None:
+def test_decode_attention_matches_sdpa(S: int, threads: int, kv_dtype: torch.dtype) -> None:
     """rope in place, k/v written to the last slot, GQA attention over the contiguous slots (at 2 threads and
-    100 positions the query heads are shared out among the threads)."""
+    100 positions the query heads are shared out among the threads). A float16 cache gets the new k and v
+    rounded to nearest, as torch rounds them, and attention reads its values widened."""
     torch.manual_seed(0)
     kernels.set_threads(threads)
     nh, nkv, hd, slot0 = 6, 2, 32, 40
-    cache = torch.randn(2 * nkv, 256, hd)
+    cache = torch.randn(2 * nkv, 256, hd).to(kv_dtype)
     qkv = torch.randn(1, (nh + 2 * nkv) * hd)
     cos, sin = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd), S - 1, 1)
     sin_signed = sin[0] * torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
@@ -76,24 +78,27 @@ def test_decode_attention_matches_sdpa(S: int, threads: int) -> None:
     rot = x[:nh + nkv]
     x[:nh + nkv] = rot * cos[0] + torch.cat([-rot[:, hd // 2:], rot[:, :hd // 2]], -1) * sin[0]
     want_cache = cache.clone()
-    want_cache[:, slot0 + S - 1] = x[nh:]
-    kv = want_cache[:, slot0:slot0 + S].unsqueeze(0)
+    want_cache[:, slot0 + S - 1] = x[nh:].to(kv_dtype)
+    kv = want_cache[:, slot0:slot0 + S].unsqueeze(0).float()
     want = F.scaled_dot_product_attention(x[:nh].view(1, nh, 1, hd), kv[:, :nkv], kv[:, nkv:], enable_gqa=True)
     got = kernels.decode_attention(qkv, cos[0].contiguous(), sin_signed.contiguous(), cache, slot0, S, nh, nkv)
     torch.testing.assert_close(got, want.reshape(1, nh * hd), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
+    tol = 0 if kv_dtype == torch.float16 else 1e-5  # (float16: the same rounding, so the same bits)
+    torch.testing.assert_close(cache, want_cache, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_batch_over_block_tables(threads: int) -> None:
+def test_decode_attention_batch_over_block_tables(threads: int, kv_dtype: torch.dtype) -> None:
     """Several sequences over a paged cache (scattered, out-of-order blocks): each row equals SDPA over its
-    gathered slots, and equals the single-sequence kernel bit for bit (batch invariance)."""
+    gathered slots, and equals the single-sequence kernel bit for bit (batch invariance); a float16 cache
+    as in test_decode_attention_matches_sdpa."""
     torch.manual_seed(1)
     kernels.set_threads(threads)
     nh, nkv, hd, bs, T = 6, 2, 32, 4, 64
     cos_t, sin_t = rope_cos_sin(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd), 0, T)
     sin_s = sin_t * torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
-    cache = torch.randn(2 * nkv, 40 * bs, hd)
+    cache = torch.randn(2 * nkv, 40 * bs, hd).to(kv_dtype)
     lens = [1, 9, 23, 4, 16, 45]  # each token sits at position len - 1 (45: alone, its heads are shared out)
     perm = torch.randperm(40).tolist()
     tables, k = [], 0
@@ -115,8 +120,8 @@ def test_decode_attention_batch_over_block_tables(threads: int) -> None:
         rot = x[:nh + nkv]
         x[:nh + nkv] = rot * cos_t[n - 1] + torch.cat([-rot[:, hd // 2:], rot[:, :hd // 2]], -1) * sin_t[n - 1]
         slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n)])
-        want_cache[:, slots[-1]] = x[nh:]
-        kv = want_cache[:, slots].unsqueeze(0)
+        want_cache[:, slots[-1]] = x[nh:].to(kv_dtype)
+        kv = want_cache[:, slots].unsqueeze(0).float()
         want = F.scaled_dot_product_attention(x[:nh].view(1, nh, 1, hd), kv[:, :nkv], kv[:, nkv:], enable_gqa=True)
         torch.testing.assert_close(y[r], want.reshape(nh * hd), rtol=1e-5, atol=1e-5)
         # the same sequence alone, its blocks copied to consecutive slots: the same bits
@@ -124,7 +129,8 @@ def test_decode_attention_batch_over_block_tables(threads: int) -> None:
         one = kernels.decode_attention(qkv0[r:r + 1].clone(), cos_t[n - 1].contiguous(), sin_s[n - 1].contiguous(),
                                        c1, 0, n, nh, nkv)
         assert torch.equal(one[0], y[r])
-    torch.testing.assert_close(cache, want_cache, rtol=1e-5, atol=1e-5)
+    tol = 0 if kv_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(cache, want_cache, rtol=tol, atol=tol)
     assert torch.equal(y[[1, 4]], torch.full((2, nh * hd), 7.0))  # other rows untouched
 
 

@@ -237,6 +237,80 @@ static void check_decode_attention(long nh, long nkv, long hd, long S, int rope)
     free(qkv); free(cache); free(y); free(cos); free(sin); free(rq); free(rc); free(ry); free(slot_of);
 }
 
+/* A float16 cache: the k and v written are the rotated values rounded to nearest (f2h's bits), and the output
+   is the reference's over the cache's values widened (h2f) */
+static uint16_t* to_half(const float* v, long n) {
+    uint16_t* h = xmalloc((size_t)n * sizeof(uint16_t));
+    for (long i = 0; i < n; i++) h[i] = f2h(v[i]);
+    return h;
+}
+
+static void check_decode_attention_f16(long nh, long nkv, long hd, long S, int threads) {
+    char what[96];
+    snprintf(what, sizeof what, "decode_attention f16 nh=%ld nkv=%ld hd=%ld S=%ld threads=%d", nh, nkv, hd, S,
+             threads);
+    long nq = (nh + 2 * nkv) * hd, slot0 = 1, slots = S + 2, cn = 2 * nkv * slots * hd;
+    float *qkv = randv(nq), *cache0 = randv(cn), *y = randv(nh * hd), *cos = randv(hd), *sin = randv(hd);
+    uint16_t* cache = to_half(cache0, cn);
+    float* rq = copyv(qkv, nq);
+    float* rc = xmalloc((size_t)cn * sizeof(float));
+    ref_rope(rq, cos, sin, nh, nkv, hd);
+    for (long h = 0; h < 2 * nkv; h++)  /* the new token's k and v, as the kernel writes them */
+        for (long d = 0; d < hd; d++) cache0[(h * slots + slot0 + S - 1) * hd + d] = rq[(nh + h) * hd + d];
+    uint16_t* want = to_half(cache0, cn);
+    for (long i = 0; i < cn; i++) rc[i] = h2f(want[i]);
+    double* ry = xmalloc((size_t)nh * hd * sizeof(double));
+    long* slot_of = xmalloc((size_t)S * sizeof(long));
+    for (long t = 0; t < S; t++) slot_of[t] = slot0 + t;
+    ref_attend(rq, rc, slots, slot_of, S, nh, nkv, hd, ry);
+    wsc_set_threads(threads);
+    if (wsc_decode_attention_ex(qkv, cos, sin, cache, slots, slot0, S, nh, nkv, hd, 1.0f / sqrtf((float)hd), y, 0,
+                                NULL, 1) != 0) {
+        fprintf(stderr, "FAIL %s: out of memory\n", what);
+        g_fail++;
+    }
+    wsc_set_threads(1);
+    for (long i = 0; i < cn; i++) expect(what, i, cache[i], want[i], 0, 0);
+    for (long i = 0; i < nh * hd; i++) expect(what, i, y[i], ry[i], 1, 1e-5);
+    free(qkv); free(cache0); free(y); free(cos); free(sin); free(cache); free(rq); free(rc); free(want); free(ry);
+    free(slot_of);
+}
+
+/* float <-> half: the vector conversions (the hardware's with AVX-512) agree with f2h / h2f on every
+   half and on floats at and around each rounding boundary, subnormals, overflow, infinities and NaN */
+static void check_half_conversions(void) {
+    const char* what = "float16 conversions";
+    float f[16];
+    uint16_t h[16];
+    for (uint32_t b = 0; b < 65536; b += 16) {  /* every half: widen, then narrow back (NaNs stay NaN) */
+        for (int i = 0; i < 16; i++) h[i] = (uint16_t)(b + i);
+        v16 v = ldh16(h);
+        for (int i = 0; i < 16; i++) {
+            float want = h2f(h[i]);
+            if (!(v[i] == want || (v[i] != v[i] && want != want))) expect(what, b + i, v[i], want, 0, 0);
+        }
+        uint16_t back[16];
+        sth16(back, v);
+        for (int i = 0; i < 16; i++)
+            if (((h[i] & 0x7C00u) != 0x7C00u || !(h[i] & 0x3FFu)) && back[i] != h[i]) expect(what, b + i, back[i], h[i], 0, 0);
+    }
+    for (long n = 0; n < 100000; n++) {
+        for (int i = 0; i < 16; i++) {  /* from 2^-26 to 2^17 (the halves' subnormals to past their largest), either
+                                           sign; every fourth exactly halfway between two normal halves */
+            uint32_t e = 101 + (uint32_t)((frand() + 1) * 21.5f), m = (uint32_t)((frand() + 1) * 4194304.0f) & 0x7FFFFFu;
+            if (n % 4 == 0) m = (m & ~0x1FFFu) | 0x1000u;
+            uint32_t u = (frand() < 0 ? 0x80000000u : 0u) | e << 23 | m;
+            memcpy(&f[i], &u, 4);
+        }
+        f[0] = 65519.0f; f[1] = 65520.0f; f[2] = -1e30f; f[3] = 0x1p-25f; f[4] = 0x1.8p-25f; f[5] = -0.0f;
+        f[6] = INFINITY;
+        v16 v;
+        memcpy(&v, f, sizeof v);
+        sth16(h, v);
+        for (int i = 0; i < 16; i++) if (h[i] != f2h(f[i])) expect(what, n * 16 + i, h[i], f2h(f[i]), 0, 0);
+    }
+}
+
 /* B sequences over a block-paged cache, one thread and two (the pool's attention jobs): against the
    reference, and the same bits either way */
 static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
@@ -524,6 +598,10 @@ int main(void) {
     check_decode_attention(4, 2, 32, 100, 0);
     wsc_set_threads(1);
     check_decode_attention_batch(4, 2, 32, 4);
+    check_half_conversions();
+    check_decode_attention_f16(3, 1, 64, 33, 1);
+    check_decode_attention_f16(9, 3, 64, 40, 2);
+    check_decode_attention_f16(4, 2, 32, 5, 1);
     check_decode_attention_batch(3, 1, 64, 16);
     check_decode_layers();
     const long qs[][3] = {{1, 5, 256}, {3, 37, 512}, {5, 70, 256}, {17, 16, 256}, {1, 130, 512}};

@@ -114,7 +114,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate_seq2seq(model, tok, ids, a)
     params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
-    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens, dtype=a.dtype,
+    with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
              speculative=speculative) as llm:  # the serving engine
         pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
         if a.chat is None:
@@ -346,7 +346,8 @@ def cmd_sparsity_report(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from waferscale.serve.server import serve
 
-    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "dtype": a.dtype, "speculative": _speculation(a)}
+    engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "dtype": a.dtype, "speculative": _speculation(a),
+                 "kv_cache_dtype": a.kv_cache_dtype}
     if a.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = a.max_num_seqs
     serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
@@ -432,13 +433,19 @@ def _speculation(a: argparse.Namespace) -> "NgramSpeculation | None":
     return speculation(a.speculative, a.num_speculative_tokens, a.prompt_lookup_max, a.prompt_lookup_min)
 
 
-def _dtype_flag(p: argparse.ArgumentParser) -> None:
+def _dtype_flag(p: argparse.ArgumentParser, kv: bool = True) -> None:
     from waferscale.serve.file_weights import DTYPES
+    from waferscale.serve.kv import KV_CACHE_DTYPES
 
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the precision the weight matrices run in: auto = a GGUF file's own (its Q4_1, Q8_0, ... "
                         "blocks, read in place by the kernels), float32 for other checkpoints; any other "
                         "requantizes at load")
+    if kv:
+        p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", dest="kv_cache_dtype", default="auto",
+                       choices=KV_CACHE_DTYPES,
+                       help="the KV cache's element type: auto = fp16 when the weights run in a file's precision "
+                            "(as llama.cpp), else the weights' own (fp32); fp16 halves the bytes attention reads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -493,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
             _model_source_flags(p)
             p.add_argument("--format", default="hf", help="hf (a directory) or gguf (a file, from a .gguf source)")
             p.add_argument("--out", required=True, help="output directory (hf) or file (gguf)")
-            _dtype_flag(p)
+            _dtype_flag(p, kv=False)
         elif name == "compile":
             p.add_argument("--model", default=None, help="a zoo name (see `wsc models`)")
             p.add_argument("--params", default=None, help="a params YAML (Model Zoo layout)")

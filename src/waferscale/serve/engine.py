@@ -39,7 +39,7 @@ from waferscale.models.layers import CausalLM
 from waferscale.models.modelzoo import fold_mup_model
 from waferscale.serve.file_weights import served_weights
 from waferscale.serve.model_runner import BatchSpec, ModelRunner
-from waferscale.serve.kv import BlockAllocator, KVPool
+from waferscale.serve.kv import BlockAllocator, KVPool, kv_cache_dtype as resolve_kv_dtype
 from waferscale.serve.sampling import (Detokenizer, RequestSampler, SamplingParams, TokenBytes, logprob_entry,
                                        sample_rows)
 from waferscale.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput, Sequence
@@ -157,6 +157,8 @@ class Engine:
     speculative decoding (serve/speculative.py; None: off); requests with structured output do not speculate.
     dtype: the precision the matrices run in (serve/file_weights.py): "auto" is a GGUF's own (loaded with
     keep_quantized) or else float32; fp32, bf16, q8_0, q4_0, q4_1 requantize at load. Not float32: CPU only.
+    kv_cache_dtype: the KV cache's element type, auto / fp32 / fp16 (serve/kv.py's kv_cache_dtype: auto is
+    float16 with weights in a file's precision, as llama.cpp, else the weights' dtype).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
@@ -164,7 +166,8 @@ class Engine:
                  kv_cache_mb: float = 512, stages: int = 1, device: str | torch.device = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
                  decode_threads: int | None = None, enable_prefix_caching: bool = True,
-                 speculative: NgramSpeculation | None = None, dtype: str = "auto") -> None:
+                 speculative: NgramSpeculation | None = None, dtype: str = "auto",
+                 kv_cache_dtype: str = "auto") -> None:
         model = fold_mup_model(model)  # muP's multipliers folded into the weights: the same logits, standard kernels
         cfg = model.config
         if not isinstance(stages, int) or not 1 <= stages <= cfg.n_layer:
@@ -182,8 +185,9 @@ class Engine:
             model.to(device)
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len: int = cfg.max_seq_len
-        dtype = model.head.lm_head.weight.dtype
-        bpb = KVPool.bytes_per_block(cfg.n_layer, block_size, cfg.kv_heads, cfg.head_dim, dtype)
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.head.lm_head.weight.dtype, bool(qweights))
+        self.kv_dtype = kv_dtype
+        bpb = KVPool.bytes_per_block(cfg.n_layer, block_size, cfg.kv_heads, cfg.head_dim, kv_dtype)
         if num_blocks is None:
             num_blocks = int(kv_cache_mb * 2**20) // bpb
         per_stage = num_blocks // stages
@@ -203,7 +207,8 @@ class Engine:
         if stages == 1:
             runner = ModelRunner(model, 0, cfg.n_layer, num_blocks=self.num_blocks, block_size=block_size,
                                  has_embed=True, has_head=True, device=device, fast_linear=fast_linear,
-                                 threads=threads, decode_threads=decode_threads, qweights=qweights)
+                                 threads=threads, decode_threads=decode_threads, qweights=qweights,
+                                 kv_dtype=kv_dtype)
             self.fast_linear = runner.fast_linear
             self.c_kernels: bool | None = runner.c_kernels  # None: decided in each stage process
             self.decode_threads: int | None = runner.decode_threads
@@ -215,7 +220,8 @@ class Engine:
 
             self._executor = PipelineExecutor(model, stages, num_blocks=self.num_blocks, block_size=block_size,
                                               device=device, fast_linear=fast_linear, threads_per_stage=threads,
-                                              decode_threads=decode_threads, qweights=qweights)
+                                              decode_threads=decode_threads, qweights=qweights,
+                                              kv_dtype=kv_dtype)
             self.fast_linear = self._executor.fast_linear
             self.c_kernels = self.decode_threads = self.weight_bytes = self._runner = None
         eos = getattr(tokenizer, "eos_id", None)
@@ -258,7 +264,7 @@ class Engine:
         """Picklable facts for a client in another process (serve/core.py)."""
         return {"max_model_len": self.max_model_len, "limits": self.limits(), "stats": self.stats(),
                 "c_kernels": self.c_kernels, "decode_threads": self.decode_threads, "fast_linear": self.fast_linear,
-                "stages": self.stages}
+                "stages": self.stages, "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

@@ -103,8 +103,8 @@ def _build() -> ctypes.CDLL:
             ("wsc_qrows", [P, I, L, L, P, L, P], I),
             ("wsc_qset_int8", [I], I),
             ("wsc_rms_norm", [P, P, F, P, L, L], None),
-            ("wsc_decode_attention_ex", [P, P, P, P, L, L, L, L, L, L, F, P, L, P], I),
-            ("wsc_decode_attention_batch_ex", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L, L, P], I),
+            ("wsc_decode_attention_ex", [P, P, P, P, L, L, L, L, L, L, F, P, L, P, I], I),
+            ("wsc_decode_attention_batch_ex", [P, L, P, L, P, P, P, P, L, P, L, L, L, L, L, F, P, L, L, P, I], I),
             ("wsc_silu_mul", [P, P, L, L], None),
             ("wsc_argmax", [P, L], L),
             ("wsc_argmax_rows", [P, L, L, L, P], None),
@@ -263,6 +263,16 @@ def linear(x: Tensor, wp: Tensor | SparsePanels, out: int, bias: Tensor | None =
     return y
 
 
+KV_DTYPES = (torch.float32, torch.float16)  # the KV cache dtypes the decode attention reads
+
+
+def kv16(cache: Tensor) -> int:
+    """1 for a float16 KV cache, 0 for float32 (the kernels' flag); anything else is refused."""
+    if cache.dtype not in KV_DTYPES:
+        raise ValueError(f"the C decode attention reads a float32 or float16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
+
+
 def decode_attention(qkv: Tensor, cos: Tensor | None, sin_signed: Tensor | None, cache: Tensor, slot0: int,
                      S: int, n_head: int, n_kv: int, window: int = 0, slopes: Tensor | None = None) -> Tensor:
     """One new token of one sequence whose KV is in consecutive slots [slot0, slot0 + S) of `cache`
@@ -270,12 +280,12 @@ def decode_attention(qkv: Tensor, cos: Tensor | None, sin_signed: Tensor | None,
     `sin_signed` ((hd,) each, or None), writes k and v to slot slot0 + S - 1 and returns the (1, n_head * hd)
     attention output (scale 1/sqrt(hd)) over every position, or with `window` over the latest `window` ones (the
     slots before them are not read); `slopes` ((n_head,) float32): ALiBi's bias slope * (t - (S - 1)) on the
-    score of position t."""
+    score of position t. The cache is float32 or float16 (k and v are written rounded to nearest)."""
     hd = cache.shape[-1]
     y = torch.empty(1, n_head * hd)
     if _lib.wsc_decode_attention_ex(qkv.data_ptr(), _ptr(cos), _ptr(sin_signed), cache.data_ptr(), cache.shape[1],
                                     slot0, S, n_head, n_kv, hd, hd ** -0.5, y.data_ptr(), window,
-                                    _ptr(slopes)) != 0:
+                                    _ptr(slopes), kv16(cache)) != 0:
         raise MemoryError(f"decode attention over {S} positions: out of memory for the scores")
     return y
 
@@ -294,7 +304,7 @@ def decode_attention_batch(qkv: Tensor, rows: Tensor, pos: Tensor, cos_t: Tensor
     rc = _lib.wsc_decode_attention_batch_ex(
         qkv.data_ptr(), qkv.shape[1], rows.data_ptr(), rows.shape[0], pos.data_ptr(), _ptr(cos_t), _ptr(sin_t),
         cache.data_ptr(), cache.shape[1], tables.data_ptr(), tables.shape[1], block_size, n_head, n_kv, hd,
-        hd ** -0.5, y.data_ptr(), y.shape[1], window, _ptr(slopes))
+        hd ** -0.5, y.data_ptr(), y.shape[1], window, _ptr(slopes), kv16(cache))
     if rc != 0:
         raise MemoryError("batched decode attention: out of memory for the scores")
 
@@ -353,7 +363,7 @@ class _LayerT(ctypes.Structure):  # csrc/decode_layers.c's layer_t
         [(f, ctypes.c_void_p) for f in _SPARSE_OFFS.values()] + [("window", ctypes.c_long), ("slopes", ctypes.c_void_p)] + \
         [("n_experts", ctypes.c_long), ("top_k", ctypes.c_long)] + \
         [(f, ctypes.c_void_p) for f in ("wr", "orr", "wgu_e", "ogu_e", "wd_e", "od_e", "picked")] + \
-        [(f, ctypes.c_int) for f in _QUANT_TYPES.values()]
+        [(f, ctypes.c_int) for f in _QUANT_TYPES.values()] + [("kv16", ctypes.c_int)]
 
 
 def _blob_off(w: Tensor | SparsePanels) -> tuple[int, int | None]:
@@ -369,7 +379,7 @@ class DecodeStack:
                  slopes: Tensor | None = None) -> None:
         """layers: per layer attn_norm, attn_eps, wqkv, bqkv, wo, bo, mlp_norm, mlp_eps, wgu, bgu, wd, bd (None
         for absent biases; weights packed by pack or pack_sparse, or wqkv / wo / wgu / wd as QWeights of
-        serve/quant.py, packed here once) and cache ((2 n_kv, slots, hd)); a mixture of experts (single-sequence
+        serve/quant.py, packed here once) and cache ((2 n_kv, slots, hd), float32 or float16); a mixture of experts (single-sequence
         decode only: __call__) has instead of wgu / wd the packed router wr, its top_k and experts, [(wgu, wd)]
         without biases (float panels); `picked` ((layers, top_k) int64) then holds after each call the experts
         each layer ran, in index order. window, slopes: every layer's attention over the latest
@@ -391,7 +401,7 @@ class DecodeStack:
                     v = v.blob
                 setattr(t, f, _ptr(v))
             t.attn_eps, t.mlp_eps = d["attn_eps"], d["mlp_eps"]
-            t.window, t.slopes = window, _ptr(slopes)
+            t.window, t.slopes, t.kv16 = window, _ptr(slopes), kv16(d["cache"])
         experts = [d.get("experts") for d in layers]
         self.moe = any(experts)
         top_k = max((d["top_k"] for d in layers if d.get("experts")), default=0)

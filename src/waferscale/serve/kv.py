@@ -175,10 +175,26 @@ class BlockAllocator:
         return sum(b != FREED for b in self.tables.get(seq_id, ()))
 
 
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16")  # --kv-cache-dtype's choices
+
+
+def kv_cache_dtype(choice: str, weights: torch.dtype, file_precision: bool) -> torch.dtype:
+    """The KV cache's element type for --kv-cache-dtype `choice`: fp32 / fp16 as named; auto is float16 when
+    the matrices run in a file's (or a requantized) precision, as llama.cpp keeps its KV by default, and else
+    the weights' dtype, as vLLM's auto (float32 weights keep a float32 cache: the same bits as the model)."""
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
+    if choice == "auto":
+        return torch.float16 if file_precision else weights
+    return {"fp32": torch.float32, "fp16": torch.float16}[choice]
+
+
 class KVPool:
     """K and V for a range of layers in one (n_layers, 2 * n_kv_head, num_slots, head_dim) tensor: per layer the
     k heads, then the v heads, head-major, so that one index_copy_ writes a step's k and v and one
-    index_select gathers a sequence's keys and values already in attention's (nkv, S, hd) layout."""
+    index_select gathers a sequence's keys and values already in attention's (nkv, S, hd) layout. Its dtype may
+    be narrower than the activations' (a float16 cache for float32 compute): values are rounded on the way in
+    and widened on the way out."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:

@@ -258,7 +258,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, lo: int, hi: int, *, num_blocks: int, block_size: int,
                  has_embed: bool, has_head: bool, device: torch.device | str = "cpu",
                  fast_linear: bool | None = None, threads: int | None = None,
-                 decode_threads: int | None = None, qweights: dict[str, quant.QWeight] | None = None) -> None:
+                 decode_threads: int | None = None, qweights: dict[str, quant.QWeight] | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
         q = qweights or {}
         check_servable(cfg)
@@ -277,7 +278,9 @@ class ModelRunner:
         self.fast_linear = pack or ckern
         self.c_kernels = ckern  # C kernels for every projection, norm and SwiGLU (serve/kernels.py)
         # one decode token of one sequence with contiguous KV: rope + KV write + attention in one C call
-        self.c_attention = ckern and cfg.head_dim % 16 == 0 and cfg.n_head % cfg.kv_heads == 0
+        self.kv_dtype = kv_dtype or self.dtype  # the KV cache's elements (KVPool), float16 or the weights' dtype
+        self.c_attention = ckern and cfg.head_dim % 16 == 0 and cfg.n_head % cfg.kv_heads == 0 and \
+            self.kv_dtype in kernels.KV_DTYPES
         self.decode_threads = 1  # threads sharing each of those products (the kernels decide when it pays)
         if ckern:
             self.decode_threads = kernels.set_threads(
@@ -327,7 +330,7 @@ class ModelRunner:
         self.window = cfg.sliding_window or 0
         self.slopes = model.blocks[0].attn.slopes.to(self.device, torch.float32).contiguous() \
             if cfg.position == "alibi" else None
-        self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv = KVPool(hi - lo, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.kv_dtype, self.device)
         self.gqa = cfg.kv_heads != cfg.n_head
         self.stack = self._decode_stack(model) if self.c_attention else None
         self.stack_batch = self.stack is not None and not self.stack.moe  # (a mixture batches per layer)
@@ -443,7 +446,7 @@ class ModelRunner:
                            nkv: int) -> Tensor:
         """One prefill chunk's queries (T, nh, hd) against its sequence's cached KV -> (T, nh, hd)."""
         qi = q.transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, T, hd)
-        kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0)
+        kvi = (cache[:, idx] if isinstance(idx, slice) else cache.index_select(1, idx)).unsqueeze(0).to(q.dtype)
         if mask is not None and mask.is_floating_point():  # ALiBi's bias, made in float32
             mask = mask.to(q.dtype)
         par = self.threads > 1 and q.shape[0] >= 64  # (1, 2 nkv, S, hd) ^
@@ -469,7 +472,8 @@ class ModelRunner:
                 n = r1 - r0
                 if P.cos is not None:
                     _rope_(qkv[r0:r1, :(nh + nkv) * hd].view(n, nh + nkv, hd), P.cos[r0:r1], P.sin[r0:r1])
-                cache.index_copy_(1, P.slots[r0:r1], qkv[r0:r1, nh * hd:].view(n, 2 * nkv, hd).transpose(0, 1))
+                cache.index_copy_(1, P.slots[r0:r1],
+                                  qkv[r0:r1, nh * hd:].view(n, 2 * nkv, hd).transpose(0, 1).to(cache.dtype))
                 y[r0:r1] = self._prefill_attention(qkv[r0:r1, :nh * hd].view(n, nh, hd), cache, idx, mask, causal,
                                                    nkv).reshape(n, nh * hd)
             pos, tables = P.dec_c
@@ -480,7 +484,7 @@ class ModelRunner:
             _rope_(qkv[:, :(nh + nkv) * hd].view(N, nh + nkv, hd), P.cos, P.sin)
         q = qkv[:, :nh * hd].view(N, nh, hd)
         cache = self.kv.kv[li]  # (2 nkv, slots, hd): k heads then v heads
-        cache.index_copy_(1, P.slots, qkv[:, nh * hd:].view(N, 2 * nkv, hd).transpose(0, 1))
+        cache.index_copy_(1, P.slots, qkv[:, nh * hd:].view(N, 2 * nkv, hd).transpose(0, 1).to(cache.dtype))
         # (index_select, not advanced indexing: it stays on the calling thread's fast path)
         y = None if (P.dec_all or (len(P.prefill) == 1 and P.dec_rows is None)) else x.new_empty(N, nh, hd)
         for r0, r1, idx, mask, causal in P.prefill:
@@ -492,13 +496,13 @@ class ModelRunner:
         if P.dec_rows is not None:
             qd = (q if P.dec_all else q[P.dec_rows]).unsqueeze(2)  # (B, nh, 1, hd)
             if P.dec_slice is not None:  # one sequence, contiguous KV: a view of the cache
-                kvd = cache[:, P.dec_slice].unsqueeze(0)  # (1, 2 nkv, S, hd)
+                kvd = cache[:, P.dec_slice].unsqueeze(0).to(qd.dtype)  # (1, 2 nkv, S, hd)
                 mask = P.dec_bias_one(kvd.shape[2])
             else:
                 dec_slots, mask = P.dec_gather
                 B, S = dec_slots.shape
                 qd = qd.contiguous()
-                kvd = cache.index_select(1, dec_slots.view(-1)).view(2 * nkv, B, S, hd)
+                kvd = cache.index_select(1, dec_slots.view(-1)).view(2 * nkv, B, S, hd).to(qd.dtype)
                 kvd = kvd.transpose(0, 1).contiguous() if B > 1 else kvd.view(1, 2 * nkv, S, hd)  # (B, 2 nkv, S, hd)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(qd.dtype)

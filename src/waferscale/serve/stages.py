@@ -94,7 +94,7 @@ class PipelineExecutor:
     def __init__(self, model: CausalLM, stages: int, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", fast_linear: bool | None = None,
                  threads_per_stage: int | None = None, decode_threads: int | None = None,
-                 qweights: dict[str, QWeight] | None = None) -> None:
+                 qweights: dict[str, QWeight] | None = None, kv_dtype: torch.dtype | None = None) -> None:
         if torch.device(device).type != "cpu":
             raise ValueError("pipelined stages run on CPU worker processes here; use stages=1 on "
                              f"{torch.device(device).type}")
@@ -102,7 +102,7 @@ class PipelineExecutor:
         threads = threads_per_stage or max(1, torch.get_num_threads() // stages)
         ctx = mp.get_context("spawn")
         kw = dict(num_blocks=num_blocks, block_size=block_size, device="cpu", fast_linear=fast_linear,
-                  threads=threads, decode_threads=decode_threads, qweights=qweights)
+                  threads=threads, decode_threads=decode_threads, qweights=qweights, kv_dtype=kv_dtype)
         prev, self._send = ctx.Pipe(duplex=False)  # prev: the receiving end of the hop into the next stage
         self._procs = []
         for rank, (lo, hi) in enumerate(self.ranges):

@@ -24,10 +24,11 @@ static inline long run_of(const long* table, long bs, long slot0, long t0, long 
    not NULL: x * cos + swap_halves(x) * sin_signed, sin_signed = sin with its first half negated) and writes
    its k and v to cache slot `slot`; `attend` computes y (nh * hd) = softmax(q K^T * scale) V over positions
    [0, S), reading the cache only. qkv: (nh + 2 nkv) * hd projections (q heads | k heads | v heads); cache:
-   (2 nkv, slots, hd), k heads then v heads; hd % 16 == 0. The arithmetic is the same whatever the slots and
-   whichever thread runs it: batched and single-sequence decode agree bit for bit. */
-static void rope_write(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots, long slot,
-                       long nh, long nkv, long hd) {
+   (2 nkv, slots, hd), k heads then v heads, float32 or (kv16) float16, written rounded to nearest; hd % 16 ==
+   0. The arithmetic is the same whatever the slots and whichever thread runs it: batched and single-sequence
+   decode agree bit for bit. */
+static void rope_write(float* qkv, const float* cos, const float* sin_signed, void* cache, long slots, long slot,
+                       long nh, long nkv, long hd, int kv16) {
     long half = hd / 2;
     if (cos) {
         for (long h = 0; h < nh + nkv; h++) {
@@ -39,8 +40,14 @@ static void rope_write(float* qkv, const float* cos, const float* sin_signed, fl
             }
         }
     }
-    for (long h = 0; h < 2 * nkv; h++)
-        __builtin_memcpy(cache + ((size_t)h * slots + slot) * hd, qkv + (nh + h) * hd, hd * sizeof(float));
+    for (long h = 0; h < 2 * nkv; h++) {
+        const float* src = qkv + (nh + h) * hd;
+        size_t at = ((size_t)h * slots + slot) * hd;
+        if (kv16)
+            for (long d = 0; d < hd; d += 16) sth16((uint16_t*)cache + at + d, ld16(src + d));
+        else
+            __builtin_memcpy((float*)cache + at, src, hd * sizeof(float));
+    }
 }
 
 /* this thread's scratch for g * S scores; NULL when out of memory */
@@ -54,8 +61,8 @@ static float* scores_buf(long n) { return grow(&t_scores, &t_cap, n, sizeof(floa
    that share them. Values: g heads at once, each V row loaded once. Only query heads [h0, h1) are computed
    (their rows of y written): each head's arithmetic is its own, so a head's output has the same bits whichever
    heads are computed with it. Returns 0, or -1 when out of memory (nothing written to y). */
-static inline __attribute__((always_inline)) void scores16(const float* q, const float* const* kr, int n, long hd,
-                                                           float scale, float* out) {
+static inline __attribute__((always_inline)) void scores16(const float* q, const void* const* kr, int n, long hd,
+                                                           float scale, float* out, int kv16) {
     v16 acc[16];
 #pragma GCC unroll 16
     for (int l = 0; l < 16; l++) acc[l] = (v16){0};
@@ -63,17 +70,17 @@ static inline __attribute__((always_inline)) void scores16(const float* q, const
         v16 q0 = ld16(q), q1 = ld16(q + 16), q2 = ld16(q + 32), q3 = ld16(q + 48);
 #pragma GCC unroll 16
         for (int l = 0; l < 16; l++) if (l < n) {
-            const float* k = kr[l];
-            acc[l] += q0 * ld16(k);
-            acc[l] += q1 * ld16(k + 16);
-            acc[l] += q2 * ld16(k + 32);
-            acc[l] += q3 * ld16(k + 48);
+            const void* k = kr[l];
+            acc[l] += q0 * ldkv(k, 0, kv16);
+            acc[l] += q1 * ldkv(k, 16, kv16);
+            acc[l] += q2 * ldkv(k, 32, kv16);
+            acc[l] += q3 * ldkv(k, 48, kv16);
         }
     } else {
         for (long d = 0; d < hd; d += 16) {
             v16 qv = ld16(q + d);
 #pragma GCC unroll 16
-            for (int l = 0; l < 16; l++) if (l < n) acc[l] += qv * ld16(kr[l] + d);
+            for (int l = 0; l < 16; l++) if (l < n) acc[l] += qv * ldkv(kr[l], d, kv16);
         }
     }
 #ifdef HAVE_TREE
@@ -95,9 +102,11 @@ static inline __attribute__((always_inline)) void scores16(const float* q, const
 
 /* o[j][v] (j < JN heads, v < 4 vectors of 16 dims from dim i) = sum over positions u in [lo, S), in order, of
    p[j * (S - lo) + u - lo] * V_u[i + 16 v ..] */
-static inline __attribute__((always_inline)) void pv_block(const float* Vh, long hd, long i, int nv, int JN,
+static inline __attribute__((always_inline)) void pv_block(const void* Vh, long hd, long i, int nv, int JN,
                                                            const float* p, long lo, long S, const long* table,
-                                                           long bs, long slot0, const float* inv, float* out) {
+                                                           long bs, long slot0, const float* inv, float* out,
+                                                           int kv16) {
+    long es = kv16 ? 2 : 4;  /* bytes a cache value */
     long P = S - lo;
     v16 o[4][4];
 #pragma GCC unroll 4
@@ -107,10 +116,10 @@ static inline __attribute__((always_inline)) void pv_block(const float* Vh, long
     for (long t0 = lo, base, n; t0 < S; t0 += n) {
         n = run_of(table, bs, slot0, t0, S, &base);
         for (long u = 0; u < n; u++) {
-            const float* vr = Vh + (base + u) * hd + i;
+            const char* vr = (const char*)Vh + (base + u) * hd * es;
             v16 vv[4];
 #pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) vv[v] = v < nv ? ld16(vr + 16 * v) : (v16){0};
+            for (int v = 0; v < 4; v++) vv[v] = v < nv ? ldkv(vr, i + 16 * v, kv16) : (v16){0};
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) if (j < JN) {
                 v16 pu = vsplat(p[j * P + t0 - lo + u]);
@@ -131,15 +140,17 @@ static inline __attribute__((always_inline)) void pv_block(const float* Vh, long
 static _Thread_local long* t_slot;
 static _Thread_local long t_slot_cap;
 
-/* prefetch the hd floats at p (into L1: locality 3; L2: 2) */
-static inline void prefetch_row(const float* p, long hd, int l2) {
-    for (long d = 0; d < hd; d += 16) {
-        if (l2) __builtin_prefetch(p + d, 0, 2); else __builtin_prefetch(p + d, 0, 3);
+/* prefetch the `bytes` at p (into L1: locality 3; L2: 2) */
+static inline void prefetch_row(const void* p, long bytes, int l2) {
+    for (long d = 0; d < bytes; d += 64) {
+        if (l2) __builtin_prefetch((const char*)p + d, 0, 2); else __builtin_prefetch((const char*)p + d, 0, 3);
     }
 }
 
-static int attend(const float* qkv, const float* cache, long slots, long slot0, const long* table, long bs, long lo,
-                  long S, const float* slopes, long nh, long nkv, long hd, float scale, float* y, long h0, long h1) {
+static inline __attribute__((always_inline)) int attend_t(const float* qkv, const void* cache, long slots,
+                                                          long slot0, const long* table, long bs, long lo, long S,
+                                                          const float* slopes, long nh, long nkv, long hd,
+                                                          float scale, float* y, long h0, long h1, int kv16) {
     long g = nh / nkv;
     long P = S - lo;  /* the positions attended; below, position lo + t is t */
     float* sc = scores_buf(g * P);
@@ -154,29 +165,30 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
         n = run_of(table, bs, slot0, t0, S, &base);
         for (long u = 0; u < n; u++) slot[t0 - lo + u] = base + u;
     }
-    long kh1 = (h1 - 1) / g;
+    long kh1 = (h1 - 1) / g, rb = hd * (kv16 ? 2 : 4);  /* bytes a cache row */
+#define ROW(base, t) ((const char*)(base) + slot[t] * rb)
     for (long kh = h0 / g; kh <= kh1; kh++) {
-        const float* Kh = cache + (size_t)kh * slots * hd;
-        const float* Vh = cache + (size_t)(nkv + kh) * slots * hd;
+        const char* Kh = (const char*)cache + (size_t)kh * slots * rb;
+        const char* Vh = (const char*)cache + (size_t)(nkv + kh) * slots * rb;
         const float* q = qkv + kh * g * hd;
         long ja = h0 > kh * g ? h0 - kh * g : 0, jb = h1 < (kh + 1) * g ? h1 - kh * g : g;  /* its heads here */
         if (kh == h0 / g)  /* this head's K and V into L2 now; each later head's while the one before computes */
-            for (long t = 0; t < P; t++) { prefetch_row(Kh + slot[t] * hd, hd, 1); prefetch_row(Vh + slot[t] * hd, hd, 1); }
-        const float* Kn = kh < kh1 ? Kh + (size_t)slots * hd : NULL;
-        const float* Vn = kh < kh1 ? Vh + (size_t)slots * hd : NULL;
-        for (long t = 0; t < 16 && t < P; t++) prefetch_row(Kh + slot[t] * hd, hd, 0);
+            for (long t = 0; t < P; t++) { prefetch_row(ROW(Kh, t), rb, 1); prefetch_row(ROW(Vh, t), rb, 1); }
+        const char* Kn = kh < kh1 ? Kh + (size_t)slots * rb : NULL;
+        const char* Vn = kh < kh1 ? Vh + (size_t)slots * rb : NULL;
+        for (long t = 0; t < 16 && t < P; t++) prefetch_row(ROW(Kh, t), rb, 0);
         for (long t = 0; t < P;) {  /* scores, 16 positions at a time; the next 16 K rows are prefetched meanwhile
                                        (a sequence's blocks are scattered: short streams), and the next head's */
-            const float* kr[16];
+            const void* kr[16];
             int n = 0;
             for (; n < 16 && t + n < P; n++) {
-                kr[n] = Kh + slot[t + n] * hd;
-                if (t + n + 16 < P) prefetch_row(Kh + slot[t + n + 16] * hd, hd, 0);
-                if (Kn) { prefetch_row(Kn + slot[t + n] * hd, hd, 1); prefetch_row(Vn + slot[t + n] * hd, hd, 1); }
+                kr[n] = ROW(Kh, t + n);
+                if (t + n + 16 < P) prefetch_row(ROW(Kh, t + n + 16), rb, 0);
+                if (Kn) { prefetch_row(ROW(Kn, t + n), rb, 1); prefetch_row(ROW(Vn, t + n), rb, 1); }
             }
             for (long j = ja; j < jb; j++) {
-                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * P + t);
-                else scores16(q + j * hd, kr, n, hd, scale, sc + j * P + t);
+                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * P + t, kv16);
+                else scores16(q + j * hd, kr, n, hd, scale, sc + j * P + t, kv16);
             }
             t += n;
         }
@@ -226,20 +238,29 @@ static int attend(const float* qkv, const float* cache, long slots, long slot0, 
                         int nv = hd - i < 64 ? (int)((hd - i) / 16) : 4;
                         if (nv == 4) {
                             switch (JN) {
-                            case 1: pv_block(Vh, hd, i, 4, 1, p, lo, S, table, bs, slot0, iv, o); break;
-                            case 2: pv_block(Vh, hd, i, 4, 2, p, lo, S, table, bs, slot0, iv, o); break;
-                            case 3: pv_block(Vh, hd, i, 4, 3, p, lo, S, table, bs, slot0, iv, o); break;
-                            default: pv_block(Vh, hd, i, 4, 4, p, lo, S, table, bs, slot0, iv, o); break;
+                            case 1: pv_block(Vh, hd, i, 4, 1, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            case 2: pv_block(Vh, hd, i, 4, 2, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            case 3: pv_block(Vh, hd, i, 4, 3, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            default: pv_block(Vh, hd, i, 4, 4, p, lo, S, table, bs, slot0, iv, o, kv16); break;
                             }
                         } else {
-                            pv_block(Vh, hd, i, nv, JN, p, lo, S, table, bs, slot0, iv, o);
+                            pv_block(Vh, hd, i, nv, JN, p, lo, S, table, bs, slot0, iv, o, kv16);
                         }
                     }
                 }
             }
         }
     }
+#undef ROW
     return 0;
+}
+
+/* attend_t for a float32 (kv16 0) or float16 (1) cache, each compiled on its own */
+static int attend(const float* qkv, const void* cache, long slots, long slot0, const long* table, long bs, long lo,
+                  long S, const float* slopes, long nh, long nkv, long hd, float scale, float* y, long h0, long h1,
+                  int kv16) {
+    if (kv16) return attend_t(qkv, cache, slots, slot0, table, bs, lo, S, slopes, nh, nkv, hd, scale, y, h0, h1, 1);
+    return attend_t(qkv, cache, slots, slot0, table, bs, lo, S, slopes, nh, nkv, hd, scale, y, h0, h1, 0);
 }
 
 /* The first position a token at position S - 1 attends to: the window holds the latest `window` positions
@@ -256,12 +277,12 @@ static inline long window_lo(long S, long window) { return window > 0 && S > win
 
 /* One sequence whose KV sits in consecutive slots (position t in slot slot0 + t); its new token is position
    S - 1. window: attend to the latest `window` positions only (0: all; slot0 may then be negative, the slots
-   of positions before the window being no longer its own); slopes: per query head ALiBi slopes, or NULL.
-   Returns 0, or -1 when out of memory (nothing written to y). */
-int wsc_decode_attention_ex(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots,
+   of positions before the window being no longer its own); slopes: per query head ALiBi slopes, or NULL;
+   kv16: the cache holds float16 (else float32). Returns 0, or -1 when out of memory (nothing written to y). */
+int wsc_decode_attention_ex(float* qkv, const float* cos, const float* sin_signed, void* cache, long slots,
                             long slot0, long S, long nh, long nkv, long hd, float scale, float* y, long window,
-                            const float* slopes) {
-    rope_write(qkv, cos, sin_signed, cache, slots, slot0 + S - 1, nh, nkv, hd);
+                            const float* slopes, int kv16) {
+    rope_write(qkv, cos, sin_signed, cache, slots, slot0 + S - 1, nh, nkv, hd, kv16);
     long lo = window_lo(S, window), ns = atomic_load(&g_use);
     if (ns > nkv) ns = nkv;
     int idle = 0;
@@ -270,51 +291,52 @@ int wsc_decode_attention_ex(float* qkv, const float* cos, const float* sin_signe
         && chunk_buf(nh * hd) && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
         long row = 0, pos = S - 1;
         attn_t a = {qkv, 0, &row, &pos, cache, slots, NULL, 0, 0, nh, nkv, hd, scale, y, 0, window, slopes, slot0,
-                    nh / nkv};
+                    nh / nkv, kv16};
         job_t j = {NULL, NULL, NULL, NULL, NULL, 0, 0, 0, &a};
         run_pool(&j, 1, nkv, ns);
         atomic_store(&g_busy, 0);
         return 0;
     }
-    return attend(qkv, cache, slots, slot0, NULL, 0, lo, S, slopes, nh, nkv, hd, scale, y, 0, nh);
+    return attend(qkv, cache, slots, slot0, NULL, 0, lo, S, slopes, nh, nkv, hd, scale, y, 0, nh, kv16);
 }
 
-/* wsc_decode_attention_ex over every position, without ALiBi. */
+/* wsc_decode_attention_ex over every position, without ALiBi, on a float32 cache. */
 int wsc_decode_attention(float* qkv, const float* cos, const float* sin_signed, float* cache, long slots,
                          long slot0, long S, long nh, long nkv, long hd, float scale, float* y) {
-    return wsc_decode_attention_ex(qkv, cos, sin_signed, cache, slots, slot0, S, nh, nkv, hd, scale, y, 0, NULL);
+    return wsc_decode_attention_ex(qkv, cos, sin_signed, cache, slots, slot0, S, nh, nkv, hd, scale, y, 0, NULL, 0);
 }
 
 static int attend_chunk(const attn_t* a, long c, float* y) {
     if (a->hsplit) {  /* query heads [c hsplit, (c + 1) hsplit) of the one sequence */
         long S = a->pos[0] + 1, h0 = c * a->hsplit, h1 = h0 + a->hsplit < a->nh ? h0 + a->hsplit : a->nh;
         return attend(a->qkv, a->cache, a->slots, a->slot0, NULL, 0, window_lo(S, a->window), S, a->slopes, a->nh,
-                      a->nkv, a->hd, a->scale, y, h0, h1);
+                      a->nkv, a->hd, a->scale, y, h0, h1, a->kv16);
     }
     long S = a->pos[c] + 1;  /* sequence c */
     return attend(a->qkv + a->rows[c] * a->ldq, a->cache, a->slots, 0, a->tables + c * a->ldt, a->bs,
-                  window_lo(S, a->window), S, a->slopes, a->nh, a->nkv, a->hd, a->scale, y, 0, a->nh);
+                  window_lo(S, a->window), S, a->slopes, a->nh, a->nkv, a->hd, a->scale, y, 0, a->nh, a->kv16);
 }
 
 /* Decode tokens of B sequences: token b is row rows[b] of qkv (row stride ldq) and of y (stride ldy); it
    sits at position pos[b] (its sequence's length - 1) and its block table is tables[b * ldt ..] (blocks of
    bs slots). cos_t / sin_t: (positions, hd) rotary tables, or NULL. Every token's rope and KV write first,
    then the sequences' attention, shared by the pool's threads (one sequence per chunk). window, slopes: as
-   wsc_decode_attention_ex (a table's entries before the window are not read). Returns 0, or -1 when out of
-   memory (y may be partly written). */
+   wsc_decode_attention_ex (a table's entries before the window are not read); kv16: the cache holds float16.
+   Returns 0, or -1 when out of memory (y may be partly written). */
 int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B, const long* pos,
-                                  const float* cos_t, const float* sin_t, float* cache, long slots,
+                                  const float* cos_t, const float* sin_t, void* cache, long slots,
                                   const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
-                                  float* y, long ldy, long window, const float* slopes) {
+                                  float* y, long ldy, long window, const float* slopes, int kv16) {
     long smax = 0;
     for (long b = 0; b < B; b++) {
         long p = pos[b];
         rope_write(qkv + rows[b] * ldq, cos_t ? cos_t + p * hd : NULL, sin_t ? sin_t + p * hd : NULL, cache, slots,
-                   tables[b * ldt + p / bs] * bs + p % bs, nh, nkv, hd);
+                   tables[b * ldt + p / bs] * bs + p % bs, nh, nkv, hd, kv16);
         long P = p + 1 - window_lo(p + 1, window);
         smax = P > smax ? P : smax;
     }
-    attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy, window, slopes, 0, 0};
+    attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy, window, slopes, 0, 0,
+                kv16};
     long ns = atomic_load(&g_use);
     if (ns > B) ns = B;
     int idle = 0;
@@ -330,11 +352,11 @@ int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B
     return 0;
 }
 
-/* wsc_decode_attention_batch_ex over every position, without ALiBi. */
+/* wsc_decode_attention_batch_ex over every position, without ALiBi, on a float32 cache. */
 int wsc_decode_attention_batch(float* qkv, long ldq, const long* rows, long B, const long* pos,
                                const float* cos_t, const float* sin_t, float* cache, long slots,
                                const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
                                float* y, long ldy) {
     return wsc_decode_attention_batch_ex(qkv, ldq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh,
-                                         nkv, hd, scale, y, ldy, 0, NULL);
+                                         nkv, hd, scale, y, ldy, 0, NULL, 0);
 }

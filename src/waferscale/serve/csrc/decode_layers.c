@@ -7,7 +7,7 @@
 typedef struct {
     const float *attn_norm, *wqkv, *bqkv, *wo, *bo, *mlp_norm, *wgu, *bgu, *wd, *bd;
     float attn_eps, mlp_eps;
-    float* cache;  /* (2 nkv, slots, hd) */
+    void* cache;  /* (2 nkv, slots, hd), float32 or (kv16) float16 */
     const int64_t *oqkv, *oo, *ogu, *od;  /* sparse panel offsets of wqkv, wo, wgu, wd (spanels.c); NULL: dense */
     long window;  /* sliding-window attention over the latest `window` positions (0: all) */
     const float* slopes;  /* ALiBi slopes per query head (NULL: none) */
@@ -23,6 +23,7 @@ typedef struct {
     const int64_t* const* od_e;
     long* picked;
     int qqkv, qo, qgu, qd;  /* > 0: wqkv, wo, wgu, wd hold quantized panels of that type (quant.c) */
+    int kv16;  /* the cache holds float16 */
 } layer_t;
 
 /* a product over one of a layer's matrices: float panels (dense or sparse) or, with qt > 0, quantized ones */
@@ -79,7 +80,7 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
         LPRODUCT(L->wqkv, L->oqkv, L->qqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
         if (wsc_decode_attention_ex(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y,
-                                    L->window, L->slopes) != 0)
+                                    L->window, L->slopes, L->kv16) != 0)
             return -1;
         LPRODUCT(L->wo, L->oo, L->qo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
@@ -113,7 +114,7 @@ int wsc_decode_layers_batch(float* x, const layer_t* layers, long n, long R, lon
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, R, C);
         if (LPRODUCT(L->wqkv, L->oqkv, L->qqkv, h, L->bqkv, NULL, qkv, R, nq, C) != 0 ||
             wsc_decode_attention_batch_ex(qkv, nq, rows, R, pos, cos_t, sin_t, L->cache, slots, tables, ldt, bs,
-                                          nh, nkv, hd, scale, y, nh * hd, L->window, L->slopes) != 0 ||
+                                          nh, nkv, hd, scale, y, nh * hd, L->window, L->slopes, L->kv16) != 0 ||
             LPRODUCT(L->wo, L->oo, L->qo, y, L->bo, x, x, R, C, nh * hd) != 0)
             return -1;
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, R, C);

@@ -19,6 +19,62 @@ typedef float v8 __attribute__((vector_size(32)));
 static inline v16 ld16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof v); return v; }
 typedef int v16i __attribute__((vector_size(64)));
 
+/* IEEE half precision (GGUF's block scales, a float16 KV cache) <-> float32 */
+static inline float h2f(uint16_t h) {  /* IEEE half -> float, exact (subnormals, inf and NaN included) */
+    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023u, u;
+    if (e == 31) u = s | 0x7F800000u | m << 13;
+    else if (e) u = s | (e + 112) << 23 | m << 13;
+    else {
+        float f = (float)m * 0x1p-24f;
+        __builtin_memcpy(&u, &f, 4);
+        u |= s;
+    }
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2h(float f) {  /* float -> IEEE half, rounded to nearest even (as vcvtps2ph) */
+    uint32_t u, s, a;
+    __builtin_memcpy(&u, &f, 4);
+    s = u >> 16 & 0x8000u;
+    a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(s | 0x7E00u | (a >> 13 & 0x3FFu));  /* NaN, quiet */
+    if (a >= 0x477FF000u) return (uint16_t)(s | 0x7C00u);  /* 65520 and up round to infinity */
+    if (a < 0x38800000u)  /* under 2^-14: a subnormal half, in units of 2^-24 (exact scaling, rounded) */
+        return (uint16_t)(s | (uint32_t)nearbyintf(fabsf(f) * 0x1p24f));
+    uint32_t h = (a >> 13) - (112u << 10), rem = a & 0x1FFFu;
+    h += rem > 0x1000u || (rem == 0x1000u && (h & 1u));
+    return (uint16_t)(s | h);
+}
+
+/* 16 halves at p -> floats, and 16 floats -> halves at p: one vcvtph2ps / vcvtps2ph with AVX-512 */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16 ldh16(const void* p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+static inline void sth16(void* p, v16 v) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+static inline v16 ldh16(const void* p) {
+    uint16_t h[16];
+    v16 v;
+    __builtin_memcpy(h, p, sizeof h);
+    for (int i = 0; i < 16; i++) v[i] = h2f(h[i]);
+    return v;
+}
+static inline void sth16(void* p, v16 v) {
+    uint16_t h[16];
+    for (int i = 0; i < 16; i++) h[i] = f2h(v[i]);
+    __builtin_memcpy(p, h, sizeof h);
+}
+#endif
+
+/* a KV cache row's 16 values from index d: float32 (kv16 0) or float16 (kv16 1) storage */
+static inline __attribute__((always_inline)) v16 ldkv(const void* row, long d, int kv16) {
+    return kv16 ? ldh16((const uint16_t*)row + d) : ld16((const float*)row + d);
+}
+
 static inline v16 vsplat(float a) { v16 v = {a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; return v; }
 
 /* Fixed-order horizontal sum: halves, then halves again. */
@@ -120,10 +176,11 @@ static inline void* grow(void** buf, long* cap, long n, size_t size) {
    or (hsplit > 0) one sequence whose KV sits in consecutive slots from slot0, hsplit query heads a chunk (see
    wsc_decode_attention_ex) */
 typedef struct {
-    const float* qkv; long ldq; const long *rows, *pos; const float* cache; long slots;
+    const float* qkv; long ldq; const long *rows, *pos; const void* cache; long slots;
     const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
     long window; const float* slopes;  /* sliding window (0: none), ALiBi slopes per query head (NULL: none) */
     long slot0, hsplit;
+    int kv16;  /* the cache holds float16 (1) or float32 (0) */
 } attn_t;
 
 /* one job for the pool: a product (at == NULL) or decode attention (attn_t's chunks). A product's W is in

@@ -25,10 +25,6 @@
    default): x as two int8 digits, see below. Either way a row's result depends neither on the batch nor on the
    thread count. */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 enum { QT_F32, QT_BF16, QT_Q8_0, QT_Q4_0, QT_Q4_1, QT_Q4_K, QT_Q6_K, QT_N };  /* quant.py's QTYPES order */
 static const int QK[QT_N] = {1, 1, 32, 32, 32, 256, 256};      /* weights per block */
 static const int QROW[QT_N] = {4, 2, 34, 18, 20, 144, 210};    /* GGUF bytes of one output's block */
@@ -71,30 +67,6 @@ static inline v16i sx8(const uint8_t* p) { return CONVERT_LOAD(vi8, p); }
 static inline v16i zx16(const uint8_t* p) { return CONVERT_LOAD(vu16, p); }
 #endif
 static inline v16 i2f(v16i v) { return __builtin_convertvector(v, v16); }
-
-static inline float h2f(uint16_t h) {  /* IEEE half -> float, exact (subnormals, inf and NaN included) */
-    uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023u, u;
-    if (e == 31) u = s | 0x7F800000u | m << 13;
-    else if (e) u = s | (e + 112) << 23 | m << 13;
-    else {
-        float f = (float)m * 0x1p-24f;
-        __builtin_memcpy(&u, &f, 4);
-        u |= s;
-    }
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline v16 ldh16(const uint8_t* p) {  /* 16 fp16 -> floats */
-#if defined(__AVX512F__)
-    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#else
-    v16 v;
-    for (int c = 0; c < PANEL; c++) v[c] = h2f((uint16_t)(p[2 * c] | p[2 * c + 1] << 8));
-    return v;
-#endif
-}
 
 /* ---- each type's weights at k of a panel's block, 16 outputs a vector (the one home of the arithmetic) ---- */
 
