@@ -7,7 +7,12 @@ cache is cold when it comes round again once they exceed the L3), the best of `-
 threads the C kernel gives each thread the query heads of one KV head at a time (csrc/attention.c); torch
 runs with the same thread count. Rope and the KV write are included on our side (the kernel does them).
 
-    python bench/serve_attention.py [--positions 100,500,2000] [--repeats 5]
+A second table is a decode step of `--batch` sequences (default 16) over a block-paged cache (blocks of 16
+positions, scattered), `kernels.decode_attention_batch` with a float32 and a float16 cache (`--kv-cache-dtype`;
+float16 halves the bytes), against torch SDPA over each sequence's gathered float32 keys and values (the runner's
+torch path), 2 threads each, per layer over 30 layers' caches.
+
+    python bench/serve_attention.py [--positions 100,500,2000] [--batch 16] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--positions", default="100,500,2000")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16, help="sequences of the batched table (0: skip it)")
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"the C kernels are not available: {kernels.unavailable_reason()}")
@@ -61,6 +67,43 @@ def main() -> None:
         mb = 2 * NKV * S * HD * 4 / 1e6
         print(f"{S:10d}{mb:8.2f}{ours[1] * 1e6:12.1f}{ours[2] * 1e6:12.1f}{ours[1] / ours[2]:7.2f}x"
               f"{peer * 1e6:13.1f}{peer / ours[2]:13.2f}x")
+    if a.batch > 0:
+        batched(a)
+
+
+def batched(a) -> None:
+    B, bs = a.batch, 16
+    kernels.set_threads(2)
+    torch.set_num_threads(2)
+    print(f"\na decode step of {B} sequences over a paged cache (blocks of {bs}), 2 threads; us per layer (best of "
+          f"{a.repeats})")
+    print(f"{'positions':>10s}{'KV MB fp32':>12s}{'ours fp32':>11s}{'ours fp16':>11s}{'fp32 / fp16':>13s}"
+          f"{'torch fp32':>12s}{'torch / ours fp16':>19s}")
+    for S in (int(s) for s in a.positions.split(",")):
+        nblk = -(-S // bs)
+        slots = 2 * B * nblk * bs
+        g = torch.Generator().manual_seed(0)
+        tables = torch.randperm(slots // bs, generator=g)[:B * nblk].view(B, nblk)
+        pos, rows = torch.full((B,), S - 1), torch.arange(B)
+        qkv, y = torch.randn(B, (NH + 2 * NKV) * HD), torch.empty(B, NH * HD)
+        caches32 = [torch.randn(2 * NKV, slots, HD) for _ in range(LAYERS)]
+        caches = {torch.float32: caches32, torch.float16: [c.half() for c in caches32]}
+        ours = {}
+        for dt in (torch.float32, torch.float16) * 2:  # alternating, the best of each
+            t = per_layer(lambda i: kernels.decode_attention_batch(qkv, rows, pos, None, None, caches[dt][i], tables,
+                                                                   bs, NH, NKV, y), a.repeats)
+            ours[dt] = min(ours.get(dt, t), t)
+        idx = (tables[:, :, None] * bs + torch.arange(bs)).view(B, -1)[:, :S].reshape(-1)
+        q = qkv[:, :NH * HD].view(B, NH, 1, HD)
+        with torch.inference_mode():
+            def peer_layer(i: int) -> torch.Tensor:
+                kv = caches32[i].index_select(1, idx).view(2 * NKV, B, S, HD).transpose(0, 1)
+                return F.scaled_dot_product_attention(q, kv[:, :NKV], kv[:, NKV:], enable_gqa=True)
+            peer = per_layer(peer_layer, a.repeats)
+        mb = B * 2 * NKV * S * HD * 4 / 1e6
+        f32, f16 = ours[torch.float32], ours[torch.float16]
+        print(f"{S:10d}{mb:12.2f}{f32 * 1e6:11.1f}{f16 * 1e6:11.1f}{f32 / f16:12.2f}x{peer * 1e6:12.1f}"
+              f"{peer / f16:18.2f}x")
 
 
 if __name__ == "__main__":
