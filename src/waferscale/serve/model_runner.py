@@ -26,7 +26,8 @@ bench/serve_moe_decode.py).
 
 Matrices in a file's own precision (`qweights`: serve/file_weights.py's QWeights by parameter name, the model's
 own tensors of those names left on the meta device) run through `quant.linear`, the embedding through
-`quant.take`; the attention and KV cache are the same, float32.
+`quant.take`; attention computes in float32 either way. The KV cache (`kv_dtype`, the engine's --kv-cache-dtype)
+is float32 or float16: K and V are rounded to it as they are written and widened as they are read.
 """
 
 from __future__ import annotations
