@@ -246,15 +246,17 @@ def test_int8_activations_move_smollm2_perplexity_by_under_one_percent() -> None
 
 
 def test_kv_cache_dtype(hf_dir: Path, tmp_path: Path) -> None:
-    """auto: a float16 cache for weights in a file's precision (llama.cpp's default), the weights' float32
-    otherwise; fp32 / fp16 as named. A float16 cache gives the same greedy tokens batched as one sequence at a
+    """auto: a float16 cache for matrices narrower than float32 (llama.cpp's default), the weights' float32
+    otherwise, a GGUF's F32 tensors included; fp32 / fp16 as named. A float16 cache gives the same greedy tokens batched as one sequence at a
     time (the C kernels' decode, single and batched, and the prefill's SDPA read the same rounded values), and
     on this model the same as a float32 cache."""
     from waferscale.serve.kv import kv_cache_dtype
 
     native, _ = load_gguf(_file(hf_dir, Q.Q4_1, tmp_path), keep_quantized=True)
+    f32, _ = load_gguf(_file(hf_dir, Q.F32, tmp_path), keep_quantized=True)
     for model, choice, want in ((native, "auto", torch.float16), (native, "fp32", torch.float32),
-                                (_model(), "auto", torch.float32), (_model(), "fp16", torch.float16)):
+                                (f32, "auto", torch.float32), (_model(), "auto", torch.float32),
+                                (_model(), "fp16", torch.float16)):
         with LLM(model, _Tok(), max_model_len=32, kv_cache_dtype=choice) as llm:
             assert llm.engine.kv_dtype == want and llm.engine._runner.kv.kv.dtype == want, choice
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp32, fp16, got 'fp8'"):

@@ -444,8 +444,9 @@ def _dtype_flag(p: argparse.ArgumentParser, kv: bool = True) -> None:
     if kv:
         p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", dest="kv_cache_dtype", default="auto",
                        choices=KV_CACHE_DTYPES,
-                       help="the KV cache's element type: auto = fp16 when the weights run in a file's precision "
-                            "(as llama.cpp), else the weights' own (fp32); fp16 halves the bytes attention reads")
+                       help="the KV cache's element type: auto = fp16 when the weights run narrower than float32 "
+                            "(a GGUF's Q4_1, Q8_0, ... or --dtype q8_0, ...: as llama.cpp), else the weights' own "
+                            "(fp32); fp16 halves the bytes attention reads")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,7 +158,7 @@ class Engine:
     dtype: the precision the matrices run in (serve/file_weights.py): "auto" is a GGUF's own (loaded with
     keep_quantized) or else float32; fp32, bf16, q8_0, q4_0, q4_1 requantize at load. Not float32: CPU only.
     kv_cache_dtype: the KV cache's element type, auto / fp32 / fp16 (serve/kv.py's kv_cache_dtype: auto is
-    float16 with weights in a file's precision, as llama.cpp, else the weights' dtype).
+    float16 when matrices run narrower than float32, as llama.cpp, else the weights' dtype).
     """
 
     def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 64,
@@ -185,7 +185,8 @@ class Engine:
             model.to(device)
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len: int = cfg.max_seq_len
-        kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.head.lm_head.weight.dtype, bool(qweights))
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.head.lm_head.weight.dtype,
+                                    any(w.qtype != "fp32" for w in qweights.values()))
         self.kv_dtype = kv_dtype
         bpb = KVPool.bytes_per_block(cfg.n_layer, block_size, cfg.kv_heads, cfg.head_dim, kv_dtype)
         if num_blocks is None:

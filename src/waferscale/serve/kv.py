@@ -178,14 +178,15 @@ class BlockAllocator:
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16")  # --kv-cache-dtype's choices
 
 
-def kv_cache_dtype(choice: str, weights: torch.dtype, file_precision: bool) -> torch.dtype:
+def kv_cache_dtype(choice: str, weights: torch.dtype, narrow_weights: bool) -> torch.dtype:
     """The KV cache's element type for --kv-cache-dtype `choice`: fp32 / fp16 as named; auto is float16 when
-    the matrices run in a file's (or a requantized) precision, as llama.cpp keeps its KV by default, and else
-    the weights' dtype, as vLLM's auto (float32 weights keep a float32 cache: the same bits as the model)."""
+    matrices run narrower than float32 (a GGUF's Q4_1, Q8_0, ... or BF16 blocks, or --dtype requantizing), as
+    llama.cpp keeps its KV by default, and else the weights' dtype, as vLLM's auto (float32 weights, a GGUF's F32
+    ones included, keep a float32 cache: the same bits as the model)."""
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
     if choice == "auto":
-        return torch.float16 if file_precision else weights
+        return torch.float16 if narrow_weights else weights
     return {"fp32": torch.float32, "fp16": torch.float16}[choice]
 
 
