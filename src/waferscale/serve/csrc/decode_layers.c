@@ -32,6 +32,13 @@ typedef struct {
 
 #define MAX_TOP_K 16
 
+/* bytes of a layer matrix's panels (out x in) for hint_next: quantized (qt > 0) or dense float (sparse: 0,
+   no hint) */
+static inline long lbytes(int qt, const int64_t* off, long out, long in) {
+    long np = (out + PANEL - 1) / PANEL;
+    return off ? 0 : qt ? qpanel_bytes(qt, in) * np : np * PANEL * in * (long)sizeof(float);
+}
+
 /* x (C,) += the mixture of experts of h (C,): the routed experts in index order, each one's output times its
    weight summed into a zeroed out (C,), then added to x: layers.MoE's (and the runner's) arithmetic.
    scratch: E + 2 C + 3 ffn floats. Returns 0, or -1 when out of memory. */
@@ -78,18 +85,22 @@ int wsc_decode_layers(float* x, const layer_t* layers, long n, long C, long nh, 
     for (long l = 0; l < n; l++) {
         const layer_t* L = layers + l;
         wsc_rms_norm(x, L->attn_norm, L->attn_eps, h, 1, C);
+        hint_next(L->wo, lbytes(L->qo, L->oo, C, nh * hd));
         LPRODUCT(L->wqkv, L->oqkv, L->qqkv, h, L->bqkv, NULL, qkv, 1, (nh + 2 * nkv) * hd, C);
         if (wsc_decode_attention_ex(qkv, cos, sin_signed, L->cache, slots, slot0, S, nh, nkv, hd, scale, y,
                                     L->window, L->slopes, L->kv16) != 0)
             return -1;
+        if (!L->n_experts) hint_next(L->wgu, lbytes(L->qgu, L->ogu, 2 * ffn, C));
         LPRODUCT(L->wo, L->oo, L->qo, y, L->bo, x, x, 1, C, nh * hd);
         wsc_rms_norm(x, L->mlp_norm, L->mlp_eps, h, 1, C);
         if (L->n_experts) {
             if (moe_row(L, h, x, C, ffn, gu) != 0) return -1;
             continue;
         }
+        hint_next(L->wd, lbytes(L->qd, L->od, C, ffn));
         LPRODUCT(L->wgu, L->ogu, L->qgu, h, L->bgu, NULL, gu, 1, 2 * ffn, C);
         wsc_silu_mul(gu, a, 1, ffn);
+        if (l + 1 < n) hint_next(L[1].wqkv, lbytes(L[1].qqkv, L[1].oqkv, (nh + 2 * nkv) * hd, C));
         LPRODUCT(L->wd, L->od, L->qd, a, L->bd, x, x, 1, C, ffn);
     }
     return 0;

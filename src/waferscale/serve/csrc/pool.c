@@ -40,6 +40,25 @@ static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static long g_spin_ns = 100000;   /* a worker spins this long for the next job before it sleeps */
 static long g_wait_ns = 20000;    /* the caller waits this long for chunks in progress before redoing them */
 
+/* The weights of the product after the current one, when the caller knows it (decode_layers.c's single-stream
+   loop): a worker waiting for that job (while the caller runs attention, a norm, the activations' rounding)
+   pulls its share of them, the segment it will stream, into its L2 meanwhile, 4 KiB at a time, looking for the
+   job between, so that it starts the product from cache instead of ramping up a stream from memory. Measured
+   (bench/serve_kernels_ab.py, single-stream decode, 2 threads): +3.8% on Q4_1 (20 rounds), +5.3% on Q8_0
+   (12); the caller prefetching the start of its own share as well, or the worker prefetching the next
+   token's first layer after the last, gained nothing more (0.99x, 1.00x). */
+static _Atomic(const char*) g_next_w;
+static _Atomic long g_next_bytes;
+static _Atomic uint64_t g_next_id;
+static inline void hint_next(const void* w, long bytes) {
+    atomic_store_explicit(&g_next_w, (const char*)w, memory_order_relaxed);
+    atomic_store_explicit(&g_next_bytes, bytes, memory_order_relaxed);
+    atomic_fetch_add_explicit(&g_next_id, 1, memory_order_release);
+}
+#ifndef NEXT_PF_BYTES
+#define NEXT_PF_BYTES (1L << 20)   /* at most this much of the next product's share prefetched */
+#endif
+
 static inline long now_ns(void) {
     struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000L + t.tv_nsec;
 }
@@ -137,11 +156,27 @@ static void work(uint64_t gen, const job_t* j, long me) {
 
 static void* worker_main(void* arg) {
     long me = (long)(intptr_t)arg;
-    uint64_t seen = atomic_load(&g_gen);
+    uint64_t seen = atomic_load(&g_gen), hint_seen = 0;
+    const char *pf = NULL, *pf_end = NULL;  /* what is left to prefetch of the hinted product (kept across jobs) */
     while (!atomic_load(&g_stop)) {
         long t0 = now_ns();
         uint64_t gen;
+        uint64_t hid = atomic_load_explicit(&g_next_id, memory_order_acquire);
+        if (hid != hint_seen) {  /* this thread's share of the next product: segment me of ns, by bytes */
+            hint_seen = hid;
+            const char* w = atomic_load_explicit(&g_next_w, memory_order_relaxed);
+            long bytes = atomic_load_explicit(&g_next_bytes, memory_order_relaxed), ns = atomic_load(&g_use);
+            if (w && me < ns) {
+                pf = w + bytes * me / ns;
+                pf_end = w + bytes * (me + 1) / ns;
+                if (pf_end - pf > NEXT_PF_BYTES) pf_end = pf + NEXT_PF_BYTES;
+            }
+        }
         while ((gen = atomic_load(&g_gen)) == seen && !atomic_load(&g_stop)) {
+            if (pf < pf_end) {
+                for (int i = 0; i < 64 && pf < pf_end; i++, pf += 64) __builtin_prefetch(pf, 0, 2);
+                continue;
+            }
             cpu_relax();
             if (now_ns() - t0 > g_spin_ns) {
                 pthread_mutex_lock(&g_mu);
