@@ -259,6 +259,7 @@ def test_kv_cache_dtype(hf_dir: Path, tmp_path: Path) -> None:
                                 (_model(), "fp16", torch.float16)):
         with LLM(model, _Tok(), max_model_len=32, kv_cache_dtype=choice) as llm:
             assert llm.engine.kv_dtype == want and llm.engine._runner.kv.kv.dtype == want, choice
+            assert llm.engine.stats()["kv_cache_dtype"] == str(want).removeprefix("torch.")  # (/health shows it)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp32, fp16, got 'fp8'"):
         kv_cache_dtype("fp8", torch.float32, False)
     half = _greedy(native, batched=False, kv_cache_dtype="fp16")

@@ -265,7 +265,7 @@ class Engine:
         """Picklable facts for a client in another process (serve/core.py)."""
         return {"max_model_len": self.max_model_len, "limits": self.limits(), "stats": self.stats(),
                 "c_kernels": self.c_kernels, "decode_threads": self.decode_threads, "fast_linear": self.fast_linear,
-                "stages": self.stages, "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
+                "stages": self.stages}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -474,6 +474,7 @@ class Engine:
             "prefix_cache_queries": sum(s.prefix_cache_queries for s in scheds),
             "prefix_cache_hits": sum(s.prefix_cache_hits for s in scheds),
             "kv_cache_bytes": self.num_blocks * self.kv_block_bytes,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "num_preemptions": sum(s.num_preemptions for s in scheds),
             "stages": self.stages,
             "max_model_len": self.max_model_len,
