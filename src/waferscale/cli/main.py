@@ -433,20 +433,23 @@ def _speculation(a: argparse.Namespace) -> "NgramSpeculation | None":
     return speculation(a.speculative, a.num_speculative_tokens, a.prompt_lookup_max, a.prompt_lookup_min)
 
 
-def _dtype_flag(p: argparse.ArgumentParser, kv: bool = True) -> None:
+def _dtype_flag(p: argparse.ArgumentParser) -> None:
     from waferscale.serve.file_weights import DTYPES
-    from waferscale.serve.kv import KV_CACHE_DTYPES
 
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the precision the weight matrices run in: auto = a GGUF file's own (its Q4_1, Q8_0, ... "
                         "blocks, read in place by the kernels), float32 for other checkpoints; any other "
                         "requantizes at load")
-    if kv:
-        p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", dest="kv_cache_dtype", default="auto",
-                       choices=KV_CACHE_DTYPES,
-                       help="the KV cache's element type: auto = fp16 when the weights run narrower than float32 "
-                            "(a GGUF's Q4_1, Q8_0, ... or --dtype q8_0, ...: as llama.cpp), else the weights' own "
-                            "(fp32); fp16 halves the bytes attention reads")
+
+
+def _kv_cache_dtype_flag(p: argparse.ArgumentParser) -> None:
+    from waferscale.serve.kv import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", dest="kv_cache_dtype", default="auto",
+                   choices=KV_CACHE_DTYPES,
+                   help="the KV cache's element type: auto = fp16 when the weights run narrower than float32 (a "
+                        "GGUF's Q4_1, Q8_0, ... or --dtype q8_0, ...: as llama.cpp), else the weights' own (fp32); "
+                        "fp16 halves the bytes attention reads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,12 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--device", default="auto")
             _dtype_flag(p)
+            _kv_cache_dtype_flag(p)
             _speculative_flags(p)
         elif name == "export":
             _model_source_flags(p)
             p.add_argument("--format", default="hf", help="hf (a directory) or gguf (a file, from a .gguf source)")
             p.add_argument("--out", required=True, help="output directory (hf) or file (gguf)")
-            _dtype_flag(p, kv=False)
+            _dtype_flag(p)
         elif name == "compile":
             p.add_argument("--model", default=None, help="a zoo name (see `wsc models`)")
             p.add_argument("--params", default=None, help="a params YAML (Model Zoo layout)")
@@ -603,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=None,
                            help="sequences the engine decodes together (default 64)")
             _dtype_flag(p)
+            _kv_cache_dtype_flag(p)
             p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                            action=argparse.BooleanOptionalAction, default=True,
                            help="reuse the KV of full blocks a request shares with earlier ones (vLLM's automatic "
