@@ -354,8 +354,12 @@ static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs
             v16 lo = ld16(v), hi = ld16(v + 16);
             v16 a = (v16)((v16i)lo & abs_mask), b = (v16)((v16i)hi & abs_mask);
             v16 m = (v16)((v16i)a & (a >= b)) + (v16)((v16i)b & (a < b));
+#if defined(__AVX512F__)
+            float amax = _mm512_reduce_max_ps((__m512)(v16)((v16i)m & (m == m)));  /* (NaN lanes as 0, as below) */
+#else
             float amax = 0;
             for (int c = 0; c < PANEL; c++) amax = m[c] > amax ? m[c] : amax;
+#endif
             float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
             int8_t *q = xq + 2 * r * in + 32 * j, *qr = q + in;
             v16i sq = {0}, sr = {0};
@@ -369,8 +373,13 @@ static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs
             s[0] = dx;
             s[1] = dr;
             s[2] = hsum16(lo + hi);
+#if defined(__AVX512F__)
+            s[3] = (float)(128 * _mm512_reduce_add_epi32((__m512i)sq));  /* (integers under 2^24: exact in float, */
+            s[4] = (float)(128 * _mm512_reduce_add_epi32((__m512i)sr));  /* the same as the loop below) */
+#else
             s[3] = s[4] = 0;
             for (int c = 0; c < PANEL; c++) { s[3] += 128 * sq[c]; s[4] += 128 * sr[c]; }  /* (integers: exact) */
+#endif
         }
 }
 
