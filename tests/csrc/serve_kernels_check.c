@@ -574,6 +574,48 @@ static void check_qlinear(int qt, long rows, long out, long in) {
     free(src); free(packed); free(W); free(Wf); free(wp); free(x); free(b); free(res); free(y); free(y2); free(yf);
 }
 
+/* quantize_x (its vector reductions) against the same rule written lane by lane, bit for bit: max |x| ignoring
+   NaN, the digit sums as exact integers; rows of ordinary, tiny (subnormal), huge, NaN, inf and zero values */
+static void check_quantize_x(void) {
+    const long rows = 7, in = 96, nb = in / 32;
+    float* x = randv(rows * in);
+    for (long i = 0; i < in; i++) {
+        x[1 * in + i] *= 1e-40f;
+        x[2 * in + i] *= 1e30f;
+        if (i % 7 == 0) x[3 * in + i] = NAN;
+        if (i % 11 == 0) x[4 * in + i] = -INFINITY;
+        x[5 * in + i] = i % 3 ? 0.0f : -0.0f;
+    }
+    int8_t* xq = xmalloc((size_t)(2 * rows * in));
+    float* xs = xmalloc((size_t)(rows * nb * XS) * sizeof(float));
+    quantize_x(x, rows, in, xq, xs);
+    for (long r = 0; r < rows; r++)
+        for (long j = 0; j < nb; j++) {
+            const float* v = x + r * in + 32 * j;
+            float amax = 0, t[XS];
+            for (int k = 0; k < 32; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+            float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
+            long sq = 0, sr = 0, bad = 0;
+            for (int k = 0; k < 32; k++) {
+                int8_t tmp[16], q, qr;  /* (round_to_i8 writes 16 lanes: the first is this one's) */
+                round_to_i8(vsplat(v[k] * id), tmp);
+                q = tmp[0];
+                round_to_i8(vsplat((v[k] - (float)q * dx) * idr), tmp);
+                qr = tmp[0];
+                sq += q;
+                sr += qr;
+                bad += q != xq[2 * r * in + 32 * j + k] || qr != xq[2 * r * in + in + 32 * j + k];
+            }
+            t[0] = dx, t[1] = dr, t[3] = (float)(128 * sq), t[4] = (float)(128 * sr);
+            t[2] = xs[XS * (r * nb + j) + 2];  /* (the block's float sum: hsum16's order, checked by the products) */
+            if (bad || memcmp(t, xs + XS * (r * nb + j), sizeof t) != 0) {
+                fprintf(stderr, "FAIL quantize_x row %ld block %ld: %ld digits differ, or dx/dr/sums\n", r, j, bad);
+                g_fail++;
+            }
+        }
+    free(x); free(xq); free(xs);
+}
+
 int main(void) {
     const long lin[][3] = {{1, 5, 37}, {1, 32, 64}, {3, 17, 16}, {4, 130, 64}, {5, 131, 37}, {7, 6, 15},
                            {16, 33, 48}, {17, 50, 20}, {33, 16, 64}};
@@ -604,6 +646,7 @@ int main(void) {
     check_decode_attention_f16(4, 2, 32, 5, 1);
     check_decode_attention_batch(3, 1, 64, 16);
     check_decode_layers();
+    check_quantize_x();
     const long qs[][3] = {{1, 5, 256}, {3, 37, 512}, {5, 70, 256}, {17, 16, 256}, {1, 130, 512}};
     for (int qt = QT_BF16; qt < QT_N; qt++)
         for (size_t i = 0; i < sizeof qs / sizeof qs[0]; i++) check_qlinear(qt, qs[i][0], qs[i][1], qs[i][2]);

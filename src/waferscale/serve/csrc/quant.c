@@ -328,14 +328,18 @@ static inline int qint8_applies(int qt) {
     return atomic_load(&g_qint8) && (qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q4_K);
 }
 
-/* 16 floats t rounded half away from zero (|t| < 127.5) into int8 at q; returns them */
+/* 16 floats t rounded half away from zero (|t| < 127.5) into int8 at q; returns them (saturated to int8, as
+   stored, for a t out of range: an x of NaN or inf) */
 static inline v16i round_to_i8(v16 t, int8_t* q) {
     const v16i sign = (v16i)vsplat(-0.0f);
     v16 half = (v16)(((v16i)t & sign) | (v16i)vsplat(0.5f));  /* 0.5 with t's sign */
     v16i qi = __builtin_convertvector(t + half, v16i);  /* truncation */
 #if defined(__AVX512F__)
+    qi = (v16i)_mm512_max_epi32(_mm512_min_epi32((__m512i)qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
     _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8((__m512i)qi));
 #else
+    v16i hi = qi > 127, lo = qi < -128;
+    qi = (qi & ~(hi | lo)) | (127 & hi) | (-128 & lo);
     for (int c = 0; c < PANEL; c++) q[c] = (int8_t)qi[c];
 #endif
     return qi;
@@ -353,7 +357,8 @@ static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs
             const float* v = x + r * in + 32 * j;
             v16 lo = ld16(v), hi = ld16(v + 16);
             v16 a = (v16)((v16i)lo & abs_mask), b = (v16)((v16i)hi & abs_mask);
-            v16 m = (v16)((v16i)a & (a >= b)) + (v16)((v16i)b & (a < b));
+            v16i ga = (a >= b) | (b != b);  /* max |x| over the non-NaN values */
+            v16 m = (v16)(((v16i)a & ga) | ((v16i)b & ~ga));
 #if defined(__AVX512F__)
             float amax = _mm512_reduce_max_ps((__m512)(v16)((v16i)m & (m == m)));  /* (NaN lanes as 0, as below) */
 #else
