@@ -12,9 +12,9 @@ Ours: a real server process on loopback; 16 asyncio clients stream /v1/completio
 moment, on aiohttp as vLLM's serving benchmark does (the clients share the VM's two cores with the server: httpx
 measured 0.24 core-seconds per 2,048 streamed tokens, aiohttp 0.10). Aggregate tokens/s = all completion tokens
 / wall time from the first request to the last [DONE]; time to first token (TTFT) and inter-token latency
-(ITL) are measured by the clients, p50/p99 over users / over every gap. Peer: one left-padded batch of 16 through `model.generate(max_new_tokens=N,
-min_new_tokens=N, do_sample=False)`; tokens/s = 16 N / wall time (its TTFT is the whole batch's prefill +
-first step, its ITL the mean decode step, as it streams nothing).
+(ITL) are measured by the clients, p50/p99 over users / over every gap. Peer: one left-padded batch of 16
+through `model.generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`; tokens/s = 16 N / wall time (its
+TTFT is the whole batch's prefill + first step, its ITL the mean decode step, as it streams nothing).
 
     python bench/serve_http.py [--users 16] [--new-tokens 128] [--threads 2] [--repeats 3]
                                [--model smollm2-135m-instruct]

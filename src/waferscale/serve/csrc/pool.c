@@ -4,13 +4,13 @@
 #endif
 
 /* ---- a tiny work-stealing pool for one product at a time -------------------------------------------
-   The panels are cut into chunks (~32 KiB of weights each) and the chunks into one contiguous segment per
-   thread, so that every thread streams its own stretch of the matrix front to back. A thread that runs out
-   takes chunks from the back of another's segment (a worker that is asleep, or descheduled by another
-   process, simply gets robbed). The caller never waits long: once no chunk is left to take it waits a few
-   microseconds for chunks still in progress, then computes them itself. A chunk's result is published by
-   whoever first moves its state from (gen, OPEN) to (gen, WRITING), so a late worker only throws its result
-   away. Every output is computed by the same code in the same order, whichever thread does it. */
+   The panels are cut into chunks (~32 KiB of weights each; 64 KiB for one row) and the chunks into one contiguous
+   segment per thread, so that every thread streams its own stretch of the matrix front to back. A thread that runs
+   out takes chunks from the back of another's segment (a worker that is asleep, or descheduled by another process,
+   simply gets robbed). The caller never waits long: once no chunk is left to take it waits a few microseconds for
+   chunks still in progress, then computes them itself. A chunk's result is published by whoever first moves its
+   state from (gen, OPEN) to (gen, WRITING), so a late worker only throws its result away. Every output is computed
+   by the same code in the same order, whichever thread does it. */
 
 #define CHUNK_FLOATS 8192          /* weights per chunk: 32 KiB, ~2 us at memory speed */
 #define CHUNK_FLOATS_ONE 16384     /* the same for a single row's product (decode): 64 KiB, fewer hand-offs.
