@@ -2,7 +2,7 @@
 UBSan: tests/csrc/serve_kernels_check.c includes the kernels' one translation unit, calls every entry point on
 small odd and aligned sizes, with one thread and with the pool's two, and checks the results against plain C
 references; a failed comparison or any sanitizer report fails the test. Skipped without a C compiler or
-without the sanitizer runtimes."""
+without the sanitizer runtimes. And the benchmarks written in C (bench/*.c) still build against the kernels."""
 
 from __future__ import annotations
 
@@ -60,3 +60,24 @@ def test_kernels_clean_under_asan_and_ubsan(sanitizer_build: tuple[str, dict[str
     assert r.returncode == 0, f"serve_kernels_check exited {r.returncode}:\n{report}"
     assert "runtime error" not in r.stderr and "Sanitizer" not in r.stderr, report
     assert "all checks passed" in r.stdout, report
+
+
+BENCH_C = sorted(p.name for p in (Path(__file__).parent.parent / "bench").glob("*.c"))
+
+
+def test_the_c_benchmarks_are_found() -> None:
+    assert {"serve_sparse_kernels.c", "serve_decode_token.c"} <= set(BENCH_C)
+
+
+@pytest.mark.parametrize("bench", BENCH_C)
+def test_c_benchmarks_build_against_the_kernels(bench: str, tmp_path: Path) -> None:
+    """The benchmarks written in C include the kernels' translation unit and call its internals (layer_t,
+    qpanel_bytes, ...): they must keep compiling as the kernels change."""
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH")
+    csrc = importlib.resources.files("waferscale.serve").joinpath("csrc")
+    src = Path(__file__).parent.parent / "bench" / bench
+    r = subprocess.run([cc, f"-I{csrc}", "-O0", "-march=native", "-pthread", str(src), "-o", str(tmp_path / "b"),
+                        "-lm"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{bench} no longer builds against serve/csrc:\n{r.stderr[-4000:]}"
