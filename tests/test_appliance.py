@@ -327,22 +327,34 @@ def test_a_deployment_answers_the_openai_client_by_model_name(service: Appliance
 
     model = tiny_model_dir(tmp_path)
     c = service.client("carol")
+    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.tokens["bob"].read_text().strip(),
+                       max_retries=0)
+    # both systems busy: the deployment waits in the queue, and its clients are told to retry (503), not 404
+    script = gate_script(tmp_path)
+    holders = [(service.client(u), u) for u in ("alice", "bob")]
+    for cl, u in holders:
+        wait_state(cl, cl.submit_script(script, [str(tmp_path / u)])["id"], ("RUNNING",))
     r = service.cli("carol", "deploy", "--model", str(model))
     assert r.returncode == 0, r.stderr
     jid = r.stdout.split()[0]
+    assert c.status(jid)["state"] == "QUEUED"
+    with pytest.raises(openai.APIStatusError) as queued:
+        oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert queued.value.status_code == 503 and queued.value.code == "model_starting", queued.value
+    assert "queued to start (waiting for 1 system, 0 free)" in queued.value.message
     with pytest.raises(ApplianceError) as e:
         service.client("bob").deploy(str(model))
     assert e.value.status == 409 and e.value.code == "already_deployed"
+    for _, u in holders:
+        (tmp_path / f"{u}.gate").write_text("0")
     wait_state(c, jid, ("RUNNING",))
-    oa = openai.OpenAI(base_url=f"{service.address}/v1", api_key=service.tokens["bob"].read_text().strip(),
-                       max_retries=0)
 
     def answer():
         try:
             return oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=8, temperature=0)
         except openai.APIStatusError as err:  # 503 while its server loads the model
-            assert err.status_code == 503, err
+            assert err.status_code == 503, (err, c.status(jid))
             return None
 
     out = wait_for(answer, "the deployment to answer", timeout=180)
@@ -359,5 +371,6 @@ def test_a_deployment_answers_the_openai_client_by_model_name(service: Appliance
     r = service.cli("carol", "undeploy", "--model", str(model))
     assert r.returncode == 0, r.stderr
     assert wait_state(c, jid, ("CANCELLED",))["state"] == "CANCELLED"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as gone:
         oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert f"its last deployment, {jid}, ended CANCELLED" in gone.value.message

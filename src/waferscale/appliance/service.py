@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from waferscale.appliance.launch import Launcher, new_key
 from waferscale.appliance.scheduler import Pending, schedule
-from waferscale.appliance.store import ACTIVE, Job, Store, User
+from waferscale.appliance.store import ACTIVE, TERMINAL, Job, Store, User
 from waferscale.errors import ConfigError, UserError
 from waferscale.serve.openai.app import bearer_token, install_error_handlers
 from waferscale.serve.openai.protocol import APIError
@@ -353,20 +353,30 @@ def create_app(app_: Appliance) -> FastAPI:
         return {"user": u.name, "admin": u.admin, "quota": u.quota}
 
     # ---- deployments: OpenAI routes by model name -------------------------------------------------------------
-    def deployed() -> list[tuple[Job, str, set[str]]]:
-        """Running deployments, each with the id its server answers to and the other names it takes."""
+    def deployed(states: tuple[str, ...] = ("RUNNING",)) -> list[tuple[Job, str, set[str]]]:
+        """Deployments in `states` (running, by default), each with the id its server answers to and the other
+        names it takes."""
         from waferscale.serve.server import served_model_id
 
-        return [(j, *served_model_id(j.spec["model"])) for j in app_.store.jobs(states=["RUNNING"])
-                if j.kind == "deploy"]
+        return [(j, *served_model_id(j.spec["model"])) for j in app_.store.jobs(states=states) if j.kind == "deploy"]
 
     def deployment(model: str | None) -> Job:
+        """The running deployment serving `model`. Else 503 while one is queued to start (first, or again after
+        its processes were lost: clients retry), or 404 naming what is deployed and how the last deployment of
+        `model` ended, if one did."""
         deps = deployed()
         for j, mid, aliases in deps:
             if model == mid or model in aliases:
                 return j
+        for j, mid, aliases in deployed(("QUEUED",)):
+            if model == mid or model in aliases:
+                raise APIError(503, f"the model {model!r} is queued to start ({j.reason or 'waiting for a system'}); "
+                                    "retry shortly", type="server_error", code="model_starting")
         names = ", ".join(repr(mid) for _, mid, _ in deps) or "none"
-        raise APIError(404, f"the model {model!r} is not deployed here (deployed: {names}); "
+        ended = [j for j, mid, aliases in deployed(TERMINAL)
+                 if model == mid or model in aliases]
+        last = f"; its last deployment, {ended[-1].id}, ended {ended[-1].state}: {ended[-1].reason}" if ended else ""
+        raise APIError(404, f"the model {model!r} is not deployed here (deployed: {names}{last}); "
                             f"`wsc deploy --model {model}` deploys it", param="model", code="model_not_found")
 
     @app.get("/v1/models")
