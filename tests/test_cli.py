@@ -105,6 +105,9 @@ def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", "gpt-tiny", "--prompt", "x"), "--tokenizer")
     (tmp_path / "checkpoint_3.json").write_text("{}")  # a `wsc run` model_dir given as --model
     _assert_user_error(wsc("generate", "--model", str(tmp_path), "--prompt", "x"), "--checkpoint")
+    for missing in (str(tmp_path / "nope" / "model.gguf"), "SmolLM2-135M-Instruct.Q4_1.gguf"):  # not there
+        _assert_user_error(wsc("generate", "--model", missing, "--prompt", "x"), "no such model file or directory",
+                           "a GGUF file")
 
 
 def test_server_module_is_wsc_serve() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt": gpt.GPT, "llama": llama.Llam
 META_THRESHOLD_PARAMS = 1_000_000_000
 
 
+FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".mdl", ".h5")  # names meant as a model's file
+
+
 def names() -> list[str]:
     return sorted(PRESETS) + sorted(ALIASES)
 
@@ -36,6 +40,9 @@ def canonical_name(name: str) -> str:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in PRESETS:
+        if "/" in name or os.sep in name or name.lower().endswith(FILE_SUFFIXES):  # meant as a file or folder
+            raise ConfigError(f"no such model file or directory: {name!r} (a model is a zoo name, a GGUF file or "
+                              "a Hugging Face directory)")
         close = difflib.get_close_matches(name.lower(), names(), n=3)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise ConfigError(f"unknown model {name!r}{hint}; known models: {', '.join(names())}")
