@@ -360,21 +360,23 @@ def create_app(app_: Appliance) -> FastAPI:
 
         return [(j, *served_model_id(j.spec["model"])) for j in app_.store.jobs(states=states) if j.kind == "deploy"]
 
+    def deployments_of(model: str | None, states: tuple[str, ...]) -> list[Job]:
+        """Deployments in `states` that answer to `model` (by id or another name), in submission order."""
+        return [j for j, mid, aliases in deployed(states) if model == mid or model in aliases]
+
     def deployment(model: str | None) -> Job:
         """The running deployment serving `model`. Else 503 while one is queued to start (first, or again after
         its processes were lost: clients retry), or 404 naming what is deployed and how the last deployment of
         `model` ended, if one did."""
-        deps = deployed()
-        for j, mid, aliases in deps:
-            if model == mid or model in aliases:
-                return j
-        for j, mid, aliases in deployed(("QUEUED",)):
-            if model == mid or model in aliases:
-                raise APIError(503, f"the model {model!r} is queued to start ({j.reason or 'waiting for a system'}); "
-                                    "retry shortly", type="server_error", code="model_starting")
-        names = ", ".join(repr(mid) for _, mid, _ in deps) or "none"
-        ended = [j for j, mid, aliases in deployed(TERMINAL)
-                 if model == mid or model in aliases]
+        running = deployments_of(model, ("RUNNING",))
+        if running:
+            return running[0]
+        queued = deployments_of(model, ("QUEUED",))
+        if queued:
+            raise APIError(503, f"the model {model!r} is queued to start ({queued[0].reason or 'waiting for a system'}"
+                                "); retry shortly", type="server_error", code="model_starting")
+        names = ", ".join(repr(mid) for _, mid, _ in deployed()) or "none"
+        ended = deployments_of(model, TERMINAL)
         last = f"; its last deployment, {ended[-1].id}, ended {ended[-1].state}: {ended[-1].reason}" if ended else ""
         raise APIError(404, f"the model {model!r} is not deployed here (deployed: {names}{last}); "
                             f"`wsc deploy --model {model}` deploys it", param="model", code="model_not_found")
