@@ -4,6 +4,9 @@
    plain double-precision references written here (and batched with one-at-a-time results, bit for bit).
    Every buffer is allocated at its exact size, so a read or write past it is a sanitizer report. Prints one
    line per failed comparison and exits 1 if any failed; a sanitizer report aborts the run by itself.
+   Its last line is a digest of every result it compared (their bits, in order): each vector path must print the
+   portable code's digest (the same build with -DWSC_PORTABLE), which the test compares, so a path that differs
+   from the reference in one bit anywhere fails even where the tolerance of a comparison would let it pass.
 
    Build: cc -I src/waferscale/serve/csrc -O1 -g -march=native -fno-fast-math -pthread
           -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -15,6 +18,11 @@
 #include <string.h>
 
 static int g_fail;
+static unsigned long long g_digest = 14695981039346656037ull;  /* FNV-1a over the results' bytes */
+
+static void digest(const void* p, size_t n) {
+    for (size_t i = 0; i < n; i++) g_digest = (g_digest ^ ((const unsigned char*)p)[i]) * 1099511628211ull;
+}
 static unsigned long long g_rng = 88172645463325252ull;
 
 static float frand(void) {  /* uniform in [-1, 1), xorshift64 */
@@ -42,6 +50,7 @@ static float* copyv(const float* s, long n) {
 
 /* got vs want within tol * (1 + scale): scale is the magnitude of the terms summed (0: want's own) */
 static void expect(const char* what, long i, double got, double want, double scale, double tol) {
+    digest(&got, sizeof got);
     double lim = tol * (1.0 + (scale > 0 ? scale : fabs(want)));
     if (!(fabs(got - want) <= lim)) {
         if (g_fail < 20) fprintf(stderr, "FAIL %s [%ld]: got %.9g, want %.9g (limit %.3g)\n", what, i, got, want, lim);
@@ -50,6 +59,7 @@ static void expect(const char* what, long i, double got, double want, double sca
 }
 
 static void expect_same(const char* what, const float* a, const float* b, long n) {
+    digest(a, (size_t)n * sizeof(float));
     if (memcmp(a, b, (size_t)n * sizeof(float)) != 0) {
         if (g_fail < 20) fprintf(stderr, "FAIL %s: not the same bits\n", what);
         g_fail++;
@@ -589,6 +599,8 @@ static void check_quantize_x(void) {
     int8_t* xq = xmalloc((size_t)(2 * rows * in));
     float* xs = xmalloc((size_t)(rows * nb * XS) * sizeof(float));
     quantize_x(x, rows, in, xq, xs);
+    digest(xq, (size_t)(2 * rows * in));
+    digest(xs, (size_t)(rows * nb * XS) * sizeof(float));
     for (long r = 0; r < rows; r++)
         for (long j = 0; j < nb; j++) {
             const float* v = x + r * in + 32 * j;
@@ -597,11 +609,8 @@ static void check_quantize_x(void) {
             float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
             long sq = 0, sr = 0, bad = 0;
             for (int k = 0; k < 32; k++) {
-                int8_t tmp[16], q, qr;  /* (round_to_i8 writes 16 lanes: the first is this one's) */
-                round_to_i8(vsplat(v[k] * id), tmp);
-                q = tmp[0];
-                round_to_i8(vsplat((v[k] - (float)q * dx) * idr), tmp);
-                qr = tmp[0];
+                int8_t q = (int8_t)round_i8((vf){0} + v[k] * id)[0];  /* (every lane the same: the first) */
+                int8_t qr = (int8_t)round_i8((vf){0} + (v[k] - (float)q * dx) * idr)[0];
                 sq += q;
                 sr += qr;
                 bad += q != xq[2 * r * in + 32 * j + k] || qr != xq[2 * r * in + in + 32 * j + k];
@@ -655,5 +664,6 @@ int main(void) {
         return 1;
     }
     printf("serve kernels: all checks passed\n");
+    printf("path %s, digest %016llx\n", wsc_kernel_path(), g_digest);
     return 0;
 }

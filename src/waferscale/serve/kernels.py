@@ -15,11 +15,15 @@ of many by the FMA units; both bounds are within reach only if the weights strea
 - The weights live in one 2 MiB-aligned arena on transparent huge pages (`hugepage_tensor`).
 - `set_threads` starts a work-stealing pool that shares a product while its workers keep up (csrc/pool.c).
 
-csrc/serve_kernels.c is the one translation unit; it includes the other csrc/ files. Not available
+csrc/serve_kernels.c is the one translation unit; it includes the other csrc/ files. It is built for this
+machine (-march=native), so the compiler takes the vector path of this CPU (csrc/kernels.h: AVX-512 with or
+without VNNI, AVX2 + FMA + F16C with or without AVX-VNNI, ARM NEON with dot-product / i8mm, else the portable
+code); WSC_KERNEL_MARCH=LEVEL builds for another -march level instead (x86-64-v3: the AVX2 path on an AVX-512
+machine, for benchmarks and tests), and `path()` names the path the loaded build runs. Not available
 (`available()` is False) without a C compiler, when the build fails, or with WSC_NO_C_KERNELS=1: serving then
-uses the torch path. The shared object is cached under $WSC_CACHE_DIR (default ~/.cache/waferscale), keyed by
-the csrc/ files, the compiler, the flags and this CPU's flags, and built aside then renamed, so concurrent
-builds (pipeline stages) never see half a file.
+uses the torch path, and says so (`unavailable_reason()`). The shared object is cached under $WSC_CACHE_DIR
+(default ~/.cache/waferscale), keyed by the csrc/ files, the compiler, the flags and this CPU's flags, and built
+aside then renamed, so concurrent builds (pipeline stages) never see half a file.
 """
 
 from __future__ import annotations
@@ -41,13 +45,25 @@ from torch import Tensor
 from waferscale.util.paths import cache_dir
 
 __all__ = ["DecodeStack", "PANEL", "argmax", "argmax_rows", "available", "decode_attention", "decode_attention_batch",
-           "hugepage_tensor", "linear", "pack", "pack_sparse", "packed_numel", "rms_norm", "set_threads", "silu_mul",
+           "hugepage_tensor", "linear", "pack", "pack_sparse", "packed_numel", "path", "rms_norm", "set_threads", "silu_mul",
            "sparse_pays", "sparse_plan"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"  # the C source, shipped as package data
 _MAIN = "serve_kernels.c"  # the one translation unit: it includes the other csrc/ files
 
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math", "-pthread"]
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-fast-math", "-pthread"]
+MARCH_ENV = "WSC_KERNEL_MARCH"  # -march level of the build (default: native)
+
+
+def march_flags() -> list[str]:
+    """The target flags of the build: -march=native, or -march=$WSC_KERNEL_MARCH; "portable" builds the
+    portable code (no vector path: the reference the paths are tested against), for this machine's -march."""
+    level = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if level == "portable":
+        return ["-march=native", "-DWSC_PORTABLE"]
+    if not all(c.isalnum() or c in "-_.+" for c in level):
+        raise RuntimeError(f"{MARCH_ENV}={level!r} is not a -march level (e.g. native, x86-64-v3, armv8.2-a+dotprod)")
+    return [f"-march={level}"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
@@ -80,7 +96,8 @@ def _build() -> ctypes.CDLL:
     h = hashlib.sha256()
     for f in _sources():
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update("\0".join([cc, version, " ".join(_FLAGS), _cpu_id()]).encode())
+    flags = [*_FLAGS, *march_flags()]
+    h.update("\0".join([cc, version, " ".join(flags), _cpu_id()]).encode())
     key = h.hexdigest()[:16]
     root = cache_dir() / "kernels"
     root.mkdir(parents=True, exist_ok=True)
@@ -88,7 +105,7 @@ def _build() -> ctypes.CDLL:
     if not so.exists():
         with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed into place
             out = Path(tmp) / so.name
-            r = subprocess.run([cc, *_FLAGS, str(_CSRC / _MAIN), "-o", str(out), "-lm"], capture_output=True,
+            r = subprocess.run([cc, *flags, str(_CSRC / _MAIN), "-o", str(out), "-lm"], capture_output=True,
                                text=True, timeout=900)  # (a busy machine can take minutes)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
@@ -113,7 +130,8 @@ def _build() -> ctypes.CDLL:
             ("wsc_decode_layers_batch", [P, P, L, L, L, L, L, L, L, P, P, L, P, P, L, L, P, P], I),
             ("wsc_sparse_plan", [P, L, L, P], I),
             ("wsc_sparse_pack", [P, L, L, I, P, P], I),
-            ("wsc_set_threads", [I], I)]:
+            ("wsc_set_threads", [I], I),
+            ("wsc_kernel_path", [], ctypes.c_char_p)]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
@@ -137,6 +155,14 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     available()
     return _error
+
+
+def path() -> str:
+    """The vector path the C kernels run ("avx512-vnni", "avx2", "avx2-vnni", "neon-dotprod", "portable", ...),
+    or "off (WHY)" when they are not available and serving takes the torch path."""
+    if not available():
+        return f"off ({_error})"
+    return _lib.wsc_kernel_path().decode()
 
 
 HUGE_PAGE = 2 << 20

@@ -48,27 +48,110 @@ static inline uint16_t f2h(float f) {  /* float -> IEEE half, rounded to nearest
     return (uint16_t)(s | h);
 }
 
-/* 16 halves at p -> floats, and 16 floats -> halves at p: one vcvtph2ps / vcvtps2ph with AVX-512 */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline v16 ldh16(const void* p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-static inline void sth16(void* p, v16 v) {
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+/* ---- the instruction-set paths ------------------------------------------------------------------------------
+   One set of sources; the compiler's target picks the path (serve/kernels.py builds with -march=native, or the
+   level WSC_KERNEL_MARCH names): AVX-512 (16 lanes a register; vpdpbusd with VNNI), x86-64-v3 = AVX2 + FMA +
+   F16C (8 lanes; AVX-VNNI's 256-bit vpdpbusd where present), ARM NEON (4 lanes; the dot-product and i8mm
+   instructions where present), or the portable code (WSC_PORTABLE, or a target with none of these): plain C
+   and GCC vector arithmetic, the reference every path is compared with bit for bit (tests/test_serve_csrc.py).
+   Only the primitives below differ between paths (VLANES lanes: one native register of int32 or float); the
+   arithmetic of every kernel is written once over them. wsc_kernel_path() names the path built. */
+#if defined(WSC_PORTABLE)
+#define VLANES 16
+#define WSC_PATH "portable"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WSC_X86 512
+#define VLANES 16
+#if defined(__AVX512VNNI__)
+#define WSC_PATH "avx512-vnni"
 #else
-static inline v16 ldh16(const void* p) {
-    uint16_t h[16];
-    v16 v;
-    __builtin_memcpy(h, p, sizeof h);
-    for (int i = 0; i < 16; i++) v[i] = h2f(h[i]);
-    return v;
-}
-static inline void sth16(void* p, v16 v) {
-    uint16_t h[16];
-    for (int i = 0; i < 16; i++) h[i] = f2h(v[i]);
-    __builtin_memcpy(p, h, sizeof h);
-}
+#define WSC_PATH "avx512"
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define WSC_X86 256
+#define VLANES 8
+#if defined(__AVXVNNI__)
+#define WSC_PATH "avx2-vnni"
+#else
+#define WSC_PATH "avx2"
+#endif
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define WSC_NEON 1
+#define VLANES 4
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define WSC_PATH "neon-i8mm"
+#elif defined(__ARM_FEATURE_DOTPROD)
+#define WSC_PATH "neon-dotprod"
+#else
+#define WSC_PATH "neon"
+#endif
+#else
+#define VLANES 16
+#define WSC_PATH "portable"
+#endif
+#if defined(WSC_X86)
+#include <immintrin.h>
+#elif defined(WSC_NEON)
+#include <arm_neon.h>
+#endif
+#define NPARTS (16 / VLANES)  /* native registers that a panel's 16 outputs span */
+
+typedef float vf __attribute__((vector_size(VLANES * 4)));    /* one native register of floats */
+typedef int32_t vi __attribute__((vector_size(VLANES * 4)));  /* ... of int32 */
+
+/* part h (VLANES lanes from lane h VLANES) of a 16-lane vector, and a 16-lane vector put together from NPARTS parts */
+static inline __attribute__((always_inline)) vf part(v16 v, int h) {
+    vf r; __builtin_memcpy(&r, (const char*)&v + h * VLANES * 4, sizeof r); return r;
+}
+static inline __attribute__((always_inline)) vi parti(v16i v, int h) {
+    vi r; __builtin_memcpy(&r, (const char*)&v + h * VLANES * 4, sizeof r); return r;
+}
+static inline __attribute__((always_inline)) v16i joini(const vi* p) {
+    v16i r; __builtin_memcpy(&r, p, sizeof r); return r;
+}
+static inline __attribute__((always_inline)) v16 join(const vf* p) {
+    v16 r; __builtin_memcpy(&r, p, sizeof r); return r;
+}
+
+/* VLANES halves at p -> floats; VLANES floats -> halves at p (rounded to nearest even, as vcvtps2ph) */
+static inline __attribute__((always_inline)) vf ldhf(const void* p) {
+#if WSC_X86 == 512
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif WSC_X86 == 256
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#elif defined(WSC_NEON)
+    return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)p)));
+#else
+    uint16_t h[VLANES];
+    vf v;
+    __builtin_memcpy(h, p, sizeof h);
+    for (int i = 0; i < VLANES; i++) v[i] = h2f(h[i]);
+    return v;
+#endif
+}
+static inline __attribute__((always_inline)) void sthf(void* p, vf v) {
+#if WSC_X86 == 512
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif WSC_X86 == 256
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(WSC_NEON)
+    vst1_u16((uint16_t*)p, vreinterpret_u16_f16(vcvt_f16_f32((float32x4_t)v)));
+#else
+    uint16_t h[VLANES];
+    for (int i = 0; i < VLANES; i++) h[i] = f2h(v[i]);
+    __builtin_memcpy(p, h, sizeof h);
+#endif
+}
+
+/* 16 halves at p -> floats, and 16 floats -> halves at p */
+static inline __attribute__((always_inline)) v16 ldh16(const void* p) {
+    vf r[NPARTS];
+    for (int h = 0; h < NPARTS; h++) r[h] = ldhf((const uint16_t*)p + h * VLANES);
+    return join(r);
+}
+static inline __attribute__((always_inline)) void sth16(void* p, v16 v) {
+    for (int h = 0; h < NPARTS; h++) sthf((uint16_t*)p + h * VLANES, part(v, h));
+}
 
 /* a KV cache row's 16 values from index d: float32 (kv16 0) or float16 (kv16 1) storage */
 static inline __attribute__((always_inline)) v16 ldkv(const void* row, long d, int kv16) {

@@ -57,12 +57,43 @@ typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 /* 16 bytes (or 16-bit words) -> 16 int32 lanes, zero- or sign-extended (GCC scalarizes __builtin_convertvector
-   here: ~10x slower) */
-#if defined(__AVX512F__)
+   here, ~10x slower: each path widens with its own instructions; the portable code is the reference) */
+#if WSC_X86 == 512
 static inline v16i zx8(const uint8_t* p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 static inline v16i sx8(const uint8_t* p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 static inline v16i zx16(const uint8_t* p) {
     return (v16i)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+}
+#elif WSC_X86 == 256
+#define WIDEN8(f, p) do { vi r_[2] = {(vi)f(_mm_loadl_epi64((const __m128i*)(p))), \
+                                     (vi)f(_mm_loadl_epi64((const __m128i*)((p) + 8)))}; return joini(r_); } while (0)
+static inline v16i zx8(const uint8_t* p) { WIDEN8(_mm256_cvtepu8_epi32, p); }
+static inline v16i sx8(const uint8_t* p) { WIDEN8(_mm256_cvtepi8_epi32, p); }
+static inline v16i zx16(const uint8_t* p) {
+    vi r[2] = {(vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
+               (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))};
+    return joini(r);
+}
+#elif defined(WSC_NEON)
+static inline v16i zx8(const uint8_t* p) {
+    uint8x16_t b = vld1q_u8(p);
+    uint16x8_t l = vmovl_u8(vget_low_u8(b)), h = vmovl_high_u8(b);
+    vi r[4] = {(vi)vmovl_u16(vget_low_u16(l)), (vi)vmovl_high_u16(l), (vi)vmovl_u16(vget_low_u16(h)),
+               (vi)vmovl_high_u16(h)};
+    return joini(r);
+}
+static inline v16i sx8(const uint8_t* p) {
+    int8x16_t b = vld1q_s8((const int8_t*)p);
+    int16x8_t l = vmovl_s8(vget_low_s8(b)), h = vmovl_high_s8(b);
+    vi r[4] = {(vi)vmovl_s16(vget_low_s16(l)), (vi)vmovl_high_s16(l), (vi)vmovl_s16(vget_low_s16(h)),
+               (vi)vmovl_high_s16(h)};
+    return joini(r);
+}
+static inline v16i zx16(const uint8_t* p) {
+    uint16x8_t l = vld1q_u16((const uint16_t*)p), h = vld1q_u16((const uint16_t*)p + 8);
+    vi r[4] = {(vi)vmovl_u16(vget_low_u16(l)), (vi)vmovl_high_u16(l), (vi)vmovl_u16(vget_low_u16(h)),
+               (vi)vmovl_high_u16(h)};
+    return joini(r);
 }
 #else
 #define CONVERT_LOAD(T, p) ({ T v_; __builtin_memcpy(&v_, p, sizeof v_); __builtin_convertvector(v_, v16i); })
@@ -328,188 +359,395 @@ static inline int qint8_applies(int qt) {
     return atomic_load(&g_qint8) && (qt == QT_Q8_0 || qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q4_K);
 }
 
-/* 16 floats t rounded half away from zero (|t| < 127.5) into int8 at q; returns them (saturated to int8, as
-   stored, for a t out of range: an x of NaN or inf) */
-static inline v16i round_to_i8(v16 t, int8_t* q) {
-    const v16i sign = (v16i)vsplat(-0.0f);
-    v16 half = (v16)(((v16i)t & sign) | (v16i)vsplat(0.5f));  /* 0.5 with t's sign */
-    v16i qi = __builtin_convertvector(t + half, v16i);  /* truncation */
-#if defined(__AVX512F__)
-    qi = (v16i)_mm512_max_epi32(_mm512_min_epi32((__m512i)qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8((__m512i)qi));
+/* VLANES floats t rounded half away from zero (|t| < 127.5) to int32, saturated to int8's range (for a t out of
+   range: an x of NaN or inf); and VLANES such int32 stored as int8 at q */
+static inline __attribute__((always_inline)) vi round_i8(vf t) {
+    vf half = (vf)(((vi)t & (int)0x80000000u) | (vi)((vf){0} + 0.5f));  /* 0.5 with t's sign */
+    vi qi = __builtin_convertvector(t + half, vi);  /* truncation */
+#if WSC_X86 == 512
+    return (vi)_mm512_max_epi32(_mm512_min_epi32((__m512i)qi, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+#elif WSC_X86 == 256
+    return (vi)_mm256_max_epi32(_mm256_min_epi32((__m256i)qi, _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+#elif defined(WSC_NEON)
+    return (vi)vmaxq_s32(vminq_s32((int32x4_t)qi, vdupq_n_s32(127)), vdupq_n_s32(-128));
 #else
-    v16i hi = qi > 127, lo = qi < -128;
-    qi = (qi & ~(hi | lo)) | (127 & hi) | (-128 & lo);
-    for (int c = 0; c < PANEL; c++) q[c] = (int8_t)qi[c];
+    vi hi = qi > 127, lo = qi < -128;
+    return (qi & ~(hi | lo)) | (127 & hi) | (-128 & lo);
 #endif
-    return qi;
+}
+static inline __attribute__((always_inline)) void store_i8(int8_t* q, vi v) {
+#if WSC_X86 == 512
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8((__m512i)v));
+#elif WSC_X86 == 256
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    _mm_storel_epi64((__m128i*)q, _mm_packs_epi16(w, w));
+#elif defined(WSC_NEON)
+    int16x4_t w = vqmovn_s32((int32x4_t)v);
+    vst1_lane_s32((int32_t*)(void*)q, vreinterpret_s32_s8(vqmovn_s16(vcombine_s16(w, w))), 0);
+#else
+    for (int c = 0; c < VLANES; c++) q[c] = (int8_t)v[c];
+#endif
+}
+
+/* the largest and the sum of VLANES int32 lanes (integers: the order does not matter) */
+static inline __attribute__((always_inline)) int hmaxi(vi v) {
+#if WSC_X86 == 512
+    return _mm512_reduce_max_epi32((__m512i)v);
+#elif WSC_X86 == 256
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+    return _mm_cvtsi128_si32(_mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+#elif defined(WSC_NEON)
+    return vmaxvq_s32((int32x4_t)v);
+#else
+    int m = v[0];
+    for (int c = 1; c < VLANES; c++) m = v[c] > m ? v[c] : m;
+    return m;
+#endif
+}
+static inline __attribute__((always_inline)) int hsumi(vi v) {
+#if WSC_X86 == 512
+    return _mm512_reduce_add_epi32((__m512i)v);
+#elif WSC_X86 == 256
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+#elif defined(WSC_NEON)
+    return vaddvq_s32((int32x4_t)v);
+#else
+    int s = 0;
+    for (int c = 0; c < VLANES; c++) s += v[c];
+    return s;
+#endif
 }
 
 /* x (rows, in) -> per row its two int8 digits, xq then xr (2 in bytes a row), and xs (rows, in / 32, XS): each
    block's dx, dr, sum of x (the sum in a fixed order: lanes pairwise, then hsum16), and 128 times the sum of
-   its xq and of its xr (Q8_0's correction, i8_q8). xq = x / dx rounded, dx
-   = max |x| / 127; xr = (x - dx xq) / dr rounded, dr = dx / 254 (|x - dx xq| <= dx / 2, so |xr| <= 127). */
+   its xq and of its xr (Q8_0's correction, q8_part). xq = x / dx rounded half away from zero, dx = max |x| / 127
+   (over the non-NaN x; 0 if none); xr = (x - dx xq) / dr rounded, dr = dx / 254 (|x - dx xq| <= dx / 2, so |xr|
+   <= 127); digits saturated to int8 (an x of NaN or inf) before they are summed. */
 static void quantize_x(const float* x, long rows, long in, int8_t* xq, float* xs) {
-    const v16i abs_mask = ~(v16i)vsplat(-0.0f);
     long nb = in / 32;
     for (long r = 0; r < rows; r++)
         for (long j = 0; j < nb; j++) {
             const float* v = x + r * in + 32 * j;
-            v16 lo = ld16(v), hi = ld16(v + 16);
-            v16 a = (v16)((v16i)lo & abs_mask), b = (v16)((v16i)hi & abs_mask);
-            v16i ga = (a >= b) | (b != b);  /* max |x| over the non-NaN values */
-            v16 m = (v16)(((v16i)a & ga) | ((v16i)b & ~ga));
-#if defined(__AVX512F__)
-            float amax = _mm512_reduce_max_ps((__m512)(v16)((v16i)m & (m == m)));  /* (NaN lanes as 0, as below) */
+            vf xv[32 / VLANES];
+            vi mx = {0};
+            for (int i = 0; i < 32 / VLANES; i++) {
+                __builtin_memcpy(&xv[i], v + VLANES * i, sizeof xv[i]);
+                vi ab = (vi)xv[i] & 0x7FFFFFFF;
+                ab &= ab <= 0x7F800000;  /* |x| as its bits (which order as the values), NaN as 0 */
+#if WSC_X86 == 512
+                mx = (vi)_mm512_max_epi32((__m512i)mx, (__m512i)ab);
+#elif WSC_X86 == 256
+                mx = (vi)_mm256_max_epi32((__m256i)mx, (__m256i)ab);
+#elif defined(WSC_NEON)
+                mx = (vi)vmaxq_s32((int32x4_t)mx, (int32x4_t)ab);
 #else
-            float amax = 0;
-            for (int c = 0; c < PANEL; c++) amax = m[c] > amax ? m[c] : amax;
+                mx = (mx & (mx >= ab)) | (ab & (mx < ab));
 #endif
+            }
+            int mb = hmaxi(mx);
+            float amax;
+            __builtin_memcpy(&amax, &mb, 4);
             float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
             int8_t *q = xq + 2 * r * in + 32 * j, *qr = q + in;
-            v16i sq = {0}, sr = {0};
-            for (int h = 0; h < 2; h++) {
-                v16 xv = h ? hi : lo;
-                v16i qi = round_to_i8(xv * id, q + 16 * h);
+            vi sq = {0}, sr = {0};
+            for (int i = 0; i < 32 / VLANES; i++) {
+                vi qi = round_i8(xv[i] * id);
+                vi ri = round_i8((xv[i] - __builtin_convertvector(qi, vf) * dx) * idr);
+                store_i8(q + VLANES * i, qi);
+                store_i8(qr + VLANES * i, ri);
                 sq += qi;
-                sr += round_to_i8((xv - i2f(qi) * dx) * idr, qr + 16 * h);
+                sr += ri;
             }
             float* s = xs + XS * (r * nb + j);
             s[0] = dx;
             s[1] = dr;
-            s[2] = hsum16(lo + hi);
-#if defined(__AVX512F__)
-            s[3] = (float)(128 * _mm512_reduce_add_epi32((__m512i)sq));  /* (integers under 2^24: exact in float, */
-            s[4] = (float)(128 * _mm512_reduce_add_epi32((__m512i)sr));  /* the same as the loop below) */
-#else
-            s[3] = s[4] = 0;
-            for (int c = 0; c < PANEL; c++) { s[3] += 128 * sq[c]; s[4] += 128 * sr[c]; }  /* (integers: exact) */
-#endif
+            s[2] = hsum16(ld16(v) + ld16(v + 16));
+            s[3] = (float)(128 * hsumi(sq));  /* (integers under 2^24: exact in float) */
+            s[4] = (float)(128 * hsumi(sr));
         }
 }
 
 /* the four bytes at x in every lane (a 32-bit load of its own, broadcast from memory: a wider load split in
    registers costs each broadcast two more vector uops) */
-static inline v16i bcast4(const int8_t* x) {
+static inline vi bcast4(const int8_t* x) {
     int32_t b;
     __builtin_memcpy(&b, x, 4);
-    v16i v = {b, b, b, b, b, b, b, b, b, b, b, b, b, b, b, b};
-    return v;
+    return (vi){0} + b;
 }
 
-/* acc + per lane the sum of its four u8 bytes of a times the four s8 bytes of b (b: the same in every lane) */
-static inline v16i dpbusd(v16i acc, v16i a, v16i b) {
-#if defined(__AVX512VNNI__)
-    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+typedef uint32_t vu __attribute__((vector_size(VLANES * 4)));
+
+/* The integer dots of each path. Each output's block sum is an exact integer on every path (the same as the
+   portable code's), however it is reached:
+   - the dot-product instructions (AVX-512 VNNI and AVX-VNNI's vpdpbusd, ARM's usdot with i8mm or sdot) add per
+     lane the four u8 bytes of the weights times the four s8 bytes of x (x: the same four in every lane);
+   - AVX2 and AVX-512 without VNNI have vpmaddubsw, which sums u8 x s8 pairs into 16 bits (saturating): their
+     sums stay in 16-bit lanes, where they cannot overflow, for as many steps as the bounds below allow, then one
+     vpmaddwd widens them. A Q4 nibble (< 16) times x (|x| <= 128): a pair < 2^12, two nibbles' pairs < 2^13,
+     four such steps < 2^15. A Q8_0 byte is split into its two nibbles, each summed as a Q4 nibble (a pair
+     < 2^12, eight steps < 2^15), the high sums then times 16.
+   - plain NEON widens to 16-bit products (each < 2^15) and adds pairs.
+   p7: the sums over Q4 nibbles (q4dot: lo nibbles against x0, hi nibbles against x1), p7sum after at most four
+   q4dot; p8: over Q8_0 bytes (q8dot), p8sum after at most eight q8dot (a block). */
+#if WSC_X86 == 512
+#define MADDUBS(a, b) _mm512_maddubs_epi16((__m512i)(a), (__m512i)(b))
+#define MADD(a, k) (vi)_mm512_madd_epi16((a), _mm512_set1_epi16(k))
+#define ADD16(a, b) _mm512_add_epi16((a), (b))
+typedef __m512i v16x;
+#elif WSC_X86 == 256
+#define MADDUBS(a, b) _mm256_maddubs_epi16((__m256i)(a), (__m256i)(b))
+#define MADD(a, k) (vi)_mm256_madd_epi16((a), _mm256_set1_epi16(k))
+#define ADD16(a, b) _mm256_add_epi16((a), (b))
+typedef __m256i v16x;
+#endif
+#if (WSC_X86 == 512 && defined(__AVX512VNNI__)) || (WSC_X86 == 256 && defined(__AVXVNNI__))
+#define DPBUSD 1
+#endif
+
+#if defined(WSC_X86) && !defined(DPBUSD)
+/* each step's sum, as it is: integer sums are associative, and GCC otherwise reorders the adds of a whole block
+   into a tree whose products wait in more registers than AVX2 has (spilled to the stack: ~2x slower) */
+#define KEEP(v) __asm__("" : "+x"(v))
+#define PAIRS16 1  /* sums held in 16 bits (vpmaddubsw), widened by p7sum / p8sum */
+typedef v16x p7_t;
+typedef struct { v16x l, h; } p8_t;
 #else
-    for (int t = 0; t < 4; t++) acc += (v16i)((v16u)a >> (8 * t) & 255) * (int8_t)(b[0] >> (8 * t));
+typedef vi p7_t;
+typedef vi p8_t;
+#endif
+
+#if defined(WSC_NEON) && !defined(__ARM_FEATURE_MATMUL_INT8) && !defined(__ARM_FEATURE_DOTPROD)
+static inline vi neon_dp(vi acc, vi a, vi b) {  /* widened: each u8 x s8 product fits 16 bits */
+    int16x8_t bl = vmovl_s8(vget_low_s8((int8x16_t)b)), bh = vmovl_high_s8((int8x16_t)b);
+    int16x8_t al = (int16x8_t)vmovl_u8(vget_low_u8((uint8x16_t)a)), ah = (int16x8_t)vmovl_high_u8((uint8x16_t)a);
+    return acc + (vi)vpaddq_s32(vpaddlq_s16(vmulq_s16(al, bl)), vpaddlq_s16(vmulq_s16(ah, bh)));
+}
+#endif
+
+/* acc + per lane the sum of its four u8 bytes of a times the four s8 bytes of b (b: the same in every lane) */
+static inline __attribute__((always_inline)) vi dp(vi acc, vi a, vi b) {
+#if defined(DPBUSD) && WSC_X86 == 512
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif defined(DPBUSD)
+    return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)a, (__m256i)b);
+#elif defined(WSC_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
+    return (vi)vusdotq_s32((int32x4_t)acc, (uint8x16_t)a, (int8x16_t)b);
+#elif defined(WSC_NEON) && defined(__ARM_FEATURE_DOTPROD)  /* a = (a - 128) + 128, both signed dots */
+    int32x4_t sb = vdotq_s32(vdupq_n_s32(0), vdupq_n_s8(1), (int8x16_t)b);
+    return (vi)vdotq_s32((int32x4_t)acc, (int8x16_t)(a ^ (int)0x80808080u), (int8x16_t)b) + ((vi)sb << 7);
+#elif defined(WSC_NEON)
+    return neon_dp(acc, a, b);
+#else
+    for (int t = 0; t < 4; t++) acc += (vi)((vu)a >> (8 * t) & 255) * (int8_t)(b[0] >> (8 * t));
     return acc;
 #endif
 }
 
-/* The integer path runs NP panels x MR rows at once (NP MR <= 4: one decode row against a group of panels, or
-   up to four rows against one panel): each weight group is loaded and unpacked once for the MR rows, and each
-   row's x words are broadcast once for the NP panels. */
+static inline __attribute__((always_inline)) p7_t p7zero(void) { return (p7_t){0}; }
+/* acc + lo's bytes (< 16) times x0's + hi's times x1's */
+static inline __attribute__((always_inline)) p7_t q4dot(p7_t acc, vi lo, vi x0, vi hi, vi x1) {
+#ifdef PAIRS16
+    acc = ADD16(acc, ADD16(MADDUBS(lo, x0), MADDUBS(hi, x1)));
+    KEEP(acc);
+    return acc;
+#elif defined(WSC_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(__ARM_FEATURE_MATMUL_INT8)
+    return (vi)vdotq_s32(vdotq_s32((int32x4_t)acc, (int8x16_t)lo, (int8x16_t)x0), (int8x16_t)hi, (int8x16_t)x1);
+#else
+    return dp(dp(acc, lo, x0), hi, x1);
+#endif
+}
+static inline __attribute__((always_inline)) vi p7sum(p7_t acc) {
+#ifdef PAIRS16
+    return MADD(acc, 1);
+#else
+    return acc;
+#endif
+}
 
-/* MR rows of xq (two digits, ldq apart) against NP panels of Q8_0: a[p * MR + r] += their block sums. vpdpbusd
-   takes one side unsigned: the panels hold q + 128, so 128 times the block's sum of each digit (xs) comes off,
-   in float: both terms are integers below 2^24, so the difference is exact, the integer sum itself */
-AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
+static inline __attribute__((always_inline)) p8_t p8zero(void) { return (p8_t){0}; }
+/* acc + a's bytes (any) times x's */
+static inline __attribute__((always_inline)) p8_t q8dot(p8_t acc, vi a, vi x) {
+#ifdef PAIRS16
+    acc.l = ADD16(acc.l, MADDUBS(a & 0x0F0F0F0F, x));
+    acc.h = ADD16(acc.h, MADDUBS((vi)((vu)a >> 4) & 0x0F0F0F0F, x));
+    KEEP(acc.l);
+    KEEP(acc.h);
+    return acc;
+#else
+    return dp(acc, a, x);
+#endif
+}
+static inline __attribute__((always_inline)) vi p8sum(p8_t acc) {
+#ifdef PAIRS16
+    return MADD(acc.l, 1) + MADD(acc.h, 16);
+#else
+    return acc;
+#endif
+}
+
+/* VLANES bytes at p -> VLANES int32 lanes, zero-extended */
+static inline __attribute__((always_inline)) vi zx8p(const uint8_t* p) {
+#if WSC_X86 == 512
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif WSC_X86 == 256
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#elif defined(WSC_NEON)
+    uint32_t u;
+    __builtin_memcpy(&u, p, 4);
+    return (vi)vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(u))));
+#else
+    typedef uint8_t vb __attribute__((vector_size(VLANES)));
+    vb b;
+    __builtin_memcpy(&b, p, VLANES);
+    return __builtin_convertvector(b, vi);
+#endif
+}
+
+/* The integer path runs NP panels x MR rows at once (NP MR <= 4: one decode row against a group of panels, or
+   up to four rows against one panel), block by block. A panel's 16 outputs go in NPARTS parts of VLANES lanes (one
+   native register), one after the other within each block, and the sums are kept in parts too: a[i NPARTS + h] is
+   part h of the sums of i = p MR + r. Within a part, ICHUNK of the NP x MR products at a time (as many as the path's
+   registers hold: each weight group is loaded and unpacked once for their rows, each row's x words broadcast
+   once for their panels). */
+#ifdef PAIRS16
+#define ICHUNK 2
+#else
+#define ICHUNK 4
+#endif
+/* x's words are broadcast again in each part and chunk: a pointer the compiler cannot see through keeps it
+   from holding every broadcast of a block in registers it does not have (AVX2: spilled to the stack) */
+#define OPAQUE(ptr) __asm__("" : "+r"(ptr))
+#define FOR_CHUNK(NP, MR) for (int c0 = 0; c0 < (NP > 1 ? NP : MR); c0 += ICHUNK)
+#define CP(NP) (NP > 1 ? ICHUNK : 1)          /* panels of a chunk */
+#define CR(NP, MR) (NP > 1 ? MR : ICHUNK < MR ? ICHUNK : MR)  /* rows of a chunk */
+
+/* part h of block j of NP panels of Q8_0 (blk[p]) against MR rows r0 .. of xq (two digits, ldq apart) into a
+   (rows MRA apart): vpdpbusd takes one side unsigned: the panels hold q + 128, so 128 times the block's sum of
+   each digit (xs) comes off, in float: both terms are integers below 2^24, so the difference is exact, the
+   integer sum itself */
+AI void q8_part(const uint8_t* const* blk, long j, long in, const int8_t* xq, const float* xs, long ldq, long nb,
+                vf* a, int MRA, const int h, const int NP, const int MR) {
+    OPAQUE(xq);
+    p8_t pq[ICHUNK], pr[ICHUNK];  /* (eight q8dot each: p8sum's bound) */
+    for (int i = 0; i < NP * MR; i++) pq[i] = pr[i] = p8zero();
+    for (int g = 0; g < 8; g++) {
+        vi xb[ICHUNK][2];
+        for (int r = 0; r < MR; r++) {
+            xb[r][0] = bcast4(xq + r * ldq + 32 * j + 4 * g);
+            xb[r][1] = bcast4(xq + r * ldq + in + 32 * j + 4 * g);
+        }
+        FOR_P {
+            vi L;
+            __builtin_memcpy(&L, blk[p] + 32 + 64 * g + 4 * VLANES * h, sizeof L);
+            for (int r = 0; r < MR; r++) {
+                pq[p * MR + r] = q8dot(pq[p * MR + r], L, xb[r][0]);
+                pr[p * MR + r] = q8dot(pr[p * MR + r], L, xb[r][1]);
+            }
+        }
+    }
+    FOR_P {
+        vf d = ldhf(blk[p] + 2 * VLANES * h);
+        for (int r = 0; r < MR; r++) {
+            const float* s = xs + XS * (r * nb + j);
+            int i = p * MR + r;
+            vf* t = &a[(p * MRA + r) * NPARTS + h];
+            *t += (__builtin_convertvector(p8sum(pq[i]), vf) - s[3]) * (d * s[0]);
+            *t += (__builtin_convertvector(p8sum(pr[i]), vf) - s[4]) * (d * s[1]);
+        }
+    }
+}
+
+/* MR rows of xq against NP panels of Q8_0: a[(p MR + r) NPARTS + h] += their block sums */
+AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, vf* a,
               const int NP, const int MR) {
     const long nb = in / 32;
     for (long j = 0; j < nb; j++) {
         const uint8_t* blk[QNP];
         FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], 544, MR == 1); }
-        v16i acc[QNP] = {{0}}, acr[QNP] = {{0}};
-        for (int g = 0; g < 8; g++) {
-            v16i xb[QNP][2];
-            for (int r = 0; r < MR; r++) {
-                xb[r][0] = bcast4(xq + r * ldq + 32 * j + 4 * g);
-                xb[r][1] = bcast4(xq + r * ldq + in + 32 * j + 4 * g);
+        for (int h = 0; h < NPARTS; h++)
+            FOR_CHUNK(NP, MR) {
+                int p0 = NP > 1 ? c0 : 0, r0 = NP > 1 ? 0 : c0;
+                q8_part(blk + p0, j, in, xq + r0 * ldq, xs + XS * r0 * nb, ldq, nb, a + (p0 * MR + r0) * NPARTS, MR, h,
+                        CP(NP), CR(NP, MR));
             }
-            FOR_P {
-                v16i L;
-                __builtin_memcpy(&L, blk[p] + 32 + 64 * g, 64);
-                for (int r = 0; r < MR; r++) {
-                    acc[p * MR + r] = dpbusd(acc[p * MR + r], L, xb[r][0]);
-                    acr[p * MR + r] = dpbusd(acr[p * MR + r], L, xb[r][1]);
-                }
-            }
-        }
-        FOR_P {
-            v16 d = ldh16(blk[p]);
-            for (int r = 0; r < MR; r++) {
-                const float* s = xs + XS * (r * nb + j);
-                a[p * MR + r] += (i2f(acc[p * MR + r]) - s[3]) * (d * s[0]);
-                a[p * MR + r] += (i2f(acr[p * MR + r]) - s[4]) * (d * s[1]);
-            }
-        }
     }
 }
 
-/* one sub-block of 32 k of NP panels (q[p]: its 4 groups of 8 k, Q4_1's layout; d[p], m[p] its scales) against
-   MR rows into a: d dx (sum q xq) + d dr (sum q xr) + m sum x (xs: each row's dx, dr, sum x of this block, XS
-   nb floats apart) */
-AI void i8_q4_block(const uint8_t* const* q, const v16* d, const v16* m, const int8_t* xq, long ldq, long in,
-                    const float* xs, long nb, v16* a, const int NP, const int MR) {
-    v16i acc[QNP] = {{0}}, acr[QNP] = {{0}};
+/* part h of one sub-block of 32 k of NP panels (q[p]: its 4 groups of 8 k, Q4_1's layout; d[p], m[p] part h of
+   its scales) against MR rows into a (rows MRA apart): d dx (sum q xq) + d dr (sum q xr) + m sum x (xs: each
+   row's dx, dr, sum x of this block, XS nb floats apart) */
+AI void q4_part(const uint8_t* const* q, const vf* d, const vf* m, const int8_t* xq, long ldq, long in,
+                const float* xs, long nb, vf* a, int MRA, const int h, const int NP, const int MR) {
+    OPAQUE(xq);
+    p7_t pq[ICHUNK], pr[ICHUNK];  /* (four q4dot each: p7sum's bound) */
+    for (int i = 0; i < NP * MR; i++) pq[i] = pr[i] = p7zero();
     for (int g = 0; g < 4; g++) {
-        v16i xb[QNP][4];
+        vi xb[ICHUNK][4];
         for (int r = 0; r < MR; r++) {
             const int8_t* x = xq + r * ldq + 8 * g;
             xb[r][0] = bcast4(x), xb[r][1] = bcast4(x + 4), xb[r][2] = bcast4(x + in), xb[r][3] = bcast4(x + in + 4);
         }
         FOR_P {
-            v16u L;
-            __builtin_memcpy(&L, q[p] + 64 * g, 64);
-            v16i lo = (v16i)(L & 0x0F0F0F0Fu), hi = (v16i)(L >> 4 & 0x0F0F0F0Fu);
+            vi L;
+            __builtin_memcpy(&L, q[p] + 64 * g + 4 * VLANES * h, sizeof L);
+            vi lo = L & 0x0F0F0F0F, hi = (vi)((vu)L >> 4) & 0x0F0F0F0F;
             for (int r = 0; r < MR; r++) {
                 int i = p * MR + r;
-                acc[i] = dpbusd(dpbusd(acc[i], lo, xb[r][0]), hi, xb[r][1]);
-                acr[i] = dpbusd(dpbusd(acr[i], lo, xb[r][2]), hi, xb[r][3]);
+                pq[i] = q4dot(pq[i], lo, xb[r][0], hi, xb[r][1]);
+                pr[i] = q4dot(pr[i], lo, xb[r][2], hi, xb[r][3]);
             }
         }
     }
     FOR_P for (int r = 0; r < MR; r++) {
         const float* s = xs + XS * r * nb;
         int i = p * MR + r;
-        a[i] += i2f(acc[i]) * (d[p] * s[0]);
-        a[i] += i2f(acr[i]) * (d[p] * s[1]);
-        a[i] += m[p] * s[2];
+        vf* t = &a[(p * MRA + r) * NPARTS + h];
+        *t += __builtin_convertvector(p7sum(pq[i]), vf) * (d[p] * s[0]);
+        *t += __builtin_convertvector(p7sum(pr[i]), vf) * (d[p] * s[1]);
+        *t += m[p] * s[2];
     }
 }
 
-/* MR rows of xq (two digits, ldq apart) against NP panels of Q4_0 / Q4_1 (has_m) / Q4_K (kq): a[p * MR + r] +=
-   their block sums */
-AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, v16* a,
+/* MR rows of xq (two digits, ldq apart) against NP panels of Q4_0 / Q4_1 (has_m) / Q4_K (kq): a[(p MR + r) NPARTS +
+   h] += their block sums. The scales as q4_k_scales and gemv_q4 compute them, part by part. */
+AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, const float* xs, long ldq, vf* a,
               const int NP, const int MR, const int has_m, const int kq) {
-    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
+    const int bb = has_m ? 320 : 288, qo = has_m ? 64 : 32;
     const long nb = in / 32;
     for (long j = 0; j < nb / (kq ? 8 : 1); j++) {
         const uint8_t* blk[QNP];
-        const uint8_t* q[QNP];
-        v16 d[QNP], m[QNP];
-        FOR_P blk[p] = w + p * ps + j * bs;
-        if (kq) {
-            v16 dk[QNP], dmin[QNP];
-            FOR_P { dk[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
-            for (int s = 0; s < 8; s++) {
-                FOR_P {
-                    q4_k_scales(blk[p], s, dk[p], dmin[p], &d[p], &m[p]);
-                    prefetch_block(blk[p] + 320 + 256 * s, 256, MR == 1);
-                    q[p] = blk[p] + 320 + 256 * s;
-                }
-                i8_q4_block(q, d, m, xq + 256 * j + 32 * s, ldq, in, xs + XS * (8 * j + s), nb, a, NP, MR);
+        for (int s = 0; s < (kq ? 8 : 1); s++) {  /* Q4_K's eight sub-blocks of 32 k, or the one block */
+            const uint8_t* q[QNP];
+            vf d[QNP], m[QNP];
+            FOR_P {
+                blk[p] = w + p * ps + j * bs;
+                q[p] = kq ? blk[p] + 320 + 256 * s : blk[p] + qo;
+                if (kq) prefetch_block(q[p], 256, MR == 1);
+                else prefetch_block(blk[p], bb, MR == 1);
             }
-            continue;
+            for (int h = 0; h < NPARTS; h++) {
+                FOR_P {
+                    vf dh = ldhf(blk[p] + 2 * VLANES * h);
+                    if (kq) {
+                        d[p] = __builtin_convertvector(zx8p(blk[p] + 64 + 16 * s + VLANES * h), vf) * dh;
+                        m[p] = -(__builtin_convertvector(zx8p(blk[p] + 192 + 16 * s + VLANES * h), vf) *
+                                 ldhf(blk[p] + 32 + 2 * VLANES * h));
+                    } else {
+                        d[p] = dh;
+                        m[p] = has_m ? ldhf(blk[p] + 32 + 2 * VLANES * h) : dh * -8.0f;
+                    }
+                }
+                long k0 = kq ? 256 * j + 32 * s : 32 * j, b0 = kq ? 8 * j + s : j;
+                FOR_CHUNK(NP, MR) {
+                    int p0 = NP > 1 ? c0 : 0, r0 = NP > 1 ? 0 : c0;
+                    q4_part(q + p0, d + p0, m + p0, xq + r0 * ldq + k0, ldq, in, xs + XS * (r0 * nb + b0), nb,
+                            a + (p0 * MR + r0) * NPARTS, MR, h, CP(NP), CR(NP, MR));
+                }
+            }
         }
-        FOR_P {
-            prefetch_block(blk[p], bb, MR == 1);
-            d[p] = ldh16(blk[p]);
-            m[p] = has_m ? ldh16(blk[p] + 32) : d[p] * -8.0f;
-            q[p] = blk[p] + h;
-        }
-        i8_q4_block(q, d, m, xq + 32 * j, ldq, in, xs + XS * j, nb, a, NP, MR);
     }
 }
 
@@ -522,7 +760,7 @@ static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ld
         int NP = j->rows == 1 && p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
         for (long r0 = 0, MR; r0 < j->rows; r0 += MR) {
             MR = j->rows - r0 >= 4 ? 4 : j->rows - r0 >= 2 ? 2 : 1;
-            v16 a[QNP * 4] = {{0}};
+            vf a[QNP * 4 * NPARTS] = {{0}};
             const int8_t* xq = j->xq + 2 * r0 * in;
             const float* xs = j->xs + XS * r0 * nb;
 #define I8(np, mr) do { if (q8) i8_q8(w, bb, bs, in, xq, xs, 2 * in, a, np, mr); \
@@ -538,7 +776,7 @@ static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ld
                 for (int r = 0; r < MR; r++) {
                     long o = (p + q) * PANEL, row = r0 + r;
                     int nc = out - o < PANEL ? (int)(out - o) : PANEL;
-                    store_row(a[q * MR + r], dst + row * ldd + (o - p0 * PANEL), nc, j->b ? j->b + o : NULL,
+                    store_row(join(&a[(q * MR + r) * NPARTS]), dst + row * ldd + (o - p0 * PANEL), nc, j->b ? j->b + o : NULL,
                               j->res ? j->res + row * out + o : NULL);
                 }
         }

@@ -15,3 +15,6 @@
 #include "attention.c"      /* wsc_decode_attention, wsc_decode_attention_batch */
 #include "rowwise.c"        /* wsc_silu_mul, wsc_argmax, wsc_argmax_rows, wsc_rms_norm */
 #include "decode_layers.c"  /* wsc_decode_layers, wsc_decode_layers_batch */
+
+/* the instruction-set path this build runs (kernels.h): "avx512-vnni", "avx2", "neon-dotprod", "portable", ... */
+const char* wsc_kernel_path(void) { return WSC_PATH; }
