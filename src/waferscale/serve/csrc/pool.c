@@ -133,28 +133,30 @@ static int enter_with_buf(uint64_t gen, const job_t* j, long cp, float** buf) {
     return 1;
 }
 
-/* thread `me` of job `gen`: its own segment front to back, then the others' from their backs */
-static void work(uint64_t gen, const job_t* j, long me) {
-    long cp = atomic_load(&g_chunk_panels), ns = atomic_load(&g_nseg);
-    if (atomic_load(&g_gen) != gen || me >= ns) return;
+/* thread `me` of job `gen`: its own segment front to back, then the others' from their backs; returns the number
+   of chunks it computed */
+static long work(uint64_t gen, const job_t* j, long me) {
+    long cp = atomic_load(&g_chunk_panels), ns = atomic_load(&g_nseg), done = 0;
+    if (atomic_load(&g_gen) != gen || me >= ns) return 0;
     float* buf = NULL;
     if (me) {
         long zero = 0;
         atomic_compare_exchange_strong(&g_wstart, &zero, now_ns());
     }
-    for (long c; (c = take(me, 1)) >= 0;) {
-        if (!enter_with_buf(gen, j, cp, &buf)) return;  /* stale: the segments belong to a newer job */
+    for (long c; (c = take(me, 1)) >= 0; done++) {
+        if (!enter_with_buf(gen, j, cp, &buf)) return done;  /* stale: the segments belong to a newer job */
         finish_chunk(gen, j, c, cp, buf);
         atomic_fetch_sub(&g_inflight, 1);
     }
     for (long d = 1; d < ns; d++) {
         long k = (me + d) % ns;
-        for (long c; (c = take(k, 0)) >= 0;) {
-            if (!enter_with_buf(gen, j, cp, &buf)) return;
+        for (long c; (c = take(k, 0)) >= 0; done++) {
+            if (!enter_with_buf(gen, j, cp, &buf)) return done;
             finish_chunk(gen, j, c, cp, buf);
             atomic_fetch_sub(&g_inflight, 1);
         }
     }
+    return done;
 }
 
 static void* worker_main(void* arg) {
@@ -224,8 +226,8 @@ static _Atomic int g_busy;  /* the pool serves one caller at a time; others run 
 /* Whether to share a product of few rows is decided by whether the other threads show up: when another process
    keeps the other cores busy, a worker starts late or is descheduled in the middle of a chunk, and the caller
    waits for it. A shared product is late when its first worker started more than LATE_NS after the job was
-   published, or none did before the caller ran out of chunks, or the caller then waited more than LATE_NS for
-   chunks in progress. g_late is the decaying fraction of late products (the last ~16 count); products of few
+   published, or none did before the caller ran out of chunks, or the caller then waited more than LATE_NS and
+   one chunk's time (as the caller took them) for chunks in progress. g_late is the decaying fraction of late products (the last ~16 count); products of few
    rows are shared while it stays under LATE_SHARE, else run by the caller alone, and every EXPLORE_EVERY
    products alone a burst of EXPLORE_BURST runs shared to look again (the first of a burst, which wakes sleeping
    workers, is not counted, nor is any product that had to wake one).
@@ -347,13 +349,16 @@ static int run_pool(const job_t* jp, long cp, long nc, long ns) {
         pthread_cond_broadcast(&g_cv);
         pthread_mutex_unlock(&g_mu);
     }
-    work(gen, &j, 0);
-    /* nothing left to take; wait briefly for chunks in progress, then redo what is still missing */
+    long mine = work(gen, &j, 0);
+    /* nothing left to take; wait briefly for chunks in progress, then redo what is still missing. A chunk in
+       progress may have just begun: the waits count from a chunk's time as the caller took it (a slower vector
+       path or a slower memory state makes every chunk longer, not the worker late) */
     long t0 = now_ns(), ws = atomic_load(&g_wstart);
+    long chunk_ns = mine > 0 ? (t0 - t_pub) / mine : 0, wait_ns = g_wait_ns + 2 * chunk_ns;
     float* buf = chunk_buf(job_buf(&j, cp));  /* (reserved by the caller) */
     for (long c = 0; c < nc; c++) {
         while ((atomic_load(&g_state[c]) & 3) != DONE) {
-            if (now_ns() - t0 < g_wait_ns) { cpu_relax(); continue; }
+            if (now_ns() - t0 < wait_ns) { cpu_relax(); continue; }
             finish_chunk(gen, &j, c, cp, buf);
             while ((atomic_load(&g_state[c]) & 3) != DONE) cpu_relax();  /* a worker is copying out */
         }
@@ -361,5 +366,5 @@ static int run_pool(const job_t* jp, long cp, long nc, long ns) {
     atomic_store(&g_live, 0);
     while (atomic_load(&g_inflight) != 0) cpu_relax();  /* a late worker still reading x / W */
     if (!warm) return -1;
-    return ws == 0 || ws - t_pub > LATE_NS || now_ns() - t0 > LATE_NS;
+    return ws == 0 || ws - t_pub > LATE_NS || now_ns() - t0 > LATE_NS + chunk_ns;
 }
