@@ -257,6 +257,11 @@ def test_64_concurrent_streams_with_disconnects(srv):
             break
         time.sleep(0.2)
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0, stats
+    from waferscale.serve import kernels
+
+    # the C kernels' vector path, or why not (this tiny model takes torch's), as the first line says
+    assert stats["kernel_path"] == "off (fast_linear off: torch)", stats
+    assert f"C kernels: {stats['kernel_path']})" in srv.output()
     status, text = srv.get("/metrics")
     assert "wsc_kv_blocks_used 0" in text
     assert srv.post("/v1/chat/completions", {"model": "tiny-chat", "messages": MSG, "max_completion_tokens": 2},
@@ -319,6 +324,10 @@ def test_real_model_paris_and_schema(tmp_path_factory):
         r = c.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_completion_tokens=30,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
+        from waferscale.serve import kernels
+
+        path = s.get("/health")[1]["engine"]["kernel_path"]  # the C kernels' vector path, as the first line says
+        assert path == kernels.path() and kernels.available() and f"C kernels: {path})" in s.output()
         schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                    "country": {"type": "string", "maxLength": 40},
                                                    "population_millions": {"type": "number"}},

@@ -225,6 +225,11 @@ class Engine:
                                               kv_dtype=kv_dtype)
             self.fast_linear = self._executor.fast_linear
             self.c_kernels = self.decode_threads = self.weight_bytes = self._runner = None
+        # the C kernels' vector path ("avx2", "avx512-vnni", "neon-dotprod", ...) or "off (why: torch)"; with
+        # stages, each stage decides on this machine, whose build is this process's
+        from waferscale.serve import kernels
+
+        self.kernel_path: str = self._runner.kernel_path if self._runner is not None else kernels.path()
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids: list[int] = [] if eos is None else [int(eos)]
         tv = getattr(tokenizer, "vocab_size", None)
@@ -478,6 +483,7 @@ class Engine:
             "num_preemptions": sum(s.num_preemptions for s in scheds),
             "stages": self.stages,
             "max_model_len": self.max_model_len,
+            "kernel_path": self.kernel_path,
             **weights,
             **self._counters,
         }

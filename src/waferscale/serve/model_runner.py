@@ -278,6 +278,10 @@ class ModelRunner:
         pack = cpu32 and not ckern and mkl_packing_available()  # (with the C kernels, MKL never sees one row)
         self.fast_linear = pack or ckern
         self.c_kernels = ckern  # C kernels for every projection, norm and SwiGLU (serve/kernels.py)
+        self.kernel_path = kernels.path() if ckern else "off ({}: torch)".format(  # (said at start and in stats)
+            f"device {self.device.type}" if self.device.type != "cpu" else
+            f"weights in {str(self.dtype).removeprefix('torch.')}" if self.dtype != torch.float32 else
+            "fast_linear off" if not fast_linear else kernels.unavailable_reason())
         # one decode token of one sequence with contiguous KV: rope + KV write + attention in one C call
         self.kv_dtype = kv_dtype or self.dtype  # the KV cache's elements (KVPool), float16 or the weights' dtype
         self.c_attention = ckern and cfg.head_dim % 16 == 0 and cfg.n_head % cfg.kv_heads == 0 and \

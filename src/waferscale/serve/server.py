@@ -75,7 +75,8 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
     tokenizer = load_tokenizer(model)
     model_id, aliases = served_model_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
-        f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''})")
+        f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''}; "
+        f"C kernels: {engine.stats().get('kernel_path')})")
     projection = None
     if target is not None:
         t = time.perf_counter()
