@@ -89,8 +89,11 @@ def _hf_logits(theirs) -> np.ndarray:
 
 
 def _llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bench/serve_llamacpp.py "
-                               "says how to build its wheel)")
+    try:
+        return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bench/serve_llamacpp.py "
+                                   "says how to build its wheel)")
+    except (OSError, RuntimeError) as e:  # installed without its library (llama_cpp/lib, or $LLAMA_CPP_LIB_PATH)
+        pytest.skip(f"llama-cpp-python cannot load its llama.cpp library: {e}")
 
 
 def _llama_cpp_logits(path: Path) -> np.ndarray:

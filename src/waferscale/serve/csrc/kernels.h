@@ -99,18 +99,61 @@ static inline uint16_t f2h(float f) {  /* float -> IEEE half, rounded to nearest
 typedef float vf __attribute__((vector_size(VLANES * 4)));    /* one native register of floats */
 typedef int32_t vi __attribute__((vector_size(VLANES * 4)));  /* ... of int32 */
 
-/* part h (VLANES lanes from lane h VLANES) of a 16-lane vector, and a 16-lane vector put together from NPARTS parts */
+/* part h (VLANES lanes from lane h VLANES) of a 16-lane vector, and a 16-lane vector put together from its
+   NPARTS parts: register shuffles (through memory, GCC splits 32-byte moves into 16-byte ones and the loads that
+   follow wait for the stores: ~10x slower) */
+typedef int32_t v8s __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4s __attribute__((vector_size(16)));
+#define SH8(v, o) __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7)
+#define SH4(v, o) __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3)
+#define CAT8(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define CAT4(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7)
 static inline __attribute__((always_inline)) vf part(v16 v, int h) {
-    vf r; __builtin_memcpy(&r, (const char*)&v + h * VLANES * 4, sizeof r); return r;
+#if NPARTS == 1
+    (void)h;
+    return v;
+#elif NPARTS == 2
+    return h ? SH8(v, 8) : SH8(v, 0);
+#else
+    return h == 0 ? SH4(v, 0) : h == 1 ? SH4(v, 4) : h == 2 ? SH4(v, 8) : SH4(v, 12);
+#endif
 }
 static inline __attribute__((always_inline)) vi parti(v16i v, int h) {
-    vi r; __builtin_memcpy(&r, (const char*)&v + h * VLANES * 4, sizeof r); return r;
-}
-static inline __attribute__((always_inline)) v16i joini(const vi* p) {
-    v16i r; __builtin_memcpy(&r, p, sizeof r); return r;
+#if NPARTS == 1
+    (void)h;
+    return v;
+#elif NPARTS == 2
+    return h ? SH8(v, 8) : SH8(v, 0);
+#else
+    return h == 0 ? SH4(v, 0) : h == 1 ? SH4(v, 4) : h == 2 ? SH4(v, 8) : SH4(v, 12);
+#endif
 }
 static inline __attribute__((always_inline)) v16 join(const vf* p) {
-    v16 r; __builtin_memcpy(&r, p, sizeof r); return r;
+#if NPARTS == 1
+    return p[0];
+#elif NPARTS == 2
+    return CAT8(p[0], p[1]);
+#else
+    v8 lo = CAT4(p[0], p[1]), hi = CAT4(p[2], p[3]);
+    return CAT8(lo, hi);
+#endif
+}
+static inline __attribute__((always_inline)) v16i joini(const vi* p) {
+#if NPARTS == 1
+    return p[0];
+#elif NPARTS == 2
+    return CAT8(p[0], p[1]);
+#else
+    v8s lo = CAT4(p[0], p[1]), hi = CAT4(p[2], p[3]);
+    return CAT8(lo, hi);
+#endif
+}
+/* VLANES floats at p */
+static inline __attribute__((always_inline)) vf ldf(const float* p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
 }
 
 /* VLANES halves at p -> floats; VLANES floats -> halves at p (rounded to nearest even, as vcvtps2ph) */
@@ -140,6 +183,21 @@ static inline __attribute__((always_inline)) void sthf(void* p, vf v) {
     uint16_t h[VLANES];
     for (int i = 0; i < VLANES; i++) h[i] = f2h(v[i]);
     __builtin_memcpy(p, h, sizeof h);
+#endif
+}
+
+/* x in every lane of a native register */
+static inline __attribute__((always_inline)) vf splatf(float x) {
+#if WSC_X86 == 512
+    return (vf)_mm512_set1_ps(x);
+#elif WSC_X86 == 256
+    return (vf)_mm256_set1_ps(x);
+#elif defined(WSC_NEON)
+    return (vf)vdupq_n_f32(x);
+#else
+    vf v;
+    for (int i = 0; i < VLANES; i++) v[i] = x;
+    return v;
 #endif
 }
 
@@ -250,7 +308,13 @@ static inline void* grow(void** buf, long* cap, long n, size_t size) {
 }
 
 #define PANEL 16
+/* x rows a panel microkernel keeps in registers (panels.c): 16 sums of 16 floats take half of AVX-512's 32
+   registers; AVX2's 16 and NEON's 32 (of 8 and 4 floats) hold 6 with the weights and a broadcast */
+#if WSC_X86 == 256 || defined(WSC_NEON)
+#define TILE 6
+#else
 #define TILE 16
+#endif
 #ifndef PF_DIST
 #define PF_DIST 512   /* floats ahead of the panel read to prefetch */
 #endif

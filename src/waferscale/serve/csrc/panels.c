@@ -32,27 +32,34 @@ static inline __attribute__((always_inline)) void store_row(v16 a, float* dst, i
 }
 
 /* MR (<= TILE) rows of one tile against one panel: dst[r * ldd + c] = res[r * ldr + c] + (sum_k xt[k * MR + r]
-   * wp[k * 16 + c] + b[c]), c < nc. Called with constant MR so that each case compiles to its own loop. */
+   * wp[k * 16 + c] + b[c]), c < nc. Called with constant MR so that each case compiles to its own loop. The
+   sums are kept in native registers, NPARTS a row (kernels.h). */
 static inline __attribute__((always_inline)) void pmk(const float* wp, const float* xt, long K, int MR,
                                                       float* dst, long ldd, int nc, const float* b,
                                                       const float* res, long ldr) {
-    v16 a[TILE];
+    vf a[TILE][NPARTS];
 #pragma GCC unroll 16
-    for (int r = 0; r < TILE; r++) a[r] = (v16){0};
+    for (int r = 0; r < TILE; r++)
+        for (int h = 0; h < NPARTS; h++) a[r][h] = (vf){0};
     for (long k = 0; k < K; k++) {
-        v16 w = ld16(wp + k * PANEL);
+        vf w[NPARTS];
+        for (int h = 0; h < NPARTS; h++) w[h] = ldf(wp + k * PANEL + h * VLANES);
 #if PF_DIST > 0
         __builtin_prefetch(wp + k * PANEL + PF_DIST, 0, 3);
 #endif
-#if defined(__GNUC__) && defined(__AVX512F__)
-        __asm__("" : "+v"(w));  /* one load, kept in a register (not folded into every FMA) */
+#if WSC_X86 == 512
+        __asm__("" : "+v"(w[0]));  /* one load, kept in a register (not folded into every FMA) */
 #endif
         const float* xk = xt + k * MR;
 #pragma GCC unroll 16
-        for (int r = 0; r < TILE; r++) if (r < MR) a[r] += vsplat(xk[r]) * w;
+        for (int r = 0; r < TILE; r++)
+            if (r < MR) {
+                vf xb = splatf(xk[r]);
+                for (int h = 0; h < NPARTS; h++) a[r][h] += xb * w[h];
+            }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < TILE; r++) if (r < MR) store_row(a[r], dst + r * ldd, nc, b, res ? res + r * ldr : NULL);
+    for (int r = 0; r < TILE; r++) if (r < MR) store_row(join(a[r]), dst + r * ldd, nc, b, res ? res + r * ldr : NULL);
 }
 
 /* every row of job j against panel p, stored at wp (in, 16), into dst (row r, output o at dst[r * ldd + o -
@@ -70,8 +77,10 @@ static void panel_rows(const job_t* j, const float* wp, long p, long p0, float* 
         switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
                           instead costs ~30% at 13 rows) */
 #define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
-        PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6) PMK(7) PMK(8)
-        PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
+        PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6)
+#if TILE > 6
+        PMK(7) PMK(8) PMK(9) PMK(10) PMK(11) PMK(12) PMK(13) PMK(14) PMK(15) PMK(16)
+#endif
 #undef PMK
         }
     }

@@ -51,97 +51,104 @@ static inline const uint8_t* qpanel_at(const uint8_t* W, int qt, long in, long n
     return W + g * QNP * qpanel_bytes(qt, in) + (p % QNP) * bb;
 }
 
-typedef uint8_t vu8 __attribute__((vector_size(16)));
-typedef int8_t vi8 __attribute__((vector_size(16)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(VLANES * 4)));
 
-/* 16 bytes (or 16-bit words) -> 16 int32 lanes, zero- or sign-extended (GCC scalarizes __builtin_convertvector
-   here, ~10x slower: each path widens with its own instructions; the portable code is the reference) */
+/* VLANES bytes (or 16-bit words) at p -> VLANES int32 lanes, zero- or sign-extended, with each path's own
+   widening instructions (__builtin_convertvector of the bytes would be scalarized by GCC: ~10x slower) */
+static inline __attribute__((always_inline)) vi zx8p(const uint8_t* p) {
 #if WSC_X86 == 512
-static inline v16i zx8(const uint8_t* p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-static inline v16i sx8(const uint8_t* p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-static inline v16i zx16(const uint8_t* p) {
-    return (v16i)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-}
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 #elif WSC_X86 == 256
-#define WIDEN8(f, p) do { vi r_[2] = {(vi)f(_mm_loadl_epi64((const __m128i*)(p))), \
-                                     (vi)f(_mm_loadl_epi64((const __m128i*)((p) + 8)))}; return joini(r_); } while (0)
-static inline v16i zx8(const uint8_t* p) { WIDEN8(_mm256_cvtepu8_epi32, p); }
-static inline v16i sx8(const uint8_t* p) { WIDEN8(_mm256_cvtepi8_epi32, p); }
-static inline v16i zx16(const uint8_t* p) {
-    vi r[2] = {(vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
-               (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16)))};
-    return joini(r);
-}
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
 #elif defined(WSC_NEON)
-static inline v16i zx8(const uint8_t* p) {
-    uint8x16_t b = vld1q_u8(p);
-    uint16x8_t l = vmovl_u8(vget_low_u8(b)), h = vmovl_high_u8(b);
-    vi r[4] = {(vi)vmovl_u16(vget_low_u16(l)), (vi)vmovl_high_u16(l), (vi)vmovl_u16(vget_low_u16(h)),
-               (vi)vmovl_high_u16(h)};
-    return joini(r);
-}
-static inline v16i sx8(const uint8_t* p) {
-    int8x16_t b = vld1q_s8((const int8_t*)p);
-    int16x8_t l = vmovl_s8(vget_low_s8(b)), h = vmovl_high_s8(b);
-    vi r[4] = {(vi)vmovl_s16(vget_low_s16(l)), (vi)vmovl_high_s16(l), (vi)vmovl_s16(vget_low_s16(h)),
-               (vi)vmovl_high_s16(h)};
-    return joini(r);
-}
-static inline v16i zx16(const uint8_t* p) {
-    uint16x8_t l = vld1q_u16((const uint16_t*)p), h = vld1q_u16((const uint16_t*)p + 8);
-    vi r[4] = {(vi)vmovl_u16(vget_low_u16(l)), (vi)vmovl_high_u16(l), (vi)vmovl_u16(vget_low_u16(h)),
-               (vi)vmovl_high_u16(h)};
-    return joini(r);
-}
+    uint32_t u;
+    __builtin_memcpy(&u, p, 4);
+    return (vi)vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(u))));
 #else
-#define CONVERT_LOAD(T, p) ({ T v_; __builtin_memcpy(&v_, p, sizeof v_); __builtin_convertvector(v_, v16i); })
-static inline v16i zx8(const uint8_t* p) { return CONVERT_LOAD(vu8, p); }
-static inline v16i sx8(const uint8_t* p) { return CONVERT_LOAD(vi8, p); }
-static inline v16i zx16(const uint8_t* p) { return CONVERT_LOAD(vu16, p); }
+    typedef uint8_t vb __attribute__((vector_size(VLANES)));
+    vb b;
+    __builtin_memcpy(&b, p, VLANES);
+    return __builtin_convertvector(b, vi);
 #endif
-static inline v16 i2f(v16i v) { return __builtin_convertvector(v, v16); }
+}
+static inline __attribute__((always_inline)) vi sx8p(const uint8_t* p) {
+#if WSC_X86 == 512
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif WSC_X86 == 256
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#elif defined(WSC_NEON)
+    uint32_t u;
+    __builtin_memcpy(&u, p, 4);
+    return (vi)vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(u))));
+#else
+    typedef int8_t vb __attribute__((vector_size(VLANES)));
+    vb b;
+    __builtin_memcpy(&b, p, VLANES);
+    return __builtin_convertvector(b, vi);
+#endif
+}
+static inline __attribute__((always_inline)) vi zx16p(const uint8_t* p) {
+#if WSC_X86 == 512
+    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+#elif WSC_X86 == 256
+    return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(WSC_NEON)
+    return (vi)vmovl_u16(vld1_u16((const uint16_t*)p));
+#else
+    typedef uint16_t vh __attribute__((vector_size(VLANES * 2)));
+    vh b;
+    __builtin_memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vi);
+#endif
+}
 
-/* ---- each type's weights at k of a panel's block, 16 outputs a vector (the one home of the arithmetic) ---- */
+/* ---- each type's weights at k of a panel's block, part h of its 16 outputs (VLANES lanes from h VLANES) a
+   vector: the one home of the arithmetic ---------------------------------------------------------------- */
+#define CVF(v) __builtin_convertvector(v, vf)
 
-static inline v16 bf16_w(const uint8_t* p) { return (v16)(zx16(p) << 16); }  /* bf16: the high half of a float */
+static inline __attribute__((always_inline)) vf bf16_w(const uint8_t* p, int h) {  /* the high half of a float */
+    return (vf)(zx16p(p + 2 * VLANES * h) << 16);
+}
 /* Q8_0 block: d[16] fp16, then eight groups of 4 k, 64 bytes each: output c's 32-bit word holds k = 4g + t in
    its byte t as q + 128 (q int8, its sign bit flipped), as the integer path's vpdpbusd takes them: d q. The four
-   weight vectors of group g at q: */
-static inline void q8_group(const uint8_t* q, v16 d, v16* w) {
-    v16i L;
-    __builtin_memcpy(&L, q, 64);
+   weight vectors of group g at q (d: part h of the block's): */
+static inline __attribute__((always_inline)) void q8_group(const uint8_t* q, int h, vf d, vf* w) {
+    vi L;
+    __builtin_memcpy(&L, q + 4 * VLANES * h, sizeof L);
     L ^= (int)0x80808080u;  /* back to int8 */
-    for (int t = 0; t < 4; t++) w[t] = i2f(L << (24 - 8 * t) >> 24) * d;
+    for (int t = 0; t < 4; t++) w[t] = CVF(L << (24 - 8 * t) >> 24) * d;
 }
 /* Q4_0 and Q4_1 blocks: d[16] (Q4_1: then m[16]), then four groups of 8 k, 64 bytes each: output c's 32-bit
    word holds k = 8g + t (t < 4) in the low nibble of its byte t and k = 8g + 4 + t in the high one, as the
    integer path's vpdpbusd takes them. Q4_1: d q + m; Q4_0: d (q - 8) = d q + m with m = -8 d (exact too). The
    eight weight vectors of group g at q: */
-static inline void q4_group(const uint8_t* q, v16 d, v16 m, v16* w) {
-    v16u L;
-    __builtin_memcpy(&L, q, 64);
+static inline __attribute__((always_inline)) void q4_group(const uint8_t* q, int h, vf d, vf m, vf* w) {
+    vu L;
+    __builtin_memcpy(&L, q + 4 * VLANES * h, sizeof L);
     for (int t = 0; t < 4; t++) {
-        w[t] = i2f((v16i)(L >> (8 * t) & 15)) * d + m;
-        w[4 + t] = i2f((v16i)(L >> (8 * t + 4) & 15)) * d + m;
+        w[t] = CVF((vi)(L >> (8 * t) & 15)) * d + m;
+        w[4 + t] = CVF((vi)(L >> (8 * t + 4) & 15)) * d + m;
     }
 }
 /* Q4_K super-block: d[16], dmin[16], scale[8][16], min[8][16] (bytes), then its 32 groups of 8 k as Q4_1's
    (at 320 + 64 g); sub-block s (32 k, groups 4s .. 4s + 3): (d scale_s) q - dmin min_s, Q4_1's d q + m with
    d = d scale_s and m = -(dmin min_s), both products exact. The two of sub-block s at blk: */
-static inline void q4_k_scales(const uint8_t* blk, int s, v16 d, v16 dmin, v16* ds, v16* m) {
-    *ds = i2f(zx8(blk + 64 + 16 * s)) * d;
-    *m = -(i2f(zx8(blk + 192 + 16 * s)) * dmin);
+static inline __attribute__((always_inline)) void q4_k_scales(const uint8_t* blk, int s, int h, vf* ds, vf* m) {
+    *ds = CVF(zx8p(blk + 64 + 16 * s + VLANES * h)) * ldhf(blk + 2 * VLANES * h);
+    *m = -(CVF(zx8p(blk + 192 + 16 * s + VLANES * h)) * ldhf(blk + 32 + 2 * VLANES * h));
 }
 /* Q6_K super-block: d[16], scale[16][16] (int8), the low nibbles of k = 2i, 2i + 1 at 288 + 16 i, the high
    2 bits of k = 4g .. 4g + 3 at 2336 + 16 g; sub-block s (16 k): (d scale_s) (q - 32), ds = d scale_s */
-static inline void q6_k_w(const uint8_t* lo, const uint8_t* hi, v16 ds, v16* w) {
-    v16i h = zx8(hi), a = zx8(lo), b = zx8(lo + 16);
-    w[0] = i2f(((a & 15) | (h & 3) << 4) - 32) * ds;
-    w[1] = i2f(((a >> 4) | (h >> 2 & 3) << 4) - 32) * ds;
-    w[2] = i2f(((b & 15) | (h >> 4 & 3) << 4) - 32) * ds;
-    w[3] = i2f(((b >> 4) | (h >> 6 & 3) << 4) - 32) * ds;
+static inline __attribute__((always_inline)) vf q6_k_scale(const uint8_t* blk, int s, int h) {
+    return CVF(sx8p(blk + 32 + 16 * s + VLANES * h)) * ldhf(blk + 2 * VLANES * h);
+}
+static inline __attribute__((always_inline)) void q6_k_w(const uint8_t* lo, const uint8_t* hi, int h, vf ds,
+                                                         vf* w) {
+    vi e = zx8p(hi + VLANES * h), a = zx8p(lo + VLANES * h), b = zx8p(lo + 16 + VLANES * h);
+    w[0] = CVF(((a & 15) | (e & 3) << 4) - 32) * ds;
+    w[1] = CVF(((a >> 4) | (e >> 2 & 3) << 4) - 32) * ds;
+    w[2] = CVF(((b & 15) | (e >> 4 & 3) << 4) - 32) * ds;
+    w[3] = CVF(((b >> 4) | (e >> 6 & 3) << 4) - 32) * ds;
 }
 
 /* One row's product (decode) reads each weight once: its prefetches are non-temporal (prefetchnta), so that
@@ -158,99 +165,107 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint8_t* 
 #define AI static inline __attribute__((always_inline))
 #define FOR_P for (int p = 0; p < NP; p++)
 
-AI void gemv_bf16(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
+/* ---- one row against NP panels at w, ps bytes apart, their blocks bs apart: a[p NPARTS + h] += part h of
+   panel p's FMA chain ---- */
+#define A(p, h) a[(p) * NPARTS + (h)]
+
+AI void gemv_bf16(const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP) {
     for (long k = 0; k < in; k++) {
-        v16 xk = vsplat(x[k]);
+        vf xk = splatf(x[k]);
         FOR_P {
             const uint8_t* q = w + p * ps + k * bs;
             if (!(k & 1)) PREFETCH(q + QPF, 1);
-            a[p] += xk * bf16_w(q);
+            for (int h = 0; h < NPARTS; h++) A(p, h) += xk * bf16_w(q, h);
         }
     }
 }
 
-AI void gemv_q8_0(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
+AI void gemv_q8_0(const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP) {
     for (long j = 0; j < in / 32; j++) {
         const uint8_t* blk[QNP];
-        v16 d[QNP];
-        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); prefetch_block(blk[p], 544, 1); }
-        for (int g = 0; g < 8; g++) {
-            const float* xg = x + 32 * j + 4 * g;
-            FOR_P {
-                v16 wv[4];
-                q8_group(blk[p] + 32 + 64 * g, d[p], wv);
-                for (int t = 0; t < 4; t++) a[p] += vsplat(xg[t]) * wv[t];
-            }
-        }
-    }
-}
-
-/* Q4_0 and Q4_1 (has_m) */
-AI void gemv_q4(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP,
-                const int has_m) {
-    const int bb = has_m ? 320 : 288, h = has_m ? 64 : 32;
-    for (long j = 0; j < in / 32; j++) {
-        const uint8_t* blk[QNP];
-        v16 d[QNP], m[QNP];
-        FOR_P {
-            blk[p] = w + p * ps + j * bs;
-            d[p] = ldh16(blk[p]);
-            m[p] = has_m ? ldh16(blk[p] + 32) : d[p] * -8.0f;
-            prefetch_block(blk[p], bb, 1);
-        }
-        for (int g = 0; g < 4; g++) {
-            const float* xg = x + 32 * j + 8 * g;
-            FOR_P {
-                v16 wv[8];
-                q4_group(blk[p] + h + 64 * g, d[p], m[p], wv);
-                for (int t = 0; t < 8; t++) a[p] += vsplat(xg[t]) * wv[t];
-            }
-        }
-    }
-}
-
-AI void gemv_q4_k(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
-    for (long j = 0; j < in / 256; j++) {
-        const uint8_t* blk[QNP];
-        v16 d[QNP], dmin[QNP];
-        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); dmin[p] = ldh16(blk[p] + 32); }
-        for (int s = 0; s < 8; s++) {
-            v16 ds[QNP], m[QNP];
-            FOR_P {
-                q4_k_scales(blk[p], s, d[p], dmin[p], &ds[p], &m[p]);
-                prefetch_block(blk[p] + 320 + 256 * s, 256, 1);
-            }
-            for (int g = 0; g < 4; g++) {
-                const float* xg = x + 256 * j + 32 * s + 8 * g;
+        FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], 544, 1); }
+        for (int h = 0; h < NPARTS; h++) {
+            vf d[QNP];
+            FOR_P d[p] = ldhf(blk[p] + 2 * VLANES * h);
+            for (int g = 0; g < 8; g++) {
+                const float* xg = x + 32 * j + 4 * g;
                 FOR_P {
-                    v16 wv[8];
-                    q4_group(blk[p] + 320 + 64 * (4 * s + g), ds[p], m[p], wv);
-                    for (int t = 0; t < 8; t++) a[p] += vsplat(xg[t]) * wv[t];
+                    vf wv[4];
+                    q8_group(blk[p] + 32 + 64 * g, h, d[p], wv);
+                    for (int t = 0; t < 4; t++) A(p, h) += splatf(xg[t]) * wv[t];
                 }
             }
         }
     }
 }
 
-AI void gemv_q6_k(const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
+/* Q4_0 and Q4_1 (has_m) */
+AI void gemv_q4(const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP,
+                const int has_m) {
+    const int bb = has_m ? 320 : 288, qo = has_m ? 64 : 32;
+    for (long j = 0; j < in / 32; j++) {
+        const uint8_t* blk[QNP];
+        FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], bb, 1); }
+        for (int h = 0; h < NPARTS; h++) {
+            vf d[QNP], m[QNP];
+            FOR_P {
+                d[p] = ldhf(blk[p] + 2 * VLANES * h);
+                m[p] = has_m ? ldhf(blk[p] + 32 + 2 * VLANES * h) : d[p] * -8.0f;
+            }
+            for (int g = 0; g < 4; g++) {
+                const float* xg = x + 32 * j + 8 * g;
+                FOR_P {
+                    vf wv[8];
+                    q4_group(blk[p] + qo + 64 * g, h, d[p], m[p], wv);
+                    for (int t = 0; t < 8; t++) A(p, h) += splatf(xg[t]) * wv[t];
+                }
+            }
+        }
+    }
+}
+
+AI void gemv_q4_k(const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP) {
     for (long j = 0; j < in / 256; j++) {
         const uint8_t* blk[QNP];
-        v16 d[QNP];
-        FOR_P { blk[p] = w + p * ps + j * bs; d[p] = ldh16(blk[p]); }
+        FOR_P blk[p] = w + p * ps + j * bs;
+        for (int s = 0; s < 8; s++) {
+            FOR_P prefetch_block(blk[p] + 320 + 256 * s, 256, 1);
+            for (int h = 0; h < NPARTS; h++) {
+                vf ds[QNP], m[QNP];
+                FOR_P q4_k_scales(blk[p], s, h, &ds[p], &m[p]);
+                for (int g = 0; g < 4; g++) {
+                    const float* xg = x + 256 * j + 32 * s + 8 * g;
+                    FOR_P {
+                        vf wv[8];
+                        q4_group(blk[p] + 320 + 64 * (4 * s + g), h, ds[p], m[p], wv);
+                        for (int t = 0; t < 8; t++) A(p, h) += splatf(xg[t]) * wv[t];
+                    }
+                }
+            }
+        }
+    }
+}
+
+AI void gemv_q6_k(const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP) {
+    for (long j = 0; j < in / 256; j++) {
+        const uint8_t* blk[QNP];
+        FOR_P blk[p] = w + p * ps + j * bs;
         for (int s = 0; s < 16; s++) {
-            v16 ds[QNP];
             FOR_P {
-                ds[p] = i2f(sx8(blk[p] + 32 + 16 * s)) * d[p];
                 prefetch_block(blk[p] + 288 + 128 * s, 128, 1);
                 prefetch_block(blk[p] + 2336 + 64 * s, 64, 1);
             }
-            for (int g = 0; g < 4; g++) {
-                const float* xk = x + 256 * j + 16 * s + 4 * g;
-                v16 xv[4] = {vsplat(xk[0]), vsplat(xk[1]), vsplat(xk[2]), vsplat(xk[3])};
-                FOR_P {
-                    v16 wv[4];
-                    q6_k_w(blk[p] + 288 + 16 * (8 * s + 2 * g), blk[p] + 2336 + 16 * (4 * s + g), ds[p], wv);
-                    for (int t = 0; t < 4; t++) a[p] += xv[t] * wv[t];
+            for (int h = 0; h < NPARTS; h++) {
+                vf ds[QNP];
+                FOR_P ds[p] = q6_k_scale(blk[p], s, h);
+                for (int g = 0; g < 4; g++) {
+                    const float* xk = x + 256 * j + 16 * s + 4 * g;
+                    vf xv[4] = {splatf(xk[0]), splatf(xk[1]), splatf(xk[2]), splatf(xk[3])};
+                    FOR_P {
+                        vf wv[4];
+                        q6_k_w(blk[p] + 288 + 16 * (8 * s + 2 * g), blk[p] + 2336 + 16 * (4 * s + g), h, ds[p], wv);
+                        for (int t = 0; t < 4; t++) A(p, h) += xv[t] * wv[t];
+                    }
                 }
             }
         }
@@ -258,7 +273,7 @@ AI void gemv_q6_k(const uint8_t* w, long ps, long bs, long in, const float* x, v
 }
 
 /* one row against NP panels of type qt (NP constant at each call) */
-AI void qgemv(int qt, const uint8_t* w, long ps, long bs, long in, const float* x, v16* a, const int NP) {
+AI void qgemv(int qt, const uint8_t* w, long ps, long bs, long in, const float* x, vf* a, const int NP) {
     switch (qt) {
     case QT_BF16: gemv_bf16(w, ps, bs, in, x, a, NP); break;
     case QT_Q8_0: gemv_q8_0(w, ps, bs, in, x, a, NP); break;
@@ -271,18 +286,18 @@ AI void qgemv(int qt, const uint8_t* w, long ps, long bs, long in, const float* 
 
 /* ---- one panel dequantized into a float panel dst (in, 16), for the float microkernel ---------------------- */
 static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
-#define PUT(k, v) do { v16 v_ = (v); __builtin_memcpy(dst + (k) * PANEL, &v_, sizeof v_); } while (0)
-    v16 wv[8];
-    switch (qt) {
+#define PUT(k, v) do { vf v_ = (v); __builtin_memcpy(dst + (k) * PANEL + h * VLANES, &v_, sizeof v_); } while (0)
+    vf wv[8];
+    for (int h = 0; h < NPARTS; h++) switch (qt) {
     case QT_BF16:
-        for (long k = 0; k < in; k++) PUT(k, bf16_w(w + k * bs));
+        for (long k = 0; k < in; k++) PUT(k, bf16_w(w + k * bs, h));
         break;
     case QT_Q8_0:
         for (long j = 0; j < in / 32; j++) {
             const uint8_t* b = w + j * bs;
-            v16 d = ldh16(b);
+            vf d = ldhf(b + 2 * VLANES * h);
             for (int g = 0; g < 8; g++) {
-                q8_group(b + 32 + 64 * g, d, wv);
+                q8_group(b + 32 + 64 * g, h, d, wv);
                 for (int t = 0; t < 4; t++) PUT(32 * j + 4 * g + t, wv[t]);
             }
         }
@@ -291,9 +306,9 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
         int has_m = qt == QT_Q4_1;
         for (long j = 0; j < in / 32; j++) {
             const uint8_t* b = w + j * bs;
-            v16 d = ldh16(b), m = has_m ? ldh16(b + 32) : d * -8.0f;
+            vf d = ldhf(b + 2 * VLANES * h), m = has_m ? ldhf(b + 32 + 2 * VLANES * h) : d * -8.0f;
             for (int g = 0; g < 4; g++) {
-                q4_group(b + (has_m ? 64 : 32) + 64 * g, d, m, wv);
+                q4_group(b + (has_m ? 64 : 32) + 64 * g, h, d, m, wv);
                 for (int t = 0; t < 8; t++) PUT(32 * j + 8 * g + t, wv[t]);
             }
         }
@@ -302,12 +317,11 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
     case QT_Q4_K:
         for (long j = 0; j < in / 256; j++) {
             const uint8_t* b = w + j * bs;
-            v16 d = ldh16(b), dmin = ldh16(b + 32);
             for (int s = 0; s < 8; s++) {
-                v16 ds, m;
-                q4_k_scales(b, s, d, dmin, &ds, &m);
+                vf ds, m;
+                q4_k_scales(b, s, h, &ds, &m);
                 for (int g = 0; g < 4; g++) {
-                    q4_group(b + 320 + 64 * (4 * s + g), ds, m, wv);
+                    q4_group(b + 320 + 64 * (4 * s + g), h, ds, m, wv);
                     for (int t = 0; t < 8; t++) PUT(256 * j + 32 * s + 8 * g + t, wv[t]);
                 }
             }
@@ -316,11 +330,10 @@ static void qdeq_panel(int qt, const uint8_t* w, long bs, long in, float* dst) {
     case QT_Q6_K:
         for (long j = 0; j < in / 256; j++) {
             const uint8_t* b = w + j * bs;
-            v16 d = ldh16(b);
             for (int s = 0; s < 16; s++) {
-                v16 ds = i2f(sx8(b + 32 + 16 * s)) * d;
+                vf ds = q6_k_scale(b, s, h);
                 for (int g = 0; g < 4; g++) {
-                    q6_k_w(b + 288 + 16 * (8 * s + 2 * g), b + 2336 + 16 * (4 * s + g), ds, wv);
+                    q6_k_w(b + 288 + 16 * (8 * s + 2 * g), b + 2336 + 16 * (4 * s + g), h, ds, wv);
                     for (int t = 0; t < 4; t++) PUT(256 * j + 16 * s + 4 * g + t, wv[t]);
                 }
             }
@@ -478,8 +491,6 @@ static inline vi bcast4(const int8_t* x) {
     return (vi){0} + b;
 }
 
-typedef uint32_t vu __attribute__((vector_size(VLANES * 4)));
-
 /* The integer dots of each path. Each output's block sum is an exact integer on every path (the same as the
    portable code's), however it is reached:
    - the dot-product instructions (AVX-512 VNNI and AVX-VNNI's vpdpbusd, ARM's usdot with i8mm or sdot) add per
@@ -585,24 +596,6 @@ static inline __attribute__((always_inline)) vi p8sum(p8_t acc) {
     return MADD(acc.l, 1) + MADD(acc.h, 16);
 #else
     return acc;
-#endif
-}
-
-/* VLANES bytes at p -> VLANES int32 lanes, zero-extended */
-static inline __attribute__((always_inline)) vi zx8p(const uint8_t* p) {
-#if WSC_X86 == 512
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-#elif WSC_X86 == 256
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-#elif defined(WSC_NEON)
-    uint32_t u;
-    __builtin_memcpy(&u, p, 4);
-    return (vi)vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(u))));
-#else
-    typedef uint8_t vb __attribute__((vector_size(VLANES)));
-    vb b;
-    __builtin_memcpy(&b, p, VLANES);
-    return __builtin_convertvector(b, vi);
 #endif
 }
 
@@ -730,14 +723,11 @@ AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
             }
             for (int h = 0; h < NPARTS; h++) {
                 FOR_P {
-                    vf dh = ldhf(blk[p] + 2 * VLANES * h);
                     if (kq) {
-                        d[p] = __builtin_convertvector(zx8p(blk[p] + 64 + 16 * s + VLANES * h), vf) * dh;
-                        m[p] = -(__builtin_convertvector(zx8p(blk[p] + 192 + 16 * s + VLANES * h), vf) *
-                                 ldhf(blk[p] + 32 + 2 * VLANES * h));
+                        q4_k_scales(blk[p], s, h, &d[p], &m[p]);
                     } else {
-                        d[p] = dh;
-                        m[p] = has_m ? ldhf(blk[p] + 32 + 2 * VLANES * h) : dh * -8.0f;
+                        d[p] = ldhf(blk[p] + 2 * VLANES * h);
+                        m[p] = has_m ? ldhf(blk[p] + 32 + 2 * VLANES * h) : d[p] * -8.0f;
                     }
                 }
                 long k0 = kq ? 256 * j + 32 * s : 32 * j, b0 = kq ? 8 * j + s : j;
@@ -810,13 +800,13 @@ static void qpanels_into(const job_t* j, long p0, long p1, float* dst, long ldd)
     for (long p = p0; p < p1;) {
         const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
         int NP = p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
-        v16 a[QNP] = {{0}};
+        vf a[QNP * NPARTS] = {{0}};
         if (NP == QNP) qgemv(j->qt, w, bb, bs, in, j->xt, a, QNP);
         else qgemv(j->qt, w, bb, bs, in, j->xt, a, 1);
         for (int q = 0; q < NP; q++, p++) {
             long o = p * PANEL;
             int nc = out - o < PANEL ? (int)(out - o) : PANEL;
-            store_row(a[q], dst + (o - p0 * PANEL), nc, j->b ? j->b + o : NULL, j->res ? j->res + o : NULL);
+            store_row(join(&a[q * NPARTS]), dst + (o - p0 * PANEL), nc, j->b ? j->b + o : NULL, j->res ? j->res + o : NULL);
         }
     }
 }
