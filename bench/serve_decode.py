@@ -16,6 +16,7 @@
 +. Aggregate tokens/s with 16 concurrent sequences (prefill included), one stage vs `--stages` pipelined.
 
     python bench/serve_decode.py [--threads 2] [--new-tokens 128] [--repeats 3] [--users 16] [--stages 2]
+                                 [--isa x86-64-v3]   (our kernels' -march level: bench/isa_level.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import statistics
 import time
 
+import isa_level  # (bench/, beside this file)
 import torch
 
 from waferscale.data import load_tokenizer
@@ -135,7 +137,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-aggregate", action="store_true")
+    isa_level.add_arguments(ap, peer=False)
     a = ap.parse_args()
+    isa_level.apply(a)
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     loads = [os.getloadavg()[0]]
@@ -154,7 +158,7 @@ def main() -> None:
     print(f"model: {MODEL}, {weight_bytes / 1e6:.1f} MB of weights + {kv_bytes / 1e6:.1f} MB of KV cache (mean) "
           f"read per token; prompt {len(prompt)} tokens, {n} new tokens, greedy, ignore_eos")
     print(f"engine: C kernels {engine.c_kernels}, decode threads {engine.decode_threads}, "
-          f"fast_linear {engine.fast_linear}")
+          f"fast_linear {engine.fast_linear}; {isa_level.level()}")
 
     # warm-up both
     ours_generate(engine, prompt, 8)
@@ -180,7 +184,7 @@ def main() -> None:
     bound = bw / nbytes
     bound_w = bw / weight_bytes
 
-    print("\n1. single-stream decode (median of %d)" % a.repeats)
+    print("\n1. single-stream decode (median of %d; %s)" % (a.repeats, isa_level.level()))
     print(f"   ours (wsc Engine)          {ours:8.2f} tok/s   runs: {', '.join(f'{x:.2f}' for x in ours_rates)}")
     if hf is not None:
         peer = statistics.median(peer_rates)

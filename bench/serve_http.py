@@ -16,7 +16,7 @@ measured 0.24 core-seconds per 2,048 streamed tokens, aiohttp 0.10). Aggregate t
 through `model.generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`; tokens/s = 16 N / wall time (its
 TTFT is the whole batch's prefill + first step, its ITL the mean decode step, as it streams nothing).
 
-    python bench/serve_http.py [--users 16] [--new-tokens 128] [--threads 2] [--repeats 3]
+    python bench/serve_http.py [--users 16] [--new-tokens 128] [--threads 2] [--repeats 3] [--isa x86-64-v3]
                                [--model smollm2-135m-instruct]
 """
 
@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import isa_level  # (bench/, beside this file)
 import torch
 
 TOPICS = ["the ocean", "a lighthouse keeper", "quantum computers", "bread baking", "the moon landing",
@@ -171,7 +172,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds of each side (median reported)")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    isa_level.add_arguments(ap, peer=False)
     a = ap.parse_args()
+    isa_level.apply(a)  # (the server process inherits WSC_KERNEL_MARCH)
 
     from waferscale.data import load_tokenizer
 
@@ -191,6 +194,7 @@ def main() -> None:
     median = lambda rs: sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2]  # noqa: E731
     ours, peer = median(ours_all), median(peer_all)
     ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
+    print(isa_level.level() + " (the server's; transformers: torch's own kernels)")
     print(f"{'':34s}{'tokens/s':>10s}{'wall':>9s}{'TTFT p50':>12s}{'TTFT p99':>12s}{'ITL p50':>12s}{'ITL p99':>12s}")
     for name, r in (("wsc serve (HTTP, 16 streams)", ours), ("transformers generate (batch 16)", peer)):
         print(f"{name:34s}{r['tokens_per_s']:10.1f}{r['wall_s']:8.1f}s{ms(r['ttft_p50'])}{ms(r['ttft_p99'])}"

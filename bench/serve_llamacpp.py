@@ -32,7 +32,10 @@ cached outside the repository and installed without letting pip touch torch:
     pip install --no-deps diskcache   # its other deps (numpy, jinja2, typing-extensions) are already here
 
     python bench/serve_llamacpp.py [--threads 2] [--new-tokens 128] [--prefill 512] [--repeats 5]
-                                   [--formats q4_1,q8_0]
+                                   [--formats q4_1,q8_0] [--isa x86-64-v3 --llama-lib DIR]
+
+`--isa` runs both engines at one instruction-set level (bench/isa_level.py: ours built for it, llama.cpp from a
+library built for it), printed in every table.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import isa_level  # noqa: E402
 from serve_decode import MODEL, QUESTION, copy_bandwidth, ours_generate  # noqa: E402
 
 from waferscale.data import load_tokenizer  # noqa: E402
@@ -152,10 +156,12 @@ def main() -> None:
     ap.add_argument("--formats", default="q4_1,q8_0", help="comma-separated: q4_1 (the file), q8_0, q4_0, bf16, "
                                                            "fp32 (made from it by wsc export)")
     ap.add_argument("--show-tokens", type=int, default=24, help="greedy tokens of each system to print")
+    isa_level.add_arguments(ap, peer=True)
     a = ap.parse_args()
+    isa_level.apply(a)
     try:
         import llama_cpp
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):
         print(f"llama_cpp is not importable; build and install llama-cpp-python (CPU) with: {INSTALL}")
         sys.exit(2)
 
@@ -184,6 +190,8 @@ def main() -> None:
         peers[f] = LlamaCpp(path, n_ctx, a.threads)
         print(f"{f}: {path} ({nbytes[f] / 1e6:.1f} MB of tensors read per decode token); ours: C kernels "
               f"{ours[f].c_kernels}, one-call layer stack {ours[f]._runner.stack is not None}")
+    level = isa_level.level(peer=True)
+    print(level)
     print(f"decode: prompt {len(prompt)} tokens, {n} new tokens, greedy, EOS ignored; prefill: {len(long_prompt)} "
           f"tokens; {a.repeats} alternating rounds")
 
@@ -224,7 +232,7 @@ def main() -> None:
           "write, huge pages, as serve_decode.py; the median of one measurement per round: "
           f"{', '.join(f'{b / 1e9:.1f}' for b in bws)}) / tensor bytes per token")
     for f in formats:
-        print(f"\n{f} ({nbytes[f] / 1e6:.1f} MB per token, bound {bw / nbytes[f]:.1f} tok/s):")
+        print(f"\n{f} ({nbytes[f] / 1e6:.1f} MB per token, bound {bw / nbytes[f]:.1f} tok/s; {level}):")
         for what in ("decode", "prefill"):
             for who in [f"llama.cpp/{t}" for t in peer_threads] + ["ours"]:
                 r = med[f, who, what]
