@@ -165,6 +165,7 @@ def test_sparse_kernels_clean_under_asan_and_ubsan(sanitizer_build: tuple[str, d
     cc, env = sanitizer_build
     if arch != "native" and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the AVX-512 variants are x86 flags")
+    # (no-avx512: the AVX2 path on an AVX-512 machine, its gathers and looked-up expansions)
     extra = {"native": [], "no-avx512": ["-mno-avx512f", "-Wno-psabi"], "no-vpopcntdq": ["-mno-avx512vpopcntdq"]}
     csrc = importlib.resources.files("waferscale.serve").joinpath("csrc")
     exe = tmp_path / "serve_sparse_check"

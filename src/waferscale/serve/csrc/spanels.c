@@ -48,6 +48,35 @@ static inline __m512i pop_lowest(__m512i* m) {
     *m = _mm512_and_si512(*m, t);
     return idx;
 }
+#elif WSC_X86 == 256
+#define SP_AVX2 1
+/* AVX2 has no expanding load, no per-lane bit count and no two-register permute: a step's values are spread
+   over their outputs by a permutation looked up per 8-bit mask (SP_EXPAND), the lowest set bit's index is the
+   exponent of that bit converted to float, and each output's x is gathered from the window's x in memory. */
+#define SPE(m, c) ((m) >> (c) & 1 ? __builtin_popcount((m) & ((1 << (c)) - 1)) : 0)
+#define SPE8(m) {SPE(m, 0), SPE(m, 1), SPE(m, 2), SPE(m, 3), SPE(m, 4), SPE(m, 5), SPE(m, 6), SPE(m, 7)}
+#define SPE32(m) SPE8(m), SPE8(m + 1), SPE8(m + 2), SPE8(m + 3), SPE8(m + 4), SPE8(m + 5), SPE8(m + 6), \
+    SPE8(m + 7), SPE8(m + 8), SPE8(m + 9), SPE8(m + 10), SPE8(m + 11), SPE8(m + 12), SPE8(m + 13), SPE8(m + 14), \
+    SPE8(m + 15), SPE8(m + 16), SPE8(m + 17), SPE8(m + 18), SPE8(m + 19), SPE8(m + 20), SPE8(m + 21), \
+    SPE8(m + 22), SPE8(m + 23), SPE8(m + 24), SPE8(m + 25), SPE8(m + 26), SPE8(m + 27), SPE8(m + 28), \
+    SPE8(m + 29), SPE8(m + 30), SPE8(m + 31)
+/* mask -> for each lane with its bit set, its value's place among them (0 elsewhere) */
+static const int32_t SP_EXPAND[256][8] __attribute__((aligned(32))) = {
+    SPE32(0), SPE32(32), SPE32(64), SPE32(96), SPE32(128), SPE32(160), SPE32(192), SPE32(224)};
+/* the index of the lowest set bit of each lane (lanes of 0: any index in 0 .. 31), and that bit cleared in *m */
+static inline __m256i pop_lowest8(__m256i* m) {
+    __m256i low = _mm256_and_si256(*m, _mm256_sub_epi32(_mm256_setzero_si256(), *m));
+    __m256i e = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(low)), 23);  /* (2^31: -2^31, 158) */
+    *m = _mm256_and_si256(*m, _mm256_add_epi32(*m, _mm256_set1_epi32(-1)));
+    return _mm256_and_si256(_mm256_sub_epi32(e, _mm256_set1_epi32(127)), _mm256_set1_epi32(31));
+}
+/* the values of the lanes whose bit of mask (8 bits) is set, in order at v; zero in the others */
+static inline __m256 expand8(const float* v, int mask) {
+    __m256 w = _mm256_permutevar8x32_ps(_mm256_loadu_ps(v), _mm256_loadu_si256((const __m256i*)SP_EXPAND[mask]));
+    __m256i on = _mm256_and_si256(_mm256_set1_epi32(mask), _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128));
+    return _mm256_and_ps(w, _mm256_castsi256_ps(_mm256_cmpeq_epi32(on, _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64,
+                                                                                           128))));
+}
 #endif
 
 /* One window at s of a sparse panel against MR (<= 8) x rows (x + r * ldx, `in` long): a[r] += its terms.
@@ -98,6 +127,36 @@ static inline __attribute__((always_inline)) const float* sp_window(const float*
 #pragma GCC unroll 8
         for (int r = 0; r < 8; r++) if (r < MR) a[r] += (v16)_mm512_permutex2var_ps(x0[r], idx, x1[r]) * w;
     }
+#elif defined(SP_AVX2)
+    __m256i m[2] = {_mm256_loadu_si256((const __m256i*)(s + 1)), _mm256_loadu_si256((const __m256i*)(s + 9))};
+    const uint16_t* act = (const uint16_t*)(s + 1 + PANEL);
+    const float* xw[8];
+    float t[8][SP_WIN];
+    vf acc[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) if (r < MR) {
+        xw[r] = x + r * ldx + k0;
+        if (in - k0 < SP_WIN) {  /* the last window: x ends inside it */
+            __builtin_memset(t[r], 0, sizeof t[r]);
+            __builtin_memcpy(t[r], xw[r], (in - k0) * sizeof(float));
+            xw[r] = t[r];
+        }
+        acc[r][0] = part(a[r], 0), acc[r][1] = part(a[r], 1);
+    }
+    for (int st = 0; st < S; st++) {
+        int lo = act[st] & 0xFF, hi = act[st] >> 8;
+        __m256 w[2] = {expand8(v, lo), expand8(v + __builtin_popcount(lo), hi)};
+        v += __builtin_popcount(act[st]);
+#if SP_PF > 0
+        __builtin_prefetch(v + SP_PF, 0, 3);
+#endif
+        __m256i idx[2] = {pop_lowest8(&m[0]), pop_lowest8(&m[1])};
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) if (r < MR)
+            for (int h = 0; h < 2; h++) acc[r][h] += (vf)_mm256_i32gather_ps(xw[r], idx[h], 4) * (vf)w[h];
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) if (r < MR) a[r] = join(acc[r]);
 #else
     uint32_t m[PANEL];
     __builtin_memcpy(m, s + 1, sizeof m);
