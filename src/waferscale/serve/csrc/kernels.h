@@ -102,24 +102,11 @@ typedef int32_t vi __attribute__((vector_size(VLANES * 4)));  /* ... of int32 */
 /* part h (VLANES lanes from lane h VLANES) of a 16-lane vector, and a 16-lane vector put together from its
    NPARTS parts: register shuffles (through memory, GCC splits 32-byte moves into 16-byte ones and the loads that
    follow wait for the stores: ~10x slower) */
-typedef int32_t v8s __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v4s __attribute__((vector_size(16)));
 #define SH8(v, o) __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7)
 #define SH4(v, o) __builtin_shufflevector(v, v, o, o + 1, o + 2, o + 3)
 #define CAT8(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define CAT4(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7)
 static inline __attribute__((always_inline)) vf part(v16 v, int h) {
-#if NPARTS == 1
-    (void)h;
-    return v;
-#elif NPARTS == 2
-    return h ? SH8(v, 8) : SH8(v, 0);
-#else
-    return h == 0 ? SH4(v, 0) : h == 1 ? SH4(v, 4) : h == 2 ? SH4(v, 8) : SH4(v, 12);
-#endif
-}
-static inline __attribute__((always_inline)) vi parti(v16i v, int h) {
 #if NPARTS == 1
     (void)h;
     return v;
@@ -139,15 +126,12 @@ static inline __attribute__((always_inline)) v16 join(const vf* p) {
     return CAT8(lo, hi);
 #endif
 }
+/* the same for int32 lanes (the same bits, moved as floats) */
+static inline __attribute__((always_inline)) vi parti(v16i v, int h) { return (vi)part((v16)v, h); }
 static inline __attribute__((always_inline)) v16i joini(const vi* p) {
-#if NPARTS == 1
-    return p[0];
-#elif NPARTS == 2
-    return CAT8(p[0], p[1]);
-#else
-    v8s lo = CAT4(p[0], p[1]), hi = CAT4(p[2], p[3]);
-    return CAT8(lo, hi);
-#endif
+    vf f[NPARTS];
+    for (int h = 0; h < NPARTS; h++) f[h] = (vf)p[h];
+    return (v16i)join(f);
 }
 /* VLANES floats at p */
 static inline __attribute__((always_inline)) vf ldf(const float* p) {
