@@ -74,8 +74,7 @@ static void panel_rows(const job_t* j, const float* wp, long p, long p0, float* 
         const float* xt = j->xt + (size_t)t0 * in;
         float* d = dst + t0 * ldd + (o - p0 * PANEL);
         const float* res = j->res ? j->res + (size_t)t0 * out + o : NULL;
-        switch (MR) {  /* (sixteen compiled cases, most of the build time: splitting odd tiles into 8/4/2/1
-                          instead costs ~30% at 13 rows) */
+        switch (MR) {  /* (a compiled case per row count) */
 #define PMK(n) case n: pmk(wp, xt, in, n, d, ldd, nc, b, res, out); break;
         PMK(1) PMK(2) PMK(3) PMK(4) PMK(5) PMK(6)
 #if TILE > 6
@@ -99,51 +98,11 @@ static void put(const job_t* j, long p0, long p1, const float* buf) {
         __builtin_memcpy(j->y + (size_t)r * j->out + o0, buf + r * m, m * sizeof(float));
 }
 
-#ifdef HAVE_TREE
-/* v[r][c] -> v[c][r] for a 16 x 16 block: 4 levels, each swapping one bit of the row with that of the column */
-static inline void transpose16(v16* v) {
-    for (int r = 0; r < 16; r++) if (!(r & 1)) {
-        v16 p = v[r], q = v[r + 1];
-        v[r] = SHUF(p, q, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-        v[r + 1] = SHUF(p, q, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    }
-    for (int r = 0; r < 16; r++) if (!(r & 2)) {
-        v16 p = v[r], q = v[r + 2];
-        v[r] = SHUF(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-        v[r + 2] = SHUF(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    }
-    for (int r = 0; r < 16; r++) if (!(r & 4)) {
-        v16 p = v[r], q = v[r + 4];
-        v[r] = SHUF(p, q, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-        v[r + 4] = SHUF(p, q, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    }
-    for (int r = 0; r < 8; r++) {
-        v16 p = v[r], q = v[r + 8];
-        v[r] = SHUF(p, q, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        v[r + 8] = SHUF(p, q, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-}
-#endif
-
 /* x (rows, in) -> tiles of TILE rows, each (in, rows in the tile): xt[t0 * in + k * MR + r] = x[t0 + r][k] */
 static void pack_x(const float* x, long rows, long in, float* xt) {
     for (long t0 = 0; t0 < rows; t0 += TILE) {
         long MR = rows - t0 < TILE ? rows - t0 : TILE;
         float* d = xt + t0 * in;
-#ifdef HAVE_TREE
-        if (MR == 16) {  /* 16 x 16 blocks through registers */
-            long k0 = 0;
-            for (; k0 + 16 <= in; k0 += 16) {
-                v16 v[16];
-                for (int r = 0; r < 16; r++) v[r] = ld16(x + (t0 + r) * in + k0);
-                transpose16(v);
-                for (int c = 0; c < 16; c++) __builtin_memcpy(d + (k0 + c) * 16, &v[c], sizeof(v16));
-            }
-            for (long r = 0; r < 16; r++)
-                for (long k = k0; k < in; k++) d[k * 16 + r] = x[(t0 + r) * in + k];
-            continue;
-        }
-#endif
         for (long r = 0; r < MR; r++) {
             const float* s = x + (t0 + r) * in;
             for (long k = 0; k < in; k++) d[k * MR + r] = s[k];
