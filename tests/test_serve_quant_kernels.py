@@ -124,7 +124,7 @@ def _block_offsets(w: QWeight) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", INT8_TYPES)
 @pytest.mark.parametrize("shape", [(37, 512), (80, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_int8_activations_within_their_rounding(qtype: str, shape: tuple[int, int], threads: int) -> None:
-    """x as two int8 digits (csrc/quant.c): each element off by at most max |x| / (127 * 508) of its block (half
+    """x as two int8 digits (csrc/qint.c): each element off by at most max |x| / (127 * 508) of its block (half
     the second digit's step; 0.1 % slack for dr's own rounding) plus 4 u max |x| (the float rest x - dx xq and
     its scaling), so the product by at most that times the block's sum of |w|; then float rounding: per output
     and block two multiplies (d dx, d dr), three FMAs into the sum and x's block sum (a 5-level tree), at most

@@ -208,7 +208,7 @@ def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor |
 
 def set_int8_activations(on: bool | None = None) -> bool:
     """Whether the C kernels' Q8_0 / Q4_0 / Q4_1 / Q4_K products write x as two int8 digits per block of 32 and sum in
-    integers (the default: faster, x's rounding to max |x| / 64516 an element the price; csrc/quant.c) or keep x
+    integers (the default: faster, x's rounding to max |x| / 64516 an element the price; csrc/qint.c) or keep x
     in float32 (the same bits as the float32 product over the dequantized weights); sets it when `on` is given.
     Returns the previous setting (False without the kernels)."""
     if not kernels.available():

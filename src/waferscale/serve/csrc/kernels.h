@@ -126,13 +126,6 @@ static inline __attribute__((always_inline)) v16 join(const vf* p) {
     return CAT8(lo, hi);
 #endif
 }
-/* the same for int32 lanes (the same bits, moved as floats) */
-static inline __attribute__((always_inline)) vi parti(v16i v, int h) { return (vi)part((v16)v, h); }
-static inline __attribute__((always_inline)) v16i joini(const vi* p) {
-    vf f[NPARTS];
-    for (int h = 0; h < NPARTS; h++) f[h] = (vf)p[h];
-    return (v16i)join(f);
-}
 /* VLANES floats at p */
 static inline __attribute__((always_inline)) vf ldf(const float* p) {
     vf v;
@@ -316,7 +309,7 @@ typedef struct {
 
 /* one job for the pool: a product (at == NULL) or decode attention (attn_t's chunks). A product's W is in
    dense panels (off == NULL, qt == 0, panels.c), in sparse panels with panel offsets off (spanels.c), or in
-   quantized panels at qw of type qt (quant.c), x then as it is, or as xq and xs when quantized (quant.c). */
+   quantized panels at qw of type qt (quant.c), x then as it is, or as xq and xs when quantized (qint.c). */
 typedef struct {
     const float *W, *xt, *b, *res; float* y;
     long rows, out, in;

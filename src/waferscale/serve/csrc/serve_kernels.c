@@ -8,7 +8,8 @@
 #include "kernels.h"
 
 #include "panels.c"         /* the panel microkernel: y = residual + x W^T + bias, per chunk of panels */
-#include "quant.c"          /* the same over bf16 and GGUF's quantized blocks */
+#include "quant.c"          /* the same over bf16 and GGUF's quantized blocks: layout, float path, dispatch */
+#include "qint.c"           /* ... their integer path: x as int8 digits, each instruction set's integer dot */
 #include "qpack.c"          /* GGUF rows -> quantized panels (packing), rows -> floats (wsc_qrows) */
 #include "spanels.c"        /* the same over sparse panels (masks + non-zero values) */
 #include "pool.c"           /* the work-stealing pool, wsc_set_threads, wsc_linear */
