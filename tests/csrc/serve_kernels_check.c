@@ -585,7 +585,7 @@ static void check_qlinear(int qt, long rows, long out, long in) {
 }
 
 /* quantize_x (its vector reductions) against the same rule written lane by lane, bit for bit: max |x| ignoring
-   NaN, the digit sums as exact integers; rows of ordinary, tiny (subnormal), huge, NaN, inf and zero values */
+   NaN, the digits, their int16 X = 254 xq + xr and its sum as exact integers; rows of ordinary, tiny (subnormal), huge, NaN, inf and zero values */
 static void check_quantize_x(void) {
     const long rows = 7, in = 96, nb = in / 32;
     float* x = randv(rows * in);
@@ -596,10 +596,10 @@ static void check_quantize_x(void) {
         if (i % 11 == 0) x[4 * in + i] = -INFINITY;
         x[5 * in + i] = i % 3 ? 0.0f : -0.0f;
     }
-    int8_t* xq = xmalloc((size_t)(2 * rows * in));
+    int8_t* xq = xmalloc((size_t)(XB * rows * in));
     float* xs = xmalloc((size_t)(rows * nb * XS) * sizeof(float));
     quantize_x(x, rows, in, xq, xs);
-    digest(xq, (size_t)(2 * rows * in));
+    digest(xq, (size_t)(XB * rows * in));
     digest(xs, (size_t)(rows * nb * XS) * sizeof(float));
     for (long r = 0; r < rows; r++)
         for (long j = 0; j < nb; j++) {
@@ -607,15 +607,16 @@ static void check_quantize_x(void) {
             float amax = 0, t[XS];
             for (int k = 0; k < 32; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
             float dx = amax / 127, id = dx > 0 ? 1 / dx : 0, dr = dx / 254, idr = dr > 0 ? 1 / dr : 0;
-            long sq = 0, sr = 0, bad = 0;
+            long sx = 0, bad = 0;
             for (int k = 0; k < 32; k++) {
                 int8_t q = (int8_t)round_i8((vf){0} + v[k] * id)[0];  /* (every lane the same: the first) */
                 int8_t qr = (int8_t)round_i8((vf){0} + (v[k] - (float)q * dx) * idr)[0];
-                sq += q;
-                sr += qr;
-                bad += q != xq[2 * r * in + 32 * j + k] || qr != xq[2 * r * in + in + 32 * j + k];
+                int16_t X;
+                memcpy(&X, xq + XB * r * in + 2 * in + 2 * (32 * j + k), 2);
+                sx += 254 * q + qr;
+                bad += q != xq[XB * r * in + 32 * j + k] || qr != xq[XB * r * in + in + 32 * j + k] || X != 254 * q + qr;
             }
-            t[0] = dx, t[1] = dr, t[3] = (float)(128 * sq), t[4] = (float)(128 * sr);
+            t[0] = dx, t[1] = dr, t[3] = (float)sx;
             t[2] = xs[XS * (r * nb + j) + 2];  /* (the block's float sum: hsum16's order, checked by the products) */
             if (bad || memcmp(t, xs + XS * (r * nb + j), sizeof t) != 0) {
                 fprintf(stderr, "FAIL quantize_x row %ld block %ld: %ld digits differ, or dx/dr/sums\n", r, j, bad);

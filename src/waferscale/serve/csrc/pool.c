@@ -257,7 +257,7 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
     const int8_t* xq = NULL;
     const float* xs = NULL;
     if (qt && qint8_applies(qt)) {  /* x rounded to int8 (qint.c), in one buffer: xq, then xs */
-        long nb = in / 32, at = (2 * rows * in + 15) / 16 * 16;
+        long nb = in / 32, at = (XB * rows * in + 15) / 16 * 16;
         if (!grow(&t_xt, &t_xt_cap, at / 4 + rows * nb * XS, sizeof(float))) return -1;
         xq = (const int8_t*)t_xt;
         xs = (const float*)t_xt + at / 4;
