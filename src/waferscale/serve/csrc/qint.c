@@ -454,15 +454,24 @@ AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
     }
 }
 
+/* Several rows go in blocks of RB (their x digits, XB in bytes a row, stay in L2 while every panel of the chunk
+   runs over them, instead of all the rows streaming once per panel). Measured on AVX2 (2 threads, 512 rows, one
+   run each): Q8_0 3072 x 576 12.4 -> 11.7 ms, 576 x 1536 7.0 -> 6.9 ms; Q4_1 576 x 1536 6.2 -> 6.1 ms. */
+#ifndef RB
+#define RB 64
+#endif
+
 /* panels [p0, p1) of a job on the integer path, into dst as qpanels_into */
 static void i8_panels_into(const job_t* j, long p0, long p1, float* dst, long ldd) {
     long in = j->in, out = j->out, np = (out + PANEL - 1) / PANEL, nb = in / 32, bb = QPAN[j->qt] * PANEL, bs;
     int has_m = j->qt == QT_Q4_1, q8 = j->qt == QT_Q8_0, kq = j->qt == QT_Q4_K;
+    for (long rb = 0; rb < j->rows; rb += RB)
     for (long p = p0; p < p1;) {
         const uint8_t* w = qpanel_at(j->qw, j->qt, in, np, p, &bs);
         int NP = j->rows == 1 && p % QNP == 0 && p1 - p >= QNP ? QNP : 1;
-        for (long r0 = 0, MR; r0 < j->rows; r0 += MR) {
-            MR = j->rows - r0 >= 4 ? 4 : j->rows - r0 >= 2 ? 2 : 1;
+        long re = rb + RB < j->rows ? rb + RB : j->rows;
+        for (long r0 = rb, MR; r0 < re; r0 += MR) {
+            MR = re - r0 >= 4 ? 4 : re - r0 >= 2 ? 2 : 1;
             vf a[QNP * 4 * NPARTS] = {{0}};
             const int8_t* xq = j->xq + XB * r0 * in;
             const float* xs = j->xs + XS * r0 * nb;
