@@ -205,9 +205,7 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
             if (P >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
                 v16 mv = ld16(sj);
                 for (t = 16; t + 16 <= P; t += 16) {
-                    v16 v = ld16(sj + t);
-                    v16i gt = v > mv;
-                    mv = (v16)(((v16i)v & gt) | ((v16i)mv & ~gt));
+                    mv = vmax16(ld16(sj + t), mv);
                 }
                 for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
             }

@@ -251,16 +251,18 @@ static const int TREE_PERM[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11,
 
 
 /* e^x for x <= 0 (softmax arguments): 2^k * p(r), r = x - k ln 2, |r| <= ln 2, degree-7 Taylor polynomial
-   (relative error < 3e-7, as good as float32 libm for this use); underflows to 0 below -87. */
-static inline v16 vexp(v16 x) {
-    v16i under = x < -87.0f;
-    x = (v16)(((v16i)x & ~under) | ((v16i)vsplat(-87.0f) & under));
-    v16 fk = x * 1.44269504088896341f - 0.5f;
-    v16i k = __builtin_convertvector(fk, v16i);  /* truncation: round(x log2 e) for x <= 0 */
-    v16 kf = __builtin_convertvector(k, v16);
-    v16 r = x - kf * 0.693359375f;
+   (relative error < 3e-7, as good as float32 libm for this use); underflows to 0 below -87. On native registers
+   (vexpf), and on 16 lanes part by part (vexp): a comparison of 16 lanes where the target has no 16-lane
+   register (AVX2, NEON) GCC lowers lane by lane, with scalar compares, extracts and inserts. */
+static inline __attribute__((always_inline)) vf vexpf(vf x) {
+    vi under = x < -87.0f;
+    x = (vf)(((vi)x & ~under) | ((vi)splatf(-87.0f) & under));
+    vf fk = x * 1.44269504088896341f - 0.5f;
+    vi k = __builtin_convertvector(fk, vi);  /* truncation: round(x log2 e) for x <= 0 */
+    vf kf = __builtin_convertvector(k, vf);
+    vf r = x - kf * 0.693359375f;
     r = r - kf * -2.12194440e-4f;
-    v16 pe = vsplat(1.0f / 5040) ;
+    vf pe = splatf(1.0f / 5040);
     pe = pe * r + 1.0f / 720;
     pe = pe * r + 1.0f / 120;
     pe = pe * r + 1.0f / 24;
@@ -268,9 +270,25 @@ static inline v16 vexp(v16 x) {
     pe = pe * r + 0.5f;
     pe = pe * r + 1.0f;
     pe = pe * r + 1.0f;
-    v16i bits = (k + 127) << 23;
-    v16 y = pe * (v16)bits;
-    return (v16)((v16i)y & ~under);
+    vi bits = (k + 127) << 23;
+    vf y = pe * (vf)bits;
+    return (vf)((vi)y & ~under);
+}
+static inline __attribute__((always_inline)) v16 vexp(v16 x) {
+    vf r[NPARTS];
+    for (int h = 0; h < NPARTS; h++) r[h] = vexpf(part(x, h));
+    return join(r);
+}
+
+/* per lane a > b ? a : b (so b where a is NaN), part by part (as vexp) */
+static inline __attribute__((always_inline)) v16 vmax16(v16 a, v16 b) {
+    vf r[NPARTS];
+    for (int h = 0; h < NPARTS; h++) {
+        vf x = part(a, h), y = part(b, h);
+        vi gt = x > y;
+        r[h] = (vf)(((vi)x & gt) | ((vi)y & ~gt));
+    }
+    return join(r);
 }
 
 /* this thread's buffer *buf, grown to hold at least n elements of `size` bytes; NULL when out of memory */

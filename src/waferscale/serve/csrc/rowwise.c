@@ -10,18 +10,18 @@ void wsc_silu_mul(const float* gu, float* out, long rows, long n) {
         const float* u = g + n;
         float* o = out + (size_t)r * n;
         long i = 0;
-        for (; i + 16 <= n; i += 16) {
-            v16 x = ld16(g + i);
-            v16i neg = x < 0.0f;
-            v16 ax = (v16)((v16i)x & ~(v16i)vsplat(-0.0f));          /* |x| */
-            v16 e = vexp(-ax);                                       /* exp(-|x|) in (0, 1] */
-            v16 num = (v16)(((v16i)vsplat(1.0f) & ~neg) | ((v16i)e & neg));  /* x >= 0: 1, else e */
-            v16 y = x * (num / (1.0f + e)) * ld16(u + i);
+        for (; i + VLANES <= n; i += VLANES) {  /* (native registers: see vexp) */
+            vf x = ldf(g + i);
+            vi neg = x < 0.0f;
+            vf ax = (vf)((vi)x & ~(vi)splatf(-0.0f));                 /* |x| */
+            vf e = vexpf(-ax);                                        /* exp(-|x|) in (0, 1] */
+            vf num = (vf)(((vi)splatf(1.0f) & ~neg) | ((vi)e & neg));  /* x >= 0: 1, else e */
+            vf y = x * (num / (1.0f + e)) * ldf(u + i);
             __builtin_memcpy(o + i, &y, sizeof y);
         }
         for (; i < n; i++) {
             float x = g[i];
-            float e = vexp(vsplat(-fabsf(x)))[0];
+            float e = vexpf(splatf(-fabsf(x)))[0];
             o[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
         }
     }
@@ -33,22 +33,29 @@ long wsc_argmax(const float* x, long n) {
     float best = x[0];
     long where = 0, i = 0;
     int nan = 0;
-    if (n >= 32 && n < (1L << 31)) {  /* per lane: its first maximum and where */
-        v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, at = lane;
-        v16 m = ld16(x);
-        v16i nanv = m != m;
-        for (i = 16; i + 16 <= n; i += 16) {
-            v16 v = ld16(x + i);
-            nanv |= v != v;
-            v16i gt = v > m;
-            m = (v16)(((v16i)v & gt) | ((v16i)m & ~gt));
-            at = ((lane + (int)i) & gt) | (at & ~gt);
+    if (n >= 32 && n < (1L << 31)) {  /* per lane of 16: its first maximum and where (native registers: vexp) */
+        vi lane, at[NPARTS], nanv[NPARTS];
+        vf m[NPARTS];
+        for (int k = 0; k < VLANES; k++) lane[k] = k;
+        for (int h = 0; h < NPARTS; h++) {
+            m[h] = ldf(x + h * VLANES);
+            at[h] = lane + h * VLANES;
+            nanv[h] = m[h] != m[h];
         }
-        best = m[0]; where = at[0];
-        for (int k = 0; k < 16; k++) {
-            nan |= nanv[k];
-            if (m[k] > best || (m[k] == best && at[k] < where)) { best = m[k]; where = at[k]; }
-        }
+        for (i = 16; i + 16 <= n; i += 16)
+            for (int h = 0; h < NPARTS; h++) {
+                vf v = ldf(x + i + h * VLANES);
+                nanv[h] |= v != v;
+                vi gt = v > m[h];
+                m[h] = (vf)(((vi)v & gt) | ((vi)m[h] & ~gt));
+                at[h] = ((lane + (int)(i + h * VLANES)) & gt) | (at[h] & ~gt);
+            }
+        best = m[0][0]; where = at[0][0];
+        for (int h = 0; h < NPARTS; h++)
+            for (int k = 0; k < VLANES; k++) {
+                nan |= nanv[h][k];
+                if (m[h][k] > best || (m[h][k] == best && at[h][k] < where)) { best = m[h][k]; where = at[h][k]; }
+            }
     }
     for (; i < n; i++) {
         if (x[i] != x[i]) nan = 1;
