@@ -270,10 +270,12 @@ def sgemm(n: int, side: int) -> Projection:
     runs["weight-stationary"] = gemm_cycles(spec, n, n, n, side, side, "fp32")
     algo = min(runs, key=lambda a: runs[a].total)
     c = runs[algo]
+    cmd = (f"wsc kernel gemm --m {n} --k {n} --n {n} --target wse2 --pes {side}x{side} --dtype fp32"
+           + (f" --algo {algo}" if algo != "weight-stationary" else ""))
     return Projection(2 * n ** 3 / (c.total / spec.clock_hz) / 1e12, _cycle_parts(c), "cycles",
                       f"{side}x{side} {algo}",
                       ", ".join(f"{a} {r.total:,.0f}" for a, r in runs.items()) + " cycles"
-                      + "".join(f"; {a} refused: {r}" for a, r in refused.items()))
+                      + "".join(f"; {a} refused: {r}" for a, r in refused.items()) + f"; reproduce: {cmd}")
 
 
 PROJECTORS: dict[str, Callable[..., Projection]] = {

@@ -25,6 +25,8 @@ GOOD = {
                   "0.05", "--seed", "2", "--verify", "--json"),
     "gemm": ("kernel", "gemm", "--m", "64", "--k", "64", "--n", "4", "--target", "wse2", "--pes", "8x8",
              "--defects", "0.05", "--seed", "3", "--verify", "--json"),
+    "sgemm": ("kernel", "gemm", "--m", "33000", "--k", "33000", "--n", "33000", "--target", "wse2", "--pes",
+              "750x750", "--algo", "cannon", "--dtype", "fp32", "--json"),  # the fidelity suite's fp32 SGEMM row
     "kernel_text": ("kernel", "gemv", "--m", "64", "--k", "64", "--target", "wse2", "--pes", "8x8", "--verify"),
     "tiny": ("compile", "--model", "llama-tiny", "--pes", "16x16", "--out", "{out}", "--json"),
     "70b": ("compile", "--model", "llama3.1-70b", "--target", "wse3", "--systems", "4", "--json"),
@@ -43,6 +45,9 @@ BAD = {  # name: (argv, words the one-line message must contain)
                        "1.0"), ("--defects", "[0, 1)")),
     "negative defect rate": (("compile", "--model", "llama-tiny", "--pes", "16x16", "--defects", "-0.1"),
                              ("--defects",)),
+    "allreduce in fp16": (("kernel", "allreduce", "--m", "64", "--k", "1", "--pes", "8x8", "--dtype", "fp16"),
+                          ("fp32", "--dtype")),
+    "unknown dtype": (("kernel", "gemv", "--m", "64", "--k", "64", "--dtype", "fp8"), ("--dtype", "fp32")),
     "unknown target": (("kernel", "gemv", "--m", "64", "--k", "64", "--target", "wse9"), ("unknown target", "wse3")),
     "unknown compile target": (("compile", "--model", "llama-tiny", "--target", "wse7"), ("unknown target",)),
     "mesh smaller than a tile": (("kernel", "gemv", "--m", "4096", "--k", "4096", "--target", "wse2", "--pes", "2x2"),
@@ -77,6 +82,13 @@ def test_kernel_gemv_verify_json(runs: dict) -> None:
     assert d["cycles"] > 0 and d["time_s"] == pytest.approx(d["cycles"] / d["assumptions"]["clock_hz"])
     text = runs["kernel_text"]
     assert text.returncode == 0 and "cycles" in text.stdout and "verified vs numpy: OK" in text.stdout
+
+
+def test_kernel_sgemm_row_in_fp32(runs: dict) -> None:
+    d = _ok_json(runs["sgemm"])
+    a = d["assumptions"]
+    assert a["dtype"] == "fp32" and a["algo"] == "cannon" and d["pes"] == 750 * 750
+    assert d["flops"] == 2 * 33000 ** 3 and d["cycles"] > 0
 
 
 @pytest.mark.parametrize("kind", ["spmv", "allreduce", "gemm"])

@@ -22,6 +22,23 @@ def test_run_kernel_verify_and_report():
     assert full["usable_pes"] == 1170 * 755 and full["pes"] > 500_000
 
 
+def test_run_kernel_dtype_sets_rate_and_bytes():
+    """fp32 halves the SIMD rate of the 16-bit types and doubles the bytes a PE holds; bf16 costs what fp16 does"""
+    args = dict(m=2048, k=2048, n=256, target="wse2", pes=(64, 64))
+    d16, db16, d32 = (run_kernel("gemm", **args, dtype=t) for t in ("fp16", "bf16", "fp32"))
+    assert run_kernel("gemm", **args)["assumptions"]["dtype"] == "fp16"  # the default
+    assert db16["cycles"] == d16["cycles"] and db16["assumptions"]["dtype"] == "bf16"
+    a16, a32 = d16["assumptions"], d32["assumptions"]
+    assert a32["flops_per_cycle_per_pe"] < a16["flops_per_cycle_per_pe"]
+    assert d32["breakdown"]["compute"] > d16["breakdown"]["compute"]
+    d = run_kernel("gemm", m=64, k=64, n=4, target="wse2", pes=(8, 8), dtype="fp32", verify=True)
+    assert d["verified"]
+    with pytest.raises(ConfigError, match="fp32 only"):
+        run_kernel("allreduce", m=64, k=1, n=None, target="wse2", pes=(8, 8), dtype="bf16")
+    with pytest.raises(ConfigError, match="--dtype must be one of"):
+        run_kernel("gemv", m=64, k=64, n=None, target="wse2", pes=(8, 8), dtype="int8")
+
+
 def test_run_kernel_bad_input():
     ok = dict(m=64, k=64, n=None, target="wse2", pes=(8, 8))
     with pytest.raises(ConfigError, match="--pes 8x8"):

@@ -280,7 +280,7 @@ def cmd_kernel(a: argparse.Namespace) -> int:
     sparsity = a.sparsity if a.density is None else 1.0 - a.density
     d = run_kernel(a.kind, m=a.m, k=a.k, n=a.n, target=a.target, pes=parse_pes(a.pes) if a.pes else None,
                    defects=a.defects, seed=a.seed, verify=a.verify, sparsity=sparsity, clock_hz=a.clock_hz,
-                   algo=a.algo, fan_in=a.fan_in)
+                   algo=a.algo, fan_in=a.fan_in, dtype=a.dtype)
     print(json.dumps(d, indent=1) if a.json else format_kernel_report(d))
     return 1 if a.verify and not d.get("verified") else 0
 
@@ -582,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--density", type=float, default=None, help="spmv: fraction of non-zero weights "
                                                                           "(1 - --sparsity)")
             p.add_argument("--clock_hz", type=float, default=None)
+            p.add_argument("--dtype", default=None, help="fp16 | bf16 | fp32: the PEs' precision (default fp16; "
+                                                         "allreduce: fp32, the only one it models)")
             p.add_argument("--algo", default=None, help="allreduce: chain | tree | 2d | center (default 2d); gemm: "
                                                         "summa | "
                                                         "cannon | cannon_folded (W, X, Y in 2D blocks; default: "

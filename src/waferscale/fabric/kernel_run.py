@@ -26,7 +26,8 @@ VERIFY_MAX_PES = 64 * 64  # functional verification runs on at most this many PE
 
 def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tuple[int, int] | None,
                defects: float = 0.0, seed: int = 0, verify: bool = False, sparsity: float = 0.9,
-               clock_hz: float | None = None, algo: str | None = None, fan_in: int | None = None) -> dict:
+               clock_hz: float | None = None, algo: str | None = None, fan_in: int | None = None,
+               dtype: str | None = None) -> dict:
     """Project (and optionally verify) one kernel on a target. Sizes: gemv/spmv y(m) = W(m, k) x(k); gemm with
     n streamed vectors (weight-stationary), or with algo summa | cannon | cannon_folded Y(m, n) = W X with W, X
     and Y in 2D blocks (Cannon on the largest square of the mesh); gemv with algo chain | ktree (of `fan_in`) |
@@ -35,7 +36,10 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     W; fan_in defaults to 2); allreduce of an m-element fp32 vector per PE (k, n unused; algo chain | tree | 2d,
     the default | center, its `fan_in` the number of phases per axis, default 1). Without `pes` the whole
     (logical, defect-free part of the) wafer is used. `verify` runs the functional tile-level execution on the
-    same mesh and compares it with numpy."""
+    same mesh and compares it with numpy. `dtype` (fp16 | bf16 | fp32) is the precision the PEs store and compute
+    in: default fp16 for the matrix kernels, fp32 for allreduce (the only precision it models); it sets the SIMD
+    rate and the bytes per element in SRAM and on the fabric (the numpy verification runs in float32 either way:
+    it checks the schedule, not the rounding)."""
     if kind not in KERNELS:
         raise ConfigError(f"unknown kernel {kind!r}; use one of {', '.join(KERNELS)}")
     check_positive(m=m, k=k)
@@ -62,7 +66,11 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
     spec = fabric_from_name(target, pes=pes, clock_hz=clock_hz)
     mesh = Mesh.build(spec, defect_rate=defects, seed=seed)
     R, C = mesh.logical_rows, mesh.logical_cols
-    dtype = "fp32" if kind == "allreduce" else "fp16"
+    if dtype is not None and dtype not in PE.DTYPE_BYTES:
+        raise ConfigError(f"--dtype must be one of {', '.join(PE.DTYPE_BYTES)}, got {dtype!r}")
+    if kind == "allreduce" and dtype not in (None, "fp32"):
+        raise ConfigError(f"allreduce is modelled in fp32 only (got --dtype {dtype}); drop --dtype")
+    dtype = dtype or ("fp32" if kind == "allreduce" else "fp16")
     rng = np.random.default_rng(seed)
     W = None
     region = (R, C) if kind == "allreduce" else (used(m, R), used(k, C))
@@ -99,7 +107,7 @@ def run_kernel(kind: str, *, m: int, k: int, n: int | None, target: str, pes: tu
         "bottleneck": cyc.bottleneck, "breakdown": cyc.as_dict(),
         "assumptions": {
             "clock_hz": spec.clock_hz, "dtype": dtype,
-            "flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe if dtype == "fp16"
+            "flops_per_cycle_per_pe": spec.fp16_flops_per_cycle_per_pe if PE.dtype_bytes(dtype) == 2
             else spec.fp32_flops_per_cycle_per_pe,
             "sram_read_bytes_per_cycle": spec.sram_read_bytes_per_cycle,
             "sram_write_bytes_per_cycle": spec.sram_write_bytes_per_cycle,
