@@ -229,3 +229,23 @@ def test_the_loaded_kernels_name_their_path() -> None:
     assert p in {"avx512-vnni", "avx512", "avx2-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon", "portable"}
     if platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= _cpu_flags():
         assert p != "portable", "an x86-64-v3 CPU must not run the portable code"
+
+
+@pytest.mark.assets
+def test_a_named_level_that_does_not_build_is_an_error_not_torch() -> None:
+    """WSC_KERNEL_MARCH names a level: if the kernels do not build at it, `wsc generate` / `wsc serve` stop with
+    one error line (exit 2) instead of serving through torch, slower, without saying so"""
+    import os
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "WSC_KERNEL_MARCH": "no-such-level"}
+    for argv in (["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max_new_tokens", "2"],
+                 ["serve", "--model", "smollm2-135m", "--port", "0"]):
+        r = subprocess.run([sys.executable, "-m", "waferscale", *argv], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 2, (argv, r.stdout[-500:], r.stderr[-2000:])
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: WSC_KERNEL_MARCH='no-such-level'"), r.stderr
+        assert "Traceback" not in r.stderr
+

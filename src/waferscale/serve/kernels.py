@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from waferscale.errors import ConfigError
 from waferscale.util.paths import cache_dir
 
 __all__ = ["DecodeStack", "PANEL", "argmax", "argmax_rows", "available", "decode_attention", "decode_attention_batch",
@@ -62,7 +63,7 @@ def march_flags() -> list[str]:
     if level == "portable":
         return ["-march=native", "-DWSC_PORTABLE"]
     if not all(c.isalnum() or c in "-_.+" for c in level):
-        raise RuntimeError(f"{MARCH_ENV}={level!r} is not a -march level (e.g. native, x86-64-v3, armv8.2-a+dotprod)")
+        raise ConfigError(f"{MARCH_ENV}={level!r} is not a -march level (e.g. native, x86-64-v3, armv8.2-a+dotprod)")
     return [f"-march={level}"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -138,7 +139,8 @@ def _build() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the kernels are built and loaded (builds them on the first call)."""
+    """Whether the kernels are built and loaded (builds them on the first call). Raises ConfigError when the
+    level $WSC_KERNEL_MARCH names does not build: a level asked for by name is not quietly replaced by torch."""
     global _lib, _tried, _error
     if not _tried:
         _tried = True
@@ -147,8 +149,17 @@ def available() -> bool:
         else:
             try:
                 _lib = _build()
+            except ConfigError as e:
+                _error = str(e)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _error = str(e)
+                if os.environ.get(MARCH_ENV, "").strip():
+                    first = next((ln for ln in _error.splitlines() if "error" in ln), _error.splitlines()[0])
+                    _error = (f"{MARCH_ENV}={os.environ[MARCH_ENV].strip()!r}: the C kernels do not build at that "
+                              f"level ({first.strip()}); unset {MARCH_ENV} to build for this machine, or name a "
+                              "level the compiler accepts (x86-64-v3, x86-64-v4, armv8.2-a+dotprod, portable)")
+    if _lib is None and _error and os.environ.get(MARCH_ENV, "").strip() and "WSC_NO_C_KERNELS" not in _error:
+        raise ConfigError(_error)
     return _lib is not None
 
 
