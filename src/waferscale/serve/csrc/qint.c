@@ -9,8 +9,9 @@
    Block j of a row of x is dx xq + dr xr (quantize_x: dx = max |x| / 127, xq = x / dx rounded half away from
    zero, dr = dx / 254, xr the rest over dr, rounded), and an output's block sum is d dx (sum q xq) + d dr
    (sum q xr) + m sum x (Q4_1: its m; Q4_0: -8 d; Q4_K, per sub-block of 32: d scale_s and -dmin min_s; Q8_0:
-   d dr (sum q X), X = 254 xq + xr, one integer for both digits), the integer sums exact (vpdpbusd: four u8 x s8 products a lane, 4 k x 16 outputs an instruction; a
-   plain-C stand-in without AVX512-VNNI gives the same integers), sum x the block's float sum in a fixed order.
+   d dr (sum q X), X = 254 xq + xr, one integer for both digits), the integer sums exact (vpdpbusd: four u8 x
+   s8 products a lane, 4 k x 16 outputs an instruction; the other paths give the same integers), sum x the
+   block's float sum in a fixed order.
    With one digit (llama.cpp's Q8_0 / Q8_1 activations) the perplexity of SmolLM2-135M's Q4_1 file on the
    held-out Shakespeare passage rose 3.1 %; the second digit brings x's rounding to dr / 2 = max |x| / 64516 per
    element (about 16 bits) and the perplexity to that of the float path (-0.002 %), at no measured cost in
@@ -70,7 +71,8 @@ static inline __attribute__((always_inline)) void store_i16(int16_t* q, vi v) {
 #if WSC_X86 == 512
     _mm256_storeu_si256((__m256i*)q, _mm512_cvtsepi32_epi16((__m512i)v));
 #elif WSC_X86 == 256
-    _mm_storeu_si128((__m128i*)q, _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1)));
+    __m128i lo = _mm256_castsi256_si128((__m256i)v), hi = _mm256_extracti128_si256((__m256i)v, 1);
+    _mm_storeu_si128((__m128i*)q, _mm_packs_epi32(lo, hi));
 #elif defined(WSC_NEON)
     vst1_s16(q, vqmovn_s32((int32x4_t)v));
 #else
