@@ -374,7 +374,7 @@ AI void i8_q8(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
     const long nb = in / 32;
     for (long j = 0; j < nb; j++) {
         const uint8_t* blk[QNP];
-        FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], 544); }
+        FOR_P { blk[p] = w + p * ps + j * bs; prefetch_block(blk[p], 544, MR == 1); }
         for (int h = 0; h < NPARTS; h++)
             FOR_CHUNK(NP, MR, Q8CHUNK(NP)) {
                 int p0 = NP > 1 ? c0 : 0, r0 = NP > 1 ? 0 : c0;
@@ -433,8 +433,8 @@ AI void i8_q4(const uint8_t* w, long ps, long bs, long in, const int8_t* xq, con
             FOR_P {
                 blk[p] = w + p * ps + j * bs;
                 q[p] = kq ? blk[p] + 320 + 256 * s : blk[p] + qo;
-                if (kq) prefetch_block(q[p], 256);
-                else prefetch_block(blk[p], bb);
+                if (kq) prefetch_block(q[p], 256, MR == 1);
+                else prefetch_block(blk[p], bb, MR == 1);
             }
             for (int h = 0; h < NPARTS; h++) {
                 FOR_P {
