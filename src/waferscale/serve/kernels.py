@@ -68,6 +68,7 @@ def march_flags() -> list[str]:
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
+_named_level_failed = False  # the level $WSC_KERNEL_MARCH names does not build: an error, not a fallback
 
 
 def _cpu_id() -> str:
@@ -141,7 +142,7 @@ def _build() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the kernels are built and loaded (builds them on the first call). Raises ConfigError when the
     level $WSC_KERNEL_MARCH names does not build: a level asked for by name is not quietly replaced by torch."""
-    global _lib, _tried, _error
+    global _lib, _tried, _error, _named_level_failed
     if not _tried:
         _tried = True
         if os.environ.get("WSC_NO_C_KERNELS", "") not in ("", "0"):
@@ -150,15 +151,17 @@ def available() -> bool:
             try:
                 _lib = _build()
             except ConfigError as e:
-                _error = str(e)
+                _error, _named_level_failed = str(e), True
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 _error = str(e)
-                if os.environ.get(MARCH_ENV, "").strip():
+                level = os.environ.get(MARCH_ENV, "").strip()
+                if level:
                     first = next((ln for ln in _error.splitlines() if "error" in ln), _error.splitlines()[0])
-                    _error = (f"{MARCH_ENV}={os.environ[MARCH_ENV].strip()!r}: the C kernels do not build at that "
-                              f"level ({first.strip()}); unset {MARCH_ENV} to build for this machine, or name a "
-                              "level the compiler accepts (x86-64-v3, x86-64-v4, armv8.2-a+dotprod, portable)")
-    if _lib is None and _error and os.environ.get(MARCH_ENV, "").strip() and "WSC_NO_C_KERNELS" not in _error:
+                    _error = (f"{MARCH_ENV}={level!r}: the C kernels do not build at that level ({first.strip()}); "
+                              f"unset {MARCH_ENV} to build for this machine, or name a level the compiler accepts "
+                              "(x86-64-v3, x86-64-v4, armv8.2-a+dotprod, portable)")
+                    _named_level_failed = True
+    if _named_level_failed:
         raise ConfigError(_error)
     return _lib is not None
 
