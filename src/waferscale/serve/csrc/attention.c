@@ -52,6 +52,10 @@ static void rope_write(float* qkv, const float* cos, const float* sin_signed, vo
 
 /* this thread's scratch for g * S scores; NULL when out of memory */
 static float* scores_buf(long n) { return grow(&t_scores, &t_cap, n, sizeof(float)); }
+static _Thread_local void* t_ktile;
+static _Thread_local long t_ktile_cap;
+/* this thread's scratch for a tile's K rows widened to float32 (scores_heads); NULL when out of memory */
+static float* ktile_buf(long n) { return grow(&t_ktile, &t_ktile_cap, n, sizeof(float)); }
 
 /* table == NULL: positions [lo, S) in slots [slot0 + lo, slot0 + S); else in blocks of bs (see run_of); the
    positions before lo (outside a sliding window) are never read, so their table entries may be stale.
@@ -100,40 +104,104 @@ static inline __attribute__((always_inline)) void scores16(const float* q, const
 #endif
 }
 
-/* o[j][v] (j < JN heads, v < 4 vectors of 16 dims from dim i) = sum over positions u in [lo, S), in order, of
-   p[j * (S - lo) + u - lo] * V_u[i + 16 v ..] */
+#if NPARTS > 1
+/* scores16 where a register holds fewer than 16 floats (AVX2, NEON), for query heads [ja, jb) at once: there
+   scores16's 16 sums of 16 lanes would take twice (four times) the registers the target has (spilled to the
+   stack every step: decode attention ran at a quarter of AVX-512's speed on AVX2). The same arithmetic, in
+   another order: each position's 16 lanes go as NPARTS native registers, and level 1 of the tree (a
+   position's two halves added, as tlvl1) is done per position, into s1; levels 2-4 as scores16. A float16
+   cache's K rows of the tile are widened once into kt (16 hd floats), for all the heads. */
+static inline __attribute__((always_inline)) void scores_heads(const float* q, long ja, long jb, long hd,
+                                                               const void* const* kr, int n, float scale,
+                                                               float* out, long P, float* kt, int kv16) {
+    const float* kp[16];
+    for (int l = 0; l < n; l++) {
+        if (kv16) {
+            for (long d = 0; d < hd; d += VLANES) {
+                vf v = ldhf((const uint16_t*)kr[l] + d);
+                __builtin_memcpy(kt + l * hd + d, &v, sizeof v);
+            }
+            kp[l] = kt + l * hd;
+        } else {
+            kp[l] = (const float*)kr[l];
+        }
+    }
+    for (long j = ja; j < jb; j++) {
+        const float* qj = q + j * hd;
+        float s1[16 * 8] __attribute__((aligned(64)));
+        for (int l = 0; l < 16; l++) {
+            vf a[NPARTS];
+            for (int h = 0; h < NPARTS; h++) a[h] = (vf){0};
+            if (l < n)
+                for (long d = 0; d < hd; d += 16)
+                    for (int h = 0; h < NPARTS; h++) a[h] += ldf(qj + d + h * VLANES) * ldf(kp[l] + d + h * VLANES);
+            for (int h = 0; h < NPARTS / 2; h++) {
+                vf s = a[h] + a[h + NPARTS / 2];
+                __builtin_memcpy(s1 + 8 * l + h * VLANES, &s, sizeof s);
+            }
+        }
+        v16 t[8], u[4], v[2], r;
+        for (int k = 0; k < 8; k++) t[k] = ld16(s1 + 16 * k);
+        for (int k = 0; k < 4; k++) u[k] = tlvl2(t[2 * k], t[2 * k + 1]);
+        v[0] = tlvl3(u[0], u[1]); v[1] = tlvl3(u[2], u[3]);
+        r = tlvl4(v[0], v[1]) * scale;
+        float rs[16];
+        __builtin_memcpy(rs, &r, sizeof r);
+        for (int l = 0; l < 16; l++) if (TREE_PERM[l] < n) out[j * P + TREE_PERM[l]] = rs[l];
+    }
+}
+#define PV_NV 1  /* vectors of 16 values of V a pv_block pass (4 heads' sums of 2 of them would not fit) */
+#else
+static inline __attribute__((always_inline)) void scores_heads(const float* q, long ja, long jb, long hd,
+                                                               const void* const* kr, int n, float scale,
+                                                               float* out, long P, float* kt, int kv16) {
+    (void)kt;
+    for (long j = ja; j < jb; j++) {
+        if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, out + j * P, kv16);
+        else scores16(q + j * hd, kr, n, hd, scale, out + j * P, kv16);
+    }
+}
+#define PV_NV 4
+#endif
+
+/* o[j][v] (j < JN heads, v < nv vectors of 16 dims from dim i) = sum over positions u in [lo, S), in order, of
+   p[j * (S - lo) + u - lo] * V_u[i + 16 v ..]; each vector of 16 as NPARTS native registers (o[j][v NPARTS + h]) */
 static inline __attribute__((always_inline)) void pv_block(const void* Vh, long hd, long i, int nv, int JN,
                                                            const float* p, long lo, long S, const long* table,
                                                            long bs, long slot0, const float* inv, float* out,
                                                            int kv16) {
     long es = kv16 ? 2 : 4;  /* bytes a cache value */
     long P = S - lo;
-    v16 o[4][4];
+    vf o[4][4 * NPARTS];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; v++) o[j][v] = (v16){0};
+#pragma GCC unroll 16
+        for (int v = 0; v < 4 * NPARTS; v++) o[j][v] = (vf){0};
     for (long t0 = lo, base, n; t0 < S; t0 += n) {
         n = run_of(table, bs, slot0, t0, S, &base);
         for (long u = 0; u < n; u++) {
             const char* vr = (const char*)Vh + (base + u) * hd * es;
-            v16 vv[4];
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) vv[v] = v < nv ? ldkv(vr, i + 16 * v, kv16) : (v16){0};
+            vf vv[4 * NPARTS];
+#pragma GCC unroll 16
+            for (int v = 0; v < 4 * NPARTS; v++) {
+                long d = i + 16 * (v / NPARTS) + VLANES * (v % NPARTS);
+                vv[v] = v >= nv * NPARTS ? (vf){0} : kv16 ? ldhf((const uint16_t*)(const void*)vr + d)
+                                                          : ldf((const float*)(const void*)vr + d);
+            }
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) if (j < JN) {
-                v16 pu = vsplat(p[j * P + t0 - lo + u]);
-#pragma GCC unroll 4
-                for (int v = 0; v < 4; v++) if (v < nv) o[j][v] += pu * vv[v];
+                vf pu = splatf(p[j * P + t0 - lo + u]);
+#pragma GCC unroll 16
+                for (int v = 0; v < 4 * NPARTS; v++) if (v < nv * NPARTS) o[j][v] += pu * vv[v];
             }
         }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) if (j < JN)
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; v++) if (v < nv) {
-            v16 r = o[j][v] * inv[j];
-            __builtin_memcpy(out + j * hd + i + 16 * v, &r, sizeof r);
+#pragma GCC unroll 16
+        for (int v = 0; v < 4 * NPARTS; v++) if (v < nv * NPARTS) {
+            vf r = o[j][v] * inv[j];
+            __builtin_memcpy(out + j * hd + i + 16 * (v / NPARTS) + VLANES * (v % NPARTS), &r, sizeof r);
         }
 }
 
@@ -154,7 +222,8 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
     long g = nh / nkv;
     long P = S - lo;  /* the positions attended; below, position lo + t is t */
     float* sc = scores_buf(g * P);
-    if (!sc) return -1;
+    float* kt = NPARTS > 1 && kv16 ? ktile_buf(16 * hd) : NULL;
+    if (!sc || (NPARTS > 1 && kv16 && !kt)) return -1;
     if (t_slot_cap < P) {  /* the slot of every position (written out, not grow(): attend's code as measured) */
         long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
         if (!nb) return -1;
@@ -186,10 +255,7 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
                 if (t + n + 16 < P) prefetch_row(ROW(Kh, t + n + 16), rb, 0);
                 if (Kn) { prefetch_row(ROW(Kn, t + n), rb, 1); prefetch_row(ROW(Vn, t + n), rb, 1); }
             }
-            for (long j = ja; j < jb; j++) {
-                if (n == 16) scores16(q + j * hd, kr, 16, hd, scale, sc + j * P + t, kv16);
-                else scores16(q + j * hd, kr, n, hd, scale, sc + j * P + t, kv16);
-            }
+            scores_heads(q, ja, jb, hd, kr, n, scale, sc + t, P, kt, kv16);
             t += n;
         }
         if (slopes)  /* ALiBi: scores fall linearly with the distance to the query (as the model adds them) */
@@ -232,14 +298,14 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
                     const float* p = sc + jj * P;
                     float* o = out + (jj - j0) * hd;
                     const float* iv = inv + (jj - j0);
-                    for (long i = 0; i < hd; i += 64) {
-                        int nv = hd - i < 64 ? (int)((hd - i) / 16) : 4;
-                        if (nv == 4) {
+                    for (long i = 0; i < hd; i += 16 * PV_NV) {
+                        int nv = hd - i < 16 * PV_NV ? (int)((hd - i) / 16) : PV_NV;
+                        if (nv == PV_NV) {
                             switch (JN) {
-                            case 1: pv_block(Vh, hd, i, 4, 1, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            case 2: pv_block(Vh, hd, i, 4, 2, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            case 3: pv_block(Vh, hd, i, 4, 3, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            default: pv_block(Vh, hd, i, 4, 4, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            case 1: pv_block(Vh, hd, i, PV_NV, 1, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            case 2: pv_block(Vh, hd, i, PV_NV, 2, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            case 3: pv_block(Vh, hd, i, PV_NV, 3, p, lo, S, table, bs, slot0, iv, o, kv16); break;
+                            default: pv_block(Vh, hd, i, PV_NV, 4, p, lo, S, table, bs, slot0, iv, o, kv16); break;
                             }
                         } else {
                             pv_block(Vh, hd, i, nv, JN, p, lo, S, table, bs, slot0, iv, o, kv16);
@@ -338,7 +404,8 @@ int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B
     long ns = atomic_load(&g_use);
     if (ns > B) ns = B;
     int idle = 0;
-    if (!scores_buf(nh / nkv * smax) || !chunk_buf(nh * hd)) return -1;  /* the caller's own, reserved */
+    if (!scores_buf(nh / nkv * smax) || !chunk_buf(nh * hd) || (NPARTS > 1 && kv16 && !ktile_buf(16 * hd)))
+        return -1;  /* the caller's own, reserved */
     if (ns >= 2 && B <= MAX_CHUNKS && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
         job_t j = {NULL, NULL, NULL, NULL, NULL, 0, 0, 0, &a};
         run_pool(&j, 1, B, ns);
