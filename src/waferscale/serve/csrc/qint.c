@@ -321,6 +321,7 @@ AI void q8_part(const uint8_t* const* blk, long j, long in, const int8_t* xq, co
             for (int r = 0; r < MR; r++) {
                 lo[p * MR + r] += MADDW(w0, xb[r]);
                 hi[p * MR + r] += MADDW(w1, xb[r]);
+                if (MR > 1) { KEEP(lo[p * MR + r]); KEEP(hi[p * MR + r]); }
             }
         }
     }
