@@ -11,7 +11,8 @@ I/O; or a kernel's cycle parts) and the layout and window the compiler chose; th
 counts as not reached. Nothing here is fitted to the published values: the suite only runs the compiler.
 
 With --out DIR: fidelity.json (every row, its conditions, projection and error) and fidelity.png (log-log
-projected vs published with the +-25% band, one marker per source), each written to a temporary file and
+projected vs published with the +-25% band, one marker per source, calibration rows blue and validation rows
+orange), each written to a temporary file and
 renamed into place. Exit status 2 with a message on bad arguments (an --out that cannot be a directory).
 """
 
@@ -101,10 +102,10 @@ def _compile_fewest(counts, **request):
     raise err
 
 
-def _waferllm_plan(model: str, side: int, layers: int | None, prompt_len: int | None):
+def _waferllm_plan(model: str, side: int, layers: int | None, prompt_len: int | None, assume=None):
     g, ctx, n_layers = waferllm_graph(model, side, layers)
     plan = _compile_fewest(range(1, MAX_SYSTEMS_TRIED + 1), graph=g, target="wse2", pes=(side, side),
-                           layout="model_parallel", users=1, context_len=ctx, prompt_len=prompt_len)
+                           layout="model_parallel", users=1, context_len=ctx, prompt_len=prompt_len, assume=assume)
     blocks = [i for i, u in enumerate(g.units) if u.kind == "block"]
     return plan, g, blocks, n_layers / len(blocks), ctx
 
@@ -129,12 +130,12 @@ def _where(plan, blocks: list[int], scale: float, ctx: int) -> str:
             f"{plan.projection['peak_bytes_per_pe'] / 1024:.1f} KiB (weights, KV cache, activations)")
 
 
-def waferllm_decode(model: str, side: int, layers: int | None = None) -> Projection:
+def waferllm_decode(model: str, side: int, layers: int | None = None, assume=None) -> Projection:
     """Their method: the block units' decode times summed (no embedding, head or hops between windows) and
     scaled to all layers; tokens/s = 1 / that. The shares are those layers'."""
     from waferscale.compiler.model_parallel import unit_time
 
-    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, None)
+    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, None, assume)
     p = plan.projection
     t = sum(p["unit_times_s"][i] for i in blocks) * scale
     shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_time(cc, u, side, side, 1, ctx))
@@ -143,11 +144,11 @@ def waferllm_decode(model: str, side: int, layers: int | None = None) -> Project
                       _where(plan, blocks, scale, ctx) + f"; GEMV all-reduce {p.get('gemv_allreduce')}" + whole)
 
 
-def waferllm_prefill(model: str, side: int, layers: int | None = None) -> Projection:
+def waferllm_prefill(model: str, side: int, layers: int | None = None, assume=None) -> Projection:
     """Their method: TPR = 4096 / the block units' prefill times summed and scaled to all layers."""
     from waferscale.compiler.model_parallel import unit_prefill
 
-    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, WAFERLLM_PROMPT)
+    plan, g, blocks, scale, ctx = _waferllm_plan(model, side, layers, WAFERLLM_PROMPT, assume)
     p = plan.projection
     t = sum(p["unit_prefill_s"][i] for i in blocks) * scale
     shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_prefill(cc, u, side, side, WAFERLLM_PROMPT))
@@ -158,7 +159,7 @@ def waferllm_prefill(model: str, side: int, layers: int | None = None) -> Projec
 
 # ---- the Cerebras inference service -----------------------------------------------------------------------
 
-def _zoo_plan(model: str, systems: int | None, prompt_len: int | None, **extra):
+def _zoo_plan(model: str, systems: int | None, prompt_len: int | None, assume=None, **extra):
     from waferscale.compiler.api import estimate_memory
 
     if systems:
@@ -166,7 +167,7 @@ def _zoo_plan(model: str, systems: int | None, prompt_len: int | None, **extra):
     else:  # not published: the fewest the compiler accepts, from the first that holds the weights
         first = int(estimate_memory(model=model, target="wse3")["inference_systems_needed"])
         counts = range(first, first + MAX_SYSTEMS_TRIED)
-    return _compile_fewest(counts, model=model, target="wse3", prompt_len=prompt_len, **extra)
+    return _compile_fewest(counts, model=model, target="wse3", prompt_len=prompt_len, assume=assume, **extra)
 
 
 def _plan_layout(p: dict) -> str:
@@ -183,9 +184,9 @@ def _plan_detail(plan) -> str:
             f"prompt {p['prompt_len']}" + (f"; layouts compared: {cands}" if cands else ""))
 
 
-def zoo(model: str, systems: int | None, quantity: str, prompt_len: int | None = None) -> Projection:
+def zoo(model: str, systems: int | None, quantity: str, prompt_len: int | None = None, assume=None) -> Projection:
     """A zoo model on WSE-3 with the compiler's own choices (layout, users, context) where the source is silent."""
-    plan = _zoo_plan(model, systems, prompt_len)
+    plan = _zoo_plan(model, systems, prompt_len, assume)
     p = plan.projection
     if quantity == "ttft":
         return Projection(p["time_to_first_token_s"], dict(p.get("prefill_time_shares", {})), "share",
@@ -194,14 +195,15 @@ def zoo(model: str, systems: int | None, quantity: str, prompt_len: int | None =
                       _plan_detail(plan))
 
 
-def speculative(model: str, systems_from: int, draft: str, k: int, acceptance: float) -> Projection:
+def speculative(model: str, systems_from: int, draft: str, k: int, acceptance: float, assume=None) -> Projection:
     """Speculative decoding (`compiler/speculative.py`): `draft` on a band of the wafer drafts k tokens a round,
     each accepted with probability `acceptance`; the target verifies them as a chunk (pipelined layout). On the
     fewest systems from `systems_from` up that hold both."""
     from waferscale.compiler.speculative import Speculation
 
     plan = _compile_fewest(range(systems_from, systems_from + MAX_SYSTEMS_TRIED), model=model, target="wse3",
-                           layout="pipelined", speculative=Speculation("draft", k, acceptance, draft_model=draft))
+                           layout="pipelined", speculative=Speculation("draft", k, acceptance, draft_model=draft),
+                           assume=assume)
     s = plan.projection["speculative"]
     return Projection(s["tokens_per_s_per_user"], dict(s["verify_time_shares"]), "share",
                       _plan_layout(plan.projection),
@@ -213,18 +215,26 @@ def speculative(model: str, systems_from: int, draft: str, k: int, acceptance: f
 
 # ---- kernels ----------------------------------------------------------------------------------------------
 
+def _spec(target: str, assume):
+    """The target's preset with `assume` (new values of its unpublished or calibrated constants) applied."""
+    from waferscale.fabric import assumptions
+    from waferscale.fabric.presets import fabric_from_name
+
+    return assumptions.apply(fabric_from_name(target), target, assume or {})
+
+
 def _cycle_parts(c) -> dict[str, float]:
     return {"compute": c.compute, "SRAM": c.sram, "fabric": c.fabric, "fill/drain": c.fill_drain, "total": c.total}
 
 
-def gemv(n: int) -> Projection:
+def gemv(n: int, assume=None) -> Projection:
     """y = W x, W n x n fp16, as the model-parallel layout runs it (`gemv_allreduce_cycles`) on WSE-2: the
     fastest of every square mesh of GEMV_SIDES and every all-reduce the compiler tries."""
     from waferscale.compiler.model_parallel import GEMV_ALGOS
     from waferscale.fabric.cost_matmul import gemv_allreduce_cycles
     from waferscale.fabric.presets import fabric_from_name
 
-    spec = fabric_from_name("wse2")
+    spec = _spec("wse2", assume)
     best = None
     for side in GEMV_SIDES:
         for algo, fan_in in GEMV_ALGOS:
@@ -237,12 +247,12 @@ def gemv(n: int) -> Projection:
                       f"{len(GEMV_SIDES)} meshes x {len(GEMV_ALGOS)} all-reduces tried")
 
 
-def allreduce(rows: int, cols: int) -> Projection:
+def allreduce(rows: int, cols: int, assume=None) -> Projection:
     """One fp32 value all-reduced over WSE-1's rows x cols PEs: the fastest algorithm of the cost model."""
     from waferscale.fabric.cost_collectives import allreduce_cycles
     from waferscale.fabric.presets import fabric_from_name
 
-    spec = fabric_from_name("wse1")
+    spec = _spec("wse1", assume)
     runs = {a: allreduce_cycles(spec, 1, rows, cols, a) for a in ("chain", "tree", "2d")}  # rooted at PE (0, 0)
     for phases in (1, 2):  # rooted at the centre PE, as the paper describes
         runs[f"center/{phases}"] = allreduce_cycles(spec, 1, rows, cols, "center", fan_in=phases)
@@ -253,14 +263,14 @@ def allreduce(rows: int, cols: int) -> Projection:
                       f" cycles (center/K: K phases per axis); diameter {rows + cols - 2}")
 
 
-def sgemm(n: int, side: int) -> Projection:
+def sgemm(n: int, side: int, assume=None) -> Projection:
     """An n^3 fp32 GEMM on WSE-2's side x side PEs: the fastest schedule the cost model accepts (SUMMA, Cannon,
     folded Cannon on 2D-distributed operands; the weight-stationary streamed GEMM); TFLOP/s at 1.1 GHz."""
     from waferscale.fabric.cost_gemm2d import gemm2d_cycles
     from waferscale.fabric.cost_matmul import gemm_cycles
     from waferscale.fabric.presets import fabric_from_name
 
-    spec = fabric_from_name("wse2")
+    spec = _spec("wse2", assume)
     runs, refused = {}, {}
     for algo in ("summa", "cannon", "cannon_folded"):
         try:
@@ -285,15 +295,21 @@ PROJECTORS: dict[str, Callable[..., Projection]] = {
 
 # ---- the suite ---------------------------------------------------------------------------------------------
 
-def run_row(row: Row) -> dict[str, Any]:
-    """The row, its projection (or why it is not reached) and the signed error."""
+def run_row(row: Row, assume: dict[str, float] | None = None) -> dict[str, Any]:
+    """The row, its projection (or why it is not reached) and the signed error; `assume`: new values of the
+    targets' unpublished or calibrated constants (bench/calibrate.py's trial values)."""
     out: dict[str, Any] = {"id": row.id, "source": dataclasses.asdict(SOURCES[row.source]) | {"key": row.source},
                            **{k: v for k, v in dataclasses.asdict(row).items() if k != "source"}}
     t0 = time.perf_counter()
     try:
-        p = PROJECTORS[row.projection](**row.args)
+        p = PROJECTORS[row.projection](**row.args, assume=assume)
     except ConfigError as e:
         return out | {"projected": None, "error": None, "not_reached": str(e),
+                      "wall_s": round(time.perf_counter() - t0, 2)}
+    if row.role == "bound":  # the projection must not exceed the published figure (a time, or a rate)
+        within = p.value <= row.value if row.unit == "s" else True
+        return out | {"projected": p.value, "error": None, "bound_ok": within, "parts": p.parts,
+                      "parts_unit": p.parts_unit, "layout_chosen": p.layout, "detail": p.detail,
                       "wall_s": round(time.perf_counter() - t0, 2)}
     return out | {"projected": p.value, "error": p.value / row.value - 1, "parts": p.parts,
                   "parts_unit": p.parts_unit, "layout_chosen": p.layout, "detail": p.detail,
@@ -301,27 +317,47 @@ def run_row(row: Row) -> dict[str, Any]:
 
 
 def _stats(results: list[dict]) -> dict[str, Any]:
-    errs = [abs(r["error"]) for r in results if r["error"] is not None]
-    return {"rows": len(results), "reached": len(errs), "not_reached": len(results) - len(errs),
+    signed = [r["error"] for r in results if r["error"] is not None]
+    errs = [abs(e) for e in signed]
+    reached = [r for r in results if r["projected"] is not None]
+    return {"rows": len(results), "reached": len(errs), "not_reached": len(results) - len(reached),
             "median_abs_error": statistics.median(errs) if errs else None,
             "worst_abs_error": max(errs) if errs else None,
-            "within_band": sum(e <= BAND for e in errs), "band": BAND}
+            "within_band": sum(e <= BAND for e in errs), "within_2x": sum(0.5 <= 1 + e <= 2 for e in signed),
+            "band": BAND}
 
 
 def summarize(results: list[dict]) -> dict[str, Any]:
-    """Over all rows, and per (source, quantity): a group shares its mechanism, so its errors say which
-    part of the model they come from."""
+    """Calibration residuals and validation errors apart (and over all of them), per role and source, and per
+    (source, quantity): a group shares its mechanism, so its errors say which part of the model they come from.
+    Bound rows are outside the statistics: how many the projection keeps."""
     groups: dict[str, list[dict]] = {}
     for r in results:
-        groups.setdefault(f"{r['source']['key']}: {r['quantity']}", []).append(r)
-    return _stats(results) | {"groups": {k: _stats(v) for k, v in groups.items()}}
+        if r["role"] != "bound":
+            groups.setdefault(f"{r['source']['key']}: {r['quantity']}", []).append(r)
+    by_role = {role: [r for r in results if r["role"] == role] for role in ("calibrate", "validate")}
+    per_source = {f"{role} {k}": _stats([r for r in rs if r["source"]["key"] == k])
+                  for role, rs in by_role.items() for k in dict.fromkeys(r["source"]["key"] for r in rs)}
+    bounds = [r for r in results if r["role"] == "bound"]
+    return _stats([r for r in results if r["role"] != "bound"]) | {
+        "calibrate": _stats(by_role["calibrate"]), "validate": _stats(by_role["validate"]), "per_source": per_source,
+        "bounds": {"rows": len(bounds), "kept": sum(bool(r.get("bound_ok")) for r in bounds)},
+        "groups": {k: _stats(v) for k, v in groups.items()}}
 
 
 def _stats_line(s: dict) -> str:
     if not s["reached"]:
         return f"{s['rows']} row(s), none projected"
     return (f"{s['reached']} of {s['rows']} projected; median |error| {s['median_abs_error']:.1%}, worst "
-            f"{s['worst_abs_error']:.1%}; {s['within_band']} within +-{BAND:.0%}")
+            f"{s['worst_abs_error']:.1%}; {s['within_band']} within +-{BAND:.0%}, {s['within_2x']} within 2x")
+
+
+def _summary_lines(summary: dict) -> list[str]:
+    b = summary["bounds"]
+    return [f"calibration rows (the fit's residuals): {_stats_line(summary['calibrate'])}",
+            f"validation rows (never fitted on): {_stats_line(summary['validate'])}",
+            *[f"  {k}: {_stats_line(g)}" for k, g in summary["per_source"].items()],
+            f"bounds (a public service's figure the projection must not exceed): {b['kept']} of {b['rows']} kept"]
 
 
 def _num(x: float) -> str:
@@ -337,37 +373,45 @@ def _parts(r: dict) -> str:
 
 
 def table(results: list[dict], summary: dict) -> str:
-    lines = [f"{'id':<16} {'published':>12} {'projected':>12} {'unit':<9} {'error':>8}  layout / window",
-             "-" * 100]
+    lines = [f"{'id':<16} {'role':<9} {'published':>12} {'projected':>12} {'unit':<9} {'error':>8}  layout / window",
+             "-" * 110]
     for r in results:
+        if r["role"] == "bound" and r["projected"] is not None:
+            lines.append(f"{r['id']:<16} {'bound':<9} {_num(r['value']):>12} {_num(r['projected']):>12} "
+                         f"{r['unit']:<9} {'kept' if r['bound_ok'] else 'EXCEEDED':>8}  {r['layout_chosen']}")
+            lines.append(f"{'':<16} {r['detail']}")
+            continue
         if r["error"] is None:
-            lines.append(f"{r['id']:<16} {_num(r['value']):>12} {'-':>12} {r['unit']:<9} {'n/a':>8}  "
+            lines.append(f"{r['id']:<16} {r['role']:<9} {_num(r['value']):>12} {'-':>12} {r['unit']:<9} {'n/a':>8}  "
                          f"not reached: {r['not_reached']}")
             continue
-        lines.append(f"{r['id']:<16} {_num(r['value']):>12} {_num(r['projected']):>12} {r['unit']:<9} "
-                     f"{r['error']:>+8.1%}  {r['layout_chosen']}")
+        lines.append(f"{r['id']:<16} {r['role']:<9} {_num(r['value']):>12} {_num(r['projected']):>12} "
+                     f"{r['unit']:<9} {r['error']:>+8.1%}  {r['layout_chosen']}")
         lines.append(f"{'':<16} breakdown: {_parts(r)}")
         lines.append(f"{'':<16} {r['detail']}")
-    lines.append("-" * 100)
+    lines.append("-" * 110)
     lines += [f"  {k}: {_stats_line(g)}" for k, g in summary["groups"].items()]
-    lines.append(f"all rows: {_stats_line(summary)}; {summary['not_reached']} not reached")
+    lines += _summary_lines(summary)
     return "\n".join(lines)
 
 
 def markdown(results: list[dict], summary: dict) -> str:
     """The README's table: every row, its source and conditions in brief, published, projected, error."""
-    lines = ["| row | source | quantity (conditions) | published | projected | error | layout / window |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| row | role | source | quantity (conditions) | published | projected | error | layout / window |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         cond = f"{r['model']}, {r['target']}, mesh {r['mesh']}, systems {r['systems']}"
-        got = ("not reached: " + r["not_reached"].replace("|", "/")) if r["error"] is None else \
-            f"{_num(r['projected'])} | {r['error']:+.1%} | {r['layout_chosen']}"
-        lines.append(f"| {r['id']} | [{r['source']['key']}]({r['source']['url']}), {r['where']} | {r['quantity']} "
-                     f"({cond}) | {_num(r['value'])} {r['unit']} | " + (got if r["error"] is not None else
-                                                                          f"- | - | {got}") + " |")
+        if r["projected"] is None:
+            got = "- | - | not reached: " + r["not_reached"].replace("|", "/")
+        elif r["error"] is None:
+            got = f"{_num(r['projected'])} | {'kept' if r['bound_ok'] else 'exceeded'} | {r['layout_chosen']}"
+        else:
+            got = f"{_num(r['projected'])} | {r['error']:+.1%} | {r['layout_chosen']}"
+        lines.append(f"| {r['id']} | {r['role']} | [{r['source']['key']}]({r['source']['url']}), {r['where']} | "
+                     f"{r['quantity']} ({cond}) | {_num(r['value'])} {r['unit']} | {got} |")
     lines.append("")
     lines += [f"- {k}: {_stats_line(g)}" for k, g in summary["groups"].items()]
-    lines.append(f"- all rows: {_stats_line(summary)}")
+    lines += [f"- {line.strip()}" for line in _summary_lines(summary)]
     return "\n".join(lines)
 
 
@@ -381,12 +425,14 @@ def _panel(ax, got: list[dict], lo: float, hi: float, label) -> None:
                     label=f"+-{BAND:.0%}")
     ax.plot(xs, xs, color="tab:green", lw=1)
     markers = dict(zip(SOURCES, "osD^vP*Xh"))
+    colours = {"calibrate": "tab:blue", "validate": "tab:orange"}
     for key in SOURCES:
-        pts = [r for r in got if r["source"]["key"] == key]
-        if pts:
-            ax.scatter([r["value"] for r in pts], [r["projected"] for r in pts], marker=markers[key], s=40,
-                       label=f"{key} ({SOURCES[key].venue})")
-        for r in pts:
+        for role, colour in colours.items():
+            pts = [r for r in got if r["source"]["key"] == key and r["role"] == role]
+            if pts:
+                ax.scatter([r["value"] for r in pts], [r["projected"] for r in pts], marker=markers[key], s=40,
+                           color=colour, label=f"{key} ({SOURCES[key].venue}): {role}")
+        for r in (r for r in got if r["source"]["key"] == key):
             if label(r):
                 ax.annotate(f"{r['id']} [{r['unit']}]", (r["value"], r["projected"]), fontsize=6,
                             xytext=(4, 2), textcoords="offset points")

@@ -44,8 +44,14 @@ class Row:
     projection: str
     args: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
+    # "calibrate": a kernel-level measurement (one kernel, one collective, one GEMM) the PE's calibrated
+    # constants are fitted on (bench/calibrate.py); "validate": an end-to-end figure, never fitted on; "bound": a
+    # figure through a public service that includes what the compiler does not model (the network, queueing):
+    # the projection must not exceed it, outside the error statistics
+    role: str = "validate"
 
 
+ROLES = ("calibrate", "validate", "bound")
 CONDITIONS = ("model", "precision", "target", "systems", "mesh", "context", "prompt_len", "users", "speculative",
               "method")
 
@@ -138,7 +144,7 @@ ROWS: list[Row] = [
           target="WSE-2", systems="1", mesh="not stated (the paper autotunes core counts)", context="n/a",
           prompt_len="n/a", users="1 vector", speculative="no",
           method="MeshGEMV (K-tree all-reduce, K=2 phases) device cycles at 1.1 GHz",
-          projection="gemv", args=dict(n=n),
+          projection="gemv", args=dict(n=n), role="calibrate",
           notes="projected at the square mesh (sides 30..750) and all-reduce the cost model finds fastest")
       for n, v in ((16384, 1.2), (32768, 2.03))],
     # ---- Cerebras inference service ----------------------------------------------------------------------
@@ -162,7 +168,8 @@ ROWS: list[Row] = [
         "time to first token", 0.24, "s", model="Llama-3.1-405B", systems="not stated",
         prompt_len="~1K (secondary, INF-14)", speculative="not stated", **_CS, method="vendor demo/claim",
         projection="zoo", args=dict(model="llama3.1-405b", systems=None, prompt_len=1024, quantity="ttft"),
-        notes="systems: the fewest the compiler needs; prompt 1,024 tokens"),
+        notes="systems: the fewest the compiler needs; prompt 1,024 tokens; a bound: a demo of the public service "
+              "(its request path and queueing are not modelled)", role="bound"),
     Row("CS-70B-SPEC", "Cerebras-3x", "release text ('implements speculative decoding')", "2024-10-24",
         "decode tokens/s per user", 2100, "tokens/s", model="Llama-3.1-70B", systems="4 (secondary)",
         prompt_len="not stated", speculative="yes; draft not disclosed; acceptance not disclosed", **_CS,
@@ -186,18 +193,19 @@ ROWS: list[Row] = [
         systems="not stated", prompt_len="Artificial Analysis' standard workload (not stated)",
         speculative="not stated", **_CS, method="independent measurement of the public API (includes the network)",
         projection="zoo", args=dict(model="llama3.1-70b", systems=4, quantity="ttft"),
-        notes="systems: 4 as at the 70B launch; prompt: the compiler default"),
+        notes="systems: 4 as at the 70B launch; prompt: the compiler default; a bound: measured over the network "
+              "through the public API", role="bound"),
     # ---- kernels from independent papers -----------------------------------------------------------------
     Row("SC20-AR", "SC20", "text ('about 10% greater than the diameter')", "2020-11", "all-reduce of 1 value",
         1.1 * (600 + 595 - 2), "cycles", model="kernel", precision="fp32 (a solver's dot product; not in the quote)",
         target="WSE-1 (CS-1)", systems="1",
         mesh="~600x595 (the stencil's x-y plane)", context="n/a", prompt_len="n/a", users="n/a", speculative="no",
         method="cycle count relative to the mesh diameter (value = 1.1 x (600 + 595 - 2) cycles)",
-        projection="allreduce", args=dict(rows=595, cols=600),
+        projection="allreduce", args=dict(rows=595, cols=600), role="calibrate",
         notes="a centre-rooted reduce then broadcast in the paper; every all-reduce of the cost model tried"),
     Row("JIP-SGEMM", "Miyajima", "abstract", "2026 (vol. 34)", "SGEMM throughput, 33,000^2", 349.0, "TFLOP/s",
         model="kernel", precision="fp32", target="WSE-2 (CS-2)", systems="1", mesh="750x750", context="n/a",
         prompt_len="n/a", users="n/a", speculative="no", method="measured FLOP/s (clock not stated)",
-        projection="sgemm", args=dict(n=33000, side=750),
+        projection="sgemm", args=dict(n=33000, side=750), role="calibrate",
         notes="the fastest GEMM schedule of the cost model (SUMMA, Cannon, weight-stationary) at WSE-2's 1.1 GHz"),
 ]

@@ -8,7 +8,8 @@ from waferscale.compiler.capture import capture_zoo
 from waferscale.compiler.compile import compile_model
 from waferscale.compiler.sensitivity import sensitivity
 
-REQ = dict(mode="train", target="wse2", systems=4)
+# a batch small enough that MemoryX's update outlasts the wafer's work on 4 systems
+REQ = dict(mode="train", target="wse2", systems=4, batch_size=16, seq_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,9 @@ def test_memoryx_bandwidth_is_in_the_sensitivity_table(plan, gpt):
     # in the table: recompile at +-10% of it, the batch held at the plan's)
     assert plan.bottleneck == "MemoryX update"
     assert "clock_hz" not in [r["name"] for r in s["rows"]]
-    batch = dict(batch_size=plan.workload["batch_size"], seq_len=plan.workload["seq_len"])
+    assert (plan.workload["batch_size"], plan.workload["seq_len"]) == (REQ["batch_size"], REQ["seq_len"])
     for f in (0.9, 1.1):
-        other = compile_model(graph=gpt, clock_hz=1.1e9 * f, **batch, **REQ)
-        assert other.projection["step_time_s"] == pytest.approx(plan.projection["step_time_s"], rel=0.01)
+        other = compile_model(graph=gpt, clock_hz=1.1e9 * f, **REQ)
+        # a tenth off or on the clock moves the step by under a quarter of that (only the wafer's work before the
+        # update's window follows the clock)
+        assert other.projection["step_time_s"] == pytest.approx(plan.projection["step_time_s"], rel=0.025)

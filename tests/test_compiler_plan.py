@@ -56,9 +56,9 @@ def test_json_summary_and_outputs(tmp_path, mode):
     assert not list((tmp_path / "out").glob(".*tmp"))
 
 
-def _single_matrix_plan(m, k):
+def _single_matrix_plan(m, k, assume=None):
     net = nn.Sequential(nn.Linear(k, m, bias=False))
-    return compile_model(module=(net, (1, k)), pes=(8, 8), users=1, context_len=1, prompt_len=1)
+    return compile_model(module=(net, (1, k)), pes=(8, 8), users=1, context_len=1, prompt_len=1, assume=assume)
 
 
 def test_decode_golden_compute_bound_matrix():
@@ -76,12 +76,17 @@ def test_decode_golden_compute_bound_matrix():
 
 
 def test_decode_golden_fabric_bound_tiny_matrix():
-    """A 16x16 GEMV spread over the mesh: a handful of FMACs per PE, so the hops and ramps dominate."""
-    p = _single_matrix_plan(16, 16)
+    """A 16x16 GEMV spread over the mesh: a handful of FMACs per PE, so the hops and ramps dominate the FMACs;
+    with the PE's calibrated vector-instruction setup (fabric/pe.py), the few vector instructions per PE weigh
+    as much as the hops."""
+    p = _single_matrix_plan(16, 16, assume={"vector_op_cycles": 0})  # the FMACs alone against the hops
     (r,) = [x for x in p.regions if x.replica == 0]  # (a smaller copy may serve one user with less latency)
     assert p.bottleneck == "fabric latency"
     hops = min(r.rows, 16) - 1 + min(r.cols, 16) - 1
     assert p.projection["decode_latency_s_per_token"] >= hops / 1.1e9
+    cal = _single_matrix_plan(16, 16)
+    assert cal.bottleneck in ("fabric latency", "compute")
+    assert cal.projection["decode_latency_s_per_token"] > p.projection["decode_latency_s_per_token"]
 
 
 def test_estimate_gpt3_xl():

@@ -118,7 +118,8 @@ def test_spmv_model_is_the_expectation():
     des = [S.sim_gemm(spec, 64, 64, 1, 6, 5, nnz_cols=S.nnz_columns(random_sparse(64, 64, 0.9, np.random.default_rng(s)),
                                                                      6, 5)) for s in range(12)]
     model = KM.spmv_cycles(spec, 64, 64, round(64 * 64 * 0.1), 6, 5).total
-    assert min(des) <= model <= max(des) and abs(model - np.mean(des)) / np.mean(des) < 0.05
+    # (the simulations count whole cycles, the expectation need not be one: a cycle of slack at either end)
+    assert min(des) - 1 <= model <= max(des) + 1 and abs(model - np.mean(des)) / np.mean(des) < 0.05
 
 
 def test_big_region_detours_are_charged():

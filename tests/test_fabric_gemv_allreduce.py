@@ -96,15 +96,21 @@ def test_tile_execution_equals_numpy(defects):
 
 def test_chain_slows_down_on_big_meshes_while_the_tree_does_not():
     """4096x4096 fp16 (a decode GEMV) on n x n PEs of a wafer, n = 64..512. Every row reduces alone on a perfect
-    mesh, so one row of the event simulation (1 x n PEs, the row's tile height) checks the wafer's figure."""
-    spec = fabric_from_name("wse2")
+    mesh, so one row of the event simulation (1 x n PEs, the row's tile height) checks the wafer's figure. The
+    micro-model without the PE's calibrated fixed costs (with them a small mesh's many vector instructions
+    weigh more: the minimum moves to a larger mesh, the model and the simulation still agree)."""
+    spec = fabric_from_name("wse2").uncalibrated()
     sizes = (64, 96, 128, 192, 256, 384, 512)
     t = {}
     for algo in ("chain", "ktree"):
         for n in sizes:
             t[algo, n] = gemv_allreduce_cycles(spec, 4096, 4096, n, n, algo=algo, fan_in=2).total
             if n in (64, 512):
-                row = fabric_from_name("wse2", pes=(1, n))
+                row = fabric_from_name("wse2", pes=(1, n)).uncalibrated()
+                cal = fabric_from_name("wse2", pes=(1, n))
+                assert sim_gemv_allreduce(cal, 4096 // n, 4096, 1, n, "fp16", algo, 2) == pytest.approx(
+                    gemv_allreduce_cycles(fabric_from_name("wse2"), 4096, 4096, n, n, algo=algo, fan_in=2).total,
+                    rel=LIMIT)
                 assert sim_gemv_allreduce(row, 4096 // n, 4096, 1, n, "fp16", algo, 2) == pytest.approx(
                     t[algo, n], rel=LIMIT)
     chain = [t["chain", n] for n in sizes]

@@ -108,4 +108,46 @@ def test_unknown_row_id_exits_2(fid, capsys):
 def test_markdown_table_has_every_row(fid, capsys):
     assert fid.main(["--only", "SC20-AR", "--markdown"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("| row | source |") and "| SC20-AR |" in text
+    assert text.startswith("| row | role | source |") and "| SC20-AR | calibrate |" in text
+
+
+def test_every_row_has_a_role_kernels_calibrate_and_the_rest_validate_or_bound(fid):
+    t = sys.modules["fidelity_table"]
+    roles = {r.id: r.role for r in t.ROWS}
+    assert set(roles.values()) == set(t.ROLES)
+    for r in t.ROWS:  # calibration rows are kernel-level (one kernel, one collective, one GEMM); never a system
+        assert (r.role == "calibrate") == (r.projection in ("gemv", "allreduce", "sgemm")), r.id
+        if r.role == "bound":  # a public service's figure that includes what the compiler does not model
+            assert r.unit == "s" and r.projection == "zoo", r.id
+    assert sum(role == "validate" for role in roles.values()) >= 24
+
+
+def test_summary_keeps_calibration_validation_and_bounds_apart(fid):
+    by_id = {r.id: r for r in fid.ROWS}
+    res = [fid.run_row(by_id[i]) for i in ("SC20-AR", "WL-GEMV-16K", "AA-70B-TTFT")]
+    bound = res[2]
+    assert bound["error"] is None and bound["projected"] > 0 and bound["bound_ok"] is (bound["projected"] <= 0.17)
+    s = fid.summarize(res)
+    assert (s["calibrate"]["reached"], s["validate"]["rows"], s["bounds"]["rows"]) == (2, 0, 1)
+    assert s["reached"] == 2  # the bound is outside the error statistics
+    assert set(s["per_source"]) == {"calibrate SC20", "calibrate WaferLLM"}
+    text = fid.table(res, s)
+    assert "calibration rows (the fit's residuals): 2 of 2 projected" in text and "bounds" in text
+
+
+def test_assume_reaches_a_kernel_row(fid):
+    row = next(r for r in fid.ROWS if r.id == "WL-GEMV-16K")
+    base = fid.run_row(row, assume={"vector_op_cycles": 0, "task_overhead_cycles": 0})["projected"]
+    slower = fid.run_row(row, assume={"vector_op_cycles": 16, "task_overhead_cycles": 0})["projected"]
+    assert slower > base
+
+
+def test_calibrate_fit_finds_the_least_squares_point_of_its_grid():
+    cal = _load("calibrate")
+    target = {"task_overhead_cycles": 3, "vector_op_cycles": 17, "fp32_fmac_sustained_fraction": 0.42}
+
+    def residual_fn(rows, v):  # a synthetic objective with its minimum at `target`, on the grid
+        return {k: (v[k] - target[k]) / (40 if k != "fp32_fmac_sustained_fraction" else 1) for k in v}
+
+    values, sse = cal.fit([], log=lambda *_: None, residual_fn=residual_fn)
+    assert values == target and sse == pytest.approx(0)

@@ -225,7 +225,7 @@ def trace_events(plan: Plan) -> dict[str, Any]:
         ev.append({"name": "process_name", "ph": "M", "pid": s, "args": {"name": f"system {s} ({plan.target})"}})
     if plan.mode == "inference":  # one decoded token, or one encoded sequence
         regs = sorted((r for r in plan.regions if r.replica == 0), key=lambda r: r.stage)
-        times = p["stage_times_s"]
+        times = p["stage_times_s"] or p.get("unit_times_s", [])  # model-parallel: the units one after another
         expert = [bool(units[r.unit].get("expert_of")) for r in regs]
         # an MoE layer's experts run side by side (one track each, all from the same start): the token's path
         # takes the longest of them

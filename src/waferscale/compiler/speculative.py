@@ -11,9 +11,10 @@ the pass yields one more token of its own, so a round gives (1 - a^(K+1)) / (1 -
 - ngram (prompt lookup): the drafts are copied from earlier text by the host, so they cost nothing on the
   wafer; the K ids enter and the verified ids leave through the system I/O.
 
-The verification pass is a chunk of K + 1 tokens through the target's pipeline, as a prefill chunk is
-(`pipeline.chain`), with every query attending over the whole context, so the target takes the pipelined
-layout. The plan compares the rate with the target decoding plainly on the same placement, and alone on the
+The verification pass takes K + 1 tokens through the target's pipeline with every query attending over the
+whole context, so the target takes the pipelined layout: streamed (the tokens back to back through the stages,
+one decode's latency plus K intervals of the slowest stage) or as one chunk through each stage as a prefill
+chunk goes (`pipeline.chain`), whichever is faster (`_verify`). The plan compares the rate with the target decoding plainly on the same placement, and alone on the
 whole mesh in its best layout (what speculation has to beat). Times in seconds.
 """
 
@@ -28,7 +29,7 @@ from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
 from waferscale.compiler.inference import _context_and_prompt, _Footprint
 from waferscale.compiler.ir import Graph
-from waferscale.compiler.pipeline import chain
+from waferscale.compiler.pipeline import chain, handoff
 from waferscale.compiler.plan import Plan, Region
 from waferscale.compiler.strategy import data_bytes_per_pe, gb
 from waferscale.errors import ConfigError
@@ -154,18 +155,41 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
 
 def _verify(ctx: CompileContext, regs: list[Region], n: int, context: int) -> pj.Time:
     """One pass of n tokens of one user through the target's pipeline, every query attending over `context`
-    keys, as a prefill chunk goes (an MoE expert gets the expected most loaded expert's share)."""
+    keys: the faster of two schedules. Streamed: the tokens go through the stages back to back, each stage
+    decoding one token after another while the next stage takes the previous one, so the pass costs one token's
+    latency through every stage and hand-off plus n - 1 intervals of the slowest stage (with its hand-off).
+    Chunked: the n tokens go through each stage together, as a prefill chunk goes (an MoE expert gets the
+    expected most loaded expert's share; with experts the pass is chunked)."""
     g, units = ctx.g, ctx.g.units
-    routed = 1
-    times = []
-    for r in regs:
-        u = units[r.unit]
-        tokens = n
-        if u.expert_of:
-            tokens = routed = math.ceil(moe.expected_max_load(n, u.n_experts, u.experts_per_token))
-        times.append(pj.unit_time(ctx.spec, u, r.rows, r.cols, n_tokens=tokens, attn_ctx=context, dtype=g.dtype,
-                                  mesh=ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols)))
-    return chain(ctx, units, regs, times, g.dtype_bytes, tokens=n, routed=routed)
+    b = g.dtype_bytes
+
+    def times_for(n_tok: int) -> tuple[list[pj.Time], int]:
+        routed, times = 1, []
+        for r in regs:
+            u = units[r.unit]
+            tokens = n_tok
+            if u.expert_of:
+                tokens = routed = math.ceil(moe.expected_max_load(n_tok, u.n_experts, u.experts_per_token))
+            times.append(pj.unit_time(ctx.spec, u, r.rows, r.cols, n_tokens=tokens, attn_ctx=context, dtype=g.dtype,
+                                      mesh=ctx.region_mesh(r.system, r.row, r.col, r.rows, r.cols)))
+        return times, routed
+
+    times, routed = times_for(n)
+    chunked = chain(ctx, units, regs, times, b, tokens=n, routed=routed)
+    if n == 1 or any(units[r.unit].expert_of for r in regs):
+        return chunked
+    one, _ = times_for(1)
+    streamed = chain(ctx, units, regs, one, b)
+    stage = []  # each stage's interval: its time and its hand-off to the next
+    for i, (r, t) in enumerate(zip(regs, one)):
+        st = pj.Time()
+        st += t
+        if i + 1 < len(regs):
+            st += handoff(ctx, r, regs[i + 1], units[r.unit].d_out, b)
+        stage.append(st)
+    slowest = max(stage, key=lambda t: t.s)
+    streamed += slowest.scaled(n - 1)
+    return streamed if streamed.s < chunked.s else chunked
 
 
 def _ids(ctx: CompileContext, a: tuple[int, int, int], z: tuple[int, int, int], n: int) -> pj.Time:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from waferscale.errors import ConfigError
 from waferscale.fabric.presets import preset_key
-from waferscale.fabric.spec import FabricSpec
+from waferscale.fabric.spec import _MAY_BE_ZERO, UNCALIBRATED, FabricSpec  # noqa: F401 (UNCALIBRATED: re-exported)
 
 
 @dataclass(frozen=True)
@@ -52,18 +52,39 @@ _COMMON = (
                                              "not published)"),
 )
 
+# The PE's own fixed costs (fabric/pe.py): no source publishes them; fitted by least squares on the suite's
+# calibration rows (kernel-level measurements) by bench/calibrate.py. Cycles are cycles: one PE design is assumed
+# for every generation (no source says these costs changed), so the values fitted on WSE-1/WSE-2 kernels apply
+# to WSE-3 too.
+_CALIBRATED = (
+    Assumption("task_overhead_cycles", "cycles",
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "range 0-40 cycles: the SDK says a PE responds to a wavelet 'within a few cycles' (sdk.cerebras.net, "
+               "A Conceptual View) and gives no figure", integer=True),
+    Assumption("vector_op_cycles", "cycles",
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "range 0-30 cycles: not in the SDK documentation; 15-17 cycles of setup per vector op measured on "
+               "CS-3 silicon by an unpublished third-party characterization (cross-check only)", integer=True),
+    Assumption("fp32_fmac_sustained_fraction", "of 1 FMAC/cycle",
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "range 0.25-1: the Chip row's '1 FMAC' is the peak; the SDK's SIMD table (sdk.cerebras.net/csl/"
+               "language/appendix) lists no width for @fmacs while fp32 adds and moves run 2 a cycle on WSE-2; an "
+               "unpublished third-party characterization measured 0.5 fp32 FMA a cycle on CS-3 silicon (cross-check "
+               "only)"),
+)
+
 UNPUBLISHED: dict[str, tuple[Assumption, ...]] = {
     "wse1": (_CLOCK_UNPUBLISHED,
              Assumption("io_bytes_per_s", "B/s", "System row: '12 x 100 GbE = 1.2 Tb/s ~ 150 GB/s' is stated for "
                                                  "CS-2/CS-3; assumed for CS-1"),
-             _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
+             _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON, *_CALIBRATED),
     "wse2": (Assumption("fp16_flops_per_cycle_per_pe", "FLOP/cycle",
                         "Chip row: '4-wide FMAC = 8 FLOP/cycle' (vendor, A/V) while WaferLLM (OSDI'25, sec. 7) describes "
                         "a WSE-2 core's cycle as 'fetch two 32-bit operands from SRAM, perform a multiply-accumulate "
                         "operation, and then write back': the sources disagree, the vendor's peak is kept",
                         integer=True),
-             _IO_LATENCY, *_COMMON),  # its clock is published (presets.py): not an assumption
-    "wse3": (_CLOCK_UNPUBLISHED, _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON),
+             _IO_LATENCY, *_COMMON, *_CALIBRATED),  # its clock is published (presets.py): not an assumption
+    "wse3": (_CLOCK_UNPUBLISHED, _IO_LATENCY, _SRAM_READ, _SRAM_WRITE, *_COMMON, *_CALIBRATED),
 }
 
 
@@ -81,9 +102,11 @@ def apply(spec: FabricSpec, target: str, values: Mapping[str, float]) -> FabricS
         if name not in known:
             raise ConfigError(f"{name!r} is not an unpublished assumption of {preset_key(target)}; its assumptions "
                               f"are {', '.join(known)} (the published values cite shared/WSE.md and stay fixed)")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"assumption {name} must be a positive number, got {v!r}")
-        changed[name] = max(1, round(v)) if known[name].integer else float(v)
+        zero_ok = name in _MAY_BE_ZERO
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if zero_ok else v > 0):
+            raise ConfigError(f"assumption {name} must be a {'number >= 0' if zero_ok else 'positive number'}, "
+                              f"got {v!r}")
+        changed[name] = max(0 if zero_ok else 1, round(v)) if known[name].integer else float(v)
     return dataclasses.replace(spec, **changed)
 
 

@@ -159,19 +159,14 @@ def fluid_finish(windows: list[tuple[float, float]], until: float, nw) -> float:
 # ---- element-wise, norms, softmax, attention ------------------------------------------------------------
 def elementwise_cycles(spec: FabricSpec, n_elems: int, rows: int, cols: int, flops_per_elem: int = 1,
                        dtype: str = "fp16") -> Cycles:
-    """z = f(x, y) on n_elems spread over the region: per PE, one SIMD op of `lanes` values at a time, reading
-    two operands and writing one. No fabric traffic."""
+    """z = f(x, y) on n_elems spread over the region: per PE, one task streaming its slice through the SIMD unit
+    (one vector instruction per op of f), reading two operands and writing one. No fabric traffic."""
     check_positive(n_elems=n_elems, flops_per_elem=flops_per_elem)
     R, C = check_region(spec, rows, cols, None)
     ne = -(-n_elems // (R * C))
-    total = comp = sram = 0
-    lanes = PE.lanes(spec, dtype)
-    for e, count in ((lanes, ne // lanes), (ne % lanes, 1 if ne % lanes else 0)):  # full vector ops, then the rest
-        kw = dict(ops=e * flops_per_elem, read_elems=2 * e, write_elems=e)
-        total += count * PE.task_cycles(spec, dtype, **kw)
-        c, s = PE.task_parts(spec, dtype, **kw)
-        comp, sram = comp + count * c, sram + count * s
-    return make_cycles(compute=comp, sram=sram, fabric=0, total=total)
+    kw = dict(ops=ne * flops_per_elem, read_elems=2 * ne, write_elems=ne, vector_ops=flops_per_elem)
+    comp, sram = PE.task_parts(spec, dtype, **kw)
+    return make_cycles(compute=comp, sram=sram, fabric=0, total=PE.task_cycles(spec, dtype, **kw))
 
 
 def row_program_cycles(spec: FabricSpec, phases: list[tuple], rows: int, cols: int, dtype: str = "fp32",

@@ -78,7 +78,8 @@ def _chain_stages(spec: FabricSpec, mesh: Mesh, R: int, C: int, add_first: np.nd
 
 
 @lru_cache(maxsize=4096)
-def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float, index: bool = True) -> np.ndarray:
+def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float, index: bool = True,
+              vector_ops: int = 1) -> np.ndarray:
     """Distribution of one sparse x task's cycles (index = cycles): its non-zeros ~ Binomial(cells, density)
     (uniform random sparsity), each a multiply-add with value + index + y reads and a y write
     (`pe.task_cycles`, at least one cycle). `index=False`: dense weights (no index to read). Memoized: the
@@ -95,8 +96,8 @@ def _task_pmf(spec: FabricSpec, dtype: str, cells: int, density: float, index: b
         p = np.exp(logp - logp.max())
     p /= p.sum()
     reads = 3 if index else 2
-    cyc = np.array([PE.task_cycles(spec, dtype, ops=int(k), read_elems=reads * int(k), write_elems=int(k))
-                    for k in ks])
+    cyc = np.array([PE.task_cycles(spec, dtype, ops=int(k), read_elems=reads * int(k), write_elems=int(k),
+                                   vector_ops=vector_ops, fmac=True) for k in ks])
     out = np.zeros(int(cyc.max()) + 1)
     np.add.at(out, cyc, p)
     return out
@@ -109,7 +110,7 @@ def _x_task_pmfs(spec: FabricSpec, dtype: str, mt: int, chunks: list[tuple[int, 
     at the sender, so each non-zero x value travels alone (value + index) and fires its own task; a value is
     non-zero with probability `act` (a skipped value costs nothing on this PE). `index`: W stored sparse."""
     if act is None:
-        return [q for e, cnt in chunks for q in [_task_pmf(spec, dtype, e * mt, density, index)] * cnt]
+        return [q for e, cnt in chunks for q in [_task_pmf(spec, dtype, e * mt, density, index, e)] * cnt]
     q = act * _task_pmf(spec, dtype, mt, density, index)
     q[0] += 1.0 - act
     return [q] * sum(e * cnt for e, cnt in chunks)
@@ -200,14 +201,14 @@ def _weight_stationary(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols
             chunks = [(epw, full)] + ([(rem, 1)] if rem else [])  # (values per x wavelet, wavelets)
             if not sparse:
                 x = sum(cnt * PE.axpy_task(spec, dtype, e, mt) for e, cnt in chunks)
-                parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt,
-                                                                write_elems=e * mt)) for e, cnt in chunks]
+                parts = [tuple(cnt * v for v in PE.axpy_parts(spec, dtype, e, mt)) for e, cnt in chunks]
             else:
                 w0, pmf = _work_pmf(_x_task_pmfs(spec, dtype, mt, chunks, d, act, density is not None))
                 x = w0 + float((pmf * np.arange(len(pmf))).sum())
                 if act is None:
                     parts = [tuple(cnt * v for v in PE.task_parts(spec, dtype, ops=e * mt * d,
-                                                                    read_elems=3 * e * mt * d, write_elems=e * mt * d))
+                                                                    read_elems=3 * e * mt * d, write_elems=e * mt * d,
+                                                                    vector_ops=e, fmac=True))
                              for e, cnt in chunks]
                 else:  # one task per non-zero x value
                     reads = (2 if density is None else 3) * mt * d
@@ -441,7 +442,7 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
         full, rem = divmod(kt, epw)
         cyc = comp = sram = 0
         for e, cnt in ((epw, full), (rem, 1 if rem else 0)):
-            c, s = PE.task_parts(spec, dtype, ops=e * mt, read_elems=2 * e * mt, write_elems=e * mt)
+            c, s = PE.axpy_parts(spec, dtype, e, mt)
             cyc, comp, sram = cyc + cnt * PE.axpy_task(spec, dtype, e, mt), comp + cnt * c, sram + cnt * s
         return cyc, comp, sram
 
@@ -498,7 +499,7 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
         done = done + [multicast_latency(spec, int(h), int(n)) for h, n in zip(mcast_hops, ny)]
     comp = sram = 0
     for mt in set(mts):
-        add_parts = [PE.task_parts(spec, dtype, ops=e, read_elems=e, write_elems=e)
+        add_parts = [PE.task_parts(spec, dtype, ops=e, read_elems=e, write_elems=e, vector_ops=0)
                      for e in (min(epw, mt - s) for s in range(0, mt, epw))]
         add_c, add_s = sum(c for c, _ in add_parts), sum(s_ for _, s_ in add_parts)
         for j, kt in enumerate(kts):  # a PE's AXPY tasks, then the adds of its children's partials

@@ -20,6 +20,12 @@ _COMMON = dict(
     routes_per_pe=31,  # Fabric: "fewer than 2^5 distinct routes" per PE (A)
     io_bytes_per_s=150e9,  # System: "12 x 100 GbE = 1.2 Tb/s ~ 150 GB/s per CS-2/CS-3" (V/A); assumed for CS-1
     io_latency_s=5e-6,  # System: "CS-3 I/O latency < 5 us per hop" (V); the bound, assumed for every generation
+    # the PE's own costs, calibrated on the fidelity suite's kernel-level rows by bench/calibrate.py (least
+    # squares; fabric/assumptions.py gives each one's plausible range and source); one PE design for every
+    # generation: no source says these costs changed
+    task_overhead_cycles=0,
+    vector_op_cycles=18,
+    fp32_fmac_sustained_fraction=0.32,
 )
 
 PRESETS: dict[str, FabricSpec] = {

@@ -112,8 +112,10 @@ def norm_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, rms: b
     """LayerNorm: local sum and sum of squares, row all-reduce of 2 stats per token, normalize (2 FMAs/value:
     (x - mean) * rstd, then * gamma + beta). RMSNorm: one stat, one FMA plus a multiply."""
     n_loc, stats = tokens_per_row * width_per_pe, (1 if rms else 2) * tokens_per_row
-    local1 = PE.task_cycles(spec, dtype, ops=n_loc * (1 if rms else 2), read_elems=n_loc, write_elems=stats)
-    local2 = PE.task_cycles(spec, dtype, ops=2 * n_loc, read_elems=n_loc + 2 * width_per_pe, write_elems=n_loc)
+    local1 = PE.task_cycles(spec, dtype, ops=n_loc * (1 if rms else 2), read_elems=n_loc, write_elems=stats,
+                            vector_ops=stats)  # one vector instruction per token and statistic
+    local2 = PE.task_cycles(spec, dtype, ops=2 * n_loc, read_elems=n_loc + 2 * width_per_pe, write_elems=n_loc,
+                            vector_ops=2 * tokens_per_row)
     return [("local", local1), ("reduce", stats, 1), ("bcast", stats), ("local", local2)]
 
 
@@ -121,9 +123,11 @@ def softmax_phases(spec: FabricSpec, tokens_per_row: int, width_per_pe: int, dty
     """Softmax: local max, row max all-reduce, exp (`spec.exp_ops` ops per value: an assumption) and local
     sum, row sum all-reduce, divide."""
     n_loc = tokens_per_row * width_per_pe
-    lmax = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=tokens_per_row)
-    lexp = PE.task_cycles(spec, dtype, ops=(spec.exp_ops + 1) * n_loc, read_elems=n_loc, write_elems=n_loc)
-    ldiv = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=n_loc)
+    t = tokens_per_row  # one vector instruction per token and op
+    lmax = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=t, vector_ops=t)
+    lexp = PE.task_cycles(spec, dtype, ops=(spec.exp_ops + 1) * n_loc, read_elems=n_loc, write_elems=n_loc,
+                          vector_ops=(spec.exp_ops + 1) * t)
+    ldiv = PE.task_cycles(spec, dtype, ops=n_loc, read_elems=n_loc, write_elems=n_loc, vector_ops=t)
     return [("local", lmax), ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", lexp),
             ("reduce", tokens_per_row, 1), ("bcast", tokens_per_row), ("local", ldiv)]
 
@@ -135,7 +139,8 @@ def attention_phases(spec: FabricSpec, heads_per_row: int, ctx_per_pe: int, head
     when a head has one row); out = o / l on the head's first row."""
     h, c, d = heads_per_row, ctx_per_pe, head_dim
     local = PE.task_cycles(spec, dtype, ops=2 * h * c * d + (spec.exp_ops + 2) * h * c,
-                           read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2))
-    div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d)
+                           read_elems=2 * h * c * d + h * d, write_elems=h * (c + d + 2),
+                           vector_ops=2 * h * c + (spec.exp_ops + 2) * h)  # a dot and an AXPY per position
+    div = PE.task_cycles(spec, dtype, ops=h * d, read_elems=h * (d + 1), write_elems=h * d, vector_ops=h)
     return [("bcast", h * d), ("local", local), ("reduce", h * (d + 2), 2), ("creduce", h * (d + 2), 2),
             ("local0", div)]

@@ -93,7 +93,7 @@ def block_product(spec: FabricSpec, dtype: str, mt: int, kb: int, nt: int) -> tu
     full, rem = divmod(nt, epw)
     for e, count in ((epw, full), (rem, 1 if rem else 0)):
         if count:
-            kw = dict(ops=e * mt, read_elems=2 * e * mt, write_elems=e * mt)
+            kw = dict(ops=e * mt, read_elems=2 * e * mt, write_elems=e * mt, vector_ops=e, fmac=True)
             c, s = PE.task_parts(spec, dtype, **kw)
             cyc += count * PE.task_cycles(spec, dtype, **kw)
             comp, sram = comp + count * c, sram + count * s

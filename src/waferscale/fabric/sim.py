@@ -138,7 +138,7 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
         if nnz_cols is None:
             return PE.axpy_task(spec, dtype, e, mts[i])
         nz = int(nnz_cols[i, j, w * epw: w * epw + e].sum())  # value, index, y read; y write per non-zero
-        return PE.task_cycles(spec, dtype, ops=nz, read_elems=3 * nz, write_elems=nz)
+        return PE.task_cycles(spec, dtype, ops=nz, read_elems=3 * nz, write_elems=nz, vector_ops=e, fmac=True)
 
     def on_x(t, pe, payload):
         v, w, e = payload
@@ -239,20 +239,18 @@ def sim_broadcast(spec: FabricSpec, n_elems: int, rows: int, cols: int, dtype: s
 # ---- element-wise and row programs (norms, softmax, attention) ------------------------------------------
 def sim_elementwise(spec: FabricSpec, n_elems: int, rows: int, cols: int, flops_per_elem: int = 1,
                     dtype: str = "fp16") -> int:
-    """Each PE streams its slice through the SIMD unit one vector op (`lanes` values) at a time."""
+    """Each PE streams its slice through the SIMD unit in one task (one vector instruction per op of f)."""
     sim = EventSim(spec, None, rows, cols)
     ne = -(-n_elems // (rows * cols))
-    lanes = PE.lanes(spec, dtype)
+    cyc = PE.task_cycles(spec, dtype, ops=ne * flops_per_elem, read_elems=2 * ne, write_elems=ne,
+                         vector_ops=flops_per_elem)
 
-    def step(t, pe, left):
-        if left > 0:
-            e = min(lanes, left)
-            cyc = PE.task_cycles(spec, dtype, ops=e * flops_per_elem, read_elems=2 * e, write_elems=e)
-            sim.task(t, pe, cyc, step, pe, left - e)
+    def start(t, pe):
+        sim.task(t, pe, cyc, lambda *_: None)
 
     for i in range(rows):
         for j in range(cols):
-            sim.at(0, step, (i, j), ne)
+            sim.at(0, start, (i, j))
     return sim.run()
 
 

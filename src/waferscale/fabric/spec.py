@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from waferscale.errors import ConfigError
 
 
+_MAY_BE_ZERO = ("task_overhead_cycles", "vector_op_cycles")
+# the PE's calibrated constants at the values of the micro-model without them (no fixed costs, the full fp32
+# rate): `--assume` these to see a projection without the calibration
+UNCALIBRATED = {"task_overhead_cycles": 0, "vector_op_cycles": 0, "fp32_fmac_sustained_fraction": 1.0}
+
+
 @dataclass(frozen=True)
 class FabricSpec:
     name: str
@@ -37,11 +43,19 @@ class FabricSpec:
     program_reserve_bytes_per_pe: int = 6 * 1024  # SRAM kept for code, routing tables, queues and stack
     exp_ops: float = 8  # SIMD ops per exp() (a polynomial)
     memoryx_bytes_per_s: float = 150e9  # optimizer state MemoryX reads and writes per second in its update
+    # the PE's own fixed costs (fabric/pe.py), calibrated on kernel-level measurements (bench/calibrate.py;
+    # values, ranges and rows: fabric/assumptions.py); 0 is allowed (the uncalibrated micro-model)
+    task_overhead_cycles: int = 0  # per task activation, whatever the task does
+    vector_op_cycles: int = 0  # per vector (DSD) instruction, beyond its elements
+    fp32_fmac_sustained_fraction: float = 1.0  # of the 1 fp32 FMAC a cycle an fp32 multiply-add sustains
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
+            if f.name in _MAY_BE_ZERO:
+                if not isinstance(v, (int, float)) or v < 0:
+                    raise ConfigError(f"fabric spec {self.name!r}: {f.name} must be a number >= 0, got {v!r}")
+            elif f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
                 raise ConfigError(f"fabric spec {self.name!r}: {f.name} must be a positive number, got {v!r}")
         if self.program_reserve_bytes_per_pe >= self.sram_bytes_per_pe:
             raise ConfigError(f"fabric spec {self.name!r}: the program reserve ({self.program_reserve_bytes_per_pe} "
@@ -59,6 +73,11 @@ class FabricSpec:
     def peak_flops(self, dtype: str = "fp16") -> float:
         per = self.fp16_flops_per_cycle_per_pe if dtype in ("fp16", "bf16") else self.fp32_flops_per_cycle_per_pe
         return self.pes * per * self.clock_hz
+
+    def uncalibrated(self) -> "FabricSpec":
+        """The same spec with the PE's calibrated fixed costs at the micro-model's values (no task or vector
+        instruction overhead, the full fp32 rate): fabric/assumptions.UNCALIBRATED."""
+        return dataclasses.replace(self, **UNCALIBRATED)
 
     def with_clock(self, clock_hz: float) -> "FabricSpec":
         return dataclasses.replace(self, clock_hz=clock_hz)
