@@ -73,20 +73,62 @@ def _zoo_shape(m: str | tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     return c.d_model, c.ffn_dim, c.n_layer, c.vocab_size
 
 
-def waferllm_graph(model: str, side: int, layers: int | None):
-    """WaferLLM's benchmark layer for a side x side mesh as a Graph: dims and the 4K context padded up to
-    multiples of the side, one head with one KV head of head_dim = dim (their llama8B_4k_1_<P>.json), no
-    biases; `layers` of them (all of the model's when None). Returns (graph, context, layers of the model)."""
-    from waferscale.compiler.capture import capture_config
-    from waferscale.models.config import ModelConfig
+WAFERLLM_PARAMS = Path(__file__).resolve().parent / "waferllm"  # their benchmark layers as Model Zoo params files
 
+
+def waferllm_params_path(model: str, side: int) -> Path:
+    return WAFERLLM_PARAMS / f"{model}-p{side}.yaml"
+
+
+def waferllm_params_yaml(model: str, side: int, layers: int | None) -> str:
+    """WaferLLM's benchmark layer for a side x side mesh as a Model Zoo params file: dims and the 4K context
+    padded up to multiples of the side, one head with one KV head of head_dim = dim (their llama8B_4k_1_<P>.json),
+    no biases, fp16; `layers` of them (all of the model's when None). `wsc compile --params` reads it."""
     d, ffn, n_layers, vocab = _zoo_shape(WAFERLLM_MODELS[model])
     pad = lambda x: -(-x // side) * side  # noqa: E731
     ctx = pad(WAFERLLM_CONTEXT)
-    cfg = ModelConfig(name=f"waferllm-{model}-{side}", family="llama", vocab_size=vocab, n_layer=layers or n_layers,
-                      n_head=1, n_kv_head=1, d_model=pad(d), d_ff=pad(ffn), max_seq_len=ctx, norm="rmsnorm",
-                      activation="swiglu", position="rotary", tie_embeddings=False, attn_bias=False, mlp_bias=False)
-    return capture_config(cfg, source=f"WaferLLM config {model} P={side}", dtype="fp16"), ctx, n_layers
+    scaled = (f"# {layers} of its {n_layers} layers (the paper measured a subset and scaled it to all layers)\n"
+              if layers else "")
+    return (f"# WaferLLM (OSDI'25) benchmark layer of {model} for a {side}x{side} mesh: written by bench/fidelity.py\n"
+            f"# (waferllm_params_yaml); dims and the 4K context padded to multiples of {side}, one head, one KV head,\n"
+            f"# head_dim = dim, no biases, fp16, as their llama8B_4k_1_<P>.json configs\n{scaled}"
+            "model:\n"
+            f"    vocab_size: {vocab}\n    hidden_size: {pad(d)}\n    num_hidden_layers: {layers or n_layers}\n"
+            f"    num_heads: 1\n    extra_attention_params:\n        num_kv_groups: 1\n    filter_size: {pad(ffn)}\n"
+            f"    max_position_embeddings: {ctx}\n    position_embedding_type: rotary\n    rotary_dim: {pad(d)}\n"
+            "    share_embedding_weights: false\n    nonlinearity: swiglu\n    norm_type: rmsnorm\n"
+            "    use_bias_in_output: false\n    use_ffn_bias: false\n    use_projection_bias_in_attention: false\n"
+            "    attention_type: scaled_dot_product\n    mixed_precision: true\n    fp16_type: float16\n"
+            "train_input:\n    data_processor: GptHDF5MapDataProcessor\n    data_dir: [shakespeare]\n"
+            f"    max_sequence_length: {ctx}\n    batch_size: 1\n"
+            "optimizer:\n    optimizer_type: adamw\n    learning_rate: 1.0e-4\n"
+            "runconfig:\n    max_steps: 1\n")
+
+
+def waferllm_graph(model: str, side: int, layers: int | None):
+    """WaferLLM's benchmark layer for a side x side mesh as a Graph, read from its params file as `wsc compile
+    --params` reads it (`waferllm_params_yaml`; the rows' files are kept in bench/waferllm/, tests check they
+    are current). Returns (graph, context, layers of the model)."""
+    import tempfile
+
+    from waferscale.params import load_params
+    from waferscale.zoo.wafer import params_graph
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / waferllm_params_path(model, side).name
+        path.write_text(waferllm_params_yaml(model, side, layers))
+        g = params_graph(load_params(path))
+    return g, -(-WAFERLLM_CONTEXT // side) * side, _zoo_shape(WAFERLLM_MODELS[model])[2]
+
+
+def _waferllm_command(model: str, side: int, systems: int, prompt_len: int | None) -> str:
+    """The `wsc compile` that reproduces a WaferLLM row: its per-layer time is the blocks' unit_times_s (decode)
+    or unit_prefill_s (prefill) in plan.json."""
+    ctx = -(-WAFERLLM_CONTEXT // side) * side
+    path = waferllm_params_path(model, side).relative_to(WAFERLLM_PARAMS.parent.parent)
+    return (f"wsc compile --params {path} --target wse2 --pes {side}x{side} --layout model_parallel --users 1 "
+            f"--context_len {ctx} --systems {systems}" + (f" --prompt_len {prompt_len}" if prompt_len else "")
+            + " --out DIR")
 
 
 def _compile_fewest(counts, **request):
@@ -140,8 +182,11 @@ def waferllm_decode(model: str, side: int, layers: int | None = None, assume=Non
     t = sum(p["unit_times_s"][i] for i in blocks) * scale
     shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_time(cc, u, side, side, 1, ctx))
     whole = f"; whole step (embedding, head, hops) {p['decode_tokens_per_s_per_user']:,.0f} tok/s" if scale == 1 else ""
+    cmd = _waferllm_command(model, side, plan.systems, None)
     return Projection(1 / t, shares, "share", f"{p['layout']} {p['window']}",
-                      _where(plan, blocks, scale, ctx) + f"; GEMV all-reduce {p.get('gemv_allreduce')}" + whole)
+                      _where(plan, blocks, scale, ctx) + f"; GEMV all-reduce {p.get('gemv_allreduce')}" + whole
+                      + f"; reproduce: {cmd} (1 / the blocks' unit_times_s summed" + (f", x {scale:g}" if scale != 1
+                                                                                   else "") + ")")
 
 
 def waferllm_prefill(model: str, side: int, layers: int | None = None, assume=None) -> Projection:
@@ -153,8 +198,10 @@ def waferllm_prefill(model: str, side: int, layers: int | None = None, assume=No
     t = sum(p["unit_prefill_s"][i] for i in blocks) * scale
     shares = _layer_shares(plan, g, blocks, lambda cc, u: unit_prefill(cc, u, side, side, WAFERLLM_PROMPT))
     whole = f"; whole prompt incl. embedding/head {p['time_to_first_token_s'] * 1e3:.1f} ms" if scale == 1 else ""
+    cmd = _waferllm_command(model, side, plan.systems, WAFERLLM_PROMPT)
     return Projection(WAFERLLM_PROMPT / t, shares, "share", f"{p['layout']} {p['window']}",
-                      _where(plan, blocks, scale, ctx) + whole)
+                      _where(plan, blocks, scale, ctx) + whole + f"; reproduce: {cmd} ({WAFERLLM_PROMPT} / the blocks' "
+                      "unit_prefill_s summed" + (f", x {scale:g}" if scale != 1 else "") + ")")
 
 
 # ---- the Cerebras inference service -----------------------------------------------------------------------
@@ -242,9 +289,12 @@ def gemv(n: int, assume=None) -> Projection:
             if best is None or c.total < best[0].total:
                 best = (c, side, f"{algo} (fan_in {fan_in})")  # the cost model's own names
     c, side, algo = best
+    name, fan_in = algo.split(" (fan_in ")
+    cmd = (f"wsc kernel gemv --m {n} --k {n} --target wse2 --pes {side}x{side} --algo {name} "
+           f"--fan_in {fan_in.rstrip(')')}")
     return Projection(c.total / spec.clock_hz * 1e6, _cycle_parts(c), "cycles", f"{side}x{side} {algo}",
                       f"bottleneck {c.bottleneck}, {c.passes} pass(es), at {spec.clock_hz / 1e9:g} GHz; "
-                      f"{len(GEMV_SIDES)} meshes x {len(GEMV_ALGOS)} all-reduces tried")
+                      f"{len(GEMV_SIDES)} meshes x {len(GEMV_ALGOS)} all-reduces tried; reproduce: {cmd}")
 
 
 def allreduce(rows: int, cols: int, assume=None) -> Projection:
@@ -258,9 +308,12 @@ def allreduce(rows: int, cols: int, assume=None) -> Projection:
         runs[f"center/{phases}"] = allreduce_cycles(spec, 1, rows, cols, "center", fan_in=phases)
     algo = min(runs, key=lambda a: runs[a].total)
     c = runs[algo]
+    name, _, k = algo.partition("/")
+    cmd = f"wsc kernel allreduce --m 1 --k 1 --target wse1 --pes {rows}x{cols} --algo {name}" + \
+        (f" --fan_in {k}" if k else "")
     return Projection(c.total, _cycle_parts(c), "cycles", f"{rows}x{cols} {algo}",
                       ", ".join(f"{a} {r.total:,.0f}" for a, r in runs.items()) +
-                      f" cycles (center/K: K phases per axis); diameter {rows + cols - 2}")
+                      f" cycles (center/K: K phases per axis); diameter {rows + cols - 2}; reproduce: {cmd}")
 
 
 def sgemm(n: int, side: int, assume=None) -> Projection:
@@ -492,7 +545,18 @@ def main(argv: list[str] | None = None) -> int:
     form.add_argument("--json", action="store_true", help="print the rows and summary as JSON instead of the table")
     form.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
     ap.add_argument("--only", help="comma-separated row ids to run (default: all)")
+    ap.add_argument("--write-waferllm-params", action="store_true",
+                    help="(re)write bench/waferllm/*.yaml, the WaferLLM rows' params files, and exit")
     a = ap.parse_args(argv)
+    if a.write_waferllm_params:
+        from waferscale.util.files import atomic_write_bytes
+
+        WAFERLLM_PARAMS.mkdir(exist_ok=True)
+        for r in ROWS:
+            if r.projection.startswith("waferllm_"):
+                m, side, layers = r.args["model"], r.args["side"], r.args.get("layers")
+                atomic_write_bytes(waferllm_params_path(m, side), waferllm_params_yaml(m, side, layers).encode())
+        return 0
     try:
         out = _out_dir(a.out) if a.out else None  # before the rows run: a bad path fails fast
         rows = ROWS

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wsc
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -151,3 +153,21 @@ def test_calibrate_fit_finds_the_least_squares_point_of_its_grid():
 
     values, sse = cal.fit([], log=lambda *_: None, residual_fn=residual_fn)
     assert values == target and sse == pytest.approx(0)
+
+
+def test_waferllm_params_files_are_current_and_reproduce_a_row_from_the_cli(fid, tmp_path):
+    for r in fid.ROWS:  # the files the rows' printed commands name
+        if r.projection.startswith("waferllm_"):
+            path = fid.waferllm_params_path(r.args["model"], r.args["side"])
+            assert path.read_text() == fid.waferllm_params_yaml(r.args["model"], r.args["side"], r.args.get("layers")), \
+                f"{path} is stale: python bench/fidelity.py --write-waferllm-params"
+    row = next(r for r in fid.ROWS if r.id == "WL-DEC-8B-660")
+    res = fid.run_row(row)
+    cmd = res["detail"].split("reproduce: ")[1].split(" (")[0].replace("DIR", str(tmp_path / "plan")).split()
+    assert cmd[:2] == ["wsc", "compile"]
+    p = wsc(*cmd[1:], cwd=Path(__file__).resolve().parents[1])  # the real CLI, from the repository's root
+    assert p.returncode == 0, p.stderr
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    blocks = [i for i, u in enumerate(plan["graph"]["units"]) if u["kind"] == "block"]
+    per_token = sum(plan["projection"]["unit_times_s"][i] for i in blocks)
+    assert len(blocks) == 32 and 1 / per_token == pytest.approx(res["projected"], rel=1e-9)
