@@ -27,13 +27,13 @@ DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.02, 0.01)
 # sha256 of dense plans (inference, resident training, weight streaming, defects), recompiled when the PE's
 # calibrated constants came in (fabric/pe.py): a plan without zeros stays these bytes
 DENSE_FINGERPRINTS = {
-    (("model", "gpt-tiny"), ("pes", (8, 8))): "7720e051d212f2f413171ab40634c58865d8bc9308bbaa33b268db0583a64dd8",
+    (("model", "gpt-tiny"), ("pes", (8, 8))): "4323c25bc58504247db6c685dc7c8e6d30838e07caeaee0172380d8d9087f35d",
     (("model", "llama-tiny"), ("pes", (16, 16)), ("mode", "train")):
-        "ad12de89b19fedf13410963aebd2e0c892a2377be7f6ec55409c066e16493f82",
+        "f2b11ea78dbf9449183e24b0b1e67e1cfa92333c57fa90bf1c9d07f5eee4038c",
     (("model", "gpt-tiny"), ("pes", (4, 4)), ("mode", "train")):
-        "3da8323b7a35d35ebe3a90a379e336646d9d37e392f8d12044e9f6451cdd93e5",
+        "beb9ed3d18da24fa49065b9a7cb6977019a419b17970c422a71f319519c4e2bf",
     (("model", "gpt-tiny"), ("pes", (16, 16)), ("defects", 0.02), ("seed", 1), ("mode", "train")):
-        "f4d00c5af322c146a0ffc6f0adbbeedc89eb32bc2049aa424862c705c14d096a",
+        "0fba14105e63b8f839e0b842397be14dc620a456859c2a43b3de8d9632e414e1",
 }
 
 

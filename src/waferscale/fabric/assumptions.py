@@ -58,15 +58,18 @@ _COMMON = (
 # to WSE-3 too.
 _CALIBRATED = (
     Assumption("task_overhead_cycles", "cycles",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
+               "kernels, one value for every generation: no source says the PE changed); plausible "
                "range 0-40 cycles: the SDK says a PE responds to a wavelet 'within a few cycles' (sdk.cerebras.net, "
                "A Conceptual View) and gives no figure", integer=True),
     Assumption("vector_op_cycles", "cycles",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
+               "kernels, one value for every generation: no source says the PE changed); plausible "
                "range 0-30 cycles: not in the SDK documentation; 15-17 cycles of setup per vector op measured on "
                "CS-3 silicon by an unpublished third-party characterization (cross-check only)", integer=True),
     Assumption("fp32_fmac_sustained_fraction", "of 1 FMAC/cycle",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py); plausible "
+               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
+               "kernels, one value for every generation: no source says the PE changed); plausible "
                "range 0.25-1: the Chip row's '1 FMAC' is the peak; the SDK's SIMD table (sdk.cerebras.net/csl/"
                "language/appendix) lists no width for @fmacs while fp32 adds and moves run 2 a cycle on WSE-2; an "
                "unpublished third-party characterization measured 0.5 fp32 FMA a cycle on CS-3 silicon (cross-check "
