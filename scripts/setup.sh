@@ -45,5 +45,7 @@ ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || debian_package postgresql
 # the serving kernels' ARM NEON paths: cross-compiled and run under qemu-user by their tests (correctness only)
 command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 \
   || debian_package "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user" "the ARM NEON kernel tests"
+# the C serving kernels, built now for this machine (else the first `wsc generate` / `wsc serve` builds them)
+echo "setup: $($PY -c 'from waferscale.serve import kernels; print("C kernels:", kernels.path())')"
 echo "$want" > "$stamp"
 echo "setup: done"

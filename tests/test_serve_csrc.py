@@ -246,6 +246,24 @@ def test_a_named_level_that_does_not_build_is_an_error_not_torch() -> None:
                            timeout=300)
         assert r.returncode == 2, (argv, r.stdout[-500:], r.stderr[-2000:])
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-        assert len(lines) == 1 and lines[0].startswith("error: WSC_KERNEL_MARCH='no-such-level'"), r.stderr
+        assert lines[0].startswith("building the C serving kernels (-march=no-such-level"), r.stderr  # said first
+        assert len(lines) == 2 and lines[1].startswith("error: WSC_KERNEL_MARCH='no-such-level'"), r.stderr
         assert "Traceback" not in r.stderr
+
+
+@pytest.mark.assets
+def test_generate_says_when_it_decodes_without_the_kernels() -> None:
+    import os
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "WSC_NO_C_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-m", "waferscale", "generate", "--model", "smollm2-135m", "--prompt", "Hi",
+                        "--max_new_tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C kernels: off (disabled by WSC_NO_C_KERNELS" in r.stderr and "several times slower" in r.stderr
+    env.pop("WSC_NO_C_KERNELS")
+    r = subprocess.run([sys.executable, "-m", "waferscale", "generate", "--model", "smollm2-135m", "--prompt", "Hi",
+                        "--max_new_tokens", "2"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "C kernels: off" not in r.stderr, r.stderr[-2000:]
 

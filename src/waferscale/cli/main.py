@@ -116,6 +116,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
     with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
              speculative=speculative) as llm:  # the serving engine
+        from waferscale.serve import kernels
+
+        if llm.engine.kernel_path.startswith("off") and kernels.unavailable_reason():  # not silently slower
+            print(f"C kernels: {llm.engine.kernel_path}; decoding through torch, several times slower",
+                  file=sys.stderr)
         pieces = llm.stream(ids, params)  # (checks the prompt fits the context)
         if a.chat is None:
             sys.stdout.write(text)

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -105,6 +106,10 @@ def _build() -> ctypes.CDLL:
     root.mkdir(parents=True, exist_ok=True)
     so = root / f"serve_kernels-{key}.so"
     if not so.exists():
+        # said on stderr: the first build takes a minute or more, and nothing else would say why it waits
+        print(f"building the C serving kernels ({' '.join(march_flags())}; once for this source, compiler and "
+              "CPU) ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed into place
             out = Path(tmp) / so.name
             r = subprocess.run([cc, *flags, str(_CSRC / _MAIN), "-o", str(out), "-lm"], capture_output=True,
@@ -112,6 +117,7 @@ def _build() -> ctypes.CDLL:
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, so)
+        print(f"built the C serving kernels in {time.perf_counter() - t0:.0f} s: {so}", file=sys.stderr, flush=True)
     lib = ctypes.CDLL(str(so))
     P, L, F, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
     for name, args, res in [
