@@ -17,6 +17,16 @@ import torch  # noqa: E402  (after the variable: OpenMP reads it when torch load
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under CI (WSC_REQUIRE_KERNELS=1, set by .ci/run) C kernels that do not build stop the run: their test modules
+    would otherwise skip, and a green run would say nothing of them."""
+    if os.environ.get("WSC_REQUIRE_KERNELS") == "1":
+        from waferscale.serve import kernels
+
+        if not kernels.available():
+            pytest.exit(f"the C serving kernels do not build here: {kernels.unavailable_reason()}", returncode=1)
+
+
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n") * 40
 
