@@ -262,8 +262,4 @@ def test_generate_says_when_it_decodes_without_the_kernels() -> None:
                         "--max_new_tokens", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "C kernels: off (disabled by WSC_NO_C_KERNELS" in r.stderr and "several times slower" in r.stderr
-    env.pop("WSC_NO_C_KERNELS")
-    r = subprocess.run([sys.executable, "-m", "waferscale", "generate", "--model", "smollm2-135m", "--prompt", "Hi",
-                        "--max_new_tokens", "2"], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0 and "C kernels: off" not in r.stderr, r.stderr[-2000:]
 
