@@ -34,7 +34,8 @@ def batches(n: int, b: int = 4, t: int = 16, vocab: int = 37) -> list[tuple[torc
 
 
 def train(backend_type: str, make_model, steps: int = 6, *, opt: str = "AdamW", clip: float | None = None,
-          half: str | None = None, scaler: bool = False, tmp: Path | None = None, **backend_kw):
+          half: str | None = None, scaler: bool = False, scaler_clip: float | None = None, tmp: Path | None = None,
+          **backend_kw):
     torch.manual_seed(0)
     model = make_model()
     cstorch.amp.set_half_dtype(half)
@@ -47,7 +48,7 @@ def train(backend_type: str, make_model, steps: int = 6, *, opt: str = "AdamW", 
         optimizer = cstorch.optim.configure_optimizer(opt, model.parameters(), lr=1e-2, weight_decay=0.1)
         schedule = cstorch.optim.lr_scheduler.CosineDecayLR(optimizer, initial_learning_rate=1e-2,
                                                             end_learning_rate=1e-3, total_iters=steps)
-        grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic") if scaler else None
+        grad_scaler = cstorch.amp.GradScaler(loss_scale="dynamic", max_gradient_norm=scaler_clip) if scaler else None
         loss_fn = nn.CrossEntropyLoss()
         losses: list[float] = []
 
@@ -105,6 +106,16 @@ def test_streaming_clipping_and_lion_equal_resident(tmp_path):
     assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05  # the clip was active
     for a, b in zip(ls, lr):
         assert abs(a - b) <= 1e-5 * abs(b)
+    assert_close_weights(ws, wr, 1e-5)
+
+
+def test_the_grad_scalers_own_clip_streams_as_it_clips_resident(tmp_path):
+    ref, wr, _ = train("CPU", lambda: build(TINY_GPT), opt="Lion", clip=0.05, scaler=True, tmp=tmp_path)
+    lr, w1, _ = train("CPU", lambda: build(TINY_GPT), opt="Lion", scaler=True, scaler_clip=0.05, tmp=tmp_path)
+    ls, ws, opt = train("CSX", lambda: build(TINY_GPT), opt="Lion", scaler=True, scaler_clip=0.05, tmp=tmp_path)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05  # MemoryX clipped
+    for a, b, c in zip(ls, lr, ref):
+        assert abs(a - b) <= 1e-5 * abs(b) and abs(b - c) <= 1e-6 * abs(c)
     assert_close_weights(ws, wr, 1e-5)
 
 
@@ -329,3 +340,19 @@ def test_compile_only_places_the_model_on_a_wafer_and_runs_no_steps(tmp_path):
     assert list(cstorch.utils.data.DataExecutor(cstorch.utils.data.DataLoader(lambda: [1]), num_steps=3)) == []
     with pytest.raises(ConfigError, match="compile_only"):
         compiled(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_grad_scaler_clips_to_its_max_gradient_norm_and_refuses_unknown_arguments():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = cstorch.amp.GradScaler(loss_scale=64.0, max_gradient_norm=0.01)  # as Model Zoo passes it
+    loss = (model(torch.randn(4, 8)) ** 2).sum() * 100
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert float(norm) == pytest.approx(0.01, rel=1e-4)  # unscaled, then clipped
+    with pytest.raises(TypeError, match="overflow_tolerance"):
+        cstorch.amp.GradScaler(overflow_tolerance=0.1)  # not one of its arguments: not silently ignored
+    with pytest.raises(ConfigError, match="max_gradient_norm must be positive"):
+        cstorch.amp.GradScaler(max_gradient_norm=0)

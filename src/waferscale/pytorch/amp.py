@@ -37,11 +37,16 @@ get_half_dtype = half_dtype
 
 class GradScaler:
     """Loss scaling: `loss_scale="dynamic"` (halve on overflow and skip the step, double after
-    `steps_per_increase` clean steps) or a fixed number."""
+    `steps_per_increase` clean steps) or a fixed number. `max_gradient_norm`: the unscaled gradients' global norm
+    is clipped to it before the step (as Cerebras' GradScaler does); with weight streaming MemoryX clips, which
+    `optimizer_step` arranges. Any other argument is a TypeError, not silently ignored."""
 
     def __init__(self, loss_scale: float | str = "dynamic", init_scale: float | None = None,
                  steps_per_increase: int = 2000, min_loss_scale: float | None = None,
-                 max_loss_scale: float | None = None, **ignored: Any) -> None:
+                 max_loss_scale: float | None = None, max_gradient_norm: float | None = None) -> None:
+        if max_gradient_norm is not None and not max_gradient_norm > 0:
+            raise ConfigError(f"max_gradient_norm must be positive, got {max_gradient_norm}")
+        self.max_gradient_norm = max_gradient_norm
         if loss_scale == "dynamic":
             self.loss_scaler = LossScaler(init_scale or 2.0 ** 15, steps_per_increase)
         elif isinstance(loss_scale, (int, float)) and loss_scale > 0:
@@ -63,9 +68,17 @@ class GradScaler:
             for gr in grads:
                 gr.mul_(inv)
         self._found_inf = not all(bool(torch.isfinite(gr).all()) for gr in grads)
+        if self.max_gradient_norm and not self._found_inf:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_gradient_norm)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if getattr(optimizer, "_stream", None) is not None:
+        stream = getattr(optimizer, "_stream", None)
+        if stream is not None:
+            if self.max_gradient_norm and getattr(stream, "max_gradient_norm", None) != self.max_gradient_norm:
+                raise ConfigError("GradScaler(max_gradient_norm=...) with weight streaming: MemoryX clips, and it "
+                                  "must know before backward; use cstorch.amp.optimizer_step(loss, optimizer, "
+                                  "grad_scaler) for the step")
             optimizer.step()
             return
         if self._found_inf is None:
@@ -95,6 +108,8 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, grad_sc
     """backward, (unscale,) clip the global gradient norm, step, zero the gradients."""
     if max_gradient_norm is not None and max_gradient_norm <= 0:
         raise ConfigError(f"max_gradient_norm must be positive, got {max_gradient_norm}")
+    if max_gradient_norm is None and grad_scaler is not None:
+        max_gradient_norm = grad_scaler.max_gradient_norm  # (the scaler's own, as Cerebras' GradScaler takes it)
     stream = getattr(optimizer, "_stream", None)
     if stream is not None and not stream.grads_pending:  # MemoryX clips and unscales: tell it before backward
         stream.max_gradient_norm, stream.scaler = max_gradient_norm, grad_scaler
@@ -105,8 +120,8 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, grad_sc
             grad_scaler.update()
         return
     if grad_scaler is not None:
-        grad_scaler.unscale_(optimizer)
-    if max_gradient_norm:
+        grad_scaler.unscale_(optimizer)  # (clips to the scaler's max_gradient_norm when it has one)
+    if max_gradient_norm and (grad_scaler is None or max_gradient_norm != grad_scaler.max_gradient_norm):
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, max_gradient_norm)
     if grad_scaler is not None:
