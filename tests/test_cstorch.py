@@ -356,3 +356,15 @@ def test_grad_scaler_clips_to_its_max_gradient_norm_and_refuses_unknown_argument
         cstorch.amp.GradScaler(overflow_tolerance=0.1)  # not one of its arguments: not silently ignored
     with pytest.raises(ConfigError, match="max_gradient_norm must be positive"):
         cstorch.amp.GradScaler(max_gradient_norm=0)
+
+
+def test_backend_and_executor_name_cerebras_arguments_and_refuse_unknown_ones(tmp_path):
+    with pytest.warns(UserWarning, match="retrace_every_iteration accepted as Cerebras' cstorch.backend takes them"):
+        cstorch.backend("CPU", artifact_dir=str(tmp_path), retrace_every_iteration=False)  # Model Zoo passes it
+    with pytest.raises(TypeError, match="unexpected keyword argument.*artifact_dri"):
+        cstorch.backend("CPU", artifact_dri=str(tmp_path))  # a typo is not swallowed
+    loader = cstorch.utils.data.DataLoader(lambda: batches(2))
+    with pytest.warns(UserWarning, match="listeners accepted"):
+        cstorch.utils.data.DataExecutor(loader, num_steps=1, listeners=[])
+    with pytest.raises(TypeError, match="num_step"):
+        cstorch.utils.data.DataExecutor(loader, num_step=1)

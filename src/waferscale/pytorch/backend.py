@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,16 +46,33 @@ class Backend:
         return self.cluster_config.num_csx
 
 
+def cerebras_only(where: str, given: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Arguments Cerebras' `where` takes that ours has no use for (`names`): each given one is named in a warning
+    (once per call site, Python's default); any other name is a TypeError, never silently accepted."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword argument(s): {', '.join(unknown)}")
+    if given:
+        warnings.warn(f"{where}: {', '.join(sorted(given))} accepted as Cerebras' {where} takes them; they have no "
+                      "effect here", stacklevel=3)
+
+
+# Cerebras' backend arguments (releases 2.0-2.10) with no effect here: the device and the compile are this package's
+_CEREBRAS_BACKEND_ONLY = ("drop_data", "max_checkpoints", "log_initialization", "use_cs_grad_accum",
+                          "micro_batch_size", "retrace_every_iteration")
+
+
 def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./cerebras_artifacts",
             compile_dir: str | Path | None = None, compile_only: bool = False, validate_only: bool = False,
             cluster_config: ClusterConfig | None = None, device: str | None = None,
             device_memory_mb: float | None = None, memoryx_ram_mb: float | None = None,
-            flash_dir: str | Path | None = None, spawn_script_copies: bool = True, **ignored: Any) -> Backend:
+            flash_dir: str | Path | None = None, spawn_script_copies: bool = True, **cerebras: Any) -> Backend:
     """Create (and make current) a backend; `backend()` with no type returns the current one.
 
     With num_csx > 1 the script runs once per system (see `waferscale.pytorch.distributed`), unless
     `spawn_script_copies=False`: then only fused steps (the zoo's `compile_lm_step`) run there, in their own workers."""
     global _current
+    cerebras_only("cstorch.backend", cerebras, _CEREBRAS_BACKEND_ONLY)
     if backend_type is None:
         if _current is None:
             raise ConfigError('no backend yet: call cstorch.backend("CSX") (or "CPU"/"GPU") first')

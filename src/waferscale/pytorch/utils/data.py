@@ -16,7 +16,7 @@ import torch
 
 from waferscale.errors import ConfigError
 from waferscale.pytorch import distributed as _dist
-from waferscale.pytorch.backend import current_backend
+from waferscale.pytorch.backend import cerebras_only, current_backend
 
 __all__ = ["DataLoader", "DataExecutor", "RateTracker", "current_executor"]
 
@@ -114,8 +114,10 @@ def _shard(batch: Any, rank: int, world: int) -> Any:
 class DataExecutor:
     def __init__(self, dataloader: DataLoader | Any, num_steps: int | None = None,
                  checkpoint_steps: int | None = None, activation_steps: int | None = None,
-                 writer: Any = None, start_step: int = 0, **ignored: Any) -> None:
-        """start_step: steps already taken (a resumed run): `user_iteration` and checkpoint steps count from it."""
+                 writer: Any = None, start_step: int = 0, **cerebras: Any) -> None:
+        """start_step: steps already taken (a resumed run): `user_iteration` and checkpoint steps count from it.
+        Cerebras' profiling and listener arguments are named in a warning (no effect here); others raise."""
+        cerebras_only("DataExecutor", cerebras, ("cs_config", "listeners", "profiler_activities", "micro_batch_size"))
         for name, v in (("num_steps", num_steps), ("checkpoint_steps", checkpoint_steps)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ConfigError(f"DataExecutor {name} must be a non-negative integer, got {v!r}")
