@@ -449,7 +449,7 @@ def table(results: list[dict], summary: dict) -> str:
 
 
 def markdown(results: list[dict], summary: dict) -> str:
-    """The README's table: every row, its source and conditions in brief, published, projected, error."""
+    """docs/fidelity.md's table: every row, its source and conditions in brief, published, projected, error."""
     lines = ["| row | role | source | quantity (conditions) | published | projected | error | layout / window |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write fidelity.json and fidelity.png into this directory")
     form = ap.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="print the rows and summary as JSON instead of the table")
-    form.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
+    form.add_argument("--markdown", action="store_true", help="print the markdown table (docs/fidelity.md) instead")
     ap.add_argument("--only", help="comma-separated row ids to run (default: all)")
     ap.add_argument("--write-waferllm-params", action="store_true",
                     help="(re)write bench/waferllm/*.yaml, the WaferLLM rows' params files, and exit")

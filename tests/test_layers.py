@@ -1,10 +1,10 @@
-"""The package's imports point one way (README, Layout). Every module under src/waferscale is parsed with `ast`;
+"""The package's imports point one way (docs/layout.md). Every module under src/waferscale is parsed with `ast`;
 every import is an edge (module level and inside functions, `import x`, `from x import y`, relative imports,
 `if TYPE_CHECKING:` blocks too), and every edge against the rules below fails the test, all listed at once.
 Imports under `if __name__ == "__main__":` are the program's when the file runs as a script, so they follow the
 rule of a `__main__` module (which may import the command line).
 
-The rules are data: the README's Layout section states the same table.
+The rules are data: docs/layout.md states the same table.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _where(module: str, line: int) -> str:
 def test_every_part_has_a_rule() -> None:
     parts = {_part(m) for m in _graph()}
     missing = sorted(parts - MAY_IMPORT.keys())
-    assert not missing, f"parts with no layer rule (add them to MAY_IMPORT and the README's Layout): {missing}"
+    assert not missing, f"parts with no layer rule (add them to MAY_IMPORT and docs/layout.md): {missing}"
 
 
 def test_imports_point_one_way() -> None:

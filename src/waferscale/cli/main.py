@@ -1,4 +1,4 @@
-"""`wsc`: one table of commands (`build_parser`; the README's "The command line" shows their flags). Each
+"""`wsc`: one table of commands (`build_parser`; docs/cli.md shows their flags). Each
 command is a function of the parsed arguments. Bad input prints one `error:` line and exits 2.
 """
 

@@ -1,6 +1,6 @@
 """The cstorch-style API: `import waferscale.pytorch as cstorch`, Cerebras' names and signatures.
 
-A whole training loop is `examples/cstorch_train.py` (the README's cstorch section walks through it); `wsc run`
+A whole training loop is `examples/cstorch_train.py` (docs/cstorch.md walks through it); `wsc run`
 drives its runs through this same API (see `waferscale.zoo`).
 """
 

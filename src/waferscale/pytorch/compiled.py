@@ -2,7 +2,7 @@
 
 On "CPU"/"GPU" the model runs as it is, resident on that device. On "CSX" it runs by weight streaming on the
 runtime's engine (`runtime/engine.py`, the one `wsc run` uses), over the model's units (`runtime/units.py`; the
-README's "What streams"): unit u+1's weights are fetched while unit u computes and only unit-boundary
+docs/cstorch.md, "What streams"): unit u+1's weights are fetched while unit u computes and only unit-boundary
 activations are kept; backward fetches each unit again, in reverse, recomputes its forward and sends its
 gradients to MemoryX as soon as they are complete (where, without clipping or loss scaling, that unit's update
 runs while the backward pass goes on). The model's parameters alias MemoryX's fp32 masters, so

@@ -5,7 +5,7 @@ the update), is system 0, and alone runs the step and checkpoint closures (with 
 systems); ranks 1..N-1 hold no weights and no optimizer state. Per unit, weights are broadcast from rank 0 and
 gradients reduced (sum) back to it; each system trains on its 1/N of every batch and rank 0 divides the sum by
 N, so the update is the whole batch's, as on one system. Transport: gloo (MemoryX is a host role). How the
-copies of the script start, and what stops a run when one dies or hangs, is the README's "Several systems".
+copies of the script start, and what stops a run when one dies or hangs, is docs/cstorch.md's "Several systems".
 """
 
 from __future__ import annotations

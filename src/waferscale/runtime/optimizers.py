@@ -107,7 +107,7 @@ class AdamBase(CerebrasOptimizer):
     @staticmethod
     def _beta_powers(state: dict[str, Any], group: dict[str, Any], p: Tensor) -> tuple[Tensor, Tensor]:
         """beta1^t and beta2^t of the coming step t; from torch's `step` (steps done) when the state came from a
-        torch-format checkpoint (Cerebras' own conversion uses beta^step, one step behind: see the README)."""
+        torch-format checkpoint (Cerebras' own conversion uses beta^step, one step behind: see docs/cli.md)."""
         if state.get("beta1_power") is None:
             done = float(state.pop("step", 0))
             beta1, beta2 = group["betas"]

@@ -2,7 +2,7 @@
 
 Why: a decode step reads every weight once, so a step of a few sequences is bound by memory bandwidth and one
 of many by the FMA units; both bounds are within reach only if the weights stream while the FMA units stay busy
-(figures, and why not `torch.compile`: README, "Serving"; bench/serve_decode.py).
+(figures, and why not `torch.compile`: docs/serving.md; bench/serve_decode.py).
 
 - Weights are packed in panels of 16 outputs (`pack`; the microkernel is in csrc/panels.c): one sequential
   stream that serves one row (decode) and prefill-sized batches alike, so on CPU float32 every projection runs
@@ -193,7 +193,7 @@ def hugepage_tensor(numel: int) -> Tensor:
     """An uninitialised float32 (numel,) CPU tensor whose memory starts on a 2 MiB boundary and is marked for
     transparent huge pages before it is first touched (Linux; elsewhere, or if madvise fails, plain pages):
     through 4 KiB pages every 4 KiB of weights streamed is a TLB miss, and under virtualisation (nested page
-    tables) a costly one (figures: README, "Serving")."""
+    tables) a costly one (figures: docs/serving.md)."""
     pad = HUGE_PAGE // 4
     raw = torch.empty(numel + pad)
     off = (-raw.data_ptr() % HUGE_PAGE) // 4
@@ -242,7 +242,7 @@ def packed_numel(shape: tuple[int, int]) -> int:
 # ---- sparse panels (csrc/spanels.c): windows of k with each output's non-zeros, values only --------------------
 SPARSE_MAX_FRACTION = 0.75  # a matrix goes sparse when its sparse panels are at most this fraction of the dense
 # ones' bytes and take at most this fraction of their steps (a sparse step costs about what a dense k step does):
-# decode then reads fewer bytes without running out of arithmetic (README, "Serving"; bench/serve_sparse_decode.py)
+# decode then reads fewer bytes without running out of arithmetic (docs/serving.md; bench/serve_sparse_decode.py)
 
 
 class SparsePlan(NamedTuple):

@@ -13,7 +13,7 @@ checkpoint has, in sparse panels: fewer bytes a token, the same bits; WSC_SPARSE
 decode rows' rope, KV write and attention run in one C call over the paged cache, and with Llama-style blocks
 decode and short prefill chunks run every layer in one C call (`kernels.DecodeStack`). The per-op torch path
 (decode rows gathered into a padded (B, nkv, S_max, hd) tensor with a key mask) stays the reference; without a C
-compiler the projections use MKL (its packed single-row GEMM for one row). How fast: README's Serving section,
+compiler the projections use MKL (its packed single-row GEMM for one row). How fast: docs/serving.md,
 bench/serve_decode.py.
 
 The decoder families run on the same path: partial and GPT-J's interleaved rotary become the full rotate-half

@@ -1,2 +1,2 @@
-"""Small shared helpers with one home each (the README's Layout names them); a leaf package: imports nothing
+"""Small shared helpers with one home each (docs/layout.md names them); a leaf package: imports nothing
 from waferscale but `errors`."""

@@ -1,2 +1,2 @@
 """The Model Zoo runner behind `wsc run` (`runner.py`): a params file -> a program on the cstorch API (the
-README's Layout names the modules)."""
+docs/layout.md names the modules)."""
