@@ -76,6 +76,11 @@ def _zoo_shape(m: str | tuple[int, int, int, int]) -> tuple[int, int, int, int]:
 WAFERLLM_PARAMS = Path(__file__).resolve().parent / "waferllm"  # their benchmark layers as Model Zoo params files
 
 
+def waferllm_context(side: int) -> int:
+    """Their 4K KV context padded up to a multiple of the mesh side (4200 at P=420)."""
+    return -(-WAFERLLM_CONTEXT // side) * side
+
+
 def waferllm_params_path(model: str, side: int) -> Path:
     return WAFERLLM_PARAMS / f"{model}-p{side}.yaml"
 
@@ -86,7 +91,7 @@ def waferllm_params_yaml(model: str, side: int, layers: int | None) -> str:
     no biases, fp16; `layers` of them (all of the model's when None). `wsc compile --params` reads it."""
     d, ffn, n_layers, vocab = _zoo_shape(WAFERLLM_MODELS[model])
     pad = lambda x: -(-x // side) * side  # noqa: E731
-    ctx = pad(WAFERLLM_CONTEXT)
+    ctx = waferllm_context(side)
     scaled = (f"# {layers} of its {n_layers} layers (the paper measured a subset and scaled it to all layers)\n"
               if layers else "")
     return (f"# WaferLLM (OSDI'25) benchmark layer of {model} for a {side}x{side} mesh: written by bench/fidelity.py\n"
@@ -118,13 +123,13 @@ def waferllm_graph(model: str, side: int, layers: int | None):
         path = Path(d) / waferllm_params_path(model, side).name
         path.write_text(waferllm_params_yaml(model, side, layers))
         g = params_graph(load_params(path))
-    return g, -(-WAFERLLM_CONTEXT // side) * side, _zoo_shape(WAFERLLM_MODELS[model])[2]
+    return g, waferllm_context(side), _zoo_shape(WAFERLLM_MODELS[model])[2]
 
 
 def _waferllm_command(model: str, side: int, systems: int, prompt_len: int | None) -> str:
     """The `wsc compile` that reproduces a WaferLLM row: its per-layer time is the blocks' unit_times_s (decode)
     or unit_prefill_s (prefill) in plan.json."""
-    ctx = -(-WAFERLLM_CONTEXT // side) * side
+    ctx = waferllm_context(side)
     path = waferllm_params_path(model, side).relative_to(WAFERLLM_PARAMS.parent.parent)
     return (f"wsc compile --params {path} --target wse2 --pes {side}x{side} --layout model_parallel --users 1 "
             f"--context_len {ctx} --systems {systems}" + (f" --prompt_len {prompt_len}" if prompt_len else "")

@@ -14,8 +14,9 @@ the pass yields one more token of its own, so a round gives (1 - a^(K+1)) / (1 -
 The verification pass takes K + 1 tokens through the target's pipeline with every query attending over the
 whole context, so the target takes the pipelined layout: streamed (the tokens back to back through the stages,
 one decode's latency plus K intervals of the slowest stage) or as one chunk through each stage as a prefill
-chunk goes (`pipeline.chain`), whichever is faster (`_verify`). The plan compares the rate with the target decoding plainly on the same placement, and alone on the
-whole mesh in its best layout (what speculation has to beat). Times in seconds.
+chunk goes (`pipeline.chain`), whichever is faster (`_verify`). The plan compares the rate with the target
+decoding plainly on the same placement, and alone on the whole mesh in its best layout (what speculation has to
+beat). Times in seconds.
 """
 
 from __future__ import annotations

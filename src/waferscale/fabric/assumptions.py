@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from waferscale.errors import ConfigError
 from waferscale.fabric.presets import preset_key
-from waferscale.fabric.spec import _MAY_BE_ZERO, UNCALIBRATED, FabricSpec  # noqa: F401 (UNCALIBRATED: re-exported)
+from waferscale.fabric.spec import MAY_BE_ZERO, UNCALIBRATED, FabricSpec  # noqa: F401 (UNCALIBRATED: re-exported)
 
 
 @dataclass(frozen=True)
@@ -56,20 +56,19 @@ _COMMON = (
 # calibration rows (kernel-level measurements) by bench/calibrate.py. Cycles are cycles: one PE design is assumed
 # for every generation (no source says these costs changed), so the values fitted on WSE-1/WSE-2 kernels apply
 # to WSE-3 too.
+_CALIBRATED_ON = ("calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and "
+                  "WSE-2 kernels, one value for every generation: no source says the PE changed); ")
 _CALIBRATED = (
     Assumption("task_overhead_cycles", "cycles",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
-               "kernels, one value for every generation: no source says the PE changed); plausible "
+               _CALIBRATED_ON + "plausible "
                "range 0-40 cycles: the SDK says a PE responds to a wavelet 'within a few cycles' (sdk.cerebras.net, "
                "A Conceptual View) and gives no figure", integer=True),
     Assumption("vector_op_cycles", "cycles",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
-               "kernels, one value for every generation: no source says the PE changed); plausible "
+               _CALIBRATED_ON + "plausible "
                "range 0-30 cycles: not in the SDK documentation; 15-17 cycles of setup per vector op measured on "
                "CS-3 silicon by an unpublished third-party characterization (cross-check only)", integer=True),
     Assumption("fp32_fmac_sustained_fraction", "of 1 FMAC/cycle",
-               "calibrated on rows SC20-AR, WL-GEMV-16K, WL-GEMV-32K, JIP-SGEMM (bench/calibrate.py; WSE-1 and WSE-2 "
-               "kernels, one value for every generation: no source says the PE changed); plausible "
+               _CALIBRATED_ON + "plausible "
                "range 0.25-1: the Chip row's '1 FMAC' is the peak; the SDK's SIMD table (sdk.cerebras.net/csl/"
                "language/appendix) lists no width for @fmacs while fp32 adds and moves run 2 a cycle on WSE-2; an "
                "unpublished third-party characterization measured 0.5 fp32 FMA a cycle on CS-3 silicon (cross-check "
@@ -105,7 +104,7 @@ def apply(spec: FabricSpec, target: str, values: Mapping[str, float]) -> FabricS
         if name not in known:
             raise ConfigError(f"{name!r} is not an unpublished assumption of {preset_key(target)}; its assumptions "
                               f"are {', '.join(known)} (the published values cite shared/WSE.md and stay fixed)")
-        zero_ok = name in _MAY_BE_ZERO
+        zero_ok = name in MAY_BE_ZERO
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if zero_ok else v > 0):
             raise ConfigError(f"assumption {name} must be a {'number >= 0' if zero_ok else 'positive number'}, "
                               f"got {v!r}")

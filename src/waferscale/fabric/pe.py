@@ -76,16 +76,16 @@ def task_parts(spec: FabricSpec, dtype: str, *, ops: float, read_elems: float, w
 
 
 # ---- the per-wavelet tasks every kernel uses --------------------------------------------------------------
-def axpy_task(spec: FabricSpec, dtype: str, n_x: int, tile_rows: int) -> int:
-    """A wavelet carrying `n_x` input values arrives: y[:tile_rows] += W[:, j] * x_j for each of them."""
-    return task_cycles(spec, dtype, ops=n_x * tile_rows, read_elems=2 * n_x * tile_rows, write_elems=n_x * tile_rows,
-                       vector_ops=n_x, fmac=True)
-
-
 def axpy_parts(spec: FabricSpec, dtype: str, n_x: int, tile_rows: int) -> tuple[int, int]:
     """(compute, SRAM) cycles of `axpy_task`, for breakdowns."""
     return task_parts(spec, dtype, ops=n_x * tile_rows, read_elems=2 * n_x * tile_rows, write_elems=n_x * tile_rows,
                       vector_ops=n_x, fmac=True)
+
+
+def axpy_task(spec: FabricSpec, dtype: str, n_x: int, tile_rows: int) -> int:
+    """A wavelet carrying `n_x` input values arrives: y[:tile_rows] += W[:, j] * x_j for each of them (one vector
+    instruction each)."""
+    return max(1, *axpy_parts(spec, dtype, n_x, tile_rows))
 
 
 def add_task(spec: FabricSpec, dtype: str, n: int, ops_per_elem: int = 1) -> int:

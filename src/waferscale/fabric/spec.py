@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from waferscale.errors import ConfigError
 
 
-_MAY_BE_ZERO = ("task_overhead_cycles", "vector_op_cycles")
+MAY_BE_ZERO = ("task_overhead_cycles", "vector_op_cycles")  # fields that may be 0 (the PE's fixed costs)
 # the PE's calibrated constants at the values of the micro-model without them (no fixed costs, the full fp32
 # rate): `--assume` these to see a projection without the calibration
 UNCALIBRATED = {"task_overhead_cycles": 0, "vector_op_cycles": 0, "fp32_fmac_sustained_fraction": 1.0}
@@ -52,7 +52,7 @@ class FabricSpec:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in _MAY_BE_ZERO:
+            if f.name in MAY_BE_ZERO:
                 if not isinstance(v, (int, float)) or v < 0:
                     raise ConfigError(f"fabric spec {self.name!r}: {f.name} must be a number >= 0, got {v!r}")
             elif f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
