@@ -171,11 +171,10 @@ def test_engine_greedy_with_c_kernels_matches_generate(llama16) -> None:
 
 
 def test_engine_mixed_steps_all_paths_match_generate(llama16) -> None:
-    """A long prompt (a chunk above attention.STACK_MAX_CHUNK: the per-op path, SDPA for its chunk, C attention
-    for the decode rows beside it) arriving while short ones decode (the one-call C stack), and short prompts
-    arriving mid-decode (prefill rows in the C stack): the same greedy tokens as the plain forward, and every
+    """A long prompt (a chunk of PREFILL_MIN_ROWS tokens or more, serve/csrc/attention.c: attended in blocks in
+    the one-call C stack, beside the decode rows) arriving while short ones decode, and short prompts arriving
+    mid-decode (prefill rows attending one by one): the same greedy tokens as the plain forward, and every
     block back at the end."""
-    from waferscale.serve.model_runner import STACK_MAX_CHUNK
 
     class Tok:
         vocab_size, eos_id = 256, None
@@ -184,7 +183,7 @@ def test_engine_mixed_steps_all_paths_match_generate(llama16) -> None:
             return "".join(chr(65 + i % 26) for i in ids)
 
     short = [[1, 2, 3], list(range(30, 50))]
-    long = [(7 * i) % 250 + 1 for i in range(STACK_MAX_CHUNK + 30)]
+    long = [(7 * i) % 250 + 1 for i in range(94)]
     late = [[5, 6], [8, 9, 10, 11]]
     n = 24
     ref = {tuple(p): list(generate(llama16, p, n, temperature=0)) for p in short + [long] + late}

@@ -19,7 +19,7 @@ from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.generation import load_for_generation
 from waferscale.serve import kernels
 from waferscale.serve.engine import Engine, SamplingParams
-from waferscale.serve.model_runner import STACK_MAX_CHUNK, BatchSpec, ModelRunner
+from waferscale.serve.model_runner import BatchSpec, ModelRunner
 from waferscale.sparse.masks import default_filter, mask_for_sparsity
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"C kernels: {kernels.unavailable_reason()}")
@@ -118,9 +118,9 @@ def test_runner_sparse_logits_are_the_dense_bits(monkeypatch: pytest.MonkeyPatch
     dense, sparse = runners["0"], runners["1"]
     assert sparse.stack is not None and sparse.weight_bytes[1] < 0.5 * sparse.weight_bytes[0]
     assert dense.weight_bytes[0] == dense.weight_bytes[1] == sparse.weight_bytes[0]
-    seq = [(7 * i) % 250 + 1 for i in range(STACK_MAX_CHUNK + 20)]
+    seq = [(7 * i) % 250 + 1 for i in range(84)]
     table = list(range(1, 32))
-    specs = [BatchSpec(seq, [(0, len(seq), table, True)])]  # a long prompt: the per-op path, 84 rows
+    specs = [BatchSpec(seq, [(0, len(seq), table, True)])]  # a long prompt: attended in blocks, 84 rows
     specs += [BatchSpec([p % 200 + 1], [(p, 1, table, True)]) for p in range(len(seq), len(seq) + 5)]  # the stack
     for spec in specs:
         assert torch.equal(_bits(sparse.run(spec)), _bits(dense.run(spec)))
@@ -128,7 +128,7 @@ def test_runner_sparse_logits_are_the_dense_bits(monkeypatch: pytest.MonkeyPatch
 
 def test_engine_greedy_tokens_sparse_equal_dense_with_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _pruned_llama(0.75)
-    prompts = [[1, 2, 3, 4, 5], list(range(20, 45)), [9], [(5 * i) % 200 + 3 for i in range(STACK_MAX_CHUNK + 9)]]
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 45)), [9], [(5 * i) % 200 + 3 for i in range(73)]]
     sp = SamplingParams(temperature=0, max_tokens=24)
     got = {}
     for flag in ("0", "1"):

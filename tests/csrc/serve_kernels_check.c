@@ -368,6 +368,96 @@ static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
     free(rc); free(rq); free(ry); free(slot_of);
 }
 
+/* Prefill chunks in one batch with decode tokens (attention.c: a run of PREFILL_MIN_ROWS or more consecutive
+   positions of one sequence goes in blocks of QBLOCK tokens, attend_block; shorter runs token by token):
+   sequence A's chunk of 70 tokens from position 10 (a partial last block), a decode token of B, a chunk of 5 of
+   D (token by token), C's first 66 tokens; scattered blocks, rows out of order; float32 or float16 cache, a
+   sliding window, ALiBi. Against the reference per token, one thread and two the same bits. */
+static void check_prefill_attention_batch(long nh, long nkv, long hd, long bs, long window, int alibi, int kv16) {
+    enum { NS = 4 };
+    const long start[NS] = {10, 20, 3, 0}, len[NS] = {70, 1, 5, 66};
+    char what[128];
+    snprintf(what, sizeof what, "prefill attention batch nh=%ld nkv=%ld hd=%ld bs=%ld window=%ld alibi=%d kv16=%d", nh,
+             nkv, hd, bs, window, alibi, kv16);
+    long B = 0, maxp = 0;
+    for (int i = 0; i < NS; i++) { B += len[i]; maxp = start[i] + len[i] > maxp ? start[i] + len[i] : maxp; }
+    long nq = (nh + 2 * nkv) * hd, ldt = (maxp + bs - 1) / bs, nblocks = NS * ldt, slots = nblocks * bs;
+    long cn = 2 * nkv * slots * hd;
+    long *seq_tab = xmalloc((size_t)NS * ldt * sizeof(long)), *tables = xmalloc((size_t)B * ldt * sizeof(long));
+    long *pos = xmalloc((size_t)B * sizeof(long)), *rows = xmalloc((size_t)B * sizeof(long));
+    long *seq = xmalloc((size_t)B * sizeof(long));
+    for (long i = 0; i < NS * ldt; i++) seq_tab[i] = (i * 7 + 3) % nblocks;  /* scrambled, all distinct */
+    for (long i = 0, b = 0; i < NS; i++)
+        for (long t = 0; t < len[i]; t++, b++) {
+            pos[b] = start[i] + t;
+            rows[b] = B - 1 - b;
+            seq[b] = i;
+            memcpy(tables + b * ldt, seq_tab + i * ldt, (size_t)ldt * sizeof(long));
+        }
+    float *cos_t = randv(maxp * hd), *sin_t = randv(maxp * hd), *slopes = NULL;
+    if (alibi) {
+        slopes = xmalloc((size_t)nh * sizeof(float));
+        for (long h = 0; h < nh; h++) slopes[h] = powf(2.0f, -8.0f * (float)(h + 1) / (float)nh);
+    }
+    float *qkv0 = randv(B * nq), *cache0 = randv(cn);
+    if (kv16)  /* the float16 cache's values, as floats */
+        for (long i = 0; i < cn; i++) cache0[i] = h2f(f2h(cache0[i]));
+    float* out[2];
+    for (int threads = 1; threads <= 2; threads++) {
+        float* qkv = copyv(qkv0, B * nq);
+        void* cache = kv16 ? (void*)to_half(cache0, cn) : (void*)copyv(cache0, cn);
+        float* y = randv(B * nh * hd);
+        wsc_set_threads(threads);
+        if (wsc_decode_attention_batch_ex(qkv, nq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh, nkv,
+                                          hd, 1.0f / sqrtf((float)hd), y, nh * hd, window, slopes, kv16) != 0) {
+            fprintf(stderr, "FAIL %s: out of memory\n", what);
+            g_fail++;
+        }
+        out[threads - 1] = y;
+        free(qkv); free(cache);
+    }
+    wsc_set_threads(1);
+    expect_same(what, out[1], out[0], B * nh * hd);
+    float *rc = copyv(cache0, cn), *rq = copyv(qkv0, B * nq);
+    for (long b = 0; b < B; b++) {  /* every token's rope and KV write first */
+        float* q = rq + rows[b] * nq;
+        long p = pos[b], slot = tables[b * ldt + p / bs] * bs + p % bs;
+        ref_rope(q, cos_t + p * hd, sin_t + p * hd, nh, nkv, hd);
+        for (long h = 0; h < 2 * nkv; h++)
+            for (long d = 0; d < hd; d++) {
+                float v = q[(nh + h) * hd + d];
+                rc[(h * slots + slot) * hd + d] = kv16 ? h2f(f2h(v)) : v;
+            }
+    }
+    double* ry = xmalloc((size_t)nh * hd * sizeof(double));
+    double* p = xmalloc((size_t)maxp * sizeof(double));
+    long g = nh / nkv;
+    for (long b = 0; b < B; b++) {  /* token b over positions [lo, S) of its sequence */
+        long S = pos[b] + 1, lo = window > 0 && S > window ? S - window : 0;
+        const float* q = rq + rows[b] * nq;
+        for (long h = 0; h < nh; h++) {
+            double m = -INFINITY, sum = 0;
+            for (long t = lo; t < S; t++) {
+                long sl = seq_tab[seq[b] * ldt + t / bs] * bs + t % bs;
+                double s = 0;
+                for (long d = 0; d < hd; d++) s += (double)q[h * hd + d] * rc[((h / g) * slots + sl) * hd + d];
+                p[t] = s / sqrt((double)hd) + (alibi ? (double)slopes[h] * (double)(t - (S - 1)) : 0.0);
+                m = p[t] > m ? p[t] : m;
+            }
+            for (long t = lo; t < S; t++) sum += p[t] = exp(p[t] - m);
+            for (long d = 0; d < hd; d++) {
+                double o = 0;
+                for (long t = lo; t < S; t++)
+                    o += p[t] * rc[((nkv + h / g) * slots + seq_tab[seq[b] * ldt + t / bs] * bs + t % bs) * hd + d];
+                ry[h * hd + d] = o / sum;
+            }
+        }
+        for (long i = 0; i < nh * hd; i++) expect(what, b * 10000 + i, out[0][rows[b] * nh * hd + i], ry[i], 1, 1e-5);
+    }
+    free(seq_tab); free(tables); free(pos); free(rows); free(seq); free(cos_t); free(sin_t); free(slopes);
+    free(qkv0); free(cache0); free(out[0]); free(out[1]); free(rc); free(rq); free(ry); free(p);
+}
+
 /* ---- the decode layers: a batch of one agrees with the single-sequence call, and each sequence of a batch
    with itself run alone, bit for bit ------------------------------------------------------------------- */
 
@@ -655,6 +745,10 @@ int main(void) {
     check_decode_attention_f16(9, 3, 64, 40, 2);
     check_decode_attention_f16(4, 2, 32, 5, 1);
     check_decode_attention_batch(3, 1, 64, 16);
+    check_prefill_attention_batch(6, 2, 32, 4, 0, 0, 0);
+    check_prefill_attention_batch(9, 3, 64, 16, 0, 0, 1);
+    check_prefill_attention_batch(4, 4, 16, 8, 24, 1, 0);
+    check_prefill_attention_batch(8, 1, 128, 16, 40, 0, 1);
     check_decode_layers();
     check_quantize_x();
     const long qs[][3] = {{1, 5, 256}, {3, 37, 512}, {5, 70, 256}, {17, 16, 256}, {1, 130, 512}};

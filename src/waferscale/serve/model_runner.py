@@ -101,7 +101,6 @@ class Prepared:
         dec_slots: list[slice | tuple[list[int], int, int]] = []
         dec_tables: list[list[int]] = []
         self._row_tables: list[tuple[list[int], int]] = []  # (block table, rows) per chunk, in order
-        self.max_chunk = 0  # the longest chunk (prefill) of the batch
         self.window, self.slopes = window, slopes
         row = 0
         bs = self.block_size = block_size
@@ -113,7 +112,6 @@ class Prepared:
             consecutive = all(table[i] == b0 + i - blo for i in range(blo + 1, nblk))
             base = (b0 - blo) * bs  # when consecutive, position p sits in slot base + p
             self._row_tables.append((table[:nblk], n))
-            self.max_chunk = max(self.max_chunk, n)
             if n == 1:  # a decode token: its slot now, the rest of its sequence's slots only if asked for
                 slots.append(table[start // bs] * bs + start % bs)
                 pos.append(start)
@@ -221,12 +219,6 @@ class Prepared:
 # thread budget (`threads`, default 1: on a shared machine even big multi-thread GEMMs collapse under load, see
 # bench/serve_http.py --threads) only to GEMMs of layer_weights.PAR_MACS+ multiply-adds (about a millisecond on
 # one core) and long prefill attention. The way to use more cores is stages=K, one process per stage.
-
-# Prefill chunks up to this many tokens go through the C stack with the decode rows, each token attending at
-# its own position like a decode token (one pass over its keys; SDPA's per-call overhead dominates for short
-# chunks: ~120 us a chunk-layer here). Longer chunks take the per-op path, where SDPA's matmuls win.
-STACK_MAX_CHUNK = 64
-
 
 def _rope_(x: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
     """Rotate x (N, n, hd) in place (x may be a strided view). cos / sin_signed: (N, 1, hd), sin_signed being
@@ -399,7 +391,8 @@ class ModelRunner:
             x = self.embed.tok(P.input_ids) if self.embed_q is None else quant.take(self.embed_q, P.input_ids)
             if self.embed.pos is not None:
                 x = x + self.embed.pos(P.positions)
-        if self.stack_batch and (P.dec_all or P.max_chunk <= STACK_MAX_CHUNK):  # every layer in one C call
+        if self.stack_batch:  # every layer in one C call: decode rows and prefill chunks (serve/csrc/attention.c:
+            # a short chunk's tokens attend one by one as decode tokens, a long one's in blocks)
             x = x.contiguous().clone() if not self.has_embed else x.contiguous()
             pos, tables = P.rows_c()
             x = self.stack.batch(x, pos, tables, self.block_size, self.cos_table, self.sin_table)

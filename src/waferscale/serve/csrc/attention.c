@@ -165,13 +165,12 @@ static inline __attribute__((always_inline)) void scores_heads(const float* q, l
 #endif
 
 /* o[j][v] (j < JN heads, v < nv vectors of 16 dims from dim i) = sum over positions u in [lo, S), in order, of
-   p[j * (S - lo) + u - lo] * V_u[i + 16 v ..]; each vector of 16 as NPARTS native registers (o[j][v NPARTS + h]) */
+   p[j * P + u - lo] * V_u[i + 16 v ..]; each vector of 16 as NPARTS native registers (o[j][v NPARTS + h]) */
 static inline __attribute__((always_inline)) void pv_block(const void* Vh, long hd, long i, int nv, int JN,
-                                                           const float* p, long lo, long S, const long* table,
-                                                           long bs, long slot0, const float* inv, float* out,
-                                                           int kv16) {
+                                                           const float* p, long P, long lo, long S,
+                                                           const long* table, long bs, long slot0,
+                                                           const float* inv, float* out, int kv16) {
     long es = kv16 ? 2 : 4;  /* bytes a cache value */
-    long P = S - lo;
     vf o[4][4 * NPARTS];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
@@ -203,6 +202,60 @@ static inline __attribute__((always_inline)) void pv_block(const void* Vh, long 
             vf r = o[j][v] * inv[j];
             __builtin_memcpy(out + j * hd + i + 16 * (v / NPARTS) + VLANES * (v % NPARTS), &r, sizeof r);
         }
+}
+
+/* the numerators of softmax(s[0 .. P)) in place; returns 1 / their sum */
+static inline __attribute__((always_inline)) float softmax_(float* sj, long P) {
+    float m = sj[0];
+    long t = 1;
+    if (P >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
+        v16 mv = ld16(sj);
+        for (t = 16; t + 16 <= P; t += 16) {
+            mv = vmax16(ld16(sj + t), mv);
+        }
+        for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; t < P; t++) m = sj[t] > m ? sj[t] : m;
+    v16 acc = {0};
+    t = 0;
+    for (; t + 16 <= P; t += 16) {
+        v16 e = vexp(ld16(sj + t) - m);
+        __builtin_memcpy(sj + t, &e, sizeof e);
+        acc += e;
+    }
+    float sum = hsum16(acc);
+    for (; t < P; t++) {
+        v16 e = vexp(vsplat(sj[t] - m));
+        sj[t] = e[0];
+        sum += e[0];
+    }
+    return 1.0f / sum;
+}
+
+/* out[j hd ..] (j < n heads) = inv[j] * sum over positions u in [lo, S), in order, of p[j * P + u - lo] * V_u:
+   pv_block over the heads four at a time */
+static inline __attribute__((always_inline)) void pv_heads(const void* Vh, long hd, long n, const float* p, long P,
+                                                           long lo, long S, const long* table, long bs,
+                                                           long slot0, const float* inv, float* out, int kv16) {
+    for (long jj = 0; jj < n; jj += 4) {
+        int JN = n - jj < 4 ? (int)(n - jj) : 4;
+        const float* pj = p + jj * P;
+        float* o = out + jj * hd;
+        const float* iv = inv + jj;
+        for (long i = 0; i < hd; i += 16 * PV_NV) {
+            int nv = hd - i < 16 * PV_NV ? (int)((hd - i) / 16) : PV_NV;
+            if (nv == PV_NV) {
+                switch (JN) {
+                case 1: pv_block(Vh, hd, i, PV_NV, 1, pj, P, lo, S, table, bs, slot0, iv, o, kv16); break;
+                case 2: pv_block(Vh, hd, i, PV_NV, 2, pj, P, lo, S, table, bs, slot0, iv, o, kv16); break;
+                case 3: pv_block(Vh, hd, i, PV_NV, 3, pj, P, lo, S, table, bs, slot0, iv, o, kv16); break;
+                default: pv_block(Vh, hd, i, PV_NV, 4, pj, P, lo, S, table, bs, slot0, iv, o, kv16); break;
+                }
+            } else {
+                pv_block(Vh, hd, i, nv, JN, pj, P, lo, S, table, bs, slot0, iv, o, kv16);
+            }
+        }
+    }
 }
 
 static _Thread_local long* t_slot;
@@ -265,53 +318,11 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
             }
         float inv[64];
         for (long j = ja; j < jb; j++) {  /* softmax numerators in place, 1 / sums in inv */
-            float* sj = sc + j * P;
-            float m = sj[0];
-            long t = 1;
-            if (P >= 32) {  /* the maximum, 16 lanes at a time (exact: same value as the scalar loop) */
-                v16 mv = ld16(sj);
-                for (t = 16; t + 16 <= P; t += 16) {
-                    mv = vmax16(ld16(sj + t), mv);
-                }
-                for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
-            }
-            for (; t < P; t++) m = sj[t] > m ? sj[t] : m;
-            v16 acc = {0};
-            t = 0;
-            for (; t + 16 <= P; t += 16) {
-                v16 e = vexp(ld16(sj + t) - m);
-                __builtin_memcpy(sj + t, &e, sizeof e);
-                acc += e;
-            }
-            float sum = hsum16(acc);
-            for (; t < P; t++) {
-                v16 e = vexp(vsplat(sj[t] - m));
-                sj[t] = e[0];
-                sum += e[0];
-            }
-            inv[(j - ja) % 64] = 1.0f / sum;
+            inv[(j - ja) % 64] = softmax_(sc + j * P, P);
             if ((j - ja) % 64 == 63 || j == jb - 1) {  /* values for heads [j0, j] */
                 long j0 = j - (j - ja) % 64;
-                float* out = y + (kh * g + j0) * hd;
-                for (long jj = j0; jj <= j; jj += 4) {
-                    int JN = j + 1 - jj < 4 ? (int)(j + 1 - jj) : 4;
-                    const float* p = sc + jj * P;
-                    float* o = out + (jj - j0) * hd;
-                    const float* iv = inv + (jj - j0);
-                    for (long i = 0; i < hd; i += 16 * PV_NV) {
-                        int nv = hd - i < 16 * PV_NV ? (int)((hd - i) / 16) : PV_NV;
-                        if (nv == PV_NV) {
-                            switch (JN) {
-                            case 1: pv_block(Vh, hd, i, PV_NV, 1, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            case 2: pv_block(Vh, hd, i, PV_NV, 2, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            case 3: pv_block(Vh, hd, i, PV_NV, 3, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            default: pv_block(Vh, hd, i, PV_NV, 4, p, lo, S, table, bs, slot0, iv, o, kv16); break;
-                            }
-                        } else {
-                            pv_block(Vh, hd, i, nv, JN, p, lo, S, table, bs, slot0, iv, o, kv16);
-                        }
-                    }
-                }
+                pv_heads(Vh, hd, j + 1 - j0, sc + j0 * P, P, lo, S, table, bs, slot0, inv, y + (kh * g + j0) * hd,
+                         kv16);
             }
         }
     }
@@ -330,6 +341,125 @@ static int attend(const float* qkv, const void* cache, long slots, long slot0, c
 /* The first position a token at position S - 1 attends to: the window holds the latest `window` positions
    (itself included; window 0: every position). */
 static inline long window_lo(long S, long window) { return window > 0 && S > window ? S - window : 0; }
+
+/* ---- a long prefill chunk's tokens, a block of them at a time ------------------------------------------
+   Attending token by token (attend) reads every K row once per token and sums each score across the lanes of
+   one K row: a 512-token chunk on AVX2 ran at ~10 GMAC/s on 2 threads, against ~37 for torch's SDPA. A run of
+   PREFILL_MIN_ROWS or more consecutive positions of one sequence goes instead in blocks of QBLOCK tokens: for
+   each KV head its keys are laid out once per block with positions across the lanes (kt: per tile of VLANES
+   positions, hd rows of VLANES), so that every score is one lane of a multiply-add chain over d in order, four
+   query vectors (tokens x heads) against two tiles at a time; then each query's softmax and values exactly as
+   attend's. A token's result depends only on its own query and keys, not on the block it is in (the positions
+   of a tile past a token's own are computed and never read), but differs in rounding from attend's; runs
+   shorter than PREFILL_MIN_ROWS (a decode token, speculative decoding's verified drafts) keep attend's, so that
+   decode is the same bit for bit however its tokens are batched. */
+#define PREFILL_MIN_ROWS 65  /* (QBLOCK, tokens a block: kernels.h) */
+
+static _Thread_local void* t_kt;
+static _Thread_local long t_kt_cap;
+
+/* sc[m ldp + VLANES i + l] = scale * (sum over d in order of q[m][d] kt_i[d][l]) for MB (<= 4) query vectors q[m],
+   tiles i in [0, nt) (nt even) */
+static inline __attribute__((always_inline)) void scores_tiles(const float* const* q, const int MB, long hd,
+                                                               const float* kt, long nt, float scale, float* sc,
+                                                               long ldp) {
+    for (long i = 0; i < nt; i += 2) {
+        vf acc[4][2];
+        for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = (vf){0};
+        const float* k0 = kt + i * hd * VLANES;
+        const float* k1 = k0 + hd * VLANES;
+        for (long d = 0; d < hd; d++) {
+            vf a = ldf(k0 + d * VLANES), b = ldf(k1 + d * VLANES);
+            for (int m = 0; m < MB; m++) {
+                vf qd = splatf(q[m][d]);
+                acc[m][0] += qd * a;
+                acc[m][1] += qd * b;
+            }
+        }
+        for (int m = 0; m < MB; m++) {
+            vf s0 = acc[m][0] * scale, s1 = acc[m][1] * scale;
+            __builtin_memcpy(sc + m * ldp + i * VLANES, &s0, sizeof s0);
+            __builtin_memcpy(sc + m * ldp + (i + 1) * VLANES, &s1, sizeof s1);
+        }
+    }
+}
+
+/* n tokens at consecutive positions p0 .. p0 + n - 1 of one sequence (entries e0 .. e0 + n - 1 of a's batch,
+   their K and V already in the cache) -> y (n rows of nh hd). Returns 0, or -1 when out of memory. */
+static int attend_block(const attn_t* a, long e0, long n, float* y) {
+    long nh = a->nh, nkv = a->nkv, hd = a->hd, g = nh / nkv, bs = a->bs, p0 = a->pos[e0];
+    const long* table = a->tables + e0 * a->ldt;
+    long lo = window_lo(p0 + 1, a->window), S = p0 + n, P = S - lo;
+    long nt = (P + VLANES - 1) / VLANES;
+    nt += nt & 1;
+    long ldp = nt * VLANES, rb = hd * (a->kv16 ? 2 : 4);
+    float* kt = grow(&t_kt, &t_kt_cap, nt * VLANES * hd + hd, sizeof(float));
+    float* sc = scores_buf(n * g * ldp);
+    if (!kt || !sc) return -1;
+    float* row = kt + nt * VLANES * hd;  /* one K row as floats */
+    if (t_slot_cap < P) {
+        long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
+        if (!nb) return -1;
+        t_slot = nb; t_slot_cap = P;
+    }
+    for (long t0 = lo, base, k; t0 < S; t0 += k) {
+        k = run_of(table, bs, 0, t0, S, &base);
+        for (long u = 0; u < k; u++) t_slot[t0 - lo + u] = base + u;
+    }
+    for (long kh = 0; kh < nkv; kh++) {
+        const char* Kh = (const char*)a->cache + (size_t)kh * a->slots * rb;
+        const char* Vh = (const char*)a->cache + (size_t)(nkv + kh) * a->slots * rb;
+        for (long t = 0; t < ldp; t++) {  /* the keys across the lanes, zeros past the last */
+            float* dst = kt + (t / VLANES) * hd * VLANES + t % VLANES;
+            if (t < P) {
+                const char* src = Kh + t_slot[t] * rb;
+                if (a->kv16)
+                    for (long d = 0; d < hd; d += VLANES) {
+                        vf v = ldhf((const uint16_t*)(const void*)src + d);
+                        __builtin_memcpy(row + d, &v, sizeof v);
+                    }
+                else
+                    __builtin_memcpy(row, src, hd * sizeof(float));
+                for (long d = 0; d < hd; d++) dst[d * VLANES] = row[d];
+            } else {
+                for (long d = 0; d < hd; d++) dst[d * VLANES] = 0.0f;
+            }
+        }
+        /* query vector m: token m / g, head kh g + m % g; four at a time, over the tiles the last one reads */
+        for (long m0 = 0; m0 < n * g; m0 += 4) {
+            const int MB = n * g - m0 < 4 ? (int)(n * g - m0) : 4;
+            const float* q[4];
+            for (int m = 0; m < MB; m++)
+                q[m] = a->qkv + a->rows[e0 + (m0 + m) / g] * a->ldq + (kh * g + (m0 + m) % g) * hd;
+            long last = (m0 + MB - 1) / g, ntm = (p0 + last + 1 - lo + VLANES - 1) / VLANES;
+            ntm += ntm & 1;
+            float* s0 = sc + m0 * ldp;
+            switch (MB) {
+            case 1: scores_tiles(q, 1, hd, kt, ntm, a->scale, s0, ldp); break;
+            case 2: scores_tiles(q, 2, hd, kt, ntm, a->scale, s0, ldp); break;
+            case 3: scores_tiles(q, 3, hd, kt, ntm, a->scale, s0, ldp); break;
+            default: scores_tiles(q, 4, hd, kt, ntm, a->scale, s0, ldp); break;
+            }
+        }
+        for (long r = 0; r < n; r++) {  /* each token: its softmax and values, as attend */
+            long Sr = p0 + r + 1, lr = window_lo(Sr, a->window), Pr = Sr - lr;
+            float* sr = sc + r * g * ldp + (lr - lo);
+            float inv[64];
+            if (a->slopes)
+                for (long j = 0; j < g; j++) {
+                    float m = a->slopes[kh * g + j];
+                    for (long t = 0; t < Pr; t++) sr[j * ldp + t] += m * (float)(lr + t - (Sr - 1));
+                }
+            for (long j0 = 0; j0 < g; j0 += 64) {
+                long j1 = j0 + 64 < g ? j0 + 64 : g;
+                for (long j = j0; j < j1; j++) inv[j - j0] = softmax_(sr + j * ldp, Pr);
+                pv_heads(Vh, hd, j1 - j0, sr + j0 * ldp, ldp, lr, Sr, table, bs, 0, inv,
+                         y + r * nh * hd + (kh * g + j0) * hd, a->kv16);
+            }
+        }
+    }
+    return 0;
+}
 
 /* One sequence's attention is shared by the pool's threads, the query heads of one KV head a chunk (each KV
    head's K and V read once, by one thread), once it reads at least this many positions; shorter ones run on
@@ -376,22 +506,30 @@ static int attend_chunk(const attn_t* a, long c, float* y) {
         return attend(a->qkv, a->cache, a->slots, a->slot0, NULL, 0, window_lo(S, a->window), S, a->slopes, a->nh,
                       a->nkv, a->hd, a->scale, y, h0, h1, a->kv16);
     }
-    long S = a->pos[c] + 1;  /* sequence c */
-    return attend(a->qkv + a->rows[c] * a->ldq, a->cache, a->slots, 0, a->tables + c * a->ldt, a->bs,
+    long e = a->blk ? a->blk[c] : c;  /* token e, or the block of tokens from it */
+    if (a->blk && a->blk[c + 1] - e > 1) return attend_block(a, e, a->blk[c + 1] - e, y);
+    long S = a->pos[e] + 1;
+    return attend(a->qkv + a->rows[e] * a->ldq, a->cache, a->slots, 0, a->tables + e * a->ldt, a->bs,
                   window_lo(S, a->window), S, a->slopes, a->nh, a->nkv, a->hd, a->scale, y, 0, a->nh, a->kv16);
 }
 
-/* Decode tokens of B sequences: token b is row rows[b] of qkv (row stride ldq) and of y (stride ldy); it
-   sits at position pos[b] (its sequence's length - 1) and its block table is tables[b * ldt ..] (blocks of
-   bs slots). cos_t / sin_t: (positions, hd) rotary tables, or NULL. Every token's rope and KV write first,
-   then the sequences' attention, shared by the pool's threads (one sequence per chunk). window, slopes: as
+static _Thread_local long* t_blk;
+static _Thread_local long t_blk_cap;
+
+/* Decode tokens of B sequences, or the tokens of prefill chunks: token b is row rows[b] of qkv (row stride ldq)
+   and of y (stride ldy); it sits at position pos[b] of its sequence and its block table is tables[b * ldt ..]
+   (blocks of bs slots). cos_t / sin_t: (positions, hd) rotary tables, or NULL. Every token's rope and KV write
+   first, then the attention, shared by the pool's threads: a token a chunk, or a block of QBLOCK tokens of a
+   run of PREFILL_MIN_ROWS or more consecutive positions of one sequence (attend_block). window, slopes: as
    wsc_decode_attention_ex (a table's entries before the window are not read); kv16: the cache holds float16.
    Returns 0, or -1 when out of memory (y may be partly written). */
 int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B, const long* pos,
                                   const float* cos_t, const float* sin_t, void* cache, long slots,
                                   const long* tables, long ldt, long bs, long nh, long nkv, long hd, float scale,
                                   float* y, long ldy, long window, const float* slopes, int kv16) {
-    long smax = 0;
+    long smax = 0, sblk = 0, nc = 0;
+    long* blk = grow((void**)&t_blk, &t_blk_cap, B + 1, sizeof(long));
+    if (!blk) return -1;
     for (long b = 0; b < B; b++) {
         long p = pos[b];
         rope_write(qkv + rows[b] * ldq, cos_t ? cos_t + p * hd : NULL, sin_t ? sin_t + p * hd : NULL, cache, slots,
@@ -399,21 +537,41 @@ int wsc_decode_attention_batch_ex(float* qkv, long ldq, const long* rows, long B
         long P = p + 1 - window_lo(p + 1, window);
         smax = P > smax ? P : smax;
     }
+    for (long b = 0, e; b < B; b = e) {  /* runs of consecutive positions of one sequence (the same table) */
+        for (e = b + 1; e < B && pos[e] == pos[e - 1] + 1 &&
+                        !memcmp(tables + e * ldt, tables + b * ldt, (size_t)(pos[e] / bs + 1) * sizeof(long)); e++) {}
+        if (e - b < PREFILL_MIN_ROWS) {
+            for (long t = b; t < e; t++) blk[nc++] = t;
+            continue;
+        }
+        for (long t = b; t < e; t += QBLOCK) {
+            long n = e - t < QBLOCK ? e - t : QBLOCK, P = pos[t] + n - window_lo(pos[t] + 1, window);
+            long ldp = ((P + VLANES - 1) / VLANES + 1) / 2 * 2 * VLANES;
+            sblk = n * (nh / nkv) * ldp > sblk ? n * (nh / nkv) * ldp : sblk;
+            blk[nc++] = t;
+        }
+    }
+    blk[nc] = B;
     attn_t a = {qkv, ldq, rows, pos, cache, slots, tables, ldt, bs, nh, nkv, hd, scale, y, ldy, window, slopes, 0, 0,
-                kv16};
+                kv16, nc < B ? blk : NULL};
     long ns = atomic_load(&g_use);
-    if (ns > B) ns = B;
+    if (ns > nc) ns = nc;
     int idle = 0;
-    if (!scores_buf(nh / nkv * smax) || !chunk_buf(nh * hd) || (NPARTS > 1 && kv16 && !ktile_buf(16 * hd)))
+    long nsc = nh / nkv * smax > sblk ? nh / nkv * smax : sblk;
+    if (!scores_buf(nsc) || !chunk_buf((nc < B ? QBLOCK : 1) * nh * hd) || (NPARTS > 1 && kv16 && !ktile_buf(16 * hd)))
         return -1;  /* the caller's own, reserved */
-    if (ns >= 2 && B <= MAX_CHUNKS && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
+    if (ns >= 2 && nc <= MAX_CHUNKS && atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
         job_t j = {NULL, NULL, NULL, NULL, NULL, 0, 0, 0, &a};
-        run_pool(&j, 1, B, ns);
+        run_pool(&j, 1, nc, ns);
         atomic_store(&g_busy, 0);
         return 0;
     }
-    for (long b = 0; b < B; b++)
-        if (attend_chunk(&a, b, y + rows[b] * ldy) != 0) return -1;
+    float* buf = chunk_buf((nc < B ? QBLOCK : 1) * nh * hd);
+    for (long c = 0; c < nc; c++) {
+        if (attend_chunk(&a, c, buf) != 0) return -1;
+        for (long e = a.blk ? blk[c] : c; e < (a.blk ? blk[c + 1] : c + 1); e++)
+            __builtin_memcpy(y + rows[e] * ldy, buf + (e - (a.blk ? blk[c] : c)) * nh * hd, nh * hd * sizeof(float));
+    }
     return 0;
 }
 

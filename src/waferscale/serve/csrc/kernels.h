@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -314,16 +315,18 @@ static inline void* grow(void** buf, long* cap, long n, size_t size) {
 #define PF_DIST 512   /* floats ahead of the panel read to prefetch */
 #endif
 
-/* decode attention for the pool: B sequences over a paged cache, one a chunk (see wsc_decode_attention_batch),
-   or (hsplit > 0) one sequence whose KV sits in consecutive slots from slot0, hsplit query heads a chunk (see
-   wsc_decode_attention_ex) */
+/* decode attention for the pool: B tokens over a paged cache, one a chunk, or (blk) chunk c the tokens [blk[c],
+   blk[c + 1]) (see wsc_decode_attention_batch), or (hsplit > 0) one sequence whose KV sits in consecutive slots
+   from slot0, hsplit query heads a chunk (see wsc_decode_attention_ex) */
 typedef struct {
     const float* qkv; long ldq; const long *rows, *pos; const void* cache; long slots;
     const long* tables; long ldt, bs, nh, nkv, hd; float scale; float* y; long ldy;
     long window; const float* slopes;  /* sliding window (0: none), ALiBi slopes per query head (NULL: none) */
     long slot0, hsplit;
     int kv16;  /* the cache holds float16 (1) or float32 (0) */
+    const long* blk;
 } attn_t;
+#define QBLOCK 16  /* tokens of a long prefill chunk attended together (attention.c, attend_block) */
 
 /* one job for the pool: a product (at == NULL) or decode attention (attn_t's chunks). A product's W is in
    dense panels (off == NULL, qt == 0, panels.c), in sparse panels with panel offsets off (spanels.c), or in

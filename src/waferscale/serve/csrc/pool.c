@@ -96,17 +96,24 @@ static inline int enter(uint64_t gen) {
     return 0;
 }
 
-static inline long job_buf(const job_t* j, long cp) { return j->at ? j->at->nh * j->at->hd : j->rows * cp * PANEL; }
+static inline long job_buf(const job_t* j, long cp) {
+    return j->at ? (j->at->blk ? QBLOCK : 1) * j->at->nh * j->at->hd : j->rows * cp * PANEL;
+}
 
 static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* buf) {
-    if (j->at) {  /* attention: sequence c's, or query heads [h0, h1) of the one sequence */
+    if (j->at) {  /* attention: token c's (or tokens [blk[c], blk[c + 1])), or query heads [h0, h1) of the one */
         const attn_t* a = j->at;
         if (attend_chunk(a, c, buf) != 0) return;  /* out of memory: the caller (who reserved its own) redoes it */
         long h0 = a->hsplit ? c * a->hsplit : 0, h1 = a->hsplit && h0 + a->hsplit < a->nh ? h0 + a->hsplit : a->nh;
+        long e0 = a->blk ? a->blk[c] : c, e1 = a->blk ? a->blk[c + 1] : c + 1;
         uint64_t want = gen << 2 | OPEN;
         if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
-            __builtin_memcpy(a->y + (a->hsplit ? 0 : a->rows[c] * a->ldy) + h0 * a->hd, buf + h0 * a->hd,
-                             (h1 - h0) * a->hd * sizeof(float));
+            if (a->hsplit)
+                __builtin_memcpy(a->y + h0 * a->hd, buf + h0 * a->hd, (h1 - h0) * a->hd * sizeof(float));
+            else
+                for (long e = e0; e < e1; e++)
+                    __builtin_memcpy(a->y + a->rows[e] * a->ldy, buf + (e - e0) * a->nh * a->hd,
+                                     a->nh * a->hd * sizeof(float));
             atomic_store(&g_state[c], gen << 2 | DONE);
         }
         return;
