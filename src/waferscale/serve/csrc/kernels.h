@@ -338,7 +338,10 @@ typedef struct {
     const int64_t* off;
     const uint8_t* qw; int qt;
     const int8_t* xq; const float* xs;
+    const float* xr;  /* not NULL: the job rounds x = xr (rows, in) into xq and xs instead (qint.c's quantize_x),
+                         QX_ROWS rows a chunk */
 } job_t;
+#define QX_ROWS 4
 
 /* defined in attention.c, run by the pool (pool.c) */
 static int attend_chunk(const attn_t* a, long c, float* y);

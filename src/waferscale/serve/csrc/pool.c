@@ -97,10 +97,23 @@ static inline int enter(uint64_t gen) {
 }
 
 static inline long job_buf(const job_t* j, long cp) {
+    if (j->xr) return QX_ROWS * (XB * j->in / 4 + XS * (j->in / 32));  /* (XB: a multiple of 4 bytes) */
     return j->at ? (j->at->blk ? QBLOCK : 1) * j->at->nh * j->at->hd : j->rows * cp * PANEL;
 }
 
 static void finish_chunk(uint64_t gen, const job_t* j, long c, long cp, float* buf) {
+    if (j->xr) {  /* the rounding of rows [r0, r1) of x */
+        long in = j->in, nb = in / 32, r0 = c * QX_ROWS, r1 = r0 + QX_ROWS < j->rows ? r0 + QX_ROWS : j->rows;
+        float* bs = buf + QX_ROWS * XB * in / 4;
+        quantize_x(j->xr + r0 * in, r1 - r0, in, (int8_t*)buf, bs);
+        uint64_t want = gen << 2 | OPEN;
+        if (atomic_compare_exchange_strong(&g_state[c], &want, gen << 2 | WRITING)) {
+            __builtin_memcpy((int8_t*)j->xq + XB * r0 * in, buf, (size_t)(r1 - r0) * XB * in);
+            __builtin_memcpy((float*)j->xs + XS * r0 * nb, bs, (size_t)(r1 - r0) * XS * nb * sizeof(float));
+            atomic_store(&g_state[c], gen << 2 | DONE);
+        }
+        return;
+    }
     if (j->at) {  /* attention: token c's (or tokens [blk[c], blk[c + 1])), or query heads [h0, h1) of the one */
         const attn_t* a = j->at;
         if (attend_chunk(a, c, buf) != 0) return;  /* out of memory: the caller (who reserved its own) redoes it */
@@ -244,6 +257,7 @@ static _Atomic int g_busy;  /* the pool serves one caller at a time; others run 
    Q8_0 with nothing else running (the same as always sharing), -1.6% with a busy loop on the other core
    (always sharing: -10.8%). */
 #define SHARE_ROWS 4  /* products of this many rows or more are always shared */
+#define QX_SHARE_CHUNKS 2  /* ... and their rounding of x (qint.c) when it makes this many chunks of QX_ROWS */
 #define LATE_NS 5000
 #define LATE_SHARE 0.25
 #define EXPLORE_EVERY 256
@@ -263,18 +277,18 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
     long np = (out + PANEL - 1) / PANEL;
     const int8_t* xq = NULL;
     const float* xs = NULL;
-    if (qt && qint8_applies(qt)) {  /* x rounded to int8 (qint.c), in one buffer: xq, then xs */
+    int round = qt && qint8_applies(qt);
+    if (round) {  /* x rounded to int8 (qint.c), in one buffer: xq, then xs (below) */
         long nb = in / 32, at = (XB * rows * in + 15) / 16 * 16;
         if (!grow(&t_xt, &t_xt_cap, at / 4 + rows * nb * XS, sizeof(float))) return -1;
         xq = (const int8_t*)t_xt;
         xs = (const float*)t_xt + at / 4;
-        quantize_x(x, rows, in, (int8_t*)t_xt, (float*)xs);
     } else if (rows > 1 && !off) {  /* (one row is its own transpose; sparse panels read x as it is) */
         if (!grow(&t_xt, &t_xt_cap, rows * in, sizeof(float))) return -1;
         pack_x(x, rows, in, t_xt);
         xt = t_xt;
     }
-    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off, qw, qt, xq, xs};
+    job_t j = {W, xt, b, res, y, rows, out, in, NULL, off, qw, qt, xq, xs, NULL};
     if (!qbuf_ready(&j)) return -1;
     /* floats (quantized: 4-byte words) streamed per panel */
     long per = off ? (long)off[np] / (np > 0 ? np : 1) : qt ? qpanel_bytes(qt, in) / 4 : PANEL * in;
@@ -288,8 +302,17 @@ static int qproduct(const float* W, const int64_t* off, const uint8_t* qw, int q
     if (ns > nc / 2) ns = nc / 2;
     int idle = 0;
     if (ns < 2 || !chunk_buf(rows * cp * PANEL) || !atomic_compare_exchange_strong(&g_busy, &idle, 1)) {
+        if (round) quantize_x(x, rows, in, (int8_t*)xq, (float*)xs);
         any_panels_into(&j, 0, np, y, out);  /* (also when another thread is using the pool: this is reentrant) */
         return 0;
+    }
+    if (round) {  /* the rounding shared too when there are enough rows to share */
+        long nq = (rows + QX_ROWS - 1) / QX_ROWS;
+        job_t jq = {NULL, NULL, NULL, NULL, NULL, rows, 0, in, NULL, NULL, NULL, 0, xq, xs, x};
+        if (nq >= QX_SHARE_CHUNKS && nq <= MAX_CHUNKS && chunk_buf(job_buf(&jq, 1)))
+            run_pool(&jq, 1, nq, atomic_load(&g_use) < nq ? atomic_load(&g_use) : nq);
+        else
+            quantize_x(x, rows, in, (int8_t*)xq, (float*)xs);
     }
     int shared = 1, count = 0;
     if (rows < SHARE_ROWS) {  /* (more rows are compute-bound: two cores beat one, a late worker gets robbed) */
