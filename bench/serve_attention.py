@@ -12,7 +12,12 @@ positions, scattered), `kernels.decode_attention_batch` with a float32 and a flo
 float16 halves the bytes), against torch SDPA over each sequence's gathered float32 keys and values (the runner's
 torch path), 2 threads each, per layer over 30 layers' caches.
 
-    python bench/serve_attention.py [--positions 100,500,2000] [--batch 16] [--repeats 5]
+A third table is one prefill chunk of `--prefill` tokens (default 128,512) attending causally: the C stack's
+`kernels.decode_attention_batch` over the chunk's tokens (csrc/attention.c: a run of 65 or more goes in blocks
+of 16 tokens; rope and the KV write included), against torch SDPA (is_causal, GQA) over the same keys and
+values, 2 threads each, per layer over 30 layers' caches; the multiply-adds of both products over the time.
+
+    python bench/serve_attention.py [--positions 100,500,2000] [--batch 16] [--prefill 128,512] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def main() -> None:
     ap.add_argument("--positions", default="100,500,2000")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="sequences of the batched table (0: skip it)")
+    ap.add_argument("--prefill", default="128,512", help="chunk lengths of the prefill table ('': skip it)")
     a = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"the C kernels are not available: {kernels.unavailable_reason()}")
@@ -69,6 +75,8 @@ def main() -> None:
               f"{peer * 1e6:13.1f}{peer / ours[2]:13.2f}x")
     if a.batch > 0:
         batched(a)
+    if a.prefill:
+        prefill_table([int(t) for t in a.prefill.split(",")], a.repeats)
 
 
 def batched(a) -> None:
@@ -104,6 +112,35 @@ def batched(a) -> None:
         f32, f16 = ours[torch.float32], ours[torch.float16]
         print(f"{S:10d}{mb:12.2f}{f32 * 1e6:11.1f}{f16 * 1e6:11.1f}{f32 / f16:12.2f}x{peer * 1e6:12.1f}"
               f"{peer / f16:18.2f}x")
+
+
+def prefill_table(lengths: list[int], repeats: int) -> None:
+    kernels.set_threads(2)
+    torch.set_num_threads(2)
+    print(f"\none prefill chunk attending causally (float32 cache, blocks of 16), 2 threads each; us per layer over "
+          f"{LAYERS} layers, GMAC/s of q.k and p.v")
+    print(f"{'tokens':>8s}{'ours':>10s}{'GMAC/s':>9s}{'torch SDPA':>12s}{'GMAC/s':>9s}{'ours / torch':>14s}")
+    bs = 16
+    for T in lengths:
+        nblk = -(-T // bs)
+        g = torch.Generator().manual_seed(0)
+        tables = torch.randperm(2 * nblk, generator=g)[:nblk].repeat(T, 1)  # one sequence's scattered blocks
+        pos, rows = torch.arange(T), torch.arange(T)
+        qkv0 = torch.randn(T, (NH + 2 * NKV) * HD, generator=g)
+        y = torch.empty(T, NH * HD)
+        caches = [torch.zeros(2 * NKV, 2 * nblk * bs, HD) for _ in range(LAYERS)]
+        qkvs = [qkv0.clone() for _ in range(LAYERS)]
+        ours = per_layer(lambda i: kernels.decode_attention_batch(qkvs[i], rows, pos, None, None, caches[i], tables,
+                                                                  bs, NH, NKV, y), repeats)
+        q = qkv0[:, :NH * HD].view(T, NH, HD).transpose(0, 1)[None]
+        k = qkv0[:, NH * HD:(NH + NKV) * HD].view(T, NKV, HD).transpose(0, 1)[None]
+        v = qkv0[:, (NH + NKV) * HD:].view(T, NKV, HD).transpose(0, 1)[None]
+        with torch.inference_mode():
+            peer = per_layer(lambda i: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                             repeats)
+        macs = 2 * NH * HD * T * (T + 1) / 2
+        print(f"{T:8d}{ours * 1e6:10.1f}{macs / ours / 1e9:9.1f}{peer * 1e6:12.1f}{macs / peer / 1e9:9.1f}"
+              f"{peer / ours:13.2f}x")
 
 
 if __name__ == "__main__":

@@ -100,11 +100,11 @@ def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
 
 def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", "gpt-tni", "--prompt", "x"), "gpt-tiny")
-    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "no checkpoint",
-                       "Hugging Face", "--model")
+    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "checkpoint_*.json",
+                       "Hugging Face")
     _assert_user_error(wsc("generate", "--model", "gpt-tiny", "--prompt", "x"), "--tokenizer")
-    (tmp_path / "checkpoint_3.json").write_text("{}")  # a `wsc run` model_dir given as --model
-    _assert_user_error(wsc("generate", "--model", str(tmp_path), "--prompt", "x"), "--checkpoint")
+    (tmp_path / "checkpoint_3.json").write_text("{}")  # a `wsc run` model_dir (either flag) with a foreign manifest
+    _assert_user_error(wsc("generate", "--model", str(tmp_path), "--prompt", "x"), "not a waferscale checkpoint")
     for missing in (str(tmp_path / "nope" / "model.gguf"), "SmolLM2-135M-Instruct.Q4_1.gguf"):  # not there
         _assert_user_error(wsc("generate", "--model", missing, "--prompt", "x"), "no such model file or directory",
                            "a GGUF file")

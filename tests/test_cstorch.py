@@ -368,3 +368,16 @@ def test_backend_and_executor_name_cerebras_arguments_and_refuse_unknown_ones(tm
         cstorch.utils.data.DataExecutor(loader, num_steps=1, listeners=[])
     with pytest.raises(TypeError, match="num_step"):
         cstorch.utils.data.DataExecutor(loader, num_step=1)
+
+
+def test_importing_cstorch_changes_nothing_in_torch() -> None:
+    """A library changes nothing global on import: `model.apply(sparsity)` works through torch's own
+    `Module.apply` (the algorithm is the function it calls), which stays torch's."""
+    code = ("import torch; apply = torch.nn.Module.apply; import waferscale.pytorch as cstorch; "
+            "assert torch.nn.Module.apply is apply; m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), "
+            "torch.nn.Sequential(torch.nn.Linear(8, 4))); "
+            "s = cstorch.sparse.configure({'algorithm': 'static', 'sparsity': 0.5}); m.apply(s); "
+            "names = sorted(n for n, _ in m.named_buffers()); assert names == ['0.weight_mask', '2.0.weight_mask'], "
+            "names; assert abs(float(m[0].weight_mask.float().mean()) - 0.5) < 0.02")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

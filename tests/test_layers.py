@@ -38,7 +38,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "zoo": _L1 | {"compiler", "runtime", "pytorch", "params", "plots"},  # the Model Zoo runner (`wsc run`)
     "serve": _L1 | {"compiler", "runtime"},  # not pytorch, not zoo
     "plots": _BOTTOM,  # pictures; imported only by cli and zoo
-    "appliance": _BOTTOM | {"zoo", "serve"},  # the job service: zoo checks a run at submit, serve's error envelope
+    # the job service: zoo checks a run at submit, serve's error envelope, runtime's source.py names a deployment
+    "appliance": _BOTTOM | {"zoo", "serve", "runtime"},
     "cli": _L1 | {"compiler", "runtime", "pytorch", "params", "zoo", "serve", "plots", "appliance", "waferscale"},
     "__main__": {"cli"},
     "waferscale": set(),

@@ -356,9 +356,9 @@ def create_app(app_: Appliance) -> FastAPI:
     def deployed(states: tuple[str, ...] = ("RUNNING",)) -> list[tuple[Job, str, set[str]]]:
         """Deployments in `states` (running, by default), each with the id its server answers to and the other
         names it takes."""
-        from waferscale.serve.server import served_model_id
+        from waferscale.runtime.source import served_id
 
-        return [(j, *served_model_id(j.spec["model"])) for j in app_.store.jobs(states=states) if j.kind == "deploy"]
+        return [(j, *served_id(j.spec["model"])) for j in app_.store.jobs(states=states) if j.kind == "deploy"]
 
     def deployments_of(model: str | None, states: tuple[str, ...]) -> list[Job]:
         """Deployments in `states` that answer to `model` (by id or another name), in submission order."""

@@ -157,11 +157,14 @@ def cmd_export(a: argparse.Namespace) -> int:
     if (a.model is None) == (a.checkpoint is None):
         raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
     if a.format == "gguf":
+        from waferscale.runtime.source import resolve
         from waferscale.serve.export_gguf import export_gguf
-        from waferscale.util.assets import asset_path, find_asset
 
-        src = a.model or a.checkpoint
-        src = asset_path(src, "model") if find_asset(src, "model") is not None else Path(src).expanduser()
+        source = resolve(a.model or a.checkpoint)
+        if source.path is None:
+            raise ConfigError(f"{source.spec} is a zoo name without weights: export a checkpoint, a .gguf or a "
+                              "Hugging Face directory")
+        src = source.path
         stats = export_gguf(src, Path(a.out), a.dtype)
         print(f"wrote {a.out}: {stats['tensors']} tensors ({stats['requantized']} requantized to {a.dtype}), "
               f"{stats['bytes'] / 1e6:.1f} MB, metadata and tokenizer from {src}")
@@ -240,10 +243,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
         params = _load_params(a.params)
         graph = params_graph(params)
         sparsity = sparsity if sparsity is not None else _params_sparsity(params)
-    if a.sensitivity is not None and a.model:  # one capture for the plan and every recompile
-        from waferscale.compiler.capture import capture_zoo
+    if a.model:  # whatever names it (runtime/source.py), captured once for the plan and every recompile
+        from waferscale.runtime.source import resolve
 
-        graph, a.model = capture_zoo(a.model), None
+        graph, a.model = resolve(a.model).graph(), None
     request = dict(model=a.model, graph=graph, target=a.target,
                    systems=a.systems, pes=parse_pes(a.pes) if a.pes else None, mode=a.mode,
                    batch_size=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len,

@@ -197,6 +197,19 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
     return manifest
 
 
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of checkpoint `path` (a model_dir: its latest), checked to be one of ours."""
+    manifest_path = resolve_checkpoint_path(path)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {fmt!r})")
+    return manifest
+
+
 def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config: ModelConfig | None = None,
                     optimizer_index: Mapping[str, int] | None = None, lr_scales: Mapping[str, float] | None = None
                     ) -> Checkpoint:
@@ -208,12 +221,7 @@ def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config:
                                   f"give the params file of the model it holds")
         return load_cerebras_checkpoint(path, model_config, optimizer_index if with_optimizer else None, lr_scales)
     manifest_path = resolve_checkpoint_path(path)
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {manifest.get('format')!r})")
+    manifest = read_manifest(manifest_path)
     for name, size in manifest["files"].items():
         f = manifest_path.with_name(name)
         if not f.exists() or f.stat().st_size != size:

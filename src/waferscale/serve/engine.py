@@ -247,13 +247,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
-        """Load a pretrained asset (or .gguf / HF directory) and its tokenizer; a GGUF's matrices stay in the
-        file's precision unless kw's dtype is "fp32"."""
-        from waferscale.data import load_tokenizer
-        from waferscale.models.pretrained import load_pretrained
+        """Load what `name` names (runtime/source.py: a packaged model, a .gguf, a Hugging Face directory, a `wsc
+        run` model_dir or checkpoint, a zoo name) and its tokenizer; a GGUF's matrices stay in the file's
+        precision unless kw's dtype is "fp32"."""
+        from waferscale.runtime.source import resolve
 
-        model = load_pretrained(name, device=kw.get("device", "cpu"), keep_quantized=kw.get("dtype") != "fp32")
-        return cls(model, load_tokenizer(name), **kw)
+        src = resolve(name)
+        tok = src.tokenizer()
+        if tok is None:
+            raise ConfigError(f"{name} has no tokenizer of its own (a zoo name): serve a checkpoint, a .gguf or a "
+                              "Hugging Face directory")
+        return cls(src.load(device=kw.get("device", "cpu"), keep_quantized=kw.get("dtype") != "fp32"), tok, **kw)
 
     # ---- requests --------------------------------------------------------------------------------------
     def limits(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ tokenizer of a `wsc run` checkpoint included).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,16 +34,27 @@ class Completion:
 
 
 class LLM:
-    """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size); load them with
-    runtime/generation.py's `load_for_generation` (a zoo or asset name, a HF directory, a .gguf, a checkpoint).
+    """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size), or over what a
+    name or path names (`LLM("smollm2-135m-instruct")`, `LLM("runs/demo")`, a .gguf, a Hugging Face
+    directory: runtime/source.py, as every command resolves a model; `tokenizer` then overrides its own).
 
     max_num_seqs: sequences decoded together. max_model_len: prompt + generated tokens a sequence may reach
     (None: the model's context); with `max_num_seqs` it sizes the KV cache (blocks for that many sequences of
     that length) unless `num_blocks` or `kv_cache_mb` is given. Other keywords go to `Engine`.
     """
 
-    def __init__(self, model: CausalLM, tokenizer: Any, *, max_num_seqs: int = 1, max_model_len: int | None = None,
-                 **engine_kw: Any) -> None:
+    def __init__(self, model: CausalLM | str | os.PathLike, tokenizer: Any = None, *, max_num_seqs: int = 1,
+                 max_model_len: int | None = None, **engine_kw: Any) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            from waferscale.runtime.source import resolve
+
+            src = resolve(model)
+            tokenizer = src.tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
+            if tokenizer is None:
+                raise ConfigError(f"{model} has no tokenizer of its own (a zoo name): pass tokenizer=")
+            model = src.load(keep_quantized=engine_kw.get("dtype", "auto") != "fp32")
+        elif tokenizer is None:
+            raise ConfigError("LLM(model, tokenizer): a model object needs its tokenizer")
         ctx = model.config.max_seq_len if max_model_len is None else min(max_model_len, model.config.max_seq_len)
         if "num_blocks" not in engine_kw and "kv_cache_mb" not in engine_kw:
             engine_kw["num_blocks"] = max_num_seqs * blocks_for(ctx, engine_kw.get("block_size", 16))

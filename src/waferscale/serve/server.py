@@ -12,20 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from waferscale.runtime.source import resolve, served_id
 
 __all__ = ["serve", "build_app", "wafer_projection"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def served_model_id(model: str) -> tuple[str, set[str]]:
-    """The id clients use: a zoo/asset name as given, or a path's final component (the full path also works)."""
-    p = Path(model).expanduser()
-    if p.exists():
-        return p.resolve().name.removesuffix(".gguf"), {model, str(p.resolve())}
-    return model, {model.lower()}
 
 
 def wafer_projection(model: str, target: str, systems: int = 1) -> dict[str, Any]:
@@ -34,21 +27,7 @@ def wafer_projection(model: str, target: str, systems: int = 1) -> dict[str, Any
     from waferscale.compiler import compile_model
     from waferscale.compiler.api import plan_json
 
-    p = Path(model).expanduser()
-    if p.is_dir():  # a HF directory: compile its architecture (shapes only, on the meta device)
-        import json
-
-        from waferscale.models import build
-        from waferscale.models.hf import config_from_hf
-
-        cfg = config_from_hf(json.loads((p / "config.json").read_text()))
-        plan = compile_model(module=build(cfg, device="meta"), target=target, systems=systems, mode="inference")
-    elif p.is_file():
-        from waferscale.models.pretrained import load_pretrained
-
-        plan = compile_model(module=load_pretrained(p), target=target, systems=systems, mode="inference")
-    else:
-        plan = compile_model(model=model, target=target, systems=systems, mode="inference")
+    plan = compile_model(graph=resolve(model).graph(), target=target, systems=systems, mode="inference")
     return plan_json(plan)
 
 
@@ -59,10 +38,10 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
 
     engine_process: run the engine in its own process (serve/core.py; the default, as `wsc serve` does), else
     in a thread of this one (AsyncEngine)."""
-    from waferscale.data import load_tokenizer
     from waferscale.serve.openai.app import create_app
 
     t = time.perf_counter()
+    source = resolve(model)  # (the engine process resolves it the same way)
     if engine_process:
         from waferscale.serve.core import CoreClient
 
@@ -72,8 +51,8 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
 
         engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
         aengine = AsyncEngine(engine)
-    tokenizer = load_tokenizer(model)
-    model_id, aliases = served_model_id(model)
+    tokenizer = source.tokenizer()
+    model_id, aliases = served_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
         f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''}; "
         f"C kernels: {engine.stats().get('kernel_path')})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -74,6 +75,19 @@ class SparsityAlgorithm:
         self.generator = torch.Generator().manual_seed(seed)
         self._target_hooks: list[Hook] = []
         self._computed_hooks: list[Hook] = []
+
+    def __call__(self, module: torch.nn.Module) -> None:
+        """`model.apply(sparsity)`, as cerebras.pytorch spells it: torch's own `Module.apply` calls this on every
+        submodule, children first and the model last; the masks go on at that last call, over the whole model
+        (`sparsify_module(self, model)`: parameter names and filters relative to it). A call made by the
+        `apply` of a parent, as every child's is, does nothing; a direct call `sparsity(model)` is the model's."""
+        caller = sys._getframe(1)
+        apply_code = torch.nn.Module.apply.__code__
+        if caller.f_code is apply_code and caller.f_back is not None and caller.f_back.f_code is apply_code:
+            return  # a submodule's turn inside the model's apply
+        from waferscale.sparse.hooks import sparsify_module
+
+        sparsify_module(self, module)
 
     # ---- parameters ----
     def add(self, name: str, param: Tensor | Callable[[], Tensor],

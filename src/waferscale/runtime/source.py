@@ -1,0 +1,159 @@
+"""Which model a name or path means: the one answer every command gives (`wsc generate`, `wsc serve`, `wsc export`,
+`wsc sparsity_report`, `wsc serve --target`'s projection, `LLM(...)`, the appliance's deployments).
+
+`resolve(spec)` -> a `ModelSource` of one kind:
+
+    asset   a packaged model ("smollm2-135m-instruct", "smollm2")
+    hf      a Hugging Face model directory (config.json + safetensors)
+    gguf    a .gguf file
+    run     a `wsc run` model_dir (its latest checkpoint) or one of its checkpoint_*.json manifests
+    zoo     a zoo architecture name ("gpt2-small"): random weights, said so in `note`
+
+A Model Zoo `.mdl` or a `cstorch.save` file holds weights without their architecture: refused with the
+command that converts it (`wsc checkpoint convert ... --config params.yaml`), as Model Zoo's own tools need the
+params file too."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waferscale.errors import CheckpointError, ConfigError
+from waferscale.models import CausalLM, ModelConfig, build, config_from_name
+from waferscale.models.registry import META_THRESHOLD_PARAMS, canonical_name
+from waferscale.runtime import checkpoint as ckpt
+from waferscale.runtime.mdl import is_mdl
+from waferscale.util.assets import asset_path, find_asset
+
+__all__ = ["ModelSource", "resolve", "served_id"]
+
+KINDS = ("asset", "hf", "gguf", "run", "zoo")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str  # as given
+    kind: str  # one of KINDS
+    path: Path | None  # the file or directory (run: the checkpoint manifest); None for a zoo name
+
+    @property
+    def id(self) -> str:
+        """The name clients use for it (`served_id`)."""
+        return served_id(self.spec)[0]
+
+    @property
+    def note(self) -> str | None:
+        """What the user should know before sampling it."""
+        if self.kind == "zoo":
+            return f"note: {self.spec} has random weights (no checkpoint given); expect noise"
+        return None
+
+    def config(self) -> ModelConfig:
+        """The architecture, without reading the weights where the source says it apart from them."""
+        if self.kind == "zoo":
+            return config_from_name(self.spec)
+        if self.kind == "hf":
+            from waferscale.models.hf import config_from_hf
+
+            return config_from_hf(json.loads((self.path / "config.json").read_text()))
+        if self.kind == "run":
+            return ModelConfig.from_dict(ckpt.read_manifest(self.path)["model_config"])
+        return self.load().config  # (an asset or a .gguf: its metadata and matrices come together)
+
+    def graph(self) -> Any:
+        """The compiler's graph of it (compiler/capture.py's `capture_config`: shapes only, on the meta device),
+        for `wsc compile --model` and `wsc serve --target`'s projection."""
+        from waferscale.compiler.capture import capture_config
+
+        cfg = self.config()
+        return capture_config(cfg, source=f"zoo:{cfg.name}" if self.kind == "zoo" else f"{self.kind}:{self.path}")
+
+    def load(self, *, keep_quantized: bool = False, device: Any = "cpu") -> CausalLM:
+        """The model in eval mode. keep_quantized: a GGUF's matrices stay in the file's precision (models/gguf.py),
+        for the serving engine, which runs them on the CPU."""
+        if self.kind == "zoo":
+            cfg = config_from_name(self.spec)
+            if cfg.num_params > META_THRESHOLD_PARAMS:
+                raise ConfigError(f"{self.spec} has {cfg.num_params / 1e9:.1f}B parameters and no weights ship with "
+                                  "it; sampling it would only materialize random weights. Use a checkpoint or a "
+                                  "smaller model")
+            return build(cfg, device=device).eval()
+        if self.kind == "run":
+            c = ckpt.load_checkpoint(self.path, with_optimizer=False)
+            m = build(ModelConfig.from_dict(c.model_config), device="cpu")
+            ckpt.load_model_weights(m, c.model, str(c.path))
+            return m.to(device).eval()
+        from waferscale.models.pretrained import load_pretrained
+
+        return load_pretrained(self.path, device=device, keep_quantized=keep_quantized)
+
+    def tokenizer(self, override: str | None = None) -> Any | None:
+        """`override` (a tokenizer name or path) if given, else the source's own; None when it has none."""
+        from waferscale.data import load_tokenizer
+
+        if override is not None:
+            return load_tokenizer(override)
+        if self.kind == "zoo":
+            return None
+        if self.kind == "run":
+            tok_dir = self.path.parent / ckpt.read_manifest(self.path).get("tokenizer", "tokenizer")
+            return load_tokenizer(str(tok_dir)) if tok_dir.exists() else None
+        return load_tokenizer(str(self.path))
+
+
+def _refuse_weights_only(p: Path) -> None:
+    convert = (f"convert it with `wsc checkpoint convert {p} --model NAME --src-fmt cs-current --tgt-fmt hf "
+               "--config PARAMS.yaml --output-dir DIR` and pass DIR")
+    if p.is_file() and is_mdl(p):
+        raise CheckpointError(f"{p} is a Model Zoo .mdl checkpoint: it holds weights without the model's "
+                              f"architecture; {convert}")
+    if p.is_file() and p.suffix == ".safetensors":
+        raise CheckpointError(f"{p} is a tensor file without the model's architecture: pass the `wsc run` "
+                              "model_dir or checkpoint_*.json it belongs to, or a Hugging Face directory holding it")
+
+
+def resolve(spec: str | Path) -> ModelSource:
+    """The model `spec` names (see the module's docstring); ConfigError / CheckpointError naming what was tried."""
+    s = str(spec)
+    p = Path(s).expanduser()
+    if p.exists():
+        if p.is_dir():
+            if (p / "config.json").is_file():
+                return ModelSource(s, "hf", p)
+            latest = ckpt.latest_checkpoint(p)
+            if latest is not None:
+                return ModelSource(s, "run", latest)
+            raise CheckpointError(f"{p} is neither a `wsc run` model_dir (no checkpoint_*.json) nor a Hugging Face "
+                                  "model directory (no config.json)")
+        if p.suffix == ".gguf":
+            return ModelSource(s, "gguf", p)
+        if p.name.startswith("checkpoint_") and p.suffix == ".json":
+            return ModelSource(s, "run", p)
+        _refuse_weights_only(p)
+        raise CheckpointError(f"{p}: not a model this package reads (a .gguf file, a Hugging Face directory, a "
+                              "`wsc run` model_dir or checkpoint_*.json)")
+    if find_asset(s, "model") is not None:
+        return ModelSource(s, "asset", asset_path(s, "model"))
+    if p.suffix in (".gguf", ".json", ".mdl", ".safetensors") or "/" in s:
+        raise CheckpointError(f"no such model file or directory: {s!r} (a model is a packaged model, a zoo name, a "
+                              "GGUF file, a Hugging Face directory or a `wsc run` model_dir)")
+    try:
+        canonical_name(s)
+    except ConfigError as e:
+        raise ConfigError(f"{s!r} is not a packaged model, a zoo name or a path ({e})") from None
+    return ModelSource(s, "zoo", None)
+
+
+def served_id(spec: str) -> tuple[str, set[str]]:
+    """The id clients use for the model `spec` names, and the other names that reach it: a packaged or zoo name
+    as given (any case), a path's final component (`.gguf` dropped; a checkpoint manifest: its model_dir's),
+    the path as given and resolved also working. Reads nothing but the path's existence (the appliance asks it
+    about deployments on its own machine)."""
+    p = Path(spec).expanduser()
+    if p.exists():
+        r = p.resolve()
+        name = r.parent.name if r.name.startswith("checkpoint_") and r.suffix == ".json" else r.name
+        return name.removesuffix(".gguf"), {spec, str(r)}
+    return spec, {spec.lower()}
