@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -381,3 +382,27 @@ def test_importing_cstorch_changes_nothing_in_torch() -> None:
             "names; assert abs(float(m[0].weight_mask.float().mean()) - 0.5) < 0.02")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_compiled_models_close_and_leave_no_threads(tmp_path):
+    """Twenty weight-streamed models, each compiled, stepped and closed (ten by `with`): every thread they
+    started ends, and a closed model says so instead of stepping."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    for i in range(20):
+        torch.manual_seed(i)
+        model = build(TINY_GPT)
+        compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path), device="cpu"))
+        with compiled if i % 2 else contextlib.nullcontext(compiled):
+            opt = cstorch.optim.SGD(model.parameters(), lr=1e-2)
+            x, y = batches(1)[0]
+            nn.functional.cross_entropy(compiled(x).view(-1, 37), y.reshape(-1)).backward()
+            opt.step()
+        if not i % 2:
+            compiled.close()
+        compiled.close()  # (idempotent)
+        with pytest.raises(ConfigError, match="was closed"):
+            compiled(x)
+    left = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert not left, left

@@ -53,12 +53,15 @@ class CompiledModel(nn.Module):
         self.backend = backend
         self.device = backend.device
         self.runner: StreamRunner | None = None
+        self._closed = False
         if not backend.is_csx:
             model.to(self.device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.backend.compile_only:
             raise ConfigError("this backend was made with compile_only=True: it compiles, it does not run steps")
+        if self._closed:
+            raise ConfigError("this compiled model was closed: compile the model again to run more steps")
         half = _amp.half_dtype()
         if not self.backend.is_csx:
             args = tuple(a.to(self.device) if isinstance(a, Tensor) else a for a in args)
@@ -70,6 +73,20 @@ class CompiledModel(nn.Module):
         if self.runner is None:
             self.runner = StreamRunner(self.model, self.backend, half)
         return self.runner(args[0])
+
+    def close(self) -> None:
+        """Stop what running the model started: a weight-streamed model's engine lanes, weight link and MemoryX
+        (their threads joined). The model keeps its trained weights; the compiled model runs no more steps.
+        Idempotent; also `with cstorch.compile(model, backend) as compiled: ...`."""
+        self._closed = True
+        if self.runner is not None:
+            self.runner.close()
+
+    def __enter__(self) -> "CompiledModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def write_wafer_plan(self) -> None:
         """compile_only: place the model on a wafer (the compiler's plan, summary and picture in compile_dir)."""
