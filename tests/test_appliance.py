@@ -4,6 +4,7 @@ with the real CLI and the Python client. The scheduler's rule is also checked as
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -359,6 +360,12 @@ def test_a_deployment_answers_the_openai_client_by_model_name(service: Appliance
 
     out = wait_for(answer, "the deployment to answer", timeout=180)
     assert out.choices[0].message.content and out.usage.completion_tokens == 8
+    # its key went by environment, in a launch.json only its user reads, never in argv (`ps` shows argv)
+    launch = sorted((service.state / "jobs" / jid).glob("attempt-*"))[-1] / "launch.json"
+    assert launch.stat().st_mode & 0o777 == 0o600
+    key = json.loads(launch.read_text())["env"]["WSC_API_KEY"]
+    cmdline = Path(f"/proc/{service.job_pids(jid)['pgid']}/cmdline").read_bytes().decode(errors="replace")
+    assert key and key not in cmdline and "--api-key" not in cmdline, cmdline
     assert [m.id for m in oa.models.list().data] == ["tiny-chat"]
     chunks = list(oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
                                              max_tokens=8, temperature=0, stream=True))

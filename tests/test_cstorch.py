@@ -406,3 +406,16 @@ def test_compiled_models_close_and_leave_no_threads(tmp_path):
             compiled(x)
     left = [t.name for t in threading.enumerate() if t.ident not in before]
     assert not left, left
+
+
+def test_cluster_config_takes_the_appliance_jobs_number_of_systems(monkeypatch):
+    """A script submitted to the appliance (`wsc submit --script S.py --num_csx N`) gets N in $WSC_NUM_CSX:
+    ClusterConfig() defaults to it; an explicit num_csx wins; a bad value is named."""
+    monkeypatch.delenv("WSC_NUM_CSX", raising=False)
+    assert cstorch.distributed.ClusterConfig().num_csx == 1
+    monkeypatch.setenv("WSC_NUM_CSX", "3")
+    assert cstorch.distributed.ClusterConfig().num_csx == 3
+    assert cstorch.distributed.ClusterConfig(num_csx=2).num_csx == 2
+    monkeypatch.setenv("WSC_NUM_CSX", "two")
+    with pytest.raises(ConfigError, match="WSC_NUM_CSX='two'"):
+        cstorch.distributed.ClusterConfig()

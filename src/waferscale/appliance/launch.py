@@ -38,7 +38,7 @@ class Status(NamedTuple):
 
 def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = None,
                 host: str = "127.0.0.1") -> dict[str, Any]:
-    """argv, cwd and env of a job's main process (`launch.json`). Runs resume from the latest checkpoint in
+    """argv, cwd and env of a job's main process (`launch.json`, mode 0o600). Runs resume from the latest checkpoint in
     their model_dir (the job's own, STATE/jobs/ID/model_dir, unless the submitter named one), so a restarted
     attempt picks up where the last checkpoint left it."""
     s = job.spec
@@ -51,14 +51,15 @@ def job_command(job: Job, job_dir: Path, systems: list[int], port: int | None = 
     elif job.kind == "script":
         argv = [sys.executable, s["script"]] + list(s.get("args", []))
     elif job.kind == "deploy":
-        argv = py + ["serve", "--model", s["model"], "--host", host, "--port", str(port),
-                     "--api-key", s["key"]] + list(s.get("args", []))
+        argv = py + ["serve", "--model", s["model"], "--host", host, "--port", str(port)] + list(s.get("args", []))
     else:
         raise ValueError(f"unknown job kind {job.kind!r}")
     env = dict(os.environ) | dict(s.get("env", {})) | {
         "PYTHONUNBUFFERED": "1", "TQDM_MININTERVAL": "2",  # (a run's progress bar goes to the log every 2 s)
         "WSC_APPLIANCE_JOB": job.id, "WSC_APPLIANCE_SYSTEMS": ",".join(map(str, systems)),
-        "WSC_NUM_CSX": str(job.num_csx)}
+        "WSC_NUM_CSX": str(job.num_csx)}  # (cstorch's ClusterConfig() takes its num_csx from it)
+    if job.kind == "deploy":  # the deployment's key by environment, never in argv (`ps` shows argv to everyone)
+        env["WSC_API_KEY"] = s["key"]
     return {"argv": argv, "cwd": s.get("cwd") or str(job_dir), "env": env}
 
 
@@ -104,7 +105,8 @@ class LocalLauncher(Launcher):
     def start(self, job: Job, job_dir: Path, systems: list[int], handle: dict[str, Any]) -> None:
         d = Path(handle["dir"])
         d.mkdir(parents=True)  # (a fresh attempt: nobody holds its lock)
-        atomic_write_json(d / "launch.json", job_command(job, job_dir, systems, handle["port"]))
+        # (its env holds the service's environment and a deployment's key: readable by this user only)
+        atomic_write_json(d / "launch.json", job_command(job, job_dir, systems, handle["port"]), mode=0o600)
         fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o600)
 
         def lock_at_fd3() -> None:  # in the shim, before exec: the lock's open file at LOCK_FD

@@ -38,6 +38,7 @@ from waferscale.appliance.scheduler import Pending, schedule
 from waferscale.appliance.store import ACTIVE, TERMINAL, Job, Store, User
 from waferscale.errors import ConfigError, UserError
 from waferscale.serve.openai.app import bearer_token, install_error_handlers
+from waferscale.util.files import atomic_write_text
 from waferscale.serve.openai.protocol import APIError
 
 __all__ = ["Appliance", "create_app"]
@@ -179,14 +180,15 @@ class Appliance:
                 raise APIError(409, f"model {spec['model']!r} is already deployed (job {active[0].id}); "
                                     f"undeploy it first", param="spec.model", code="already_deployed")
             spec["key"] = new_key()
-        job, new = self.store.submit(user=user.name, kind=req.kind, spec=spec, num_csx=req.num_csx,
-                                     priority=int(req.priority[1]), labels=req.labels, client_id=req.client_id)
-        if new:
-            self.job_dir(job.id).mkdir(parents=True, exist_ok=True)
-            if req.kind == "run":
-                (self.job_dir(job.id) / "params.yaml").write_text(spec["params_yaml"], encoding="utf-8")
-            with self._lock:
+        with self._lock:  # (the loop schedules under it too: a job is launched only once its files are written)
+            job, new = self.store.submit(user=user.name, kind=req.kind, spec=spec, num_csx=req.num_csx,
+                                         priority=int(req.priority[1]), labels=req.labels, client_id=req.client_id)
+            if new:
+                self.job_dir(job.id).mkdir(parents=True, exist_ok=True)
+                if req.kind == "run":
+                    atomic_write_text(self.job_dir(job.id) / "params.yaml", spec["params_yaml"])
                 self._schedule()
+        if new:
             job = self.store.job(job.id) or job
         return job, new
 

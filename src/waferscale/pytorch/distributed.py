@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +29,23 @@ if TYPE_CHECKING:
 __all__ = ["ClusterConfig", "SwarmXFailure", "rank", "world_size", "is_master", "launch"]
 
 
+def _env_num_csx() -> int:
+    v = os.environ.get("WSC_NUM_CSX", "").strip()
+    if not v:
+        return 1
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"WSC_NUM_CSX={v!r} is not a number of systems: unset it or give a positive integer") \
+            from None
+
+
 @dataclass
 class ClusterConfig:
-    """Cerebras' cluster description; here `num_csx` is the number of data-parallel systems."""
+    """Cerebras' cluster description; here `num_csx` is the number of data-parallel systems (by default the
+    appliance job's, $WSC_NUM_CSX, else 1)."""
 
-    num_csx: int = 1
+    num_csx: int = field(default_factory=_env_num_csx)
     max_wgt_servers: int | None = None  # accepted for compatibility: MemoryX is one host role here
     max_act_per_csx: int | None = None
     num_workers_per_csx: int | None = None

@@ -33,14 +33,15 @@ def _remove(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = False, mode: int = 0o666) -> Path:
     """Write `data` to `path` atomically; with `fsync` the bytes reach the disk before the rename.
 
-    The file gets the mode an ordinary `open(path, "wb")` would (0o666 less the umask). Returns `path`.
+    The file gets `mode` less the umask, from its creation on (0o600: readable by its owner only, as a file
+    holding a secret must be); the default is what an ordinary `open(path, "wb")` gives. Returns `path`.
     """
     path = Path(path)
     tmp = _temp_beside(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -54,14 +55,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = Fa
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8", fsync: bool = False) -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8", fsync: bool = False,
+                      mode: int = 0o666) -> Path:
     """Write `text` (encoded with `encoding`) to `path` atomically. Returns `path`."""
-    return atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
+    return atomic_write_bytes(path, text.encode(encoding), fsync=fsync, mode=mode)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False, **json_kw: Any) -> Path:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False, mode: int = 0o666,
+                      **json_kw: Any) -> Path:
     """Write `json.dumps(obj, **json_kw)` to `path` atomically (UTF-8). Returns `path`."""
-    return atomic_write_text(path, json.dumps(obj, **json_kw), fsync=fsync)
+    return atomic_write_text(path, json.dumps(obj, **json_kw), fsync=fsync, mode=mode)
 
 
 @contextmanager
