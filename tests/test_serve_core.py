@@ -71,7 +71,7 @@ def test_core_matches_in_process_and_frees_blocks(model_dir) -> None:
 
 
 def test_core_reports_a_model_that_cannot_load(tmp_path) -> None:
-    with pytest.raises(UserError, match="neither a pretrained model name"):
+    with pytest.raises(UserError, match="no such model file or directory"):
         CoreClient(str(tmp_path / "missing.gguf"))
 
 

@@ -76,3 +76,36 @@ def test_an_encoder_is_refused_by_name() -> None:
     """Never served wrong: an encoder (no next-token decoding) is named."""
     with pytest.raises(ConfigError, match=f"cannot serve 'bert-tiny'.*{re.escape('no encoder')}"):
         LLM(from_name("bert-tiny").eval(), TOK)
+
+
+def test_results_are_shaped_as_vllms_and_n_continuations_use_seed_plus_i() -> None:
+    """`generate` takes one prompt or a list and returns RequestOutputs (`outputs[i]`: continuation i, a seeded
+    request's sampling with seed + i, as the server's choices); `chat` renders the tokenizer's own template."""
+    torch.manual_seed(0)
+    model = from_name("llama-tiny").eval()
+    sp = lambda **kw: SamplingParams(temperature=0.9, top_k=20, max_tokens=12, **kw)  # noqa: E731
+    with LLM(model, TOK, max_num_seqs=4) as llm:
+        one = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6))
+        assert len(one) == 1 and one[0].prompt == "Hello" and one[0].prompt_token_ids == TOK.encode("Hello")
+        assert one[0].finished and one[0].outputs[0].index == 0 and one[0].text == one[0].outputs[0].text
+        two = llm.generate(["Hello", "The cat"], sp(n=3, seed=7))
+        assert [len(r.outputs) for r in two] == [3, 3] and [o.index for o in two[0].outputs] == [0, 1, 2]
+        for k in range(3):  # continuation k is the request with seed 7 + k
+            assert two[1].outputs[k].token_ids == llm.generate("The cat", sp(seed=7 + k))[0].token_ids
+        assert len({tuple(o.token_ids) for o in two[0].outputs}) > 1
+        with pytest.raises(ConfigError, match="one continuation"):
+            llm.stream("Hello", sp(n=2))
+
+    class ChatTok(CharTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
+            return "".join(f"{m['role'][0]}: {m['content']}. " for m in messages) + ("a: " if add_generation_prompt
+                                                                                     else "")
+
+    tok = ChatTok(list(string.ascii_letters + string.digits + " .,:"))
+    with LLM(model, tok) as llm:
+        conv = [{"role": "user", "content": "Hi there"}]
+        got = llm.chat(conv, SamplingParams(temperature=0, max_tokens=5))
+        assert got[0].prompt == "u: Hi there. a: "
+        assert got[0].token_ids == llm.generate("u: Hi there. a: ", SamplingParams(temperature=0,
+                                                                                   max_tokens=5))[0].token_ids
+        assert len(llm.chat([conv, conv + [{"role": "assistant", "content": "Yo"}]])) == 2

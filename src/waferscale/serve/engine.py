@@ -66,6 +66,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
     blocks of a window plus a chunk of `max_chunk` tokens (the scheduler frees the rest as it goes)."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: give at least one token")
+    if params.n != 1:
+        raise ValueError(f"SamplingParams.n is {params.n}: the engine runs one sequence per request; fan out n "
+                         "requests (seed + i), as LLM.generate and the server do")
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")

@@ -21,16 +21,42 @@ from waferscale.serve.engine import Engine, EngineOutput
 from waferscale.serve.kv import blocks_for
 from waferscale.serve.sampling import SamplingParams
 
-__all__ = ["LLM", "Completion", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
 
 @dataclass
-class Completion:
-    """One prompt's generated text and token ids (eos and stop strings not included)."""
+class CompletionOutput:
+    """One continuation of a prompt, as vLLM's `CompletionOutput` (eos and stop strings not included)."""
 
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (eos, a stop token or string) or "length" (max_tokens or the context)
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, as vLLM's `RequestOutput`: its `SamplingParams.n` continuations in `outputs` (a
+    seeded request's continuation i samples with seed + i, as the server's choices do). `text`, `token_ids` and
+    `finish_reason` are the first continuation's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
 
 class LLM:
@@ -75,18 +101,23 @@ class LLM:
                               "(the model's, or max_model_len): shorten the prompt")
         return ids, (params if params.max_tokens <= room else replace(params, max_tokens=room))
 
-    def _add(self, prompts: list[str | list[int]], params: SamplingParams) -> dict[str, int]:
-        """Queue every prompt (ConfigError for one that cannot run, before any is queued); request id -> index."""
+    def _add(self, prompts: list[str | list[int]], params: SamplingParams
+             ) -> tuple[dict[str, tuple[int, int]], list[list[int]]]:
+        """Queue every prompt's `params.n` sequences (ConfigError for a prompt that cannot run, before any is
+        queued); (request id -> (prompt index, continuation index), each prompt's token ids)."""
         checked = [self._prompt_ids(p, params) for p in prompts]
         rids = {}
         for i, (ids, sp) in enumerate(checked):
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, sp)
-            rids[rid] = i
-        return rids
+            for k in range(params.n):
+                rid = f"llm-{next(self._ids)}"
+                one = replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+                self.engine.add_request(rid, ids, one)
+                rids[rid] = (i, k)
+        return rids, [ids for ids, _ in checked]
 
-    def _outputs(self, rids: dict[str, int]) -> Iterator[tuple[int, EngineOutput]]:
-        """(prompt index, output) as the engine steps, every queued prompt in flight together."""
+    def _outputs(self, rids: dict[str, tuple[int, int]]) -> Iterator[tuple[tuple[int, int], EngineOutput]]:
+        """((prompt index, continuation index), output) as the engine steps, every queued sequence in flight
+        together."""
         try:
             while self.engine.has_unfinished():
                 for o in self.engine.step():
@@ -99,18 +130,43 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
         """Text deltas of one prompt's continuation as they are sampled (stop strings are never emitted).
         The prompt is checked now (ConfigError), before the first delta is asked for."""
-        outputs = self._outputs(self._add([prompt], params))
+        if params.n != 1:
+            raise ConfigError(f"stream() runs one continuation; SamplingParams.n is {params.n}: use generate()")
+        outputs = self._outputs(self._add([prompt], params)[0])
         return (o.new_text for _, o in outputs if o.new_text)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[Completion]:
-        """Run every prompt to completion, batched; one Completion per prompt, in order."""
-        done = [Completion("", [], "length") for _ in prompts]
-        for i, o in self._outputs(self._add(prompts, params)):
-            done[i].text += o.new_text
-            done[i].token_ids += o.new_token_ids
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run every prompt (a string, token ids, or a list of either) to completion, batched; one RequestOutput
+        per prompt, in order. sampling_params: vLLM's default (SamplingParams()) when None."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        rids, ids = self._add(list(prompts), params)
+        first = {i: rid for rid, (i, k) in rids.items() if k == 0}
+        done = [RequestOutput(first[i], p if isinstance(p, str) else None, ids[i],
+                              [CompletionOutput(k, "", [], "length") for k in range(params.n)])
+                for i, p in enumerate(prompts)]
+        for (i, k), o in self._outputs(rids):
+            c = done[i].outputs[k]
+            c.text += o.new_text
+            c.token_ids += o.new_token_ids
             if o.finished:
-                done[i].finish_reason = o.finish_reason or "stop"
+                c.finish_reason = o.finish_reason or "stop"
         return done
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, *, add_generation_prompt: bool = True,
+             **template_kw: Any) -> list[RequestOutput]:
+        """Continue one conversation ([{"role": ..., "content": ...}, ...]) or several, rendered with the
+        tokenizer's own chat template (as `wsc serve`'s /v1/chat/completions does); one RequestOutput each.
+        template_kw (e.g. `tools`) go to the template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not hasattr(self.tokenizer, "apply_chat_template"):
+            raise ConfigError("this tokenizer has no chat template: use generate() with plain prompts")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **template_kw)
+                   for c in convs]
+        return self.generate(prompts, sampling_params)
 
     def close(self) -> None:
         self.engine.close()

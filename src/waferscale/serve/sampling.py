@@ -37,7 +37,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # at most 4; never emitted
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    n: int = 1  # the server fans out n requests itself; the engine runs one sequence per request
+    n: int = 1  # continuations: the server and LLM fan them out (seed + i); the engine runs one per request
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -69,8 +69,8 @@ class SamplingParams:
             bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(self.stop)}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.n != 1:
-            bad("n", "the engine runs one sequence per request; fan out n requests (seed + i) instead")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", f"must be a positive integer, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
