@@ -2,11 +2,12 @@
 #             systems (--num_csx 2), samples from it, plots its loss, runs the cstorch-API example the same
 #             way, and places Llama-3.1-70B on four WSE-3 wafers (projection + picture)
 # make test   sets everything up, then runs the test suite
+# make docs   builds the documentation site (docs/, the README its home page) into build/site
 PYTHON ?= python3
 WSC = $(PYTHON) -m waferscale
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast docs clean
 
 setup:
 	@PYTHON=$(PYTHON) bash scripts/setup.sh
@@ -28,6 +29,9 @@ test: setup
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow and not assets"
+
+docs: setup
+	$(PYTHON) scripts/docs.py
 
 clean:
 	rm -rf runs .setup-stamp .pytest_cache

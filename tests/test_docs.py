@@ -44,3 +44,14 @@ def test_every_environment_variable_is_in_the_table() -> None:
     used.discard("WSC_PORTABLE")  # a C compile-time switch (kernels.py passes -DWSC_PORTABLE), not a variable
     missing = sorted(v for v in used if f"`{v}`" not in table)
     assert not missing, f"not in docs/environment.md: {missing}"
+
+
+def test_the_site_builds_strict(tmp_path: Path) -> None:
+    """`make docs`: mkdocs builds the site (the README its home page) with no broken link or anchor."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs.py"), str(tmp_path / "site")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "environment" / "index.html").is_file()
