@@ -210,3 +210,19 @@ def test_the_parser_sees_every_kind_of_import(tmp_path: Path, monkeypatch: pytes
                                  (5, "waferscale.runtime", True, False), (5, "waferscale.runtime.optim", True, False),
                                  (7, "waferscale.zoo", False, False), (9, "waferscale.params", False, False),
                                  (11, "waferscale.cli.main", False, True)]
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    """A leading underscore means "this module's own": `from waferscale.x import _name` across modules is refused
+    (make the name public where another module needs it). Modules imported under a private alias
+    (`from waferscale.pytorch import amp as _amp`) are fine: the module itself is public."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("waferscale"):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and not _exists(f"{node.module}.{alias.name}") and node.module != module:
+                        bad.append(f"{_where(module, node.lineno)}: from {node.module} import {alias.name}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)

@@ -34,7 +34,7 @@ REPLICA_CANDIDATES = (1, 2, 3, 4, 6, 8, 9, 12, 16, 20, 24, 25, 32, 36, 48, 49, 6
 
 
 @dataclass(frozen=True)
-class _Footprint:
+class Footprint:
     """On-wafer bytes per unit of one pipeline copy at a context of `context` tokens."""
 
     weights: list[int]  # (params + a tied copy) x dtype bytes, sparse matrices compressed
@@ -43,7 +43,7 @@ class _Footprint:
     context: int
 
     @classmethod
-    def of(cls, units: Sequence[Unit], b: int, context: int) -> "_Footprint":
+    def of(cls, units: Sequence[Unit], b: int, context: int) -> "Footprint":
         return cls([u.stored_weight_bytes(b) for u in units], [u.kv_elems_per_token() * b for u in units],
                    [2 * (u.d_in + u.d_out) * b for u in units], context)
 
@@ -85,10 +85,10 @@ def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int
     """The inference plan's strategy, workload, regions and projection (see the module docstring). Raises
     ConfigError when the model cannot stay on the systems' SRAM or the users' KV caches do not fit."""
     g = ctx.g
-    C, P = _context_and_prompt(g, prompt_len, context_len)
+    C, P = context_and_prompt(g, prompt_len, context_len)
     b = g.dtype_bytes
     units = list(g.units)
-    fp = _Footprint.of(units, b, C)
+    fp = Footprint.of(units, b, C)
     cap_pe = data_bytes_per_pe(ctx.spec)
     cap_w = min(w.usable_pes for w in ctx.wafers) * cap_pe
     wpp = _wafers_per_pipeline(ctx, fp, cap_w, cap_pe)
@@ -117,7 +117,7 @@ def plan_inference(ctx: CompileContext, prompt_len: int | None, context_len: int
     return out
 
 
-def _context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | None) -> tuple[int, int]:
+def context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | None) -> tuple[int, int]:
     """(context C, prompt P) in tokens: C defaults to min(max_seq_len, 2048), P to half of it (at most 1024)."""
     C = context_len or min(g.max_seq_len, 2048)
     P = prompt_len or max(1, min(1024, C // 2))
@@ -128,7 +128,7 @@ def _context_and_prompt(g: Graph, prompt_len: int | None, context_len: int | Non
     return C, P
 
 
-def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe: int) -> int:
+def _wafers_per_pipeline(ctx: CompileContext, fp: Footprint, cap_w: int, cap_pe: int) -> int:
     """The fewest wafers one pipeline copy (weights + one user's KV cache) splits over; ConfigError when that
     is more than the systems given (inference never streams weights: decode would be I/O-bound)."""
     g, spec = ctx.g, ctx.spec
@@ -162,7 +162,7 @@ def _wafers_per_pipeline(ctx: CompileContext, fp: _Footprint, cap_w: int, cap_pe
     return wpp
 
 
-def _users_to_try(fp: _Footprint, users: int | None, copies: int, box_cap: int, wpp: int, stages: int) -> list[int]:
+def _users_to_try(fp: Footprint, users: int | None, copies: int, box_cap: int, wpp: int, stages: int) -> list[int]:
     """Users per copy to try, most first: the requested users spread over `copies`, else up to one per stage
     as the KV cache in a `box_cap`-byte box allows (eighths of that maximum)."""
     if users:
@@ -173,7 +173,7 @@ def _users_to_try(fp: _Footprint, users: int | None, copies: int, box_cap: int, 
     return sorted({max(1, top * f // 8) for f in range(8, 0, -1)}, reverse=True) if top >= 1 else []
 
 
-def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp: int, sys_reps: int,
+def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: Footprint, wpp: int, sys_reps: int,
                      users: int | None, cap_w: int, cap_pe: int,
                      stage_time: StageTime) -> tuple[_Choice, list[int], int]:
     """Try k copies per wafer (one wafer's pipeline only: kmax = 1 when wpp > 1) with the most users each
@@ -214,7 +214,7 @@ def _choose_replicas(ctx: CompileContext, units: list[Unit], fp: _Footprint, wpp
     return best, candidates, kmax
 
 
-def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, candidates: list[int],
+def _explain_choice(ctx: CompileContext, units: list[Unit], fp: Footprint, c: _Choice, candidates: list[int],
                     kmax: int, cap_w: int, users: int | None, b: int) -> None:
     """The decisions behind the chosen placement: copies, stages, a tied embedding, users, routing colors."""
     g, spec = ctx.g, ctx.spec
@@ -246,7 +246,7 @@ def _explain_choice(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _
             + ("" if worst[1] == 1 else f"; regions needing more run in {worst[1]} phases"))
 
 
-def _result(ctx: CompileContext, units: list[Unit], fp: _Footprint, c: _Choice, wpp: int, users: int | None,
+def _result(ctx: CompileContext, units: list[Unit], fp: Footprint, c: _Choice, wpp: int, users: int | None,
             P: int, b: int) -> dict:
     """The plan's strategy, workload, regions and projection for the chosen placement."""
     C, kv_tok = fp.context, fp.kv_per_token_total

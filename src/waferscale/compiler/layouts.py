@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from waferscale.compiler import model_parallel as mp
 from waferscale.compiler.context import CompileContext
-from waferscale.compiler.inference import _context_and_prompt, plan_inference
+from waferscale.compiler.inference import context_and_prompt, plan_inference
 from waferscale.errors import ConfigError
 
 LAYOUTS = ("auto", "pipelined", "model_parallel")
@@ -95,7 +95,7 @@ def _explain(chosen: str, outs: dict, errors: dict, users: int | None) -> str:
 def _model_parallel(ctx: CompileContext, prompt_len: int | None, context_len: int | None, users: int | None,
                     window: tuple[int, int] | None) -> dict:
     g, spec = ctx.g, ctx.spec
-    C, P = _context_and_prompt(g, prompt_len, context_len)
+    C, P = context_and_prompt(g, prompt_len, context_len)
     units = list(g.units)
     full = ctx.full_box
     if window:

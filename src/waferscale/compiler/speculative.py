@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from waferscale.compiler import moe
 from waferscale.compiler import project as pj
 from waferscale.compiler.context import CompileContext
-from waferscale.compiler.inference import _context_and_prompt, _Footprint
+from waferscale.compiler.inference import context_and_prompt, Footprint
 from waferscale.compiler.ir import Graph
 from waferscale.compiler.pipeline import chain, handoff
 from waferscale.compiler.plan import Plan, Region
@@ -111,7 +111,7 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
     if request["defects"]:
         raise ConfigError("--speculative places the draft and the target on a defect-free wafer; drop --defects")
     users = request["users"] or 1
-    C, P = _context_and_prompt(g, request["prompt_len"], request["context_len"])
+    C, P = context_and_prompt(g, request["prompt_len"], request["context_len"])
     hw = dict(target=request["target"], users=users, context_len=C, prompt_len=P, clock_hz=request["clock_hz"],
               assume=request["assume"])
     alone = compile_model(graph=g, pes=request["pes"], systems=request["systems"], **hw)
@@ -128,10 +128,10 @@ def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> t
     if C > d.max_seq_len:
         raise ConfigError(f"--draft_model {d.name} reads at most {d.max_seq_len} tokens, less than the context {C}; "
                           f"lower --context_len")
-    need = sum(_Footprint.of(d.units, d.dtype_bytes, C).mem(users))
+    need = sum(Footprint.of(d.units, d.dtype_bytes, C).mem(users))
     per_row = spec.cols * data_bytes_per_pe(spec)
     rows = max(1, math.ceil(need / per_row))
-    target_need = sum(_Footprint.of(g.units, g.dtype_bytes, C).mem(users))
+    target_need = sum(Footprint.of(g.units, g.dtype_bytes, C).mem(users))
     if target_need > request["systems"] * (spec.rows - rows) * per_row:
         raise ConfigError(f"{g.name} ({gb(target_need)}) and the draft {d.name} ({gb(need)}), each with {users} "
                           f"user(s) at context {C}, do not fit together: the draft takes {rows} of the {spec.rows} "

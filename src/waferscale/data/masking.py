@@ -28,7 +28,7 @@ from waferscale.errors import DataError
 __all__ = ["IGNORE_INDEX", "MaskedBatches", "Masker", "tokenizer_with_mask"]
 
 IGNORE_INDEX = -100  # a label the loss ignores (lm_loss's ignore_index, transformers' convention)
-_TRAIN, _EVAL = 0, 1  # separate streams of draws for training batches and evaluation batches
+TRAIN_STREAM, EVAL_STREAM = 0, 1  # separate streams of draws for training batches and evaluation batches
 
 
 def tokenizer_with_mask(tok: Tokenizer) -> Tokenizer:
@@ -68,7 +68,7 @@ class Masker:
         n = max(1, int(self.probability * T + 0.5))
         return n if self.max_predictions is None else min(n, self.max_predictions)
 
-    def mask(self, x: Tensor, k: int, stream: int = _TRAIN) -> tuple[Tensor, Tensor]:
+    def mask(self, x: Tensor, k: int, stream: int = TRAIN_STREAM) -> tuple[Tensor, Tensor]:
         """Draw k of `stream` applied to x (B, T) int64 -> (masked inputs, labels), both (B, T) int64."""
         rng = np.random.default_rng([self.seed, stream, k])
         ids = x.numpy()
@@ -90,7 +90,7 @@ class Masker:
 
     def eval_batches(self, batches: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         """Fixed masks for evaluation batches (x, next tokens): the same at every evaluation of the run."""
-        return [self.mask(x, i, _EVAL) for i, (x, _) in enumerate(batches)]
+        return [self.mask(x, i, EVAL_STREAM) for i, (x, _) in enumerate(batches)]
 
     def state(self) -> dict[str, Any]:
         cap = {} if self.max_predictions is None else {"max_predictions": self.max_predictions}

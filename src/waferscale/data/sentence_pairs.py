@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from waferscale.data.loader import BatchLoader
-from waferscale.data.masking import _EVAL, _TRAIN, Masker
+from waferscale.data.masking import EVAL_STREAM, TRAIN_STREAM, Masker
 from waferscale.data.tokenizer import CharTokenizer, Tokenizer
 from waferscale.errors import DataError
 
@@ -68,7 +68,7 @@ class SentencePairs:
         if {self.cls_id, self.sep_id} - set(self.masker.special_ids):
             raise DataError("the sentence pairs' masker must never choose [CLS] or [SEP] (special_ids)")
 
-    def make(self, windows: Tensor, tokens: np.ndarray, k: int, stream: int = _TRAIN) -> tuple[Tensor, Tensor]:
+    def make(self, windows: Tensor, tokens: np.ndarray, k: int, stream: int = TRAIN_STREAM) -> tuple[Tensor, Tensor]:
         """Draw k of `stream`: examples from `windows` (B, >= T - 3), random segments from `tokens` (1-D)."""
         T = self.seq_len
         n = T - 3
@@ -93,7 +93,7 @@ class SentencePairs:
 
     def eval_batches(self, batches: list[tuple[Tensor, Tensor]], tokens: np.ndarray) -> list[tuple[Tensor, Tensor]]:
         """Fixed examples from evaluation windows (random segments from `tokens`): the same at every evaluation."""
-        return [self.make(x, tokens, i, _EVAL) for i, (x, _) in enumerate(batches)]
+        return [self.make(x, tokens, i, EVAL_STREAM) for i, (x, _) in enumerate(batches)]
 
     def state(self) -> dict[str, Any]:
         return {"cls_id": self.cls_id, "sep_id": self.sep_id, "vocab_size": self.vocab_size, "seq_len": self.seq_len}

@@ -14,7 +14,7 @@ half out, where the corner-rooted "2d" crosses the whole mesh both ways (Rocki e
 phases per axis, each row and then the middle column reduce by the K-phase tree of `schedules_gemv` (groups of
 about n^(1/K) PEs as two chains into their centres, then the group roots likewise): a chain stage costs ramp out
 + hop + ramp in + add, so K phases pay about K n^(1/K) stages per axis instead of n / 2. Its nodes are
-evaluated with the GEMV all-reduce's `cost_matmul._node_window` (`_centre_node`): a middle-column PE adds its
+evaluated with the GEMV all-reduce's `cost_matmul.node_window` (`_centre_node`): a middle-column PE adds its
 row halves' streams early and its column chain's late, and the busy period that starts at a later arrival is
 what sets its last wavelet; the other algorithms keep `_node_times`.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 from waferscale.fabric import pe as PE
 from waferscale.fabric.cost import (Cycles, check_positive, check_region, color_passes, detour_extra, exact_routes,
                                     fluid_finish, make_cycles, multicast_latency)
-from waferscale.fabric.cost_matmul import _node_window
+from waferscale.fabric.cost_matmul import node_window
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.schedules import broadcast_chains, check_reduce, reduce_parents, reduce_root
 from waferscale.fabric.schedules_gemv import bottom_up, row_reduce_depth, row_reduce_parents, row_root
@@ -46,8 +46,8 @@ def _node_times(arrivals: list[tuple[float, float]], nw: int, add_c: int) -> tup
 
 def _centre_node(arrivals: list[tuple[float, float]], nw: int, add_c: int) -> tuple[float, float]:
     """`_node_times` for "center": every PE's own vector is ready at t = 0, each arriving wavelet one add task,
-    and busy periods starting at any child's first arrival (`cost_matmul._node_window`)."""
-    return _node_window(0.0, arrivals, [add_c] * nw)
+    and busy periods starting at any child's first arrival (`cost_matmul.node_window`)."""
+    return node_window(0.0, arrivals, [add_c] * nw)
 
 
 def _edge(times: tuple[float, float], hops: int, spec: FabricSpec) -> tuple[float, float]:

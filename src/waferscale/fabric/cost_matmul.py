@@ -342,7 +342,7 @@ def sparse_imbalance(spec: FabricSpec, m: int, k: int, rows: int, cols: int, den
 
 
 # ---- GEMV of the in-layer model-parallel layout (schedules_gemv.py) -------------------------------------
-def _node_window(ready: float, arrivals: list[tuple[float, float]], adds: list[int]) -> tuple[float, float]:
+def node_window(ready: float, arrivals: list[tuple[float, float]], adds: list[int]) -> tuple[float, float]:
     """(first, last) time a PE of a row tree has a wavelet of its partial fully summed, given its own partial's
     ready time and its children's (first, last) wavelet arrivals. Every arriving wavelet fires one add task
     (`adds[w]` cycles for wavelet w), run one at a time and not before `ready`. The first wavelet waits for
@@ -388,7 +388,7 @@ def _row_tree_times(spec: FabricSpec, parents: dict[int, int], ready: list[float
                         done = fluid_finish([windows[o] for o in us], windows[row, c][1], nw)
                         la = max(la, done + fa - windows[row, c][0])
             arr.append((fa, la))
-        times[row, p] = _node_window(ready[p], arr, adds)
+        times[row, p] = node_window(ready[p], arr, adds)
     return times
 
 
@@ -419,7 +419,7 @@ def gemv_allreduce_cycles(spec: FabricSpec, m: int, k: int, rows: int, cols: int
     partials into column 0, or ("phases", fan_in = the number of phases K) into the row's centre, and that root
     multicasts y_i back along its row (both ways from the centre) once it holds all of it.
 
-    The critical path is evaluated node by node up each row's tree (`_node_window`: arrival order of first
+    The critical path is evaluated node by node up each row's tree (`node_window`: arrival order of first
     wavelets, the adds a PE of fan-in n must do, pipelining of the ny = ceil(mt / values per wavelet)
     wavelets), then the multicast (ramp out, the row's hops, ramp in, ny wavelets). Rows with the same tile
     height are alike on a perfect mesh; a defective mesh takes each row's real (detoured) routes and the

@@ -111,7 +111,7 @@ class EventSim:
                     payload)
 
 
-def _chunks(n: int, per: int) -> list[int]:
+def split_sizes(n: int, per: int) -> list[int]:
     return [min(per, n - s) for s in range(0, n, per)]
 
 
@@ -128,7 +128,7 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
     # the PE of row 0 also takes its own x from the stream (loop-back through its ramp)
     x_trees = [(ch, {**dl, sim.mesh.physical(0, j): (0, j)}) for j, (ch, dl) in enumerate(x_trees)]
     west = {(i, j): sim.mesh.multicast_tree([(i, j), (i, j - 1)]) for i in range(R) for j in range(1, C)}
-    x_waves = [_chunks(kt, epw) for kt in kts]
+    x_waves = [split_sizes(kt, epw) for kt in kts]
     done_x = defaultdict(int)
     ready: dict = defaultdict(set)
     stash: dict = defaultdict(list)
@@ -153,7 +153,7 @@ def sim_gemm(spec: FabricSpec, m: int, k: int, n: int, rows: int, cols: int, dty
         i, j = pe
         ready[pe].add(v)
         if j == C - 1 and C > 1:
-            for w, e in enumerate(_chunks(mts[i], epw)):
+            for w, e in enumerate(split_sizes(mts[i], epw)):
                 sim.send(t, pe, west[pe], on_partial, (v, w, e))
         for payload in stash.pop((pe, v), []):
             on_partial(t, pe, payload)
@@ -198,7 +198,7 @@ def sim_allreduce(spec: FabricSpec, n_elems: int, rows: int, cols: int, algo: st
         n_children[p] += 1
     up = {pe: sim.mesh.multicast_tree([pe, par]) for pe, par in parents.items()}
     bcast = broadcast_tree(sim, R, C, algo, fan_in)
-    waves = _chunks(n_elems, PE.elems_per_wavelet(spec, dtype))
+    waves = split_sizes(n_elems, PE.elems_per_wavelet(spec, dtype))
     added = defaultdict(int)
     at_root = [0]
 
@@ -291,7 +291,7 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         elif (j, i % G) == {"reduce": (C - 1, i % G), "creduce": (0, G - 1), "bcast": (0, 0)}[kind]:  # the source
             tree = west.get(pe) if kind == "reduce" else north.get(i) if kind == "creduce" else down[i]
             if tree and tree[1]:  # someone to deliver to (not a 1-PE row or group)
-                for w, e in enumerate(_chunks(phases[p][1], epw)):
+                for w, e in enumerate(split_sizes(phases[p][1], epw)):
                     sim.send(t, pe, tree, arrive, (p, w, e))
             finish(t, pe)
         else:
@@ -313,7 +313,7 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
             sim.task(t, pe, PE.add_task(spec, dtype, e, phases[p][2]), reduced, pe, payload, key=(p, w))
         else:  # bcast: received into memory
             got[pe] += 1
-            if got[pe] == len(_chunks(n_vals, epw)):
+            if got[pe] == len(split_sizes(n_vals, epw)):
                 finish(t, pe)
 
     def reduced(t, pe, payload):
@@ -324,7 +324,7 @@ def sim_row_program(spec: FabricSpec, phases: list[tuple], rows: int, cols: int,
         elif kind == "creduce" and i % G:
             sim.send(t, pe, north[i], arrive, payload)
         got[pe] += 1
-        if got[pe] == len(_chunks(phases[p][1], epw)):
+        if got[pe] == len(split_sizes(phases[p][1], epw)):
             finish(t, pe)
 
     for i in range(R):

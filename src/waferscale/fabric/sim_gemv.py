@@ -18,7 +18,7 @@ from waferscale.fabric import pe as PE
 from waferscale.fabric.mesh import Mesh
 from waferscale.fabric.schedules import tile_sizes, used
 from waferscale.fabric.schedules_gemv import row_multicast, row_reduce_parents, row_root
-from waferscale.fabric.sim import EventSim, _chunks
+from waferscale.fabric.sim import EventSim, split_sizes
 from waferscale.fabric.spec import FabricSpec
 
 
@@ -35,8 +35,8 @@ def sim_gemv_allreduce(spec: FabricSpec, m: int, k: int, rows: int, cols: int, d
     up = {(i, c): sim.mesh.multicast_tree([(i, c), (i, p)]) for i in range(R) for c, p in parents.items()}
     root = row_root(parents, C)
     along = {i: sim.mesh.multicast_tree(*row_multicast(i, root, C)) for i in range(R)}
-    y_waves = [_chunks(mt, epw) for mt in mts]
-    x_left = {(i, j): len(_chunks(kts[j], epw)) for i in range(R) for j in range(C)}
+    y_waves = [split_sizes(mt, epw) for mt in mts]
+    x_left = {(i, j): len(split_sizes(kts[j], epw)) for i in range(R) for j in range(C)}
     ready: set = set()
     stash: dict = defaultdict(list)
     added: dict = defaultdict(int)
@@ -75,6 +75,6 @@ def sim_gemv_allreduce(spec: FabricSpec, m: int, k: int, rows: int, cols: int, d
 
     for i in range(R):
         for j in range(C):
-            for e in _chunks(kts[j], epw):
+            for e in split_sizes(kts[j], epw):
                 sim.task(0, (i, j), PE.axpy_task(spec, dtype, e, mts[i]), x_done, (i, j), key=(0, 0))
     return sim.run()

@@ -33,7 +33,7 @@ from waferscale.models.config import ModelConfig
 FAMILIES = ("gpt", "llama", "mistral")  # built by Model Zoo's GPT2LMHeadModel
 
 
-def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
+def tensor_renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(our name, Model Zoo name) of every tensor the model may have, biases included."""
     modules = [("embed.tok", "embedding_layer.word_embeddings"), ("embed.pos", "embedding_layer.position_embeddings"),
                ("head.norm", "transformer_decoder.norm"), ("head.lm_head", "lm_head")]
@@ -47,7 +47,7 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str]]:
     return [(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in modules for p in ("weight", "bias")]
 
 
-def _halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
+def halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
     """Rows of each head's rotary part from interleaved pairs (x0, y0, x1, y1, ...) to halves (x0, x1, ..., y0,
     y1, ...); the rest of the head passes through. `t` is a projection weight (rows, in) or bias (rows,)."""
     rest = t.shape[1:]
@@ -57,8 +57,8 @@ def _halves_from_pairs(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
     return torch.cat([rot, h[:, rotary_dim:]], dim=1).reshape(t.shape).contiguous()
 
 
-def _pairs_from_halves(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
-    """The inverse of `_halves_from_pairs`: halves (x0, x1, ..., y0, y1, ...) to interleaved pairs."""
+def pairs_from_halves(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
+    """The inverse of `halves_from_pairs`: halves (x0, x1, ..., y0, y1, ...) to interleaved pairs."""
     rest = t.shape[1:]
     h = t.reshape(heads, -1, *rest)
     rot = h[:, :rotary_dim].reshape(heads, 2, rotary_dim // 2, *rest).transpose(1, 2).reshape(heads, rotary_dim,
@@ -66,7 +66,7 @@ def _pairs_from_halves(t: Tensor, heads: int, rotary_dim: int) -> Tensor:
     return torch.cat([rot, h[:, rotary_dim:]], dim=1).reshape(t.shape).contiguous()
 
 
-def _rotary_rows(cfg: ModelConfig, ours: str) -> int | None:
+def rotary_rows(cfg: ModelConfig, ours: str) -> int | None:
     """The heads whose rotary rows are laid out differently in Model Zoo (q and k of a rotate-halves model)."""
     if cfg.position != "rotary" or cfg.rotary_interleaved or ours.split(".")[-2] not in ("q_proj", "k_proj"):
         return None
@@ -80,12 +80,12 @@ def state_dict_to_zoo(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tens
         raise CheckpointError(f"Model Zoo checkpoints are written for GPT and Llama models, not {cfg.family}")
     rotary_dim = cfg.rotary_dim or cfg.head_dim
     out: dict[str, Tensor] = {}
-    for ours, theirs in _renames(cfg):
+    for ours, theirs in tensor_renames(cfg):
         t = sd.get(ours)
         if t is None or (ours == "head.lm_head.weight" and cfg.tie_embeddings):
             continue
-        heads = _rotary_rows(cfg, ours)
-        out[f"model.{theirs}"] = _pairs_from_halves(t, heads, rotary_dim) if heads else t
+        heads = rotary_rows(cfg, ours)
+        out[f"model.{theirs}"] = pairs_from_halves(t, heads, rotary_dim) if heads else t
     if cfg.tie_embeddings:
         out["model.lm_head.weight"] = out["model.embedding_layer.word_embeddings.weight"]
     return out
@@ -121,18 +121,18 @@ def state_dict_from_zoo(sd: dict[str, Any], cfg: ModelConfig, *, where: str,
             sd["embedding_layer.word_embeddings.weight"] = head
     out: dict[str, Tensor] = {}
     rotary_dim = cfg.rotary_dim or cfg.head_dim
-    for ours, theirs in _renames(cfg):
+    for ours, theirs in tensor_renames(cfg):
         t = sd.pop(theirs, None)
         if t is None:
             continue
         if not isinstance(t, Tensor):
             raise CheckpointError(f"{where}: {theirs} is a {type(t).__name__}, not a tensor")
-        heads = _rotary_rows(cfg, ours)
+        heads = rotary_rows(cfg, ours)
         if heads:
             if t.shape[0] != heads * cfg.head_dim:
                 raise CheckpointError(f"{where}: {theirs} has {t.shape[0]} rows; {heads} heads of {cfg.head_dim} "
                                       f"need {heads * cfg.head_dim} (is the params file the checkpoint's?)")
-            t = _halves_from_pairs(t, heads, rotary_dim)
+            t = halves_from_pairs(t, heads, rotary_dim)
         out[ours] = t
     if sd and not drop_unmatched:
         unknown = sorted(sd)

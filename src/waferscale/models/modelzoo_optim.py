@@ -37,7 +37,7 @@ from torch import nn
 
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig
-from waferscale.models.modelzoo import _halves_from_pairs, _pairs_from_halves, _renames, _rotary_rows
+from waferscale.models.modelzoo import halves_from_pairs, pairs_from_halves, tensor_renames, rotary_rows
 from waferscale.models.mup import LR_ADJUSTMENT_GROUPS, lr_adjustment
 from waferscale.models.registry import build
 from waferscale.models.t5 import RelativeBias
@@ -51,7 +51,7 @@ _LAYER = ("self_attn.proj_q_dense_layer", "self_attn.proj_k_dense_layer", "self_
 def zoo_parameter_order(cfg: ModelConfig, names: Iterable[str]) -> list[str]:
     """Our parameter `names` in the order Model Zoo's GPT2LMHeadModel lists them (step 1 above). A name Model Zoo's
     model does not have is an error."""
-    ours_of = {theirs: ours for ours, theirs in _renames(cfg)}
+    ours_of = {theirs: ours for ours, theirs in tensor_renames(cfg)}
     ours_of.update({f"ln_f.{p}": ours_of[f"transformer_decoder.norm.{p}"] for p in ("weight", "bias")})
     modules = ["embedding_layer.word_embeddings", "embedding_layer.position_embeddings", "ln_f",
                *(f"transformer_decoder.layers.{i}.{m}" for i in range(cfg.n_layer) for m in _LAYER), "lm_head"]
@@ -106,16 +106,16 @@ def zoo_param_groups(cfg: ModelConfig, names: Iterable[str],
 
 
 def _to_ours(cfg: ModelConfig, name: str, v: Any) -> Any:
-    heads = _rotary_rows(cfg, name)
+    heads = rotary_rows(cfg, name)
     if heads and torch.is_tensor(v) and v.ndim:
-        return _halves_from_pairs(v, heads, cfg.rotary_dim or cfg.head_dim)
+        return halves_from_pairs(v, heads, cfg.rotary_dim or cfg.head_dim)
     return v
 
 
 def _to_zoo(cfg: ModelConfig, name: str, v: Any) -> Any:
-    heads = _rotary_rows(cfg, name)
+    heads = rotary_rows(cfg, name)
     if heads and torch.is_tensor(v) and v.ndim:
-        return _pairs_from_halves(v, heads, cfg.rotary_dim or cfg.head_dim)
+        return pairs_from_halves(v, heads, cfg.rotary_dim or cfg.head_dim)
     return v
 
 

@@ -355,6 +355,29 @@ def decode_attention_batch(qkv: Tensor, rows: Tensor, pos: Tensor, cos_t: Tensor
         raise MemoryError("batched decode attention: out of memory for the scores")
 
 
+def qrows(data: Tensor, code: int, out: int, inp: int, idx: Tensor, y: Tensor) -> int:
+    """Rows idx (int64) of a GGUF matrix of QT_* type `code` (data: its uint8 rows) into y (len(idx), inp) float32;
+    0, -2 for an index out of range, or another error code (serve/quant.py's `take`)."""
+    return _lib.wsc_qrows(data.data_ptr(), code, out, inp, idx.data_ptr(), idx.numel(), y.data_ptr())
+
+
+def qpack(data: Tensor, code: int, out: int, inp: int, dst: Tensor) -> int:
+    """A GGUF matrix's rows -> the kernels' quantized panels at dst (serve/quant.py's `pack`); 0 on success."""
+    return _lib.wsc_qpack(data.data_ptr(), code, out, inp, dst.data_ptr())
+
+
+def qlinear(packed: Tensor, code: int, x: Tensor, b: Tensor | None, res: Tensor | None, y: Tensor, rows: int,
+            out: int, inp: int) -> int:
+    """y = res + x W^T + b over quantized panels (serve/quant.py's `linear`); 0 on success."""
+    return _lib.wsc_qlinear(packed.data_ptr(), code, x.data_ptr(), _ptr(b), _ptr(res), y.data_ptr(), rows, out, inp)
+
+
+def qset_int8(on: bool | None) -> bool:
+    """The integer path of the quantized products, set when `on` is given; returns the previous setting
+    (serve/quant.py's `set_int8_activations`)."""
+    return bool(_lib.wsc_qset_int8(-1 if on is None else int(bool(on))))
+
+
 def silu_mul(gu: Tensor, n: int) -> Tensor:
     """(R, 2n) fused gate|up -> (R, n) silu(gate) * up."""
     R = gu.shape[0]
@@ -438,10 +461,9 @@ class DecodeStack:
         for t, d in zip(self._arr, layers):
             for f in (*_LAYER_PTRS, "cache"):
                 v = d[f]
-                if f in _QUANT_TYPES and v is not None and hasattr(v, "qtype"):  # a QWeight (serve/quant.py)
-                    from waferscale.serve import quant  # (it imports this module)
-                    setattr(t, _QUANT_TYPES[f], quant.QTYPE_CODE[v.qtype])
-                    v = quant.pack(v).packed
+                if f in _QUANT_TYPES and v is not None and hasattr(v, "kernel_panels"):  # a QWeight (serve/quant.py)
+                    code, v = v.kernel_panels()
+                    setattr(t, _QUANT_TYPES[f], code)
                 if isinstance(v, SparsePanels):
                     setattr(t, _SPARSE_OFFS[f], v.off.data_ptr())
                     v = v.blob

@@ -73,6 +73,10 @@ class QWeight:
         """Bytes a product reads."""
         return self.data.numel()
 
+    def kernel_panels(self) -> tuple[int, Tensor]:
+        """(csrc/quant.c's QT_* code, the packed panels) for the C layer stack (serve/kernels.py's DecodeStack)."""
+        return QTYPE_CODE[self.qtype], pack(self).packed
+
     def rows(self, index: Tensor | np.ndarray | list[int]) -> QWeight:
         """The rows `index` (a permutation or a slice of outputs), as their own QWeight."""
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -140,8 +144,7 @@ def take(w: QWeight, ids: Tensor) -> Tensor:
         return dequantize(w.rows(flat)).reshape(*ids.shape, inp)
     idx = flat.to(torch.int64).contiguous()
     y = torch.empty(idx.numel(), inp)
-    rc = kernels._lib.wsc_qrows(w.data.data_ptr(), QTYPE_CODE[w.qtype], out, inp, idx.data_ptr(), idx.numel(),
-                                y.data_ptr())
+    rc = kernels.qrows(w.data, QTYPE_CODE[w.qtype], out, inp, idx, y)
     if rc == -2:
         raise IndexError(f"an index of {flat.tolist()} is outside the {out} rows of the matrix")
     if rc != 0:
@@ -178,7 +181,7 @@ def pack(w: QWeight, out: Tensor | None = None) -> QWeight:
         return w
     dst = buf
     data = w.data.contiguous()
-    if kernels._lib.wsc_qpack(data.data_ptr(), QTYPE_CODE[w.qtype], w.shape[0], w.shape[1], dst.data_ptr()) != 0:
+    if kernels.qpack(data, QTYPE_CODE[w.qtype], w.shape[0], w.shape[1], dst) != 0:
         raise ConfigError(f"the C kernels cannot pack a {w.qtype} matrix of shape {w.shape}")
     w.packed = dst
     return w
@@ -199,8 +202,7 @@ def linear(x: Tensor, w: QWeight, bias: Tensor | None = None, residual: Tensor |
     if w.qtype == "fp32":
         return kernels.linear(x2, w.packed, out, b, res).reshape(*lead, out)
     y = torch.empty(x2.shape[0], out)
-    rc = kernels._lib.wsc_qlinear(w.packed.data_ptr(), QTYPE_CODE[w.qtype], x2.data_ptr(), _ptr(b), _ptr(res),
-                                  y.data_ptr(), x2.shape[0], out, inp)
+    rc = kernels.qlinear(w.packed, QTYPE_CODE[w.qtype], x2, b, res, y, x2.shape[0], out, inp)
     if rc != 0:
         raise MemoryError(f"a {w.qtype} product over {x2.shape[0]} rows: out of memory for its buffers")
     return y.reshape(*lead, out)
@@ -213,11 +215,7 @@ def set_int8_activations(on: bool | None = None) -> bool:
     Returns the previous setting (False without the kernels)."""
     if not kernels.available():
         return False
-    return bool(kernels._lib.wsc_qset_int8(-1 if on is None else int(bool(on))))
-
-
-def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    return kernels.qset_int8(on)
 
 
 __all__ = ["QTYPES", "QTYPE_CODE", "REQUANTIZABLE", "QWeight", "block_shape", "dequantize", "from_gguf", "linear",
