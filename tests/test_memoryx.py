@@ -108,10 +108,12 @@ def test_flash_tier_trains_exactly_like_ram(tmp_path: Path) -> None:
         losses = [ex.train_step(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g),
                                 1e-3).loss for _ in range(4)]
         runs.append((losses, {k: v.clone() for k, v in ex.model_for_checkpoint().items()},
-                     mx.optimizer_state_dict(), mx.units_on_flash()))
+                     mx.optimizer_state_dict(), mx.units_on_flash(),
+                     len(list((tmp_path / "flash").glob("run-*/unit*.exp_avg.bin")))))
         ex.close()
-    (la, wa, sa, fa), (lb, wb, sb, fb) = runs
-    assert fa == 0 and fb >= 2 and list((tmp_path / "flash").glob("unit*.exp_avg.bin"))
+    (la, wa, sa, fa, _), (lb, wb, sb, fb, files) = runs
+    assert fa == 0 and fb >= 2 and files >= 2  # in the run's own directory, while it runs
+    assert not list((tmp_path / "flash").iterdir())  # and removed when it closes
     assert la == lb
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all(torch.equal(sa["state"][i]["exp_avg_sq"], sb["state"][i]["exp_avg_sq"]) for i in sa["state"])
@@ -122,7 +124,33 @@ def test_flash_tier_from_the_cli_options(corpus: Path, tmp_path: Path) -> None:
     assert rows[-1]["loss"] < rows[0]["loss"]
     summary = json.loads((tmp_path / "flash" / "summary.json").read_text())
     assert summary["memoryx_units_on_flash"] >= 2 and summary["memoryx_flash_bytes"] > 0
-    assert list((tmp_path / "flash" / "memoryx_flash").glob("unit*.param.bin"))
+    assert not list((tmp_path / "flash" / "memoryx_flash").iterdir())  # the run's flash files went with it
+
+
+def test_runs_sharing_a_flash_directory_keep_their_own_files(tmp_path: Path) -> None:
+    """Two MemoryX at once over one flash directory each write their own `run-*` directory; one that closes
+    removes only its own, and a run that died without closing is cleaned by the next one to start."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = config_from_name("gpt-tiny", vocab_size=64, max_seq_len=16)
+    flash = tmp_path / "flash"
+    a = MemoryX(build(cfg, device="cpu"), _opt(), ram_budget_bytes=1000, flash_dir=flash)
+    b = MemoryX(build(cfg, device="cpu"), _opt(), ram_budget_bytes=1000, flash_dir=flash)
+    dirs = sorted(flash.glob("run-*"))
+    assert len(dirs) == 2 and all(list(d.glob("unit*.param.bin")) for d in dirs)
+    a.close()
+    assert [d for d in flash.glob("run-*")] == [b._flash.path]
+    code = ("import sys, os; from waferscale.runtime.tiers import FlashDir; d = FlashDir(__import__('pathlib')"
+            ".Path(sys.argv[1])); (d.path / 'unit0000.param.bin').write_bytes(b'x'); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(flash)], check=True, timeout=120)  # dies without closing
+    assert len(list(flash.glob("run-*"))) == 2
+    c = MemoryX(build(cfg, device="cpu"), _opt(), ram_budget_bytes=1000, flash_dir=flash)
+    assert sorted(flash.glob("run-*")) == sorted([b._flash.path, c._flash.path])  # the dead run's is gone
+    b.close()
+    c.close()
+    assert not list(flash.iterdir()) and os.path.isdir(flash)
 
 
 def _opt() -> OptimizerParams:

@@ -63,7 +63,7 @@ from waferscale.runtime.layout import ParamEntry, UnitLayout, build_layouts
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.runtime.memoryx_state import OptimizerStateIO
 from waferscale.runtime.sparse_stream import PackedUnit, UnitMasks, expand, kept_only
-from waferscale.runtime.tiers import UnitStore, return_freed_memory_to_os, writable_dir
+from waferscale.runtime.tiers import FlashDir, UnitStore, return_freed_memory_to_os
 from waferscale.sparse import Group
 from waferscale.runtime.optim import OPTIMIZERS, build_optimizer, split_by_lr_scale
 
@@ -150,6 +150,7 @@ class MemoryX(OptimizerStateIO):
         if ram_budget_bytes is not None:
             return_freed_memory_to_os()
         used, self.stores = 0, []
+        self._flash: FlashDir | None = None  # this run's own directory under flash_dir, made when a unit needs it
         for lay in self.layouts:
             need = lay.numel * self.bytes_per_param
             flash = ram_budget_bytes is not None and used + need > ram_budget_bytes
@@ -159,7 +160,9 @@ class MemoryX(OptimizerStateIO):
                                   f"MiB; give a flash directory (--flash_dir) or raise --memoryx_ram_mb")
             if not flash:
                 used += need
-            self.stores.append(UnitStore(lay.index, lay.numel, writable_dir(flash_dir) if flash else None,
+            if flash and self._flash is None:
+                self._flash = FlashDir(flash_dir)
+            self.stores.append(UnitStore(lay.index, lay.numel, self._flash.path if flash else None,
                                           pin_memory and not flash))
         self._masks: dict[str, Tensor] = {}
         self.sparsity: Group | None = None  # the algorithms choosing the masks (None: masks set by hand)
@@ -533,7 +536,10 @@ class MemoryX(OptimizerStateIO):
             f.result()
 
     def close(self) -> None:
+        """Stop the optimizer lane and remove this run's flash files."""
         self._lane.close()
+        if self._flash is not None:
+            self._flash.close()
 
     # ---- observability ----
     @staticmethod

@@ -3,7 +3,10 @@ files on flash, memory-mapped only while the unit is read or updated."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,6 +71,45 @@ def writable_dir(d: Path) -> Path:
     except OSError as e:
         raise ConfigError(f"flash directory {d} is not writable ({e.strerror}); pass a writable --flash_dir") from None
     return d
+
+
+class FlashDir:
+    """One MemoryX's own directory under the flash directory, `run-<pid>-<random>`, so that runs sharing a flash
+    directory never overwrite each other's files: locked (an flock held on its `.lock`) while the run lives,
+    removed by `close()`. A run that starts removes the directories of runs that died without closing (their
+    lock free)."""
+
+    def __init__(self, root: Path) -> None:
+        root = writable_dir(root)
+        for d in root.glob("run-*"):
+            if d.is_dir() and self._free(d):
+                shutil.rmtree(d, ignore_errors=True)
+        self.path = root / f"run-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path.mkdir()
+        self._lock = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+
+    @staticmethod
+    def _free(d: Path) -> bool:
+        """Whether no live run holds `d` (its lock can be taken now)."""
+        try:
+            fd = os.open(d / ".lock", os.O_RDWR)
+        except OSError:
+            return False  # (no lock file yet: a run between its mkdir and its lock; left alone)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._lock < 0:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock)
+        self._lock = -1
 
 
 def return_freed_memory_to_os() -> None:
