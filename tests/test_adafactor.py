@@ -137,8 +137,10 @@ def test_tiny_t5_base_resumes_exactly_resident_and_streamed(corpus: Path, tmp_pa
         s = _run(d, tmp_path / name, execution="streaming", num_steps=2, memoryx_ram_mb=ram_mb,
                  flash_dir=str(tmp_path / "flash_dir"))
         assert s["executor"] == "streaming"
+        if ram_mb is not None:
+            assert s["memoryx_units_on_flash"] >= 1 and s["memoryx_flash_bytes"] > 0
         _same_training(tmp_path / "once", tmp_path / name)
-    assert any((tmp_path / "flash_dir").iterdir())
+    assert not any((tmp_path / "flash_dir").iterdir())  # each run's flash files went with it
 
 
 @pytest.mark.slow

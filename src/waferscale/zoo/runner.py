@@ -468,23 +468,25 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             if step != end_step:  # (the last step's checkpoint is written after the loop)
                 save(step)
 
-        with open(metrics_path, "a") as metrics:
-            for x, y in steps:
-                step = steps.user_iteration
-                lr = schedule(step - 1)  # schedule
-                traced = opts.trace and step == trace_step
-                if traced and hasattr(executor, "set_trace"):
-                    executor.set_trace(opts.trace)
-                t0 = time.perf_counter()
-                r = train_step(x, y, lr)  # execute
-                dt = time.perf_counter() - t0
-                if traced and not hasattr(executor, "set_trace"):
-                    trace_whole_step(executor, opts.trace, t0, t0 + dt)
-                record(step, r, lr, dt)  # update
-                checkpoint(step)
-        bar.close()
-        if isinstance(loader, hdf5.HDF5Batches):
-            loader.close()  # (its prefetch threads)
+        try:
+            with open(metrics_path, "a") as metrics:
+                for x, y in steps:
+                    step = steps.user_iteration
+                    lr = schedule(step - 1)  # schedule
+                    traced = opts.trace and step == trace_step
+                    if traced and hasattr(executor, "set_trace"):
+                        executor.set_trace(opts.trace)
+                    t0 = time.perf_counter()
+                    r = train_step(x, y, lr)  # execute
+                    dt = time.perf_counter() - t0
+                    if traced and not hasattr(executor, "set_trace"):
+                        trace_whole_step(executor, opts.trace, t0, t0 + dt)
+                    record(step, r, lr, dt)  # update
+                    checkpoint(step)
+        finally:  # (also when a step fails: its prefetch threads end)
+            bar.close()
+            if isinstance(loader, hdf5.HDF5Batches):
+                loader.close()
         last_ckpt = save(end_step)
         tps = acc["tokens"] / acc["time"]
         dtype = torch.float32 if executor.half is None else executor.half
