@@ -321,6 +321,32 @@ static void check_half_conversions(void) {
     }
 }
 
+/* wsc_decode_attention_batch_ex on 1 thread and on 2 (the pool's attention jobs), each from the same qkv and cache
+   (float32 values, stored as float16 with kv16): the same bits either way; returns the output */
+static float* attend_batch_1_and_2(const char* what, const float* qkv0, long nq, const long* rows, long B,
+                                   const long* pos, const float* cos_t, const float* sin_t, const float* cache0,
+                                   long cn, long slots, const long* tables, long ldt, long bs, long nh, long nkv,
+                                   long hd, long window, const float* slopes, int kv16) {
+    float* out[2];
+    for (int threads = 1; threads <= 2; threads++) {
+        float* qkv = copyv(qkv0, B * nq);
+        void* cache = kv16 ? (void*)to_half(cache0, cn) : (void*)copyv(cache0, cn);
+        float* y = randv(B * nh * hd);
+        wsc_set_threads(threads);
+        if (wsc_decode_attention_batch_ex(qkv, nq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh, nkv,
+                                          hd, 1.0f / sqrtf((float)hd), y, nh * hd, window, slopes, kv16) != 0) {
+            fprintf(stderr, "FAIL %s: out of memory\n", what);
+            g_fail++;
+        }
+        out[threads - 1] = y;
+        free(qkv); free(cache);
+    }
+    wsc_set_threads(1);
+    expect_same(what, out[1], out[0], B * nh * hd);
+    free(out[1]);
+    return out[0];
+}
+
 /* B sequences over a block-paged cache, one thread and two (the pool's attention jobs): against the
    reference, and the same bits either way */
 static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
@@ -334,21 +360,8 @@ static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
     long P = pos[B - 1] + 1;
     float *cos_t = randv(P * hd), *sin_t = randv(P * hd);
     float *qkv0 = randv(B * nq), *cache0 = randv(2 * nkv * slots * hd);
-    float* out[2];
-    for (int threads = 1; threads <= 2; threads++) {
-        float *qkv = copyv(qkv0, B * nq), *cache = copyv(cache0, 2 * nkv * slots * hd);
-        float* y = randv(B * nh * hd);
-        wsc_set_threads(threads);
-        if (wsc_decode_attention_batch(qkv, nq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh, nkv,
-                                       hd, 1.0f / sqrtf((float)hd), y, nh * hd) != 0) {
-            fprintf(stderr, "FAIL %s: out of memory\n", what);
-            g_fail++;
-        }
-        out[threads - 1] = y;
-        free(qkv); free(cache);
-    }
-    wsc_set_threads(1);
-    expect_same(what, out[1], out[0], B * nh * hd);
+    float* out0 = attend_batch_1_and_2(what, qkv0, nq, rows, B, pos, cos_t, sin_t, cache0, 2 * nkv * slots * hd,
+                                       slots, tables, ldt, bs, nh, nkv, hd, 0, NULL, 0);
     float* rc = copyv(cache0, 2 * nkv * slots * hd);
     float* rq = copyv(qkv0, B * nq);
     for (long b = 0; b < B; b++) {  /* every token's rope and KV write first, then each one's attention */
@@ -362,9 +375,9 @@ static void check_decode_attention_batch(long nh, long nkv, long hd, long bs) {
     for (long b = 0; b < B; b++) {
         for (long t = 0; t <= pos[b]; t++) slot_of[t] = tables[b * ldt + t / bs] * bs + t % bs;
         ref_attend(rq + rows[b] * nq, rc, slots, slot_of, pos[b] + 1, nh, nkv, hd, ry);
-        for (long i = 0; i < nh * hd; i++) expect(what, b * 1000 + i, out[0][rows[b] * nh * hd + i], ry[i], 1, 1e-5);
+        for (long i = 0; i < nh * hd; i++) expect(what, b * 1000 + i, out0[rows[b] * nh * hd + i], ry[i], 1, 1e-5);
     }
-    free(tables); free(cos_t); free(sin_t); free(qkv0); free(cache0); free(out[0]); free(out[1]);
+    free(tables); free(cos_t); free(sin_t); free(qkv0); free(cache0); free(out0);
     free(rc); free(rq); free(ry); free(slot_of);
 }
 
@@ -402,22 +415,8 @@ static void check_prefill_attention_batch(long nh, long nkv, long hd, long bs, l
     float *qkv0 = randv(B * nq), *cache0 = randv(cn);
     if (kv16)  /* the float16 cache's values, as floats */
         for (long i = 0; i < cn; i++) cache0[i] = h2f(f2h(cache0[i]));
-    float* out[2];
-    for (int threads = 1; threads <= 2; threads++) {
-        float* qkv = copyv(qkv0, B * nq);
-        void* cache = kv16 ? (void*)to_half(cache0, cn) : (void*)copyv(cache0, cn);
-        float* y = randv(B * nh * hd);
-        wsc_set_threads(threads);
-        if (wsc_decode_attention_batch_ex(qkv, nq, rows, B, pos, cos_t, sin_t, cache, slots, tables, ldt, bs, nh, nkv,
-                                          hd, 1.0f / sqrtf((float)hd), y, nh * hd, window, slopes, kv16) != 0) {
-            fprintf(stderr, "FAIL %s: out of memory\n", what);
-            g_fail++;
-        }
-        out[threads - 1] = y;
-        free(qkv); free(cache);
-    }
-    wsc_set_threads(1);
-    expect_same(what, out[1], out[0], B * nh * hd);
+    float* out0 = attend_batch_1_and_2(what, qkv0, nq, rows, B, pos, cos_t, sin_t, cache0, cn, slots, tables, ldt, bs,
+                                       nh, nkv, hd, window, slopes, kv16);
     float *rc = copyv(cache0, cn), *rq = copyv(qkv0, B * nq);
     for (long b = 0; b < B; b++) {  /* every token's rope and KV write first */
         float* q = rq + rows[b] * nq;
@@ -452,10 +451,10 @@ static void check_prefill_attention_batch(long nh, long nkv, long hd, long bs, l
                 ry[h * hd + d] = o / sum;
             }
         }
-        for (long i = 0; i < nh * hd; i++) expect(what, b * 10000 + i, out[0][rows[b] * nh * hd + i], ry[i], 1, 1e-5);
+        for (long i = 0; i < nh * hd; i++) expect(what, b * 10000 + i, out0[rows[b] * nh * hd + i], ry[i], 1, 1e-5);
     }
     free(seq_tab); free(tables); free(pos); free(rows); free(seq); free(cos_t); free(sin_t); free(slopes);
-    free(qkv0); free(cache0); free(out[0]); free(out[1]); free(rc); free(rq); free(ry); free(p);
+    free(qkv0); free(cache0); free(out0); free(rc); free(rq); free(ry); free(p);
 }
 
 /* ---- the decode layers: a batch of one agrees with the single-sequence call, and each sequence of a batch
