@@ -419,3 +419,30 @@ def test_cluster_config_takes_the_appliance_jobs_number_of_systems(monkeypatch):
     monkeypatch.setenv("WSC_NUM_CSX", "two")
     with pytest.raises(ConfigError, match="WSC_NUM_CSX='two'"):
         cstorch.distributed.ClusterConfig()
+
+
+def test_two_systems_from_python_m_and_a_clear_refusal_from_python_c(tmp_path):
+    """num_csx=2 runs the script once more per system: started as `python -m MODULE` its copy runs the same module
+    (sys.argv[0] alone would be the bare file, outside its package); from `python -c` there is no script to run
+    again, which is said instead of starting a copy that does something else."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("WHO = 'helper'\n")
+    (pkg / "job.py").write_text(
+        "from .helper import WHO  # a relative import: fails if the copy runs the bare file\n"
+        "import sys\n"
+        "import waferscale.pytorch as cstorch\n"
+        f"b = cstorch.backend('CSX', artifact_dir={str(tmp_path / 'art')!r}, device='cpu',\n"
+        "                     cluster_config=cstorch.distributed.ClusterConfig(num_csx=2))\n"
+        "print(WHO, cstorch.distributed.rank(), cstorch.distributed.world_size(), sys.argv[1:], flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "mypkg.job", "--x", "1"], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "helper 0 2 ['--x', '1']" in r.stdout
+    assert "helper 1 2 ['--x', '1']" in (tmp_path / "art" / "swarmx_rank1.log").read_text()
+    r = subprocess.run([sys.executable, "-c", "import waferscale.pytorch as c; c.backend('CSX', "
+                        "cluster_config=c.distributed.ClusterConfig(num_csx=2))"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "no script to run again (python -c" in r.stderr

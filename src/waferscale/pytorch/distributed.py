@@ -79,6 +79,21 @@ def is_master() -> bool:
     return rank() == 0
 
 
+def script_argv() -> list[str]:
+    """How this script was started, for its copies on the other systems (after the interpreter): `FILE ARGS`, or
+    `-m MODULE ARGS` when it ran as `python -m MODULE`. Under `torchrun` nothing is started. A ConfigError where
+    there is no script to run again: `python -c`, a notebook, an interactive session."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m MODULE (a package: its __main__)
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    if getattr(main, "__file__", None) and sys.argv and os.path.isfile(sys.argv[0]):
+        return list(sys.argv)
+    raise ConfigError("ClusterConfig(num_csx > 1) runs this script once more per system, and this process has no "
+                      "script to run again (python -c, a notebook or an interactive session): put the training in a "
+                      "file and run `python FILE` (or `python -m MODULE`), or start the systems with torchrun")
+
+
 def launch(backend: "Backend") -> None:
     """Join (under torchrun) or start (locally) the N processes of `backend.cluster_config`."""
     global _cluster_here
@@ -87,11 +102,12 @@ def launch(backend: "Backend") -> None:
         if _cluster_here.world != n:
             raise ConfigError(f"this process already runs with num_csx={_cluster_here.world}; one cluster per script")
         return
-    threads = None
+    threads, argv = None, []
     if not _cluster.under_torchrun():  # the copies of this script share this machine's cores
+        argv = script_argv()
         threads = max(1, (os.cpu_count() or 1) // n)
         torch.set_num_threads(threads)
-    _cluster_here = _cluster.launch(n, list(sys.argv), timeout_s=backend.cluster_config.timeout_s, label="system",
+    _cluster_here = _cluster.launch(n, argv, timeout_s=backend.cluster_config.timeout_s, label="system",
                                     advice="the checkpoints already written are complete", threads=threads,
                                     log_dir=backend.artifact_dir, needed_by=f"ClusterConfig(num_csx={n})")
     atexit.register(_shutdown)
