@@ -63,3 +63,26 @@ def test_no_temp_files_left(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path, 2, model, model.config.to_dict(), optimizer_state=_opt_state(model))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint_2.json", "checkpoint_2.optim.safetensors", "checkpoint_2.safetensors"]
+
+
+def test_tied_weights_are_written_once_from_a_module_or_its_state_dict(tmp_path: Path) -> None:
+    """One rule for "the same tensor" (runtime/checkpoint.py's tensor_identity), for `wsc run`'s checkpoints and
+    cstorch.save alike: a tied head is stored once whether the model or its state_dict() (detached views, other
+    objects) is given, and loads back into the model."""
+    from safetensors.torch import load_file
+
+    import waferscale.pytorch as cstorch
+    from waferscale.models import build, config_from_name
+
+    cfg = config_from_name("llama-tiny", vocab_size=64, max_seq_len=16, tie_embeddings=True)
+    m = build(cfg, device="cpu")
+    for i, source in enumerate((m, m.state_dict())):
+        path = ckpt.save_checkpoint(tmp_path / f"run{i}", 1, source, cfg.to_dict())
+        stored = load_file(str(path.with_suffix(".safetensors")))
+        assert "head.lm_head.weight" not in stored and "embed.tok.weight" in stored
+        c = ckpt.load_checkpoint(path, with_optimizer=False)
+        back = build(cfg, device="cpu")
+        ckpt.load_model_weights(back, c.model, str(path))
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
+    cstorch.save({"model": m.state_dict()}, tmp_path / "c.safetensors")
+    assert len(load_file(str(tmp_path / "c.safetensors"))) == len(ckpt.unique_state_dict(m))

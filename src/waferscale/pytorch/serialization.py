@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
 from waferscale.pytorch import distributed as _dist
+from waferscale.runtime.checkpoint import tensor_identity
 from waferscale.runtime.mdl import is_mdl, load_mdl, save_mdl
 from waferscale.util.files import atomic_path
 
@@ -30,8 +31,7 @@ _FORMAT = "waferscale.pytorch/1"
 def _flatten(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[Any, str]) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
-        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
-            if t.numel() else None
+        view = tensor_identity(t)
         if view in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[view]}
         key = str(len(tensors))

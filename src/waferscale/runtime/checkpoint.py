@@ -39,11 +39,20 @@ def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 
 
+def tensor_identity(t: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same stored values (tied weights, or two detached views of one parameter): the
+    same storage, offset, shape, strides and dtype. None for an empty tensor (nothing to share)."""
+    if not t.numel():
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def unique_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's state dict (or the given one) with tied parameters kept once (first name wins)."""
-    first: dict[int, tuple[str, torch.Tensor]] = {}
+    """The model's state dict (or the given one) with tied tensors kept once (first name wins)."""
+    first: dict[Any, tuple[str, torch.Tensor]] = {}
     for name, t in (model if isinstance(model, Mapping) else model.state_dict(keep_vars=True)).items():
-        first.setdefault(id(t), (name, t.detach()))
+        key = tensor_identity(t)
+        first.setdefault(key if key is not None else ("empty", name), (name, t.detach()))
     return dict(first.values())
 
 
