@@ -110,6 +110,7 @@ def gate_script(tmp: Path) -> Path:
     return p
 
 
+@pytest.mark.slow
 def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     a, b, c = (service.client(u) for u in ("alice", "bob", "carol"))
@@ -145,6 +146,7 @@ def test_two_users_share_two_systems_and_a_third_waits_with_a_reason(service: Ap
     assert service.client("admin").pool()["free"] == 2
 
 
+@pytest.mark.slow
 def test_quota_and_priority_order(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     a, b = service.client("alice"), service.client("bob")
@@ -166,6 +168,7 @@ def test_quota_and_priority_order(service: ApplianceProc, tmp_path: Path) -> Non
         wait_state(cl, j["id"], ("SUCCEEDED",))
 
 
+@pytest.mark.slow
 def test_a_failed_job_says_why_and_gives_back_its_systems(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     b = service.client("bob")
@@ -179,6 +182,7 @@ def test_a_failed_job_says_why_and_gives_back_its_systems(service: ApplianceProc
     assert "state: FAILED: exited with code 3: boom" in r.stdout
 
 
+@pytest.mark.slow
 def test_cancel_is_graceful_then_forced(service: ApplianceProc, tmp_path: Path) -> None:
     script = gate_script(tmp_path)
     stubborn = tmp_path / "stubborn.py"
@@ -202,6 +206,7 @@ def test_cancel_is_graceful_then_forced(service: ApplianceProc, tmp_path: Path) 
     assert s["reason"] == "cancelled (killed by SIGKILL)" and time.monotonic() - t0 >= service.grace_s
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_and_nothing_is_queued(service: ApplianceProc, tmp_path: Path) -> None:
     b = service.client("bob")
     bad = tmp_path / "bad.yaml"
@@ -238,6 +243,7 @@ def test_bad_input_is_refused_and_nothing_is_queued(service: ApplianceProc, tmp_
     assert r.returncode == 2 and "another appliance service is running" in r.stderr
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_service_loses_nothing(service: ApplianceProc, tmp_path: Path) -> None:
     """Running jobs live on and are re-attached; queued ones stay queued in order; no job runs twice."""
     script = gate_script(tmp_path)

@@ -24,6 +24,7 @@ def _assert_user_error(r, *needles: str) -> None:
         assert n in r.stderr, (n, r.stderr)
 
 
+@pytest.mark.slow
 def test_run_generate_plot_export(corpus: Path, tmp_path: Path) -> None:
     md = tmp_path / "md"
     p = _write(tmp_path, tiny_params(corpus, md))
@@ -48,6 +49,7 @@ def test_python_dash_m_equals_wsc() -> None:
 
 @pytest.mark.parametrize("case", ["missing_file", "malformed", "unknown_key", "wrong_type", "unknown_model",
                                   "bad_data_path", "vocab_mismatch", "num_steps_zero", "num_steps_negative"])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(case: str, corpus: Path, tmp_path: Path) -> None:
     md = tmp_path / "md"
     d = tiny_params(corpus, md)
@@ -88,6 +90,7 @@ def test_bad_input_is_one_line_and_exit_2(case: str, corpus: Path, tmp_path: Pat
     assert not md.exists() or not any(md.iterdir()), "nothing may be written on bad input"
 
 
+@pytest.mark.slow
 def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
     md = tmp_path / "md"
     p = _write(tmp_path, tiny_params(corpus, md))
@@ -98,6 +101,7 @@ def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
     _assert_user_error(r, "another architecture")
 
 
+@pytest.mark.slow
 def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", "gpt-tni", "--prompt", "x"), "gpt-tiny")
     _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "checkpoint_*.json",
@@ -110,6 +114,7 @@ def test_generate_bad_input(tmp_path: Path) -> None:
                            "a GGUF file")
 
 
+@pytest.mark.slow
 def test_server_module_is_wsc_serve() -> None:
     """One argparse: `python -m waferscale.serve.server` is `wsc serve` (same flags, same bad-input rule)."""
     import os
@@ -136,6 +141,7 @@ def test_generate_checkpoint_takes_a_hf_dir(tmp_path: Path) -> None:
     assert r.stdout == wsc("generate", "--model", str(hf), *args).stdout
 
 
+@pytest.mark.slow
 def test_run_compile_only_writes_the_wafer_plan_and_validate_only_checks(corpus: Path, tmp_path: Path) -> None:
     """--compile_only writes what `wsc compile --params P --mode train` writes (into the model_dir) and trains
     nothing; --validate_only (and `wsc validate`) checks the file and the flags, and writes nothing."""

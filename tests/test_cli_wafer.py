@@ -75,6 +75,7 @@ def _ok_json(r) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_kernel_gemv_verify_json(runs: dict) -> None:
     d = _ok_json(runs["gemv"])
     assert {"cycles", "time_s", "pes", "flops", "verified"} <= d.keys()

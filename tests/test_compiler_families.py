@@ -80,6 +80,7 @@ def test_every_stored_config_has_a_published_count():
 
 
 @pytest.mark.parametrize("name", _configs())
+@pytest.mark.slow
 def test_published_config_validates_estimates_and_compiles(capsys, name):
     path = str(ZOO / name)
     want = PUBLISHED[name]

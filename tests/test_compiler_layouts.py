@@ -52,6 +52,7 @@ def _one_layer(dim: int = 4096, ffn: int = 14336) -> object:
     return capture_config(cfg, source="test: one Llama-3-8B-sized layer")
 
 
+@pytest.mark.slow
 def test_decode_gets_slower_as_the_mesh_grows():
     """Per-PE work shrinks with the mesh, but every GEMV's all-reduce crosses the mesh: past a few hundred PEs
     a side the hops win, as WaferLLM measured (Table 4: 420x420 faster than 540x540 than 660x660)."""
@@ -64,6 +65,7 @@ def test_decode_gets_slower_as_the_mesh_grows():
     assert times[0] < times[1] < times[2]
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_higher_aggregate_rate_and_says_why():
     many = compile_model(model="llama3.1-8b")  # a service: each layout with its best number of users
     one = compile_model(model="llama3.1-8b", users=1)  # one user: the lower latency wins

@@ -75,6 +75,7 @@ def test_bad_speculation(args, match):
         Speculation(*args)
 
 
+@pytest.mark.slow
 def test_bad_requests(mini):
     with pytest.raises(ConfigError, match="need.*--speculative"):
         speculation(None, "gpt-tiny", None, None)
@@ -94,6 +95,7 @@ def test_bad_requests(mini):
         compile_model(model="llama3.1-70b", systems=4, speculative=Speculation("draft", 4, 0.8, "llama3.1-8b"))
 
 
+@pytest.mark.slow
 def test_sensitivity_reports_the_speculative_rate(mini):
     req = dict(graph=mini, **MESH, speculative=Speculation("draft", 4, 0.8, "gpt-tiny"))
     s = sensitivity(req, compile_model(**req))

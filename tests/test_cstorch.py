@@ -421,6 +421,7 @@ def test_cluster_config_takes_the_appliance_jobs_number_of_systems(monkeypatch):
         cstorch.distributed.ClusterConfig()
 
 
+@pytest.mark.slow
 def test_two_systems_from_python_m_and_a_clear_refusal_from_python_c(tmp_path):
     """num_csx=2 runs the script once more per system: started as `python -m MODULE` its copy runs the same module
     (sys.argv[0] alone would be the bare file, outside its package); from `python -c` there is no script to run

@@ -152,6 +152,7 @@ def test_centre_tree():
 
 @pytest.mark.parametrize("target", ["wse2", "wse3"])
 @pytest.mark.parametrize("R,C", [(1, 5), (4, 4), (4, 8), (6, 5), (8, 8), (3, 16), (16, 16), (9, 2)])
+@pytest.mark.slow
 def test_centre_allreduce_model_vs_des(target, R, C):
     spec = fabric_from_name(target, pes=(R, C))
     for n in (1, 16, 128, 512):
@@ -225,6 +226,7 @@ def test_centre_phase_tree():
 
 @pytest.mark.parametrize("target", ["wse2", "wse3"])
 @pytest.mark.parametrize("R,C", [(1, 5), (4, 8), (6, 5), (3, 16), (16, 16), (9, 13), (2, 31), (12, 20)])
+@pytest.mark.slow
 def test_centre_phases_model_vs_des(target, R, C):
     """Where the schedule's colors (4 per phase of each axis) fit in one pass: the event simulation has no color
     limit, the model charges further passes (`test_centre_phases_colors`)."""

@@ -77,6 +77,7 @@ def _sim_attention(spec, H: int, d: int, T: int, R: int, C: int, kv: int | None 
 
 
 @pytest.mark.parametrize("rate,seed", [(0.01, 2), (0.05, 1), (0.05, 2), (0.1, 0)])
+@pytest.mark.slow
 def test_model_vs_des_with_defects(rate, seed):
     """Detoured routes, their contention on shared links and the smaller edge tiles: every kernel family that
     takes a mesh stays within 10% of the event simulation on defective meshes too."""
@@ -159,6 +160,7 @@ def test_attention_gqa_kv_heads():
 
 @pytest.mark.parametrize("target", ["wse2", "wse3"])
 @pytest.mark.parametrize("R,C", [(4, 4), (8, 8), (12, 6), (16, 8)])
+@pytest.mark.slow
 def test_attention_rows_per_head_model_vs_des(target, R, C):
     """Each KV head's context over several rows (q down column 0 and along the rows, row merge chains, then a
     merge chain up column 0): the model of the layout it picks stays within 10% of the event simulation."""

@@ -30,6 +30,7 @@ def _close(model: float, des: float, what: str) -> None:
 
 @pytest.mark.parametrize("target", ["wse2", "wse3"])
 @pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.slow
 def test_model_vs_des_square(target, algo):
     for P, m, k, n in SQUARE[::2] if target == "wse3" else SQUARE:  # WSE-3: every other shape (time)
         spec = fabric_from_name(target, pes=(P, P))

@@ -155,6 +155,7 @@ def test_calibrate_fit_finds_the_least_squares_point_of_its_grid():
     assert values == target and sse == pytest.approx(0)
 
 
+@pytest.mark.slow
 def test_waferllm_params_files_are_current_and_reproduce_a_row_from_the_cli(fid, tmp_path):
     for r in fid.ROWS:  # the files the rows' printed commands name
         if r.projection.startswith("waferllm_"):

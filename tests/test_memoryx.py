@@ -70,6 +70,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_flash_tier_keeps_rss_within_budget(tmp_path: Path) -> None:
     """A model whose state is 4x MemoryX's RAM budget trains; peak RSS <= base + budget + margin."""
     ram_mb = 48.0

@@ -243,6 +243,7 @@ ZOO = {"params_gptj_6B.yaml": ("gptj", 6_049_711_185), "params_gpt_neox_20B.yaml
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.slow
 def test_published_modelzoo_config_validates(name: str) -> None:
     """Each published config validates as its family with the parameter count of its own shape (GPT-J's and
     GPT-NeoX-20B's Model Zoo vocabularies are 50257 and 50277, not the released checkpoints' padded ones)."""

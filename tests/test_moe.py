@@ -264,6 +264,7 @@ def _same_weights(a: Path, b: Path, step: int = 4) -> None:
         assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
 
 
+@pytest.mark.slow
 def test_experts_without_tokens_are_left_alone_when_streamed(corpus: Path, tmp_path: Path) -> None:
     """An expert the router gives no token this step gets no gradient: resident AdamW skips it (no weight decay,
     no moment decay, no step counted: its bias correction uses its own count when it gets tokens again), and

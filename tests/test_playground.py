@@ -46,6 +46,7 @@ def browser(tmp_path_factory):
             ctx.close()
 
 
+@pytest.mark.slow
 def test_playground_streams_with_badge_and_projection(browser, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pg")
     with run_server(tiny_model_dir(tmp_path_factory.getbasetemp()), tmp, "--target", "wse3") as srv:

@@ -97,6 +97,7 @@ def test_served_ids_read_only_the_path(tmp_path: Path) -> None:
 
 
 @needs_tok
+@pytest.mark.slow
 def test_llm_and_generate_take_a_run_dir(run_dir: Path) -> None:
     from waferscale.serve.llm import LLM, SamplingParams
 
@@ -114,6 +115,7 @@ def test_llm_and_generate_take_a_run_dir(run_dir: Path) -> None:
 
 
 @needs_tok
+@pytest.mark.slow
 def test_wsc_serve_serves_a_run_dir(run_dir: Path, tmp_path: Path) -> None:
     with run_server(run_dir, tmp_path) as srv:
         status, models = srv.get("/v1/models")

@@ -34,6 +34,7 @@ def client(srv):
 
 
 # ---- features through the openai client ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_chat_usage_time_info_headers_projection(client):
     raw = client.chat.completions.with_raw_response.create(model="tiny-chat", messages=MSG,
                                                            max_completion_tokens=8, seed=1)

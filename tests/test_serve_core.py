@@ -29,6 +29,7 @@ async def _collect(client, rid, prompt, params):
     return toks, last
 
 
+@pytest.mark.slow
 def test_core_matches_in_process_and_frees_blocks(model_dir) -> None:
     prompts = [[1, 2, 3, 4, 5], list(range(100, 140)), [7]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -75,6 +76,7 @@ def test_core_reports_a_model_that_cannot_load(tmp_path) -> None:
         CoreClient(str(tmp_path / "missing.gguf"))
 
 
+@pytest.mark.slow
 def test_server_whose_engine_process_dies_says_so_and_stays_up(tmp_path) -> None:
     """`wsc serve` with its engine process killed: /health answers 503 with the reason, a generation gets the
     OpenAI error envelope with 503, and the API process itself keeps answering."""

@@ -47,6 +47,7 @@ def sanitizer_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict
     pytest.skip("a program built with the sanitizers does not run here")
 
 
+@pytest.mark.slow
 def test_kernels_clean_under_asan_and_ubsan(sanitizer_build: tuple[str, dict[str, str]], tmp_path: Path) -> None:
     cc, env = sanitizer_build
     csrc = importlib.resources.files("waferscale.serve").joinpath("csrc")

@@ -166,6 +166,7 @@ def _bigram_model_dir(tok: HFTokenizer, prompt: str, continuation: str, out: Pat
     return out
 
 
+@pytest.mark.slow
 def test_server_streams_and_returns_the_leading_space_and_whole_characters(spm_gguf, tmp_path):
     openai = pytest.importorskip("openai")
     model_dir = _bigram_model_dir(spm_gguf, PROMPT, CONTINUATION, tmp_path / "tiny-spm")

@@ -148,6 +148,7 @@ def test_sliding_window_frees_blocks_outside_it(path: str, tok, tmp_path_factory
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("key", ["mistral", "mixtral"])
+@pytest.mark.slow
 def test_pipelined_stages(key: str, path: str, tok, tmp_path_factory) -> None:
     """Two stage processes, each over its layers and its own KV (the window's blocks freed per stage group)."""
     theirs, ours = _models(key, tmp_path_factory)
@@ -214,6 +215,7 @@ def test_still_unsupported_is_refused_by_name() -> None:
 
 
 @pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer (make setup)")
+@pytest.mark.slow
 def test_http_server_serves_a_mixture_of_experts(tmp_path) -> None:
     """`wsc serve` on a Mixtral directory (SmolLM2's tokenizer): the openai client's greedy completion of a
     token-id prompt is transformers' generation, and /health and /metrics report the decode's weight bytes per

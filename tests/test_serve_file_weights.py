@@ -106,6 +106,7 @@ def _dequantized_copy(model, qweights) -> torch.nn.Module:
     return ref
 
 
+@pytest.mark.slow
 def test_native_q4_1_gives_the_greedy_tokens_of_its_dequantized_weights(hf_dir: Path, tmp_path: Path,
                                                                          float_path) -> None:
     path = _file(hf_dir, Q.Q4_1, tmp_path)
@@ -165,6 +166,7 @@ def test_dtype_requantizes_at_load(dtype: str, hf_dir: Path, tmp_path: Path, flo
     assert _greedy(native, batched=True, dtype=dtype) == _greedy(_dequantized_copy(native, qw), batched=True)
 
 
+@pytest.mark.slow
 def test_export_reads_back_identically_and_the_cli_uses_the_file_precision(hf_dir: Path, tmp_path: Path) -> None:
     src = _file(hf_dir, Q.Q4_1, tmp_path)
     out = tmp_path / "t-llama.Q8_0.gguf"
@@ -195,6 +197,7 @@ def _one_error_line(r, *needles: str) -> None:
     assert all(n in lines[0] for n in needles), lines[0]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_error_line(hf_dir: Path, tmp_path: Path) -> None:
     q5 = _file(hf_dir, Q.Q5_0, tmp_path)  # a type the kernels do not run: named, the supported ones listed
     with pytest.raises(ConfigError, match="Q5_0"):
@@ -245,6 +248,7 @@ def test_int8_activations_move_smollm2_perplexity_by_under_one_percent() -> None
     assert abs(ppl / dense - 1) < 0.01, (ppl, dense)
 
 
+@pytest.mark.slow
 def test_kv_cache_dtype(hf_dir: Path, tmp_path: Path) -> None:
     """auto: a float16 cache for matrices narrower than float32 (llama.cpp's default), the weights' float32
     otherwise, a GGUF's F32 tensors included; fp32 / fp16 as named. A float16 cache gives the same greedy tokens batched as one sequence at a
@@ -268,6 +272,7 @@ def test_kv_cache_dtype(hf_dir: Path, tmp_path: Path) -> None:
     assert _greedy(native, batched=True) == half  # (float32 cache)
 
 
+@pytest.mark.slow
 def test_kv_cache_dtype_flag(hf_dir: Path, tmp_path: Path) -> None:
     src = _file(hf_dir, Q.Q4_1, tmp_path)
     from waferscale.data import load_tokenizer

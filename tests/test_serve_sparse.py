@@ -160,6 +160,7 @@ def test_sparse_checkpoint_with_masks_serves_sparse(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.parametrize("arch", ["native", "no-avx512", "no-vpopcntdq"])
+@pytest.mark.slow
 def test_sparse_kernels_clean_under_asan_and_ubsan(sanitizer_build: tuple[str, dict[str, str]],  # noqa: F811
                                                    tmp_path: Path, arch: str) -> None:
     cc, env = sanitizer_build

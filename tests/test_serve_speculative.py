@@ -227,6 +227,7 @@ def test_serve_and_generate_refuse_bad_speculation_flags(capsys) -> None:
             assert err.startswith("error: --") and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_server_speculates_with_the_same_text(tmp_path_factory) -> None:
     from serve_helpers import have_smollm2, run_server, tiny_model_dir
 

@@ -187,6 +187,7 @@ def client(tmp_path_factory):
         yield openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+@pytest.mark.slow
 def test_server_json_schema_and_object(client):
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
     r = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Weather?"}],
@@ -289,6 +290,7 @@ def test_langchain_bind_tools_and_structured_output(client):
         assert isinstance(llm.with_structured_output(Trip, method=method).invoke("Plan a trip."), Trip)
 
 
+@pytest.mark.slow
 def test_litellm_tools(client, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its packaged copy: no fetch from the network
     litellm = pytest.importorskip("litellm")

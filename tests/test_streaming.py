@@ -140,6 +140,7 @@ MUP = {"model": {"embeddings_scale": 10.0, "output_logits_scale": 0.25, "scale_q
                                               "embedding": 2.0}}}
 
 
+@pytest.mark.slow
 def test_mup_streams_and_runs_on_two_systems_as_resident(corpus: Path, tmp_path: Path) -> None:
     """A muP config: streaming and --num_csx 2 give the resident run; checkpoints interchange both ways (4 steps on
     two systems then resident resumes; 4 resident steps then streaming resumes)."""
@@ -232,6 +233,7 @@ def _cli_error(tmp_path: Path, *extra: str, over: dict | None = None) -> str:
 
 
 @pytest.mark.parametrize("case", ["num_csx0", "split", "budget", "flash"])
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line(corpus: Path, tmp_path: Path, case: str) -> None:
     if case == "num_csx0":
         assert "--num_csx" in _cli_error(tmp_path, "--num_csx", "0")
