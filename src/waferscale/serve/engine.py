@@ -59,6 +59,21 @@ class EngineDead(RuntimeError):
     """The engine (its process) has stopped: open streams fail with this, and so does every new request."""
 
 
+def load_named(name: Any, *, dtype: str | None = None, device: Any = "cpu", tokenizer: Any = None
+               ) -> tuple[CausalLM, Any]:
+    """(model, tokenizer) of what `name` names (runtime/source.py), for the engine: a GGUF's matrices stay in the
+    file's precision unless dtype is "fp32"; `tokenizer` (a name, a path or a tokenizer) overrides the source's
+    own; ConfigError when there is none (a zoo name)."""
+    from waferscale.runtime.source import resolve
+
+    src = resolve(name)
+    tok = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else src.tokenizer(tokenizer)
+    if tok is None:
+        raise ConfigError(f"{name} has no tokenizer of its own (a zoo name): give a tokenizer, or serve a "
+                          "checkpoint, a .gguf or a Hugging Face directory")
+    return src.load(device=device, keep_quantized=dtype != "fp32"), tok
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   block_size: int, group_blocks: int, window: int = 0, max_chunk: int = 0) -> None:
     """Raise (RequestTooLong / ValueError) if the request could never run on an engine with these limits
@@ -253,14 +268,8 @@ class Engine:
         """Load what `name` names (runtime/source.py: a packaged model, a .gguf, a Hugging Face directory, a `wsc
         run` model_dir or checkpoint, a zoo name) and its tokenizer; a GGUF's matrices stay in the file's
         precision unless kw's dtype is "fp32"."""
-        from waferscale.runtime.source import resolve
-
-        src = resolve(name)
-        tok = src.tokenizer()
-        if tok is None:
-            raise ConfigError(f"{name} has no tokenizer of its own (a zoo name): serve a checkpoint, a .gguf or a "
-                              "Hugging Face directory")
-        return cls(src.load(device=kw.get("device", "cpu"), keep_quantized=kw.get("dtype") != "fp32"), tok, **kw)
+        model, tok = load_named(name, dtype=kw.get("dtype"), device=kw.get("device", "cpu"))
+        return cls(model, tok, **kw)
 
     # ---- requests --------------------------------------------------------------------------------------
     def limits(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM
-from waferscale.serve.engine import Engine, EngineOutput
+from waferscale.serve.engine import Engine, EngineOutput, load_named
 from waferscale.serve.kv import blocks_for
 from waferscale.serve.sampling import SamplingParams
 
@@ -72,13 +72,7 @@ class LLM:
     def __init__(self, model: CausalLM | str | os.PathLike, tokenizer: Any = None, *, max_num_seqs: int = 1,
                  max_model_len: int | None = None, **engine_kw: Any) -> None:
         if isinstance(model, (str, os.PathLike)):
-            from waferscale.runtime.source import resolve
-
-            src = resolve(model)
-            tokenizer = src.tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
-            if tokenizer is None:
-                raise ConfigError(f"{model} has no tokenizer of its own (a zoo name): pass tokenizer=")
-            model = src.load(keep_quantized=engine_kw.get("dtype", "auto") != "fp32")
+            model, tokenizer = load_named(model, dtype=engine_kw.get("dtype"), tokenizer=tokenizer)
         elif tokenizer is None:
             raise ConfigError("LLM(model, tokenizer): a model object needs its tokenizer")
         ctx = model.config.max_seq_len if max_model_len is None else min(max_model_len, model.config.max_seq_len)

@@ -261,6 +261,22 @@ static inline __attribute__((always_inline)) void pv_heads(const void* Vh, long 
 static _Thread_local long* t_slot;
 static _Thread_local long t_slot_cap;
 
+/* this thread's table of the slot of every position in [lo, S) (position lo + t at [t]); NULL when out of
+   memory. (Written out, not grow(): attend's code as measured.) */
+static inline long* slots_of(const long* table, long bs, long slot0, long lo, long S) {
+    long P = S - lo;
+    if (t_slot_cap < P) {
+        long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
+        if (!nb) return NULL;
+        t_slot = nb; t_slot_cap = P;
+    }
+    for (long t0 = lo, base, n; t0 < S; t0 += n) {
+        n = run_of(table, bs, slot0, t0, S, &base);
+        for (long u = 0; u < n; u++) t_slot[t0 - lo + u] = base + u;
+    }
+    return t_slot;
+}
+
 /* prefetch the `bytes` at p (into L1: locality 3; L2: 2) */
 static inline void prefetch_row(const void* p, long bytes, int l2) {
     for (long d = 0; d < bytes; d += 64) {
@@ -277,16 +293,8 @@ static inline __attribute__((always_inline)) int attend_t(const float* qkv, cons
     float* sc = scores_buf(g * P);
     float* kt = NPARTS > 1 && kv16 ? ktile_buf(16 * hd) : NULL;
     if (!sc || (NPARTS > 1 && kv16 && !kt)) return -1;
-    if (t_slot_cap < P) {  /* the slot of every position (written out, not grow(): attend's code as measured) */
-        long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
-        if (!nb) return -1;
-        t_slot = nb; t_slot_cap = P;
-    }
-    long* slot = t_slot;
-    for (long t0 = lo, base, n; t0 < S; t0 += n) {
-        n = run_of(table, bs, slot0, t0, S, &base);
-        for (long u = 0; u < n; u++) slot[t0 - lo + u] = base + u;
-    }
+    long* slot = slots_of(table, bs, slot0, lo, S);
+    if (!slot) return -1;
     long kh1 = (h1 - 1) / g, rb = hd * (kv16 ? 2 : 4);  /* bytes a cache row */
 #define ROW(base, t) ((const char*)(base) + slot[t] * rb)
     for (long kh = h0 / g; kh <= kh1; kh++) {
@@ -397,22 +405,15 @@ static int attend_block(const attn_t* a, long e0, long n, float* y) {
     float* sc = scores_buf(n * g * ldp);
     if (!kt || !sc) return -1;
     float* row = kt + nt * VLANES * hd;  /* one K row as floats */
-    if (t_slot_cap < P) {
-        long* nb = realloc(t_slot, (size_t)P * sizeof(long) + 64);
-        if (!nb) return -1;
-        t_slot = nb; t_slot_cap = P;
-    }
-    for (long t0 = lo, base, k; t0 < S; t0 += k) {
-        k = run_of(table, bs, 0, t0, S, &base);
-        for (long u = 0; u < k; u++) t_slot[t0 - lo + u] = base + u;
-    }
+    const long* slot = slots_of(table, bs, 0, lo, S);
+    if (!slot) return -1;
     for (long kh = 0; kh < nkv; kh++) {
         const char* Kh = (const char*)a->cache + (size_t)kh * a->slots * rb;
         const char* Vh = (const char*)a->cache + (size_t)(nkv + kh) * a->slots * rb;
         for (long t = 0; t < ldp; t++) {  /* the keys across the lanes, zeros past the last */
             float* dst = kt + (t / VLANES) * hd * VLANES + t % VLANES;
             if (t < P) {
-                const char* src = Kh + t_slot[t] * rb;
+                const char* src = Kh + slot[t] * rb;
                 if (a->kv16)
                     for (long d = 0; d < hd; d += VLANES) {
                         vf v = ldhf((const uint16_t*)(const void*)src + d);
