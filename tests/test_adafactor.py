@@ -175,7 +175,7 @@ def test_memoryx_refuses_masks_and_foreign_state() -> None:
 def test_resident_sparsity_refuses_adafactor() -> None:
     """The resident path (optimizer.apply(sparsity)) refuses Adafactor as MemoryX does: a mask cannot prune its
     factored averages."""
-    from waferscale.sparse.hooks import sparsify_optimizer
+    from waferscale.sparse.algorithms import sparsify_optimizer
 
     model = nn.Linear(4, 3)
     opt = rt.build_optimizer(model.parameters(), rt.OptimizerSpec(optimizer_type="Adafactor", learning_rate=0.1))

@@ -226,3 +226,24 @@ def test_no_private_name_is_imported_from_another_module() -> None:
                     if private and not _exists(f"{node.module}.{alias.name}") and node.module != module:
                         bad.append(f"{_where(module, node.lineno)}: from {node.module} import {alias.name}")
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def _type_only_lines(path: Path) -> set[int]:
+    """The lines of imports under `if TYPE_CHECKING:` (for type checkers only: never executed)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {n.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A seam is one-way: no two modules of the package import each other, at import time or inside a function (a
+    callback they need goes in as an argument; type annotations alone do not count)."""
+    modules = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+    uses = {m: {t for line, t, _, as_main in _graph()[m]
+                if t in modules and t != m and not as_main and line not in _type_only_lines(p)}
+            for m, p in modules.items()}
+    pairs = sorted({tuple(sorted((a, b))) for a in uses for b in uses[a] if a in uses[b]})
+    # a package's __init__ re-exports its modules, which may import siblings through it: not a seam
+    pairs = [(a, b) for a, b in pairs if not (_is_package(modules[a]) and b.startswith(a + "."))]
+    assert not pairs, "modules that import each other:\n" + "\n".join(f"{a} <-> {b}" for a, b in pairs)

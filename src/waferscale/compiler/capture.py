@@ -13,7 +13,6 @@ import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -32,24 +31,6 @@ _HALF = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}
 # the families whose units (embedding, blocks with their experts, head) the compiler captures and projects
 COMPILED_FAMILIES = ("gpt", "llama", "gptj", "gpt_neox", "falcon", "mpt", "mistral", "mixtral", "bert", "roberta",
                      "t5")
-
-_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-          "trunc_normal_", "zeros_", "ones_", "constant_")
-
-
-@contextmanager
-def _no_init():
-    """Skip weight initialisation while building on the meta device (there is no data to initialise; on
-    meta, torch routes init through its reference decompositions, which costs seconds of imports)."""
-    saved = {n: getattr(nn.init, n) for n in _INITS}
-    try:
-        for n in _INITS:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
-
 
 def capture_zoo(name: str, dtype: str = "fp16") -> Graph:
     """A zoo preset by name (e.g. "llama3.1-70b"), walked unit by unit on the meta device."""
@@ -76,8 +57,7 @@ def capture_config(cfg: ModelConfig, *, source: str, dtype: str = "fp16",
         raise ConfigError(f"the wafer compiler cannot place or project family {cfg.family!r} ({cfg.name}); it "
                           f"compiles {', '.join(COMPILED_FAMILIES)}")
 
-    with _no_init():
-        model = build(cfg, device="meta")
+    model = build(cfg, device="meta")
     capture = _capture_t5 if cfg.is_encoder_decoder else _capture_causal_lm
     g = capture(model, source=source, dtype=dtype)
     return dataclasses.replace(g, defaults=dict(defaults)) if defaults else g
@@ -228,8 +208,7 @@ def section_sparsity(cfg: ModelConfig, section: Any, step: int | None = None) ->
     with warnings.catch_warnings():  # the params loader has already said that `type` is `algorithm`'s old name
         warnings.simplefilter("ignore", DeprecationWarning)
         group = configure(section)
-    with _no_init():
-        model = build(cfg, device="meta")
+    model = build(cfg, device="meta")
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     default = {id(a) for f, a in zip(group.filters, group.algorithms) if f is None}
     picked = {id(p): algo.sparsity_at(step or 0) for name, p, algo in group.select(model.named_parameters())

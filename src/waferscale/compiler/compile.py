@@ -96,7 +96,7 @@ def compile_model(*, model: str | None = None, graph: Graph | None = None, modul
     if speculative is not None:  # before the target is placed: the draft's band of rows comes off its mesh
         draft, spec, users = spec_dec.place_draft(speculative, g, spec, dict(
             target=target, pes=pes, mode=mode_key, systems=systems, users=users, prompt_len=prompt_len,
-            context_len=context_len, defects=defects, clock_hz=clock_hz, assume=assume))
+            context_len=context_len, defects=defects, clock_hz=clock_hz, assume=assume), compile_model)
         if layout == "model_parallel":
             raise ConfigError("--speculative verifies drafts as a chunk through a pipeline; use --layout pipelined")
         layout = "pipelined"

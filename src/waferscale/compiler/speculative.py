@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from waferscale.compiler import moe
 from waferscale.compiler import project as pj
@@ -97,14 +99,15 @@ class Draft:
     alone_tokens_per_s: float
 
 
-def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict) -> tuple[Draft, FabricSpec, int]:
+def place_draft(sp: Speculation, g: Graph, spec: FabricSpec, request: dict,
+                compile_model: Callable[..., Any]) -> tuple[Draft, FabricSpec, int]:
     """Before the target is placed: the draft's band of rows (the fewest, from its bytes up, on which it
     compiles) and the target's spec on the rows left. Returns (the draft, the target's spec, the users both
     serve: --users or 1). `request`: compile_model's target, pes, mode, systems, users,
-    prompt_len, context_len, defects, clock_hz and assume. ConfigError when the draft does not suit the target
-    or the two do not fit together."""
+    prompt_len, context_len, defects, clock_hz and assume; `compile_model`: compiler/compile.py's, which calls
+    this (the target alone and the draft in its band are compiled as any model is). ConfigError when the draft
+    does not suit the target or the two do not fit together."""
     from waferscale.compiler.capture import capture_zoo
-    from waferscale.compiler.compile import compile_model
 
     if request["mode"] != "inference" or g.arch != "decoder":
         raise ConfigError(f"--speculative projects a decoder's inference ({g.name}, --mode {request['mode']}); drop it")
