@@ -384,6 +384,36 @@ def test_importing_cstorch_changes_nothing_in_torch() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_two_runs_in_one_process_share_no_state(tmp_path):
+    """A run's backend, half dtype, optimizers (what MemoryX binds) and traced steps are its own
+    (pytorch/context.py): a second run in the same process, scoped by run_context() or after reset(), starts from
+    none of them, and the first is current again after the block."""
+    from waferscale.pytorch.optim import find_optimizer
+
+    def train(half):
+        cstorch.amp.set_half_dtype(half)
+        torch.manual_seed(0)
+        model = build(TINY_GPT)
+        compiled = cstorch.compile(model, cstorch.backend("CSX", artifact_dir=str(tmp_path), device="cpu"))
+        opt = cstorch.optim.SGD(model.parameters(), lr=1e-2)
+        x, y = batches(1)[0]
+        nn.functional.cross_entropy(compiled(x).float().view(-1, 37), y.reshape(-1)).backward()
+        opt.step()
+        compiled.close()
+        return model, cstorch.current_backend()
+
+    with cstorch.run_context():
+        first, b1 = train("bfloat16")
+        with cstorch.run_context():
+            assert cstorch.amp.half_dtype() is None and cstorch.current_backend() is None
+            assert find_optimizer(first) is None  # the other run's optimizer is not this run's to bind
+            second, b2 = train(None)
+        assert cstorch.amp.half_dtype() is torch.bfloat16 and cstorch.current_backend() is b1 is not b2
+        assert find_optimizer(first) is not None
+        cstorch.reset()
+        assert cstorch.amp.half_dtype() is None and find_optimizer(first) is None
+
+
 def test_compiled_models_close_and_leave_no_threads(tmp_path):
     """Twenty weight-streamed models, each compiled, stepped and closed (ten by `with`): every thread they
     started ends, and a closed model says so instead of stepping."""

@@ -10,26 +10,23 @@ from typing import Any
 import torch
 
 from waferscale.errors import ConfigError
+from waferscale.pytorch import context
 from waferscale.runtime.loss_scale import LossScaler
 from waferscale.util import dtypes
 
 __all__ = ["set_half_dtype", "get_half_dtype", "half_dtype", "GradScaler", "optimizer_step"]
 
-_half: torch.dtype | None = None
-
-
 def set_half_dtype(value: str | torch.dtype | None) -> None:
     """"float16", "bfloat16" or "cbfloat16" (computed as bfloat16 here); None or "float32" for full precision."""
-    global _half
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     if value is not None and value != "float32" and value not in dtypes.HALF_DTYPES:
         raise ConfigError(f"half dtype {value!r} is not one of {', '.join(dtypes.HALF_DTYPES)}")
-    _half = dtypes.half_dtype(value)
+    context.current().half = dtypes.half_dtype(value)
 
 
 def half_dtype() -> torch.dtype | None:
-    return _half
+    return context.current().half
 
 
 get_half_dtype = half_dtype

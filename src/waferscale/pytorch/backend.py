@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from waferscale.errors import ConfigError
+from waferscale.pytorch import context
 from waferscale.pytorch.distributed import ClusterConfig, launch
 
 BACKEND_TYPES = ("CSX", "CPU", "GPU")
 
-_current: "Backend | None" = None
 
 
 @dataclass
@@ -71,12 +71,11 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
 
     With num_csx > 1 the script runs once per system (see `waferscale.pytorch.distributed`), unless
     `spawn_script_copies=False`: then only fused steps (the zoo's `compile_lm_step`) run there, in their own workers."""
-    global _current
     cerebras_only("cstorch.backend", cerebras, _CEREBRAS_BACKEND_ONLY)
     if backend_type is None:
-        if _current is None:
+        if context.current().backend is None:
             raise ConfigError('no backend yet: call cstorch.backend("CSX") (or "CPU"/"GPU") first')
-        return _current
+        return context.current().backend
     kind = str(backend_type).upper()
     if kind not in BACKEND_TYPES:
         raise ConfigError(f"backend type {backend_type!r} is not one of {', '.join(BACKEND_TYPES)}")
@@ -98,12 +97,12 @@ def backend(backend_type: str | None = None, *, artifact_dir: str | Path = "./ce
                 cluster, device_memory_mb, memoryx_ram_mb, flash)
     if cluster.num_csx > 1 and spawn_script_copies:
         launch(b)
-    _current = b
+    context.current().backend = b
     return b
 
 
 def current_backend() -> Backend | None:
-    return _current
+    return context.current().backend
 
 
 __all__ = ["Backend", "backend", "current_backend", "BACKEND_TYPES"]

@@ -12,22 +12,21 @@ from typing import Any, Callable
 
 import torch
 
+from waferscale.pytorch import context
 from waferscale.pytorch import distributed as _dist
 from waferscale.pytorch.utils.data import current_executor
 
 __all__ = ["trace", "step", "step_closure", "checkpoint_closure"]
 
-_deferred: list[list[tuple[Callable[..., Any], tuple, dict]]] = []  # one list per step being traced
-
-
 def trace(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        _deferred.append([])
+        deferred = context.current().deferred  # one list per step being traced
+        deferred.append([])
         try:
             out = fn(*args, **kwargs)
         finally:
-            pending = _deferred.pop()
+            pending = deferred.pop()
         _run_closures(pending)
         ex = current_executor()
         if ex is not None:
@@ -66,8 +65,8 @@ def _closure(fn: Callable[..., Any], checkpoint: bool) -> Callable[..., Any]:
                 return
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        if _deferred:
-            _deferred[-1].append((fn, args, kwargs))
+        if (deferred := context.current().deferred):
+            deferred[-1].append((fn, args, kwargs))
         else:
             _run_closures([(fn, args, kwargs)])
 

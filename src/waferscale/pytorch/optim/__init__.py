@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from waferscale.errors import ConfigError
+from waferscale.pytorch import context
 from waferscale.pytorch.optim import lr_scheduler
 from waferscale.runtime import optimizers
 from waferscale.runtime.optim import Adafactor as _Adafactor
@@ -27,9 +27,6 @@ from waferscale.runtime.optim import OPTIMIZERS, OptimizerSpec, build_schedule
 __all__ = ["SGD", "Adam", "AdamW", "Lamb", "Lion", "Adafactor", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
            "ASGD", "Adadelta", "Rprop", "configure_optimizer", "configure_lr_scheduler", "lr_scheduler"]
 
-_registry: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
 class _Streamable:
     """Mixin: delegates to a StreamRunner (MemoryX) once bound to a weight-streamed model."""
 
@@ -37,7 +34,7 @@ class _Streamable:
 
     def __init__(self, params: Any, *args: Any, **kw: Any) -> None:
         super().__init__(params, *args, **kw)  # type: ignore[call-arg]
-        _registry.add(self)  # type: ignore[arg-type]
+        context.current().optimizers.add(self)
 
     def _bind_stream(self, runner: Any) -> None:
         if getattr(self, "_no_stream", None):
@@ -167,7 +164,8 @@ def configure_lr_scheduler(optimizer: torch.optim.Optimizer, learning_rate: Any)
 def find_optimizer(model: nn.Module) -> torch.optim.Optimizer | None:
     """The cstorch optimizer built over this model's parameters (the most recent one)."""
     ids = {id(p) for p in model.parameters()}
-    found = [o for o in list(_registry) if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+    found = [o for o in list(context.current().optimizers)
+             if any(id(p) in ids for g in o.param_groups for p in g["params"])]
     if len(found) > 1:
         raise ConfigError("several cstorch optimizers hold this model's parameters; weight streaming binds one")
     return found[0] if found else None

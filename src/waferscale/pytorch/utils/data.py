@@ -15,16 +15,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from waferscale.errors import ConfigError
+from waferscale.pytorch import context
 from waferscale.pytorch import distributed as _dist
 from waferscale.pytorch.backend import cerebras_only, current_backend
 
 __all__ = ["DataLoader", "DataExecutor", "RateTracker", "current_executor"]
 
-_current: "DataExecutor | None" = None
-
-
 def current_executor() -> "DataExecutor | None":
-    return _current
+    return context.current().data
 
 
 class DataLoader:
@@ -162,8 +160,8 @@ class DataExecutor:
     _running = False
 
     def __iter__(self) -> Iterator[Any]:
-        global _current
-        _current, self._running = self, True
+        run = context.current()
+        run.data, self._running = self, True
         rank, world = _dist.rank(), _dist.world_size()
         try:
             self.profiler.rate_tracker.reset_time()
@@ -185,7 +183,7 @@ class DataExecutor:
                 if not got_any:
                     raise ConfigError("the dataloader yielded no batches")
         finally:
-            _current, self._running = None, False
+            run.data, self._running = None, False
 
     def _step_done(self) -> None:
         if self.iteration >= self._step:  # a second traced function on the same batch (an eval step, say)
