@@ -346,46 +346,6 @@ class T5(CausalLM):
         else:
             t.normal_(0.0, std.get(name.split(".")[-2], d ** -0.5))
 
-    def generate(self, idx: Tensor, max_new_tokens: int, *, eos_id: int | None = None, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[int]:
-        """Sequence-to-sequence generation for one input (1, L): encode once, then decode token by token from the
-        decoder start (pad) token with the self-attention KV cache and the cross-attention keys and values
-        computed once; greedy at temperature 0, else sampled (top-k, top-p). Returns the new ids, up to and
-        including `eos_id`."""
-        if idx.shape[0] != 1:
-            raise ConfigError(f"T5.generate takes one input sequence, got a batch of {idx.shape[0]}")
-        gen = torch.Generator(device=idx.device)
-        gen.manual_seed(seed if seed is not None else torch.seed())
-        enc = self.encode(idx)
-        cross = self.cross_kv(enc)
-        caches = self.make_kv_caches(1, max_new_tokens, dtype=enc.dtype, device=idx.device)
-        token = torch.full((1, 1), self.config.pad_token_id, dtype=torch.long, device=idx.device)
-        out: list[int] = []
-        for pos in range(max_new_tokens):
-            logits = self.decode(token, None, pos, caches, cross)[0, -1].float()
-            nxt = int(_choose(logits, temperature, top_k, top_p, gen))
-            out.append(nxt)
-            if nxt == eos_id:
-                break
-            token = torch.full((1, 1), nxt, dtype=torch.long, device=idx.device)
-        return out
-
-
-def _choose(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> Tensor:
-    """The next token from (V,) logits: argmax at temperature 0, else a draw from the tempered distribution cut
-    to the top_k most likely (0: all) and to the smallest set holding top_p of the probability."""
-    if temperature == 0:
-        return logits.argmax()
-    logits = logits / temperature
-    if top_k:
-        logits = logits.masked_fill(logits < logits.topk(min(top_k, logits.numel())).values[-1], float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1.0:
-        p, order = probs.sort(descending=True)
-        drop = p.cumsum(-1) - p >= top_p  # keep each token whose predecessors hold less than top_p
-        probs = probs.scatter(0, order, p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=gen)[0]
-
 
 def _t5(name: str, *, d_model: int, n_layer: int, n_head: int, d_ff: int, v11: bool, vocab: int = 32128,
         d_kv: int = 64, ctx: int = 512) -> ModelConfig:

@@ -34,8 +34,9 @@ class Tokenizer(ABC):
 
     # ---- text <-> ids -------------------------------------------------------------------------------------
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; add_special_tokens: with those the tokenizer's own post-processor adds (a
+        Hugging Face tokenizer's template, e.g. T5's trailing `</s>`; none for most decoders' tokenizers)."""
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:

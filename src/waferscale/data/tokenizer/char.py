@@ -71,13 +71,16 @@ class CharTokenizer(Tokenizer):
         return CharTokenizer(self.chars, self.mask_token_str, self.eos_token_str or eos_token,
                              self.extra_ids or extra_ids, self.pair_tokens)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: the char format's post-processor, "$A <eos>" when it declares an eos token (the
+        inputs of the encoder-decoders it serves end so, as T5's tokenizer has it)."""
         if self._split is None:
-            return self._encode_chars(text)
-        ids: list[int] = []
-        for n, piece in enumerate(self._split.split(text)):  # odd pieces: a special token, which is its id
-            ids += [self.specials[piece]] if n % 2 else self._encode_chars(piece)
-        return ids
+            ids = self._encode_chars(text)
+        else:
+            ids = []
+            for n, piece in enumerate(self._split.split(text)):  # odd pieces: a special token, which is its id
+                ids += [self.specials[piece]] if n % 2 else self._encode_chars(piece)
+        return ids + [self.eos_id] if add_special_tokens and self.eos_id is not None else ids
 
     def _encode_chars(self, text: str) -> list[int]:
         cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
