@@ -47,7 +47,7 @@ def measured_swiglu_zeros() -> tuple[float, str] | None:
     from waferscale.runtime.generation import load_for_generation
 
     try:
-        model, tok, _ = load_for_generation(model="smollm2-135m", checkpoint=None, tokenizer=None, device="cpu",
+        model, tok, _ = load_for_generation("smollm2-135m", tokenizer=None, device="cpu",
                                             need_tokenizer=False)
     except UserError as e:
         print(f"(SmolLM2-135M not available: {e}; the SwiGLU row uses 0 exact zeros)")

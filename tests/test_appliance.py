@@ -313,7 +313,7 @@ def test_a_run_whose_processes_are_lost_resumes_from_its_checkpoint(service: App
     b = service.client("bob")
     j = b.submit_run(params, num_csx=1)
     model_dir = service.state / "jobs" / j["id"] / "model_dir"
-    wait_for(lambda: list(model_dir.glob("checkpoint_*.json")), "the run's first checkpoint", timeout=120)
+    wait_for(lambda: list(model_dir.glob("checkpoint_*.safetensors")), "the run's first checkpoint", timeout=120)
     pids = service.job_pids(j["id"])
     service.kill9()
     os.killpg(pids["pgid"], signal.SIGKILL)

@@ -20,10 +20,12 @@ def test_round_trip_with_tied_weights_and_optimizer(tmp_path: Path) -> None:
     state = _opt_state(model)
     path = ckpt.save_checkpoint(tmp_path, 7, model, model.config.to_dict(), optimizer_state=state,
                                 extra={"data": {"step": 7}})
-    assert path.name == "checkpoint_7.json"
+    assert path.name == "checkpoint_7.safetensors"
     c = ckpt.load_checkpoint(tmp_path)  # a model_dir resolves to its latest checkpoint
-    assert c.step == 7 and c.manifest["data"] == {"step": 7}
-    assert "head.lm_head.weight" not in c.model  # tied: stored once
+    assert c.step == 7 and c.state["data"] == {"step": 7}
+    head = c.model["head.lm_head.weight"]  # tied: stored once, one tensor under both names
+    assert any(t is head for k, t in c.model.items() if k != "head.lm_head.weight")
+    model.load_state_dict(c.model)  # every name back, as a script's strict load_state_dict wants
     other = from_name("gpt-tiny")
     ckpt.load_model_weights(other, c.model, "test")
     for (n, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
@@ -39,12 +41,56 @@ def test_round_trip_with_tied_weights_and_optimizer(tmp_path: Path) -> None:
 def test_partial_checkpoint_is_refused(tmp_path: Path) -> None:
     model = from_name("gpt-tiny")
     path = ckpt.save_checkpoint(tmp_path, 1, model, model.config.to_dict())
-    weights = tmp_path / "checkpoint_1.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])  # truncated, as by a crash mid-write of a copy
+    path.write_bytes(path.read_bytes()[:-100])  # truncated, as by a crash mid-write of a copy
     with pytest.raises(CheckpointError, match="partial"):
         ckpt.load_checkpoint(path)
+    path.write_bytes(path.read_bytes()[:100])  # (its header cut too)
+    with pytest.raises(CheckpointError, match="partially written"):
+        ckpt.load_checkpoint(tmp_path)
     path.unlink()
     with pytest.raises(CheckpointError, match="no checkpoint"):
+        ckpt.load_checkpoint(tmp_path)
+
+
+def _save_v1(model_dir: Path, step: int, model: torch.nn.Module, opt_state: dict) -> Path:
+    """A checkpoint in the first `wsc run` format (manifest + weights + optimizer files), as that code wrote it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    weights, optim = model_dir / f"checkpoint_{step}.safetensors", model_dir / f"checkpoint_{step}.optim.safetensors"
+    save_file({k: v.contiguous() for k, v in ckpt.unique_state_dict(model).items()}, str(weights))
+    tensors = {f"state.{i}.{k}": v for i, st in opt_state["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    save_file({"rng.torch": torch.get_rng_state(), **tensors}, str(optim))
+    manifest = {"format": "waferscale-checkpoint-v1", "step": step, "model_config": model.config.to_dict(),
+                "data": {"step": step}, "tokenizer": "tokenizer",
+                "optimizer": {"param_groups": opt_state["param_groups"], "scalars": {}, "extra": {}},
+                "files": {weights.name: weights.stat().st_size, optim.name: optim.stat().st_size}}
+    path = model_dir / f"checkpoint_{step}.json"
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def test_first_format_checkpoints_still_load(tmp_path: Path) -> None:
+    """A model_dir of the first format: the model_dir, its manifest or its weights file name it; weights, step, data
+    position and optimizer state come back as from the current format, through load_checkpoint and cstorch.load."""
+    import waferscale.pytorch as cstorch
+
+    model = from_name("gpt-tiny")
+    state = _opt_state(model)
+    manifest = _save_v1(tmp_path, 5, model, state)
+    for name in (tmp_path, manifest, tmp_path / "checkpoint_5.safetensors", tmp_path / "checkpoint_5"):
+        c = ckpt.load_checkpoint(name)
+        assert (c.path, c.step, c.state["data"]) == (manifest, 5, {"step": 5})
+        assert c.model_config == model.config.to_dict() and c.rng_state is not None
+        opt = torch.optim.AdamW(from_name("gpt-tiny").parameters(), lr=1e-3)
+        opt.load_state_dict(c.optimizer_state())
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    loaded = cstorch.load(manifest)
+    assert loaded["global_step"] == 5 and set(loaded["model"]) == set(ckpt.unique_state_dict(model))
+    (tmp_path / "checkpoint_5.optim.safetensors").write_bytes(b"")  # one of its files damaged: refused
+    with pytest.raises(CheckpointError, match="partial"):
         ckpt.load_checkpoint(tmp_path)
 
 
@@ -61,8 +107,7 @@ def test_other_architecture_is_refused(tmp_path: Path) -> None:
 def test_no_temp_files_left(tmp_path: Path) -> None:
     model = from_name("gpt-tiny")
     ckpt.save_checkpoint(tmp_path, 2, model, model.config.to_dict(), optimizer_state=_opt_state(model))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_2.json", "checkpoint_2.optim.safetensors", "checkpoint_2.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_2.safetensors"]
 
 
 def test_tied_weights_are_written_once_from_a_module_or_its_state_dict(tmp_path: Path) -> None:
@@ -78,11 +123,58 @@ def test_tied_weights_are_written_once_from_a_module_or_its_state_dict(tmp_path:
     m = build(cfg, device="cpu")
     for i, source in enumerate((m, m.state_dict())):
         path = ckpt.save_checkpoint(tmp_path / f"run{i}", 1, source, cfg.to_dict())
-        stored = load_file(str(path.with_suffix(".safetensors")))
-        assert "head.lm_head.weight" not in stored and "embed.tok.weight" in stored
+        assert len(load_file(str(path))) == len(ckpt.unique_state_dict(m)) + 1  # (+ the RNG state)
         c = ckpt.load_checkpoint(path, with_optimizer=False)
         back = build(cfg, device="cpu")
         ckpt.load_model_weights(back, c.model, str(path))
         assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), m.state_dict().values()))
     cstorch.save({"model": m.state_dict()}, tmp_path / "c.safetensors")
     assert len(load_file(str(tmp_path / "c.safetensors"))) == len(ckpt.unique_state_dict(m))
+
+
+def _run_tiny(corpus: Path, model_dir: Path, max_steps: int, checkpoint: Path | None = None) -> str:
+    import io
+
+    from conftest import tiny_params
+    from waferscale.params import params_from_dict
+    from waferscale.zoo.runner import RunOptions, run
+
+    d = tiny_params(corpus, model_dir)
+    d["runconfig"]["max_steps"] = max_steps
+    out = io.StringIO()
+    run(params_from_dict(d, "t"), RunOptions(model_dir=model_dir, progress=False,
+                                             checkpoint_path=str(checkpoint) if checkpoint else None), out=out)
+    return out.getvalue()
+
+
+def test_either_training_path_resumes_the_others_checkpoint(corpus: Path, tmp_path: Path) -> None:
+    """One format: a `wsc run` checkpoint is what a cstorch script loads (cstorch.load, strict load_state_dict, its
+    optimizer state regrouped by the parameter names it carries), and a cstorch script's checkpoint, its optimizer
+    grouped otherwise (torch's named parameters), resumes `wsc run` with that optimizer state."""
+    import waferscale.pytorch as cstorch
+    from waferscale.models import ModelConfig, build
+
+    _run_tiny(corpus, tmp_path / "run", 2)
+    state = cstorch.load(tmp_path / "run")  # a model_dir: its latest
+    assert state["global_step"] == 2
+    model = build(ModelConfig.from_dict(state["model_config"]), device="cpu")
+    model.load_state_dict(state["model"])  # (strict: every name there, the tied head too)
+    named = dict(model.named_parameters())
+    groups = [{"params": [named[n] for n in g["param_names"]], "weight_decay": g["weight_decay"]}
+              for g in state["optimizer"]["param_groups"]]
+    opt = cstorch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    opt.load_state_dict(state["optimizer"])
+    assert all(float(s["beta1_power"]) == pytest.approx(0.9 ** 3) for s in opt.state.values())  # 2 steps (beta1^(t+1))
+
+    # the other way: one group of named parameters (torch writes their names), saved by cstorch.save
+    one = cstorch.optim.AdamW(model.named_parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    one.step()
+    one.step()
+    cstorch.save({"model": model.state_dict(), "optimizer": one.state_dict(), "global_step": 2}, tmp_path / "s.ckpt")
+    out = _run_tiny(corpus, tmp_path / "run2", 3, checkpoint=tmp_path / "s.ckpt")
+    assert "(step 2)" in out
+    after = ckpt.load_checkpoint(tmp_path / "run2")
+    assert after.step == 3
+    assert all(float(s["beta1_power"]) == pytest.approx(0.9 ** 4)  # its Adam state went on: 3 steps
+               for s in after.optimizer_state()["state"].values())

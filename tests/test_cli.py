@@ -104,7 +104,7 @@ def test_checkpoint_of_other_architecture(corpus: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_generate_bad_input(tmp_path: Path) -> None:
     _assert_user_error(wsc("generate", "--model", "gpt-tni", "--prompt", "x"), "gpt-tiny")
-    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "checkpoint_*.json",
+    _assert_user_error(wsc("generate", "--checkpoint", str(tmp_path), "--prompt", "x"), "checkpoint_*",
                        "Hugging Face")
     _assert_user_error(wsc("generate", "--model", "gpt-tiny", "--prompt", "x"), "--tokenizer")
     (tmp_path / "checkpoint_3.json").write_text("{}")  # a `wsc run` model_dir (either flag) with a foreign manifest

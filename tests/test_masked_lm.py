@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_params
-from train_helpers import assert_same_training
+from train_helpers import assert_same_training, checkpoint_weights
 from waferscale.cli.main import main
 from waferscale.data import BatchLoader, CharTokenizer, HFTokenizer, MaskedBatches, Masker, tokenizer_with_mask
 from waferscale.data.masking import IGNORE_INDEX
@@ -198,7 +198,7 @@ def test_pretrained_next_sentence_head_trains_streamed_as_resident(corpus: Path,
         p.write_text(yaml.safe_dump(d))
         assert main(["run", "-p", str(p), "-o", str(tmp_path / "s"), "--no_progress", "--num_csx", "2"]) == 0
     start = load_file(str(pretrained / "model.safetensors"))
-    nsp = {k: v for k, v in load_file(str(tmp_path / "r" / "checkpoint_4.safetensors")).items()
+    nsp = {k: v for k, v in checkpoint_weights(tmp_path / "r" / "checkpoint_4.safetensors").items()
            if k.startswith(("head.nsp", "head.pooler"))}
     assert len(nsp) == 4
     hf_names = {"head.nsp.weight": "cls.seq_relationship.weight", "head.nsp.bias": "cls.seq_relationship.bias",

@@ -326,3 +326,21 @@ def test_bad_files_are_one_error_line_and_exit_2(corpus: Path, tmp_path: Path,
                "--tgt-fmt", "cs-current", "--config", str(tmp_path / "params.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "describes another model" in err[0], err
+
+
+def test_commands_take_a_model_zoo_checkpoint_with_its_params_file(corpus: Path, tmp_path: Path, capsys) -> None:
+    """`wsc export` (and every command that resolves a model) takes a .mdl given the params file it was trained
+    with; without it, a usage error says which flag gives it."""
+    from waferscale.models.hf import load_hf_dir
+
+    d = _params(corpus, tmp_path / "unused", LLAMA)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(d))
+    cfg = params_from_dict(d, "t").model.to_model_config()
+    ours = perturbed(cfg)
+    write_mdl(tmp_path / "zoo.mdl", {"model": zoo_names(ours.state_dict(), cfg), "global_step": 5})
+    assert main(["export", "--checkpoint", str(tmp_path / "zoo.mdl"), "--out", str(tmp_path / "hf")]) == 2
+    assert "--config PARAMS.yaml" in capsys.readouterr().err
+    assert main(["export", "--model", str(tmp_path / "zoo.mdl"), "--config", str(tmp_path / "params.yaml"),
+                 "--out", str(tmp_path / "hf")]) == 0
+    back = load_hf_dir(tmp_path / "hf").state_dict()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())

@@ -170,7 +170,7 @@ def test_model_zoo_optimizer_state_resumes_exactly(model: dict, scales: dict, ex
         out=io.StringIO())
     params = params_from_dict(d, "t")
     cfg = params.model.to_model_config()
-    c2 = ckpt.load_checkpoint(tmp_path / "a" / "checkpoint_2.json")
+    c2 = ckpt.load_checkpoint(tmp_path / "a" / "checkpoint_2.safetensors")
     zoo = _zoo_state(c2, cfg, d["optimizer"]["weight_decay"], scales)
     write_mdl(tmp_path / "zoo.mdl", zoo)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
 from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
+from train_helpers import checkpoint_weights
 from waferscale.cli.main import main
 from waferscale.errors import CheckpointError
 from waferscale.models import hf, registry
@@ -300,7 +300,7 @@ def _same_training(a: Path, b: Path) -> None:
     for x, y in zip(ra, rb):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
     step = ra[-1]["step"]
-    wa, wb = (load_file(str(d / f"checkpoint_{step}.safetensors")) for d in (a, b))
+    wa, wb = (checkpoint_weights(d / f"checkpoint_{step}.safetensors") for d in (a, b))
     assert wa.keys() == wb.keys()
     for k in wa:
         if not k.endswith("k_proj.bias"):  # zero-gradient parameter: rounding noise only (see test_streaming)

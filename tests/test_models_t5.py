@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from conftest import TEXT, tiny_params, wsc
 from hf_helpers import assert_config_round_trips, ids, max_diff, perturbed
-from train_helpers import assert_same_training
+from train_helpers import assert_same_training, checkpoint_weights
 from waferscale.cli.main import main
 from waferscale.data.tokenizer import CharTokenizer
 from waferscale.errors import CheckpointError, ConfigError
@@ -26,6 +25,8 @@ from waferscale.models.registry import PRESETS, build
 from waferscale.models.t5 import relative_position_bucket
 from waferscale.params import params_from_dict
 from waferscale.serve.model_runner import check_servable
+from waferscale.serve.sampling import SamplingParams
+from waferscale.serve.seq2seq import generate_seq2seq
 from waferscale.zoo.runner import RunOptions, run
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +133,8 @@ def test_greedy_generation_equals_transformers(key: str, tmp_path: Path) -> None
     with torch.no_grad():
         ref = theirs.generate(input_ids=x, max_new_tokens=12, do_sample=False, eos_token_id=None,
                               decoder_start_token_id=0)[0, 1:].tolist()
-        assert ours.generate(x, 12) == ref
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # (eos_token_id=None there)
+        assert generate_seq2seq(ours, x[0].tolist(), greedy) == ref
 
 
 def test_wsc_generate_runs_seq2seq_on_a_transformers_directory(tmp_path: Path, capsys) -> None:
@@ -143,7 +145,7 @@ def test_wsc_generate_runs_seq2seq_on_a_transformers_directory(tmp_path: Path, c
     hf.save_hf_dir(ours, tmp_path / "hf", tokenizer=tok)
     theirs = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     prompt = "First Citizen: <extra_id_0> speak."
-    x = torch.tensor([tok.encode(prompt) + [tok.eos_id]])
+    x = torch.tensor([tok.encode(prompt) + [tok.eos_id]])  # (the char format's post-processor: "$A <eos>")
     with torch.no_grad():
         out = theirs.generate(input_ids=x, max_new_tokens=10, do_sample=False, decoder_start_token_id=0,
                               eos_token_id=tok.eos_id)[0, 1:].tolist()
@@ -219,7 +221,7 @@ def test_t5_trains_span_corruption_resident_and_streaming_alike(corpus: Path, tm
     assert (r["executor"], s["executor"]) == ("resident", "streaming")
     _same_training(tmp_path / "r", tmp_path / "s")
     assert s["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5)
-    w = load_file(str(tmp_path / "r" / "checkpoint_4.safetensors"))
+    w = checkpoint_weights(tmp_path / "r" / "checkpoint_4.safetensors")
     w0 = build(PRESETS["flan-t5-tiny"].replace(name="flan-t5-tiny", max_seq_len=32)).state_dict()
     # every layer's table gradient reached its owner, and the encoder learned through the decoder's cross-attention
     assert not torch.equal(w["encoder.0.rel.weight"], w0["encoder.0.rel.weight"])
@@ -354,3 +356,26 @@ def test_streamed_t5_built_on_meta_gets_t5s_initialisation() -> None:
     for name, std in expected.items():
         assert float(w[name].std()) == pytest.approx(std, rel=0.15), name
     assert float(w["decoder.1.cross_norm.weight"].min()) == 1.0
+
+
+def test_the_tokenizers_post_processor_decides_the_inputs_special_tokens(tmp_path: Path) -> None:
+    """T5's tokenizer.json appends `</s>` to an input by its post-processor; a tokenizer without that template
+    appends nothing. The seq2seq prompt is what the tokenizer's own encode gives (the `tokenizers` library's
+    default, add_special_tokens=True), never an EOS added by hand."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from waferscale.data import load_tokenizer
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
+    for template in (True, False):
+        tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Whitespace()
+        if template:
+            tk.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+        d = tmp_path / str(template)
+        d.mkdir()
+        tk.save(str(d / "tokenizer.json"))
+        ours = load_tokenizer(str(d))
+        assert ours.encode("hello world", add_special_tokens=True) == tk.encode("hello world").ids
+        assert ours.encode("hello world", add_special_tokens=True) == ([3, 4, 1] if template else [3, 4])
+        assert ours.encode("hello world") == [3, 4]

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
+from train_helpers import checkpoint_weights
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import hf
 from waferscale.models.config import ModelConfig
@@ -258,7 +258,7 @@ def _sparse_experts(corpus: Path, model_dir: Path) -> dict:
 
 
 def _same_weights(a: Path, b: Path, step: int = 4) -> None:
-    wa, wb = (load_file(str(d / f"checkpoint_{step}.safetensors")) for d in (a, b))
+    wa, wb = (checkpoint_weights(d / f"checkpoint_{step}.safetensors") for d in (a, b))
     assert wa.keys() == wb.keys()
     for k in wa:
         assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
@@ -289,7 +289,7 @@ def test_experts_without_tokens_are_left_alone_when_streamed(corpus: Path, tmp_p
         assert summary["memoryx_units_on_flash"] >= 1 and summary["memoryx_flash_bytes"] > 0
     assert not any((tmp_path / "flash").iterdir())  # each run's flash files went with it
     # step 2 (the first at a rate above 0) changed some experts and left others, which had no token, alone
-    ckpt = {k: load_file(str(tmp_path / "r" / f"checkpoint_{k}.safetensors")) for k in (1, 2)}
+    ckpt = {k: checkpoint_weights(tmp_path / "r" / f"checkpoint_{k}.safetensors") for k in (1, 2)}
     unchanged = [torch.equal(ckpt[1][k], ckpt[2][k]) for k in ckpt[1] if ".experts." in k]
     assert any(unchanged) and not all(unchanged)
     for name in "sfm":

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from conftest import tiny_params
-from train_helpers import assert_same_training
+from train_helpers import assert_same_training, checkpoint_weights
 from waferscale.data.masking import IGNORE_INDEX, Masker
 from waferscale.data.sentence_pairs import PairBatches, SentencePairs, tokenizer_with_pair_tokens
 from waferscale.data.loader import BatchLoader
@@ -198,7 +197,7 @@ def test_wsc_run_trains_the_next_sentence_head_resident_and_streamed_alike(corpu
     assert (r["executor"], s["executor"]) == ("resident", "streaming") and "not trained" not in said
     _same_training(tmp_path / "r", tmp_path / "s")
     assert s["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-5)
-    start, end = (load_file(str(tmp_path / "r" / f"checkpoint_{k}.safetensors")) for k in (0, 4))
+    start, end = (checkpoint_weights(tmp_path / "r" / f"checkpoint_{k}.safetensors") for k in (0, 4))
     for k in ("head.nsp.weight", "head.pooler.weight"):  # the next-sentence head trains
         assert not torch.equal(start[k], end[k]), k
     tok = load_tokenizer(tmp_path / "r" / "tokenizer")

@@ -50,15 +50,15 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_kind_resolves_and_loads(run_dir: Path, tmp_path: Path) -> None:
     hf = tiny_model_dir(run_dir.parent)
     src = resolve(str(run_dir))
-    assert (src.kind, src.path.name, src.id) == ("run", "checkpoint_20.json", "my-run")
+    assert (src.kind, src.path.name, src.id) == ("checkpoint", "checkpoint_20.safetensors", "my-run")
     m = src.load()
     want = resolve(str(hf)).load()
     assert src.config() == m.config
     for (k, a), (_, b) in zip(sorted(m.state_dict().items()), sorted(want.state_dict().items())):
         assert torch.equal(a, b), k  # the latest checkpoint, not step 10's zeros
     assert src.tokenizer() is not None and src.tokenizer().vocab_size == 49152
-    one = resolve(str(run_dir / "checkpoint_10.json"))
-    assert (one.kind, one.id) == ("run", "my-run")
+    one = resolve(str(run_dir / "checkpoint_10.safetensors"))
+    assert (one.kind, one.id) == ("checkpoint", "my-run")
     assert all(float(v.abs().sum()) == 0 for v in one.load().state_dict().values() if v.is_floating_point())
     assert resolve(str(hf)).kind == "hf"
     z = resolve("gpt2-small")
@@ -66,11 +66,27 @@ def test_each_kind_resolves_and_loads(run_dir: Path, tmp_path: Path) -> None:
     assert resolve("smollm2-135m-instruct").kind == "asset"
 
 
+def test_every_checkpoint_format_resolves(run_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint of any format is one kind: `wsc run`'s (it carries its architecture), a cstorch script's and a
+    Model Zoo .mdl (the architecture given: the CLI's --config), each loading the same weights."""
+    import waferscale.pytorch as cstorch
+    from waferscale.models.modelzoo import state_dict_to_zoo
+
+    src = resolve(str(run_dir))
+    cfg, want = src.config(), src.load().state_dict()
+    cstorch.save({"model": want, "global_step": 20}, tmp_path / "script.ckpt")  # (no model_config in it)
+    save_mdl({"model": state_dict_to_zoo(want, cfg), "global_step": 20}, tmp_path / "zoo.mdl")
+    for name in ("script.ckpt", "zoo.mdl"):
+        with pytest.raises(ConfigError, match="without the model's architecture.*--config PARAMS.yaml"):
+            resolve(str(tmp_path / name)).config()
+        s = resolve(str(tmp_path / name), config=cfg)
+        assert s.kind == "checkpoint" and s.id == name
+        got = s.load().state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+    assert resolve(resolve(str(run_dir))) == src  # (a ModelSource is its own answer)
+
+
 def test_what_cannot_be_served_is_refused_with_the_way_out(tmp_path: Path) -> None:
-    mdl = tmp_path / "checkpoint_5.mdl"
-    save_mdl({"model": {"w": torch.ones(2)}}, mdl)
-    with pytest.raises(CheckpointError, match="wsc checkpoint convert .*--config"):
-        resolve(str(mdl))
     t = tmp_path / "weights.safetensors"
     from safetensors.torch import save_file
 

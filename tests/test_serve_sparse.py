@@ -143,7 +143,7 @@ def test_engine_greedy_tokens_sparse_equal_dense_with_zeros(monkeypatch: pytest.
 
 def test_sparse_checkpoint_with_masks_serves_sparse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from waferscale.sparse import Static
-    from waferscale.sparse.hooks import sparsify_module
+    from waferscale.sparse.algorithms import sparsify_module
 
     torch.manual_seed(0)
     m = from_name("llama-tiny", d_model=64, d_ff=160, max_seq_len=128)
@@ -151,7 +151,7 @@ def test_sparse_checkpoint_with_masks_serves_sparse(tmp_path: Path, capsys: pyte
     m(torch.tensor([[1, 2, 3]]))  # the hooks prune the weights before a forward, as training does
     assert any(k.endswith("_mask") for k in m.state_dict())
     path = ckpt.save_checkpoint(tmp_path, 1, m, m.config.to_dict())
-    model, _, _ = load_for_generation(model=None, checkpoint=str(path), tokenizer=None, need_tokenizer=False)
+    model, _, _ = load_for_generation(str(path), tokenizer=None, need_tokenizer=False)
     e = Engine(model, _Tok(), block_size=4, num_blocks=64, fast_linear=True)
     assert "in sparse panels" in capsys.readouterr().err
     assert e.weight_bytes[1] < e.weight_bytes[0]

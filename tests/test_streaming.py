@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import tiny_params, wsc
+from train_helpers import checkpoint_weights
 from waferscale.params import params_from_dict
 from waferscale.zoo.runner import RunOptions, run
 
@@ -35,7 +35,7 @@ def _metrics(model_dir: Path) -> list[dict]:
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     step = _metrics(model_dir)[-1]["step"]
-    return load_file(str(model_dir / f"checkpoint_{step}.safetensors"))
+    return checkpoint_weights(model_dir / f"checkpoint_{step}.safetensors")
 
 
 def _assert_same_run(a: Path, b: Path, rel: float, wrel: float) -> None:

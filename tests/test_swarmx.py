@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from safetensors.torch import load_file
 
 from conftest import tiny_params
+from train_helpers import checkpoint_weights
 from waferscale.params import params_from_dict
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.zoo.runner import RunOptions, run
@@ -62,7 +62,7 @@ def test_two_systems_equal_one_and_resume_on_one(corpus: Path, tmp_path: Path) -
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-    wa, wb = load_file(str(one / "checkpoint_6.safetensors")), load_file(str(two / "checkpoint_6.safetensors"))
+    wa, wb = (checkpoint_weights(d / "checkpoint_6.safetensors") for d in (one, two))
     for k in wa:
         if not k.endswith("k_proj.bias"):  # zero-gradient parameter: rounding noise only (see test_streaming)
             assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k

@@ -38,7 +38,7 @@ def test_train_writes_metrics_summary_and_checkpoint(corpus: Path, tmp_path: Pat
     for key in ("final_loss", "eval_loss", "eval_perplexity", "tokens_per_s", "mfu", "peak_memory_bytes"):
         assert key in summary, key
     assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
-    assert (md / "checkpoint_6.json").exists() and (md / "tokenizer").is_dir()
+    assert (md / "checkpoint_6.safetensors").exists() and (md / "tokenizer").is_dir()
     assert s["final_step"] == 6
 
 
@@ -56,7 +56,7 @@ def test_resumed_run_matches_uninterrupted(corpus: Path, tmp_path: Path) -> None
 def test_checkpoint_steps_and_stale_metrics_truncated(corpus: Path, tmp_path: Path) -> None:
     md = tmp_path / "run"
     _run(corpus, md, params_over={"runconfig": {"checkpoint_steps": 2}})
-    assert {p.name for p in md.glob("checkpoint_*.json")} == {f"checkpoint_{s}.json" for s in (2, 4, 6)}
+    assert {p.name for p in md.glob("checkpoint_*")} == {f"checkpoint_{s}.safetensors" for s in (2, 4, 6)}
     for s in (6, 4):  # as if the run had died after step 3 with its last checkpoint at 2
         for p in md.glob(f"checkpoint_{s}.*"):
             p.unlink()

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+
+from waferscale.runtime.checkpoint import load_checkpoint
 
 
 def read_metrics(model_dir: Path) -> list[dict]:
@@ -25,10 +26,15 @@ def assert_same_training(a: Path, b: Path, *, steps: int = 4, grad_norm: bool = 
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         if grad_norm:
             assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-    wa, wb = (load_file(str(d / f"checkpoint_{steps}.safetensors")) for d in (a, b))
+    wa, wb = (load_checkpoint(d / f"checkpoint_{steps}.safetensors", with_optimizer=False).model for d in (a, b))
     assert wa.keys() == wb.keys()
     for k in wa:
         if skip and k.endswith(skip):
             continue
         assert float((wa[k] - wb[k]).norm() / wa[k].norm().clamp_min(1e-2)) <= 1e-5, k
     return ra, rb
+
+
+def checkpoint_weights(path: Path) -> dict:
+    """The model weights of a checkpoint file (runtime/checkpoint.py's format, any version)."""
+    return load_checkpoint(path, with_optimizer=False).model

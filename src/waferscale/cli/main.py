@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from waferscale.errors import ConfigError, UserError
 
@@ -85,7 +85,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.top_k is not None and a.top_k < 0:
         raise ConfigError(f"--top_k must be >= 0 (0 turns it off), got {a.top_k}")
     speculative = _speculation(a)
-    model, tok, note = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=a.tokenizer,
+    model, tok, note = load_for_generation(_source(a.model or a.checkpoint, a), tokenizer=a.tokenizer,
                                            device=a.device, keep_quantized=a.dtype != "fp32")
     if note:
         print(note, file=sys.stderr)
@@ -109,9 +109,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     else:
         text = a.prompt
-    ids = tok.encode(text)
     if model.config.is_encoder_decoder:
-        return _generate_seq2seq(model, tok, ids, a)
+        return _generate_seq2seq(model, tok, text, a)
+    ids = tok.encode(text)
     params = SamplingParams(temperature=a.temperature, top_p=1.0 if a.top_p is None else a.top_p,
                             top_k=a.top_k or 0, seed=a.seed, max_tokens=a.max_new_tokens)
     with LLM(model, tok, max_model_len=len(ids) + a.max_new_tokens, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
@@ -131,19 +131,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_seq2seq(model: "T5", tok: "Tokenizer", ids: list[int], a: argparse.Namespace) -> int:
-    """An encoder-decoder (T5) reads the prompt (ending in EOS, as T5's inputs do) and writes its answer: encoded
-    once, decoded with the decoder's KV cache and the cross-attention keys and values computed once."""
-    import torch
+def _generate_seq2seq(model: "T5", tok: "Tokenizer", prompt: str, a: argparse.Namespace) -> int:
+    """An encoder-decoder (T5) reads the prompt, with the special tokens its tokenizer's post-processor adds (T5's:
+    a trailing `</s>`), and writes its answer, sampled as the serving engine samples (serve/seq2seq.py)."""
+    from waferscale.serve.sampling import SamplingParams
+    from waferscale.serve.seq2seq import generate_seq2seq
 
-    if tok.eos_id is not None and (not ids or ids[-1] != tok.eos_id):
-        ids = [*ids, tok.eos_id]
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    with torch.no_grad():
-        out = model.generate(x, a.max_new_tokens, eos_id=tok.eos_id, temperature=a.temperature, top_k=a.top_k or 0,
-                             top_p=1.0 if a.top_p is None else a.top_p, seed=a.seed)
-    if out and out[-1] == tok.eos_id:
-        out = out[:-1]
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
+                            seed=a.seed, max_tokens=a.max_new_tokens)
+    out = generate_seq2seq(model, tok.encode(prompt, add_special_tokens=True), params,
+                           [tok.eos_id] if tok.eos_id is not None else [])
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
@@ -157,10 +154,9 @@ def cmd_export(a: argparse.Namespace) -> int:
     if (a.model is None) == (a.checkpoint is None):
         raise ConfigError("give exactly one of --model NAME or --checkpoint PATH")
     if a.format == "gguf":
-        from waferscale.runtime.source import resolve
         from waferscale.serve.export_gguf import export_gguf
 
-        source = resolve(a.model or a.checkpoint)
+        source = _source(a.model or a.checkpoint, a)
         if source.path is None:
             raise ConfigError(f"{source.spec} is a zoo name without weights: export a checkpoint, a .gguf or a "
                               "Hugging Face directory")
@@ -171,7 +167,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         return 0
     if a.dtype != "auto":
         raise ConfigError("--dtype applies to --format gguf (a Hugging Face export writes float32 weights)")
-    model, tok, _ = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=None, device="cpu",
+    model, tok, _ = load_for_generation(_source(a.model or a.checkpoint, a), tokenizer=None, device="cpu",
                                         need_tokenizer=False)
     save_hf_dir(model, Path(a.out), tokenizer=tok)
     print(f"wrote a Hugging Face checkpoint of {model.config.name} to {a.out}")
@@ -309,7 +305,7 @@ def cmd_sparsity_report(a: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag} must be a positive integer, got {getattr(a, flag)}")
     if not a.threshold > 0:
         raise ConfigError(f"--threshold must be positive, got {a.threshold}")
-    model, tok, _ = load_for_generation(model=a.model, checkpoint=a.checkpoint, tokenizer=None, device="cpu",
+    model, tok, _ = load_for_generation(_source(a.model or a.checkpoint, a), tokenizer=None, device="cpu",
                                         need_tokenizer=False)
     cfg, n = model.config, a.batch_size * a.seq_len
     if a.seq_len > cfg.max_seq_len:
@@ -358,7 +354,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                  "kv_cache_dtype": a.kv_cache_dtype}
     if a.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = a.max_num_seqs
-    serve(model=a.model, host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
+    serve(model=_source(a.model, a), host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
           systems=a.systems, engine_kw=engine_kw)
     return 0
 
@@ -418,8 +414,28 @@ def _run_flags(p: argparse.ArgumentParser, params_positional: bool = False, para
 
 
 def _model_source_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a zoo name (see `wsc models`) or a HF dir / .gguf file")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint_{step}.json, or a model_dir (its latest)")
+    p.add_argument("--model", default=None, help="a packaged or zoo name (see `wsc models`), a HF dir, a .gguf file "
+                   "or a checkpoint")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint (wsc run's, cstorch.save's or a .mdl), or a "
+                   "model_dir (its latest)")
+    _config_flag(p)
+
+
+def _config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="PARAMS.yaml", help="the params file a checkpoint without its "
+                   "own architecture (a .mdl, a cstorch script's) was trained with")
+
+
+def _source(spec: str, a: argparse.Namespace) -> Any:
+    """The ModelSource `spec` names (runtime/source.py), --config giving the architecture of a checkpoint that
+    does not carry its own."""
+    from waferscale.runtime.source import resolve
+
+    if a.config is None:
+        return resolve(spec)
+    from waferscale.params import load_params
+
+    return resolve(spec, config=load_params(a.config).model.to_model_config())
 
 
 def _speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -606,7 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--verify", action="store_true", help="run the tile-level execution and check it")
             p.add_argument("--json", action="store_true")
         elif name == "serve":
-            p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name with weights, HF dir or .gguf")
+            p.add_argument("--model", default="smollm2-135m-instruct", help="a packaged name, a HF dir, a .gguf or a "
+                           "checkpoint (wsc run's, cstorch.save's or a .mdl), or a model_dir")
+            _config_flag(p)
             p.add_argument("--host", default="127.0.0.1")
             p.add_argument("--port", type=int, default=8000)
             p.add_argument("--api-key", "--api_key", dest="api_key", default=None,

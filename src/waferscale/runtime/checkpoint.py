@@ -1,21 +1,27 @@
-"""Checkpoints: `model_dir/checkpoint_{step}.*`, tensors in safetensors, everything else in JSON.
+"""Checkpoints: one format, written by `wsc run` and `cstorch.save` alike, read by everything.
 
-    checkpoint_{step}.safetensors        model weights (tied weights stored once)
-    checkpoint_{step}.optim.safetensors  optimizer state tensors, keyed "state.{param_index}.{name}", + RNG state
-    checkpoint_{step}.json               the manifest: step, model config, optimizer hyper-parameters, data loader
-                                          position, user state, and the size of each tensor file
+A checkpoint is one safetensors file: its tensors, and the nested state they sit in (dicts, lists, numbers,
+strings) as JSON in the file's metadata, under the format `waferscale-checkpoint/2`. What a run saves is the
+state Model Zoo's scripts save, so a cstorch script's checkpoint and `wsc run`'s are the same kind of object:
 
-The manifest is written last, by rename: a checkpoint without a manifest, or whose files do not match the
-sizes it lists, is partial and refused. Loading never unpickles anything.
+    {"model": state dict (tied weights stored once), "optimizer": optimizer.state_dict(), "global_step": N,
+     "model_config": the architecture, "rng": {"torch": RNG state}, "data": the loader's position, ...}
 
-A Cerebras Model Zoo checkpoint (`.mdl`, `runtime/mdl.py`) loads too: its model's weights under our names
-(`models/modelzoo.py`), its global_step and, given our optimizer's parameter indices, its optimizer state
-renumbered from Model Zoo's param groups to ours (`models/modelzoo_optim.py`).
+`wsc run` writes `model_dir/checkpoint_{step}.safetensors`; a cstorch script names its own path. Each file is
+written to a temporary name and renamed, so it is complete or absent; a truncated or foreign file is refused
+with a clear error, and loading never unpickles anything. `state["model_config"]` (which `wsc run` writes and a
+cstorch script may) lets every command rebuild the model from the file alone.
+
+Older checkpoints load too: the first `wsc run` format (`checkpoint_{step}.json` manifest + `.safetensors`
+weights + `.optim.safetensors`), the first `cstorch.save` files (`waferscale.pytorch/1`), and Model Zoo `.mdl`
+files (`runtime/mdl.py`; their weights under our names by `models/modelzoo.py`, their optimizer state
+renumbered by `models/modelzoo_optim.py`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,20 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from waferscale.errors import CheckpointError
 from waferscale.models.config import ModelConfig
 from waferscale.runtime.mdl import is_mdl, load_mdl
-from waferscale.util.files import atomic_path, atomic_write_bytes
+from waferscale.util.files import atomic_path
 
-FORMAT = "waferscale-checkpoint-v1"
-_NAME = re.compile(r"^checkpoint_(\d+)\.json$")
-
-
-def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    with atomic_path(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+FORMAT = "waferscale-checkpoint/2"
+FORMATS_V1 = ("waferscale-checkpoint-v1", "waferscale.pytorch/1")  # (a run's manifest; a cstorch.save file)
+_NAME = re.compile(r"^checkpoint_(\d+)\.(safetensors|json|mdl)$")
 
 
 def tensor_identity(t: torch.Tensor) -> tuple | None:
@@ -56,60 +59,163 @@ def unique_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> di
     return dict(first.values())
 
 
-def optimizer_to_tensors(opt_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split `optimizer.state_dict()` into tensors (for safetensors) and JSON-able hyper-parameters."""
+# ---- the file: nested state, its tensors stored once each ----------------------------------------------------
+def _flatten(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[Any, str], where: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        view = tensor_identity(t)
+        if view in seen:  # the same tensor twice (tied weights): stored once
+            return {"__tensor__": seen[view]}
+        key = str(len(tensors))
+        tensors[key] = t.contiguous().clone()  # (safetensors stores whole, unshared tensors)
+        if view is not None:
+            seen[view] = key
+        return {"__tensor__": key}
+    if isinstance(obj, Mapping):
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise CheckpointError(f"{where}: dictionary keys must be strings or integers")
+        return {"__dict__": [[k, _flatten(v, tensors, seen, where)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__" if isinstance(obj, list) else "__tuple__": [_flatten(v, tensors, seen, where)
+                                                                        for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj)}
+    raise CheckpointError(f"{where}: cannot store a {type(obj).__name__}; use tensors, numbers, strings, lists "
+                          "and dicts")
+
+
+def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor] | None) -> Any:
+    """The nested state; tensors None: the structure alone, each tensor as None."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return None if tensors is None else tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {k: _unflatten(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            return [_unflatten(v, tensors) for v in obj["__list__"]]
+        if "__tuple__" in obj:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        if "__dtype__" in obj:
+            return getattr(torch, obj["__dtype__"].removeprefix("torch."))
+    return obj
+
+
+def save_state(state: Any, path: str | os.PathLike, where: str = "checkpoint") -> Path:
+    """Write `state` (nested dicts, lists, tensors, numbers, strings) as one checkpoint file, atomically."""
+    path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, st in opt_state["state"].items():
-        for key, val in st.items():
-            if torch.is_tensor(val):
-                tensors[f"state.{idx}.{key}"] = val
-            else:
-                scalars.setdefault(str(idx), {})[key] = val
-    extra = {k: v for k, v in opt_state.items() if k not in ("state", "param_groups")}  # e.g. grad_scaler
-    return tensors, {"param_groups": opt_state["param_groups"], "scalars": scalars, "extra": extra}
+    structure = _flatten(state, tensors, {}, where)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "structure": json.dumps(structure)})
+    return path
 
 
-def optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for name, t in tensors.items():
-        if not name.startswith("state."):
-            continue
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
-    for idx, sc in meta.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(sc)
-    return {"state": state, "param_groups": meta["param_groups"], **meta.get("extra", {})}
+def _file_meta(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a complete checkpoint ({str(e).splitlines()[0][:120]}); it was "
+                              f"partially written or is another format") from None
 
 
+def load_state(path: str | os.PathLike, map_location: Any = None, tensors: bool = True) -> Any:
+    """The state in checkpoint `path`, whichever format wrote it (the module's docstring): a file of ours, a first
+    `wsc run` checkpoint (its manifest, tensor files or a model_dir: as the state it would be now), or a `.mdl`.
+    tensors=False: the structure alone, each tensor None (reads only the file's header)."""
+    p = resolve_checkpoint_path(path)
+    if p.suffix == ".json":
+        return _load_v1(p, tensors)
+    if is_mdl(p):
+        return load_mdl(p, map_location)  # (whole: its structure is small beside its tensors)
+    meta = _file_meta(p)
+    if meta.get("format") not in (FORMAT, FORMATS_V1[1]):
+        raise CheckpointError(f"{p} is not a waferscale checkpoint (a safetensors file without its state's "
+                              "structure): pass a checkpoint written by `wsc run` or `cstorch.save`")
+    data = None
+    if tensors:
+        try:
+            data = load_file(str(p), device=str(map_location) if map_location else "cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{p} is not a complete checkpoint ({str(e).splitlines()[0][:120]}); it was "
+                                  f"partially written: use an earlier checkpoint") from None
+    return _unflatten(json.loads(meta["structure"]), data)
+
+
+# ---- the first `wsc run` format, read as the state it would be now --------------------------------------------
+def _load_v1(manifest_path: Path, tensors: bool) -> dict[str, Any]:
+    manifest = _read_v1_manifest(manifest_path)
+    stem = manifest_path.with_suffix("")
+    model: dict[str, Any] = {}
+    extra: dict[str, torch.Tensor] = {}
+    if tensors:
+        for name, size in manifest["files"].items():
+            f = manifest_path.with_name(name)
+            if not f.exists() or f.stat().st_size != size:
+                raise CheckpointError(f"checkpoint {manifest_path.name} is partial: {name} is missing or has the "
+                                      f"wrong size; use an earlier checkpoint")
+        model = load_file(str(stem.with_suffix(".safetensors")))
+        optim = manifest_path.with_name(stem.name + ".optim.safetensors")
+        extra = load_file(str(optim)) if optim.exists() else {}
+    state = {k: v for k, v in manifest.items() if k not in ("format", "step", "files", "optimizer")}
+    state.update(model=model, global_step=int(manifest["step"]))
+    if tensors and "rng.torch" in extra:
+        state["rng"] = {"torch": extra["rng.torch"]}
+    if "optimizer" in manifest:
+        opt: dict[int, dict[str, Any]] = {}
+        for name, t in extra.items():
+            if name.startswith("state."):
+                _, idx, key = name.split(".", 2)
+                opt.setdefault(int(idx), {})[key] = t
+        for idx, sc in manifest["optimizer"].get("scalars", {}).items():
+            opt.setdefault(int(idx), {}).update(sc)
+        state["optimizer"] = {"state": opt, "param_groups": manifest["optimizer"]["param_groups"],
+                              **manifest["optimizer"].get("extra", {})}
+    return state
+
+
+def _read_v1_manifest(manifest_path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMATS_V1[0]:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {fmt!r})")
+    return manifest
+
+
+# ---- a checkpoint as a run resumes it ---------------------------------------------------------------------------
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: tensors plus the manifest."""
+    """A loaded checkpoint: its model weights, step and the rest of its state."""
 
     step: int
-    path: Path  # the manifest
+    path: Path
     model: dict[str, torch.Tensor]
-    manifest: dict[str, Any]
-    optim_tensors: dict[str, torch.Tensor] | None
+    state: dict[str, Any]  # everything else: model_config, optimizer, rng, data, sparsity, note, ...
     # a Model Zoo checkpoint's per-parameter optimizer state under our indices (its param groups are ours)
     optimizer_per_param: dict[int, dict[str, Any]] | None = None
 
     @property
-    def model_config(self) -> dict[str, Any]:
-        return self.manifest["model_config"]
+    def model_config(self) -> dict[str, Any] | None:
+        """The architecture it was written for; None for a cstorch script's checkpoint that did not save one."""
+        return self.state.get("model_config")
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The optimizer state dict; for a Model Zoo checkpoint only its "state" (the caller's optimizer gives the
         param groups: hyper-parameters come from the params file)."""
         if self.optimizer_per_param is not None:
             return {"state": self.optimizer_per_param}
-        if self.optim_tensors is None or "optimizer" not in self.manifest:
-            return None
-        return optimizer_from_tensors(self.optim_tensors, self.manifest["optimizer"])
+        return self.state.get("optimizer")
 
     @property
     def rng_state(self) -> torch.Tensor | None:
-        return (self.optim_tensors or {}).get("rng.torch")
+        rng = self.state.get("rng")
+        return rng.get("torch") if isinstance(rng, dict) else None
 
 
 def load_cerebras_checkpoint(path: str | Path, cfg: ModelConfig, optimizer_index: Mapping[str, int] | None = None,
@@ -138,10 +244,36 @@ def load_cerebras_checkpoint(path: str | Path, cfg: ModelConfig, optimizer_index
     if isinstance(scheduler, dict) and "last_epoch" in scheduler and _int(scheduler["last_epoch"]) != step:
         notes.append(f"its learning-rate scheduler was at step {_int(scheduler['last_epoch'])}, global_step {step}; "
                      f"the schedule here follows global_step")
-    manifest = {"format": "cerebras-mdl", "step": step, "model_config": cfg.to_dict(), "data": {"step": step},
-                "note": "; ".join(notes) or None}
-    return Checkpoint(step=step, path=path, model=weights, manifest=manifest, optim_tensors=None,
-                      optimizer_per_param=per_param)
+    rest = {"model_config": cfg.to_dict(), "data": {"step": step}, "note": "; ".join(notes) or None}
+    return Checkpoint(step=step, path=path, model=weights, state=rest, optimizer_per_param=per_param)
+
+
+def name_optimizer_state(state: dict[str, Any], index: Mapping[str, int]) -> dict[str, Any]:
+    """`state` (an optimizer.state_dict()) with each param group's parameter names (`param_names`, as torch writes
+    for an optimizer given named parameters), `index` naming each parameter's index: so that a run grouped
+    otherwise can take it (`regroup_optimizer_state`)."""
+    name_of = {i: n for n, i in index.items()}
+    return {**state, "param_groups": [{**g, "param_names": [name_of[i] for i in g["params"]]}
+                                      for g in state["param_groups"]]}
+
+
+def regroup_optimizer_state(state: dict[str, Any], ours: dict[str, Any], index: Mapping[str, int],
+                            where: str) -> dict[str, Any]:
+    """A named optimizer state (`name_optimizer_state`) in our grouping `ours` (this run's state_dict(), `index`
+    naming its parameters): each parameter's state moved to our index by name, the hyper-parameters ours. A state
+    already grouped as ours, or without names, is returned as it is."""
+    groups = state.get("param_groups", [])
+    if [len(g["params"]) for g in groups] == [len(g["params"]) for g in ours["param_groups"]] or \
+            not all("param_names" in g for g in groups):
+        return state
+    theirs = {n: i for g in groups for n, i in zip(g["param_names"], g["params"])}
+    if set(theirs) != set(index):
+        missing, extra = sorted(set(index) - set(theirs)), sorted(set(theirs) - set(index))
+        raise CheckpointError(f"{where}: its optimizer state is for other parameters (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+    per_param = {index[n]: state["state"][i] for n, i in theirs.items() if i in state["state"]}
+    return {**{k: v for k, v in state.items() if k not in ("state", "param_groups")}, "state": per_param,
+            "param_groups": ours["param_groups"]}
 
 
 def _int(v: Any) -> int:
@@ -151,96 +283,87 @@ def _int(v: Any) -> int:
 def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
                     model_config: dict[str, Any], *,
                     optimizer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write checkpoint_{step}.* atomically; returns the manifest path."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    stem = model_dir / f"checkpoint_{step}"
-    weights = stem.with_suffix(".safetensors")
-    _atomic_save_tensors(unique_state_dict(model), weights)
-    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "model_config": model_config,
-                                "files": {weights.name: weights.stat().st_size}, **(extra or {})}
-    opt_tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    """Write `model_dir/checkpoint_{step}.safetensors` (the module's docstring), atomically; returns its path."""
+    weights = model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)  # (tied: stored once)
+    state: dict[str, Any] = {"model": weights, "global_step": step, "model_config": model_config,
+                             "rng": {"torch": torch.get_rng_state()}, **(extra or {})}
     if optimizer_state is not None:
-        tensors, meta = optimizer_to_tensors(optimizer_state)
-        opt_tensors.update(tensors)
-        manifest["optimizer"] = meta
-    optim_path = model_dir / f"checkpoint_{step}.optim.safetensors"
-    _atomic_save_tensors(opt_tensors, optim_path)
-    manifest["files"][optim_path.name] = optim_path.stat().st_size
-    path = stem.with_suffix(".json")
-    atomic_write_bytes(path, json.dumps(manifest, indent=1, default=_json_default).encode(), fsync=True)
-    return path
-
-
-def _json_default(o: Any) -> Any:
-    if torch.is_tensor(o):
-        return o.item() if o.numel() == 1 else o.tolist()
-    raise TypeError(f"cannot store {type(o).__name__} in a checkpoint manifest")
+        state["optimizer"] = optimizer_state
+    return save_state(state, Path(model_dir) / f"checkpoint_{step}.safetensors")
 
 
 def latest_checkpoint(model_dir: Path) -> Path | None:
-    """The manifest of the newest checkpoint in `model_dir` (one with a manifest), or None."""
+    """The newest checkpoint in `model_dir` (checkpoint_{step}.safetensors, a first-format checkpoint_{step}.json
+    or a Model Zoo checkpoint_{step}.mdl), or None."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in model_dir.iterdir() if (m := _NAME.match(p.name))]
-    return max(found)[1] if found else None
+    found = [(int(m.group(1)), m.group(2) == "json", p) for p in model_dir.iterdir() if (m := _NAME.match(p.name))]
+    return max(found)[2] if found else None  # (a step with both a manifest and its weights file: the manifest)
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """Accept the manifest, any of its tensor files, the stem, or a model_dir (-> latest)."""
+    """The checkpoint file `path` names: itself, or a model_dir's latest; a first-format checkpoint by its manifest
+    (any of its files or its stem name it)."""
     p = Path(path)
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is None:
-            raise CheckpointError(f"no checkpoint_*.json found in {p}; train first or pass a checkpoint file")
+            raise CheckpointError(f"no checkpoint in {p} (no checkpoint_*.safetensors, .json or .mdl); train first "
+                                  "or pass a checkpoint file")
         return latest
-    for suffix in (".optim.safetensors", ".safetensors", ".json"):
+    for suffix in (".optim.safetensors", ".safetensors", ".json", ""):  # (the first that ends the name)
         if p.name.endswith(suffix):
-            p = p.with_name(p.name[: -len(suffix)])
+            v1 = p.with_name(p.name[: len(p.name) - len(suffix)] + ".json")
+            if v1.is_file() and not (suffix == ".safetensors" and is_checkpoint_file(p)):
+                return v1
             break
-    manifest = p.with_name(p.name + ".json")
-    if not manifest.exists():
-        raise CheckpointError(f"checkpoint {path} not found (expected {manifest}); "
-                              f"a checkpoint without its manifest is partial and cannot be loaded")
-    return manifest
+    if not p.is_file():
+        raise CheckpointError(f"no checkpoint at {p}")
+    return p
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint `path` (a model_dir: its latest), checked to be one of ours."""
-    manifest_path = resolve_checkpoint_path(path)
+def is_checkpoint_file(p: Path) -> bool:
+    """Whether `p` is a checkpoint file of ours in one file (this format, or a first `cstorch.save` file)."""
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        fmt = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {fmt!r})")
-    return manifest
+        return p.is_file() and _file_meta(p).get("format") in (FORMAT, FORMATS_V1[1])
+    except CheckpointError:
+        return False
 
 
 def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config: ModelConfig | None = None,
                     optimizer_index: Mapping[str, int] | None = None, lr_scales: Mapping[str, float] | None = None
                     ) -> Checkpoint:
-    """One of ours, or (given the model's config, which its parameter names are mapped for) a Cerebras .mdl, whose
-    optimizer state is read given our optimizer's indices (`load_cerebras_checkpoint`)."""
-    if Path(path).is_file() and is_mdl(path):
+    """Any checkpoint (the module's docstring) as a run resumes it. A Model Zoo .mdl needs the model's config (its
+    parameter names are mapped for it) and gives its optimizer state given our optimizer's indices
+    (`load_cerebras_checkpoint`)."""
+    p = resolve_checkpoint_path(path)
+    if p.suffix != ".json" and is_mdl(p):
         if model_config is None:
-            raise CheckpointError(f"{path} is a Cerebras checkpoint: its parameter names are mapped for a model, so "
+            raise CheckpointError(f"{p} is a Cerebras checkpoint: its parameter names are mapped for a model, so "
                                   f"give the params file of the model it holds")
-        return load_cerebras_checkpoint(path, model_config, optimizer_index if with_optimizer else None, lr_scales)
-    manifest_path = resolve_checkpoint_path(path)
-    manifest = read_manifest(manifest_path)
-    for name, size in manifest["files"].items():
-        f = manifest_path.with_name(name)
-        if not f.exists() or f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {manifest_path.name} is partial: {name} is missing or has the wrong "
-                                  f"size; use an earlier checkpoint")
-    stem = manifest_path.with_suffix("")
-    model = load_file(str(stem.with_suffix(".safetensors")))
-    optim = load_file(str(manifest_path.with_name(stem.name + ".optim.safetensors"))) if with_optimizer else None
-    return Checkpoint(step=int(manifest["step"]), path=manifest_path, model=model, manifest=manifest,
-                      optim_tensors=optim)
+        return load_cerebras_checkpoint(p, model_config, optimizer_index if with_optimizer else None, lr_scales)
+    state = load_state(p)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{p} holds no model weights (a checkpoint is a dict with a \"model\" state dict, as "
+                              "cstorch.save({\"model\": model.state_dict(), ...}) writes)")
+    rest = {k: v for k, v in state.items() if k not in ("model", "global_step")}
+    if not with_optimizer:
+        rest.pop("optimizer", None)
+    return Checkpoint(step=_int(state.get("global_step", 0)), path=p, model=state["model"], state=rest)
+
+
+def with_tied_names(weights: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`weights` (each tensor once, as MemoryX holds them) under every name `model`'s state dict has: a tied
+    parameter also under its other names (the same tensor), as `model.state_dict()` gives it, so that a script's
+    strict `load_state_dict` takes the checkpoint. `model` may be on the meta device."""
+    out = dict(weights)
+    first: dict[int, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        held = first.setdefault(id(t), name)
+        if held != name and held in out:
+            out[name] = out[held]
+    return out
 
 
 def load_model_weights(model: torch.nn.Module | Mapping[str, torch.Tensor], weights: dict[str, torch.Tensor],
@@ -249,7 +372,9 @@ def load_model_weights(model: torch.nn.Module | Mapping[str, torch.Tensor], weig
     (`<name>_mask`) are optional both ways: a dense model ignores a sparse run's (dense fine-tuning after
     sparse pre-training), a sparse model without them in the checkpoint keeps the masks it has."""
     expected = unique_state_dict(model)
-    weights = {k: v for k, v in weights.items() if k in expected or not k.endswith("_mask")}
+    kept = {tensor_identity(v) for k, v in weights.items() if k in expected}  # a tied copy under another name: once
+    weights = {k: v for k, v in weights.items()
+               if k in expected or not (k.endswith("_mask") or tensor_identity(v) in kept)}
     expected = {k: v for k, v in expected.items() if k in weights or not k.endswith("_mask")}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

@@ -9,18 +9,17 @@ from waferscale.data import check_vocab_fits
 from waferscale.errors import ConfigError
 from waferscale.models import CausalLM
 from waferscale.runtime.executor import resolve_device
-from waferscale.runtime.source import resolve
+from waferscale.runtime.source import ModelSource, resolve
 
 
-def load_for_generation(*, model: str | None, checkpoint: str | None, tokenizer: str | None, device: str = "auto",
+def load_for_generation(model: str | ModelSource, *, tokenizer: str | None, device: str = "auto",
                         need_tokenizer: bool = True, keep_quantized: bool = False) -> tuple[CausalLM, Any, str | None]:
     """Returns (model in eval mode on the device, tokenizer or None, a note for the user or None).
 
-    model / checkpoint: whichever is given, resolved as every command resolves a model (runtime/source.py: a
-    packaged model, a zoo name, a Hugging Face directory, a .gguf, a `wsc run` model_dir or checkpoint_*.json).
-    keep_quantized: a GGUF's matrices stay in the file's precision (models/gguf.py), for the serving engine,
-    which runs them on CPU."""
-    src = resolve(checkpoint if checkpoint is not None else model)
+    model: resolved as every command resolves a model (runtime/source.py: a packaged model, a zoo name, a Hugging
+    Face directory, a .gguf, a checkpoint or a `wsc run` model_dir). keep_quantized: a GGUF's matrices stay in the
+    file's precision (models/gguf.py), for the serving engine, which runs them on CPU."""
+    src = resolve(model)
     m = src.load(keep_quantized=keep_quantized)
     tok = src.tokenizer(tokenizer)
     if need_tokenizer and tok is None:

@@ -6,12 +6,13 @@
     asset   a packaged model ("smollm2-135m-instruct", "smollm2")
     hf      a Hugging Face model directory (config.json + safetensors)
     gguf    a .gguf file
-    run     a `wsc run` model_dir (its latest checkpoint) or one of its checkpoint_*.json manifests
+    checkpoint  a checkpoint (runtime/checkpoint.py: `wsc run`'s or `cstorch.save`'s, any format, or a Model Zoo
+                `.mdl`), or a model_dir (its latest)
     zoo     a zoo architecture name ("gpt2-small"): random weights, said so in `note`
 
-A Model Zoo `.mdl` or a `cstorch.save` file holds weights without their architecture: refused with the
-command that converts it (`wsc checkpoint convert ... --config params.yaml`), as Model Zoo's own tools need the
-params file too."""
+A checkpoint `wsc run` wrote carries its architecture (`model_config`); a `.mdl`, or a cstorch script's checkpoint
+that saved none, needs it given: `resolve(spec, config=ModelConfig)` (the CLI's `--config PARAMS.yaml`, the params
+file it was trained with, as Model Zoo's own tools take it)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ from waferscale.util.assets import asset_path, find_asset
 
 __all__ = ["ModelSource", "resolve", "served_id"]
 
-KINDS = ("asset", "hf", "gguf", "run", "zoo")
+KINDS = ("asset", "hf", "gguf", "checkpoint", "zoo")
 
 
 @dataclass(frozen=True)
 class ModelSource:
     spec: str  # as given
     kind: str  # one of KINDS
-    path: Path | None  # the file or directory (run: the checkpoint manifest); None for a zoo name
+    path: Path | None  # the file or directory (a checkpoint: its file); None for a zoo name
+    given: ModelConfig | None = None  # the architecture of a checkpoint that does not carry its own
 
     @property
     def id(self) -> str:
@@ -58,8 +60,15 @@ class ModelSource:
             from waferscale.models.hf import config_from_hf
 
             return config_from_hf(json.loads((self.path / "config.json").read_text()))
-        if self.kind == "run":
-            return ModelConfig.from_dict(ckpt.read_manifest(self.path)["model_config"])
+        if self.kind == "checkpoint":
+            saved = None if is_mdl(self.path) else ckpt.load_state(self.path, tensors=False).get("model_config")
+            if saved is not None:
+                return ModelConfig.from_dict(saved)
+            if self.given is None:
+                raise ConfigError(f"{self.path} holds weights without the model's architecture: give the params "
+                                  "file it was trained with (--config PARAMS.yaml; in Python resolve(..., "
+                                  "config=ModelConfig))")
+            return self.given
         return self.load().config  # (an asset or a .gguf: its metadata and matrices come together)
 
     def graph(self) -> Any:
@@ -80,9 +89,10 @@ class ModelSource:
                                   "it; sampling it would only materialize random weights. Use a checkpoint or a "
                                   "smaller model")
             return build(cfg, device=device).eval()
-        if self.kind == "run":
-            c = ckpt.load_checkpoint(self.path, with_optimizer=False)
-            m = build(ModelConfig.from_dict(c.model_config), device="cpu")
+        if self.kind == "checkpoint":
+            cfg = self.config()
+            c = ckpt.load_checkpoint(self.path, with_optimizer=False, model_config=cfg)
+            m = build(cfg, device="cpu")
             ckpt.load_model_weights(m, c.model, str(c.path))
             return m.to(device).eval()
         from waferscale.models.pretrained import load_pretrained
@@ -97,25 +107,18 @@ class ModelSource:
             return load_tokenizer(override)
         if self.kind == "zoo":
             return None
-        if self.kind == "run":
-            tok_dir = self.path.parent / ckpt.read_manifest(self.path).get("tokenizer", "tokenizer")
+        if self.kind == "checkpoint":
+            saved = None if is_mdl(self.path) else ckpt.load_state(self.path, tensors=False).get("tokenizer")
+            tok_dir = self.path.parent / (saved or "tokenizer")
             return load_tokenizer(str(tok_dir)) if tok_dir.exists() else None
         return load_tokenizer(str(self.path))
 
 
-def _refuse_weights_only(p: Path) -> None:
-    convert = (f"convert it with `wsc checkpoint convert {p} --model NAME --src-fmt cs-current --tgt-fmt hf "
-               "--config PARAMS.yaml --output-dir DIR` and pass DIR")
-    if p.is_file() and is_mdl(p):
-        raise CheckpointError(f"{p} is a Model Zoo .mdl checkpoint: it holds weights without the model's "
-                              f"architecture; {convert}")
-    if p.is_file() and p.suffix == ".safetensors":
-        raise CheckpointError(f"{p} is a tensor file without the model's architecture: pass the `wsc run` "
-                              "model_dir or checkpoint_*.json it belongs to, or a Hugging Face directory holding it")
-
-
-def resolve(spec: str | Path) -> ModelSource:
-    """The model `spec` names (see the module's docstring); ConfigError / CheckpointError naming what was tried."""
+def resolve(spec: str | Path | ModelSource, config: ModelConfig | None = None) -> ModelSource:
+    """The model `spec` names (see the module's docstring; a ModelSource: itself); ConfigError / CheckpointError
+    naming what was tried. config: the architecture of a checkpoint that does not carry its own (a `.mdl`)."""
+    if isinstance(spec, ModelSource):
+        return spec
     s = str(spec)
     p = Path(s).expanduser()
     if p.exists():
@@ -124,21 +127,24 @@ def resolve(spec: str | Path) -> ModelSource:
                 return ModelSource(s, "hf", p)
             latest = ckpt.latest_checkpoint(p)
             if latest is not None:
-                return ModelSource(s, "run", latest)
-            raise CheckpointError(f"{p} is neither a `wsc run` model_dir (no checkpoint_*.json) nor a Hugging Face "
+                return ModelSource(s, "checkpoint", ckpt.resolve_checkpoint_path(latest), config)
+            raise CheckpointError(f"{p} is neither a `wsc run` model_dir (no checkpoint_*) nor a Hugging Face "
                                   "model directory (no config.json)")
         if p.suffix == ".gguf":
             return ModelSource(s, "gguf", p)
-        if p.name.startswith("checkpoint_") and p.suffix == ".json":
-            return ModelSource(s, "run", p)
-        _refuse_weights_only(p)
+        path = ckpt.resolve_checkpoint_path(p)
+        if path.suffix == ".json" or is_mdl(path) or ckpt.is_checkpoint_file(path):
+            return ModelSource(s, "checkpoint", path, config)
+        if p.suffix == ".safetensors":
+            raise CheckpointError(f"{p} is a tensor file without the model's architecture: pass the checkpoint or "
+                                  "model_dir it belongs to, or a Hugging Face directory holding it")
         raise CheckpointError(f"{p}: not a model this package reads (a .gguf file, a Hugging Face directory, a "
-                              "`wsc run` model_dir or checkpoint_*.json)")
+                              "checkpoint or a `wsc run` model_dir)")
     if find_asset(s, "model") is not None:
         return ModelSource(s, "asset", asset_path(s, "model"))
     if p.suffix in (".gguf", ".json", ".mdl", ".safetensors") or "/" in s:
         raise CheckpointError(f"no such model file or directory: {s!r} (a model is a packaged model, a zoo name, a "
-                              "GGUF file, a Hugging Face directory or a `wsc run` model_dir)")
+                              "GGUF file, a Hugging Face directory, a checkpoint or a `wsc run` model_dir)")
     try:
         canonical_name(s)
     except ConfigError as e:
@@ -146,14 +152,15 @@ def resolve(spec: str | Path) -> ModelSource:
     return ModelSource(s, "zoo", None)
 
 
-def served_id(spec: str) -> tuple[str, set[str]]:
+def served_id(spec: str | ModelSource) -> tuple[str, set[str]]:
     """The id clients use for the model `spec` names, and the other names that reach it: a packaged or zoo name
     as given (any case), a path's final component (`.gguf` dropped; a checkpoint manifest: its model_dir's),
     the path as given and resolved also working. Reads nothing but the path's existence (the appliance asks it
     about deployments on its own machine)."""
+    spec = spec.spec if isinstance(spec, ModelSource) else spec
     p = Path(spec).expanduser()
     if p.exists():
         r = p.resolve()
-        name = r.parent.name if r.name.startswith("checkpoint_") and r.suffix == ".json" else r.name
+        name = r.parent.name if r.name.startswith("checkpoint_") and r.is_file() else r.name
         return name.removesuffix(".gguf"), {spec, str(r)}
     return spec, {spec.lower()}

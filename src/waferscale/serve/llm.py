@@ -17,6 +17,7 @@ from typing import Any
 
 from waferscale.errors import ConfigError
 from waferscale.models.layers import CausalLM
+from waferscale.runtime.source import ModelSource
 from waferscale.serve.engine import Engine, EngineOutput, load_named
 from waferscale.serve.kv import blocks_for
 from waferscale.serve.sampling import SamplingParams
@@ -62,16 +63,17 @@ class RequestOutput:
 class LLM:
     """An in-process engine over `model` and `tokenizer` (encode / decode / eos_id / vocab_size), or over what a
     name or path names (`LLM("smollm2-135m-instruct")`, `LLM("runs/demo")`, a .gguf, a Hugging Face
-    directory: runtime/source.py, as every command resolves a model; `tokenizer` then overrides its own).
+    directory, a checkpoint: runtime/source.py, as every command resolves a model; `tokenizer` then overrides its
+    own; a `.mdl`: `LLM(resolve("x.mdl", config=ModelConfig))`).
 
     max_num_seqs: sequences decoded together. max_model_len: prompt + generated tokens a sequence may reach
     (None: the model's context); with `max_num_seqs` it sizes the KV cache (blocks for that many sequences of
     that length) unless `num_blocks` or `kv_cache_mb` is given. Other keywords go to `Engine`.
     """
 
-    def __init__(self, model: CausalLM | str | os.PathLike, tokenizer: Any = None, *, max_num_seqs: int = 1,
-                 max_model_len: int | None = None, **engine_kw: Any) -> None:
-        if isinstance(model, (str, os.PathLike)):
+    def __init__(self, model: CausalLM | str | os.PathLike | ModelSource, tokenizer: Any = None, *,
+                 max_num_seqs: int = 1, max_model_len: int | None = None, **engine_kw: Any) -> None:
+        if isinstance(model, (str, os.PathLike, ModelSource)):
             model, tokenizer = load_named(model, dtype=engine_kw.get("dtype"), tokenizer=tokenizer)
         elif tokenizer is None:
             raise ConfigError("LLM(model, tokenizer): a model object needs its tokenizer")

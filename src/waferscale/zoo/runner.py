@@ -290,11 +290,12 @@ def run(params: Params, opts: RunOptions, out: TextIO | None = None) -> dict[str
     if data.h5_train is not None:
         check_hdf5_split(data.h5_train, inp, opts.num_csx)
     torch.manual_seed(params.runconfig.seed)
-    model, executor, why = build_executor(params, opts, device, model)
-    try:
-        return _run(params, opts, out, device, model, executor, why, data)
-    finally:
-        executor.close()
+    with cstorch.run_context():  # the backend, dtype and optimizers are this run's alone
+        model, executor, why = build_executor(params, opts, device, model)
+        try:
+            return _run(params, opts, out, device, model, executor, why, data)
+        finally:
+            executor.close()
 
 
 def hdf5_loader(examples: hdf5.HDF5Examples, inp: Any, vocab_size: int) -> hdf5.HDF5Batches:
@@ -362,16 +363,16 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
 
     # resume: an explicit checkpoint, else the latest one in model_dir
     start_step = 0
+    index = resident_param_index(cfg, params.optimizer)  # each parameter's index in the optimizer's state
     source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
     if source is not None:
         # a Cerebras .mdl's names are mapped for cfg, its optimizer state renumbered to our optimizer's indices
         zoo_states = opts.load_checkpoint_states == "all" and Path(source).is_file() and is_mdl(source)
-        index = resident_param_index(cfg, params.optimizer) if zoo_states else None
-        c = ckpt.load_checkpoint(source, model_config=cfg, optimizer_index=index,
+        c = ckpt.load_checkpoint(source, model_config=cfg, optimizer_index=index if zoo_states else None,
                                  lr_scales=params.optimizer.adjust_learning_rate)
         # initializers only shape a fresh model's weights: a checkpoint's are the weights
         inits = {k: getattr(cfg, k) for k in INITIALIZER_FIELDS}
-        if ModelConfig.from_dict(c.model_config).replace(name=cfg.name, **inits) != cfg:
+        if c.model_config is not None and ModelConfig.from_dict(c.model_config).replace(name=cfg.name, **inits) != cfg:
             raise CheckpointError(f"{c.path} was written for another architecture "
                                   f"({c.model_config.get('name')}); use another --model_dir or --checkpoint_path")
         executor.load_model_weights(c.model, str(c.path))
@@ -381,16 +382,18 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
             if (state := c.optimizer_state()) is not None:
                 if "param_groups" not in state:  # a Model Zoo checkpoint's: the groups (hyper-parameters) are ours
                     state = {**executor.optimizer_state(), "state": state["state"]}
+                else:  # a cstorch script's, grouped otherwise: by its parameter names
+                    state = ckpt.regroup_optimizer_state(state, executor.optimizer_state(), index, str(c.path))
                 executor.load_optimizer_state(state)
-            loader.load_state_dict(c.manifest.get("data", {"step": c.step}))
-            if executor.sparsity is not None and "sparsity" in c.manifest:
-                executor.sparsity.load_state_dict(c.manifest["sparsity"])
+            loader.load_state_dict(c.state.get("data", {"step": c.step}))
+            if executor.sparsity is not None and "sparsity" in c.state:
+                executor.sparsity.load_state_dict(c.state["sparsity"])
             if c.rng_state is not None:
                 torch.set_rng_state(c.rng_state)
             start_step = c.step
         print(f"resumed from {c.path} (step {c.step})", file=out)
-        if c.manifest.get("note"):
-            print(f"note: {c.path}: {c.manifest['note']}", file=out)
+        if c.state.get("note"):
+            print(f"note: {c.path}: {c.state['note']}", file=out)
     elif opts.mode == "eval":
         raise CheckpointError(f"--mode eval needs a checkpoint: none in {model_dir}; pass --checkpoint_path")
 
@@ -407,8 +410,11 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     truncate_metrics(metrics_path, start_step)
 
     def save(step: int) -> Path:
-        return ckpt.save_checkpoint(model_dir, step, executor.model_for_checkpoint(), cfg.to_dict(),
-                                    optimizer_state=executor.optimizer_state(),
+        weights = executor.model_for_checkpoint()
+        if not isinstance(weights, torch.nn.Module):  # (MemoryX's: each tensor once)
+            weights = ckpt.with_tied_names(weights, model)
+        return ckpt.save_checkpoint(model_dir, step, weights, cfg.to_dict(),
+                                    optimizer_state=ckpt.name_optimizer_state(executor.optimizer_state(), index),
                                     extra={"data": loader.state_dict(), "tokenizer": "tokenizer",
                                            "seq_len": data.seq_len, "executor": executor.name,
                                            **({"sparsity": executor.sparsity.state_dict()}
