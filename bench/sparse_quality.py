@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import yaml
-from safetensors.torch import load_file
 
 from waferscale.params import params_from_dict
+from waferscale.runtime.checkpoint import load_checkpoint
 from waferscale.zoo.runner import RunOptions, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def column_balance(model_dir: Path, step: int) -> float | None:
     """How unevenly the kept weights spread over input columns: the coefficient of variation of kept weights per
     column, averaged over the masked matrices of the final checkpoint (None for a dense run). Gradient regrowth
     (RigL) piles weights where the inputs are large: dL/dW[i, j] sums the output error times input j."""
-    sd = load_file(str(model_dir / f"checkpoint_{step}.safetensors"))
+    sd = load_checkpoint(model_dir / f"checkpoint_{step}.safetensors", with_optimizer=False).model
     cvs = [(c.std() / c.mean()).item() for k, m in sd.items() if k.endswith("_mask") for c in [m.float().sum(0)]]
     return sum(cvs) / len(cvs) if cvs else None
 

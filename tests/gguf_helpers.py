@@ -181,6 +181,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path,
     w.add_token_types([gguf.TokenType.NORMAL] * EOS + [gguf.TokenType.CONTROL])
     w.add_token_merges(MERGES)
     w.add_eos_token_id(EOS)
+    if mt == "t5":  # T5Model.set_vocab: an input ends in </s>
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(True)
     named = []
     for name, t in _tensors(load_file(str(Path(hf_dir) / "model.safetensors")), hp, mt):
         new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))

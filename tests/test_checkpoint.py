@@ -178,3 +178,40 @@ def test_either_training_path_resumes_the_others_checkpoint(corpus: Path, tmp_pa
     assert after.step == 3
     assert all(float(s["beta1_power"]) == pytest.approx(0.9 ** 4)  # its Adam state went on: 3 steps
                for s in after.optimizer_state()["state"].values())
+
+
+def test_model_dirs_mixing_formats_and_partial_files_resolve_to_a_complete_checkpoint(tmp_path: Path) -> None:
+    """A first-format save cut short (weights, no manifest) is skipped for the last complete checkpoint; a run that
+    writes step N where a first-format step N exists replaces it whole; a stem names its file; a file is itself
+    even beside an unrelated `<name>.json`."""
+    model = from_name("gpt-tiny")
+    state = _opt_state(model)
+    _save_v1(tmp_path, 2, model, state)
+    _save_v1(tmp_path, 4, model, state).unlink()  # (its weights and optimizer files written, the manifest not)
+    assert ckpt.latest_checkpoint(tmp_path).name == "checkpoint_2.json"
+    with pytest.raises(CheckpointError, match="manifest .*is missing: it is partial"):
+        ckpt.load_checkpoint(tmp_path / "checkpoint_4.safetensors")
+    path = ckpt.save_checkpoint(tmp_path, 2, model, model.config.to_dict(), optimizer_state=state)
+    assert not (tmp_path / "checkpoint_2.json").exists() and not (tmp_path / "checkpoint_2.optim.safetensors").exists()
+    assert ckpt.latest_checkpoint(tmp_path) == path and ckpt.load_checkpoint(tmp_path).step == 2
+    assert ckpt.resolve_checkpoint_path(tmp_path / "checkpoint_2") == path
+    import waferscale.pytorch as cstorch
+
+    cstorch.save({"model": model.state_dict()}, tmp_path / "x.ckpt")
+    (tmp_path / "x.ckpt.json").write_text("{}")
+    assert ckpt.resolve_checkpoint_path(tmp_path / "x.ckpt") == tmp_path / "x.ckpt"
+
+
+def test_optimizer_state_moves_by_name_whatever_the_grouping() -> None:
+    """Two groups the same sizes as ours but holding other parameters: each parameter's state still goes to its
+    own index (by the names the state carries), not to whichever index has its position."""
+    index = {"a": 0, "b": 1, "c": 2, "d": 3}
+    ours = {"state": {}, "param_groups": [{"params": [0, 1], "lr": 1.0}, {"params": [2, 3], "lr": 1.0}]}
+    theirs = {"state": {i: {"v": torch.tensor(float(i))} for i in range(4)},
+              "param_groups": [{"params": [0, 1], "param_names": ["c", "a"]},
+                               {"params": [2, 3], "param_names": ["d", "b"]}]}
+    got = ckpt.regroup_optimizer_state(theirs, ours, index, "test")
+    assert {i: float(s["v"]) for i, s in got["state"].items()} == {2: 0.0, 0: 1.0, 3: 2.0, 1: 3.0}
+    assert got["param_groups"] is ours["param_groups"]
+    named = ckpt.name_optimizer_state(ours, index)
+    assert ckpt.regroup_optimizer_state(named, ours, index, "test") is named  # (already ours)

@@ -298,6 +298,7 @@ def test_wsc_generate_on_a_t5_gguf(tmp_path: Path, capsys) -> None:
     theirs, path = _t5_gguf(T5_CASES["flan-t5"], tmp_path, "flan-t5", ascii_only=True)
     tok = tokenizer_from_gguf(path)
     prompt = "the cat"
+    assert tok.encode(prompt, add_special_tokens=True) == tok.encode(prompt) + [EOS]  # (the file's add_eos_token)
     with torch.no_grad():
         out = theirs.generate(input_ids=torch.tensor([tok.encode(prompt) + [EOS]]), max_new_tokens=8,
                               do_sample=False, decoder_start_token_id=0, eos_token_id=EOS)[0, 1:].tolist()

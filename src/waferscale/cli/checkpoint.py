@@ -14,10 +14,11 @@ converters read and its 2.x trainer saves (`models/modelzoo.py`).
   YAML the model will train with on the Cerebras system, which must describe the same model. The checkpoint
   `{"model": ...}` is written to --output-dir (default: beside the directory) as `<name>_to_<tgt-fmt>.mdl`; unlike
   cszoo, no params YAML is written (the one given, or Model Zoo's for the architecture, is what trains it).
-* wsc -> cs (ours, not cszoo's): CHECKPOINT is one of our run's checkpoints (its manifest, or a model_dir for the
-  latest), --config the params YAML it trained with. The .mdl holds what a Model Zoo run saves: the weights under
-  its names, the optimizer state numbered in its param groups (`models/modelzoo_optim.py`) and global_step, so the
-  run can go on on a Cerebras system (the learning-rate scheduler's state is not written: `zoo/mdl.py`).
+* wsc -> cs (ours, not cszoo's): CHECKPOINT is one of our checkpoints (`wsc run`'s or `cstorch.save`'s, a file,
+  or a model_dir for the latest), --config the params YAML it trained with. The .mdl holds what a Model Zoo run
+  saves: the weights under its names, the optimizer state numbered in its param groups
+  (`models/modelzoo_optim.py`) and global_step, so the run can go on on a Cerebras system (the learning-rate
+  scheduler's state is not written: `zoo/mdl.py`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _wsc_to_cs(a: argparse.Namespace) -> int:
     params = load_params(a.config)
     cfg = _params_config(a)
     c = load_checkpoint(a.checkpoint_file)
-    saved = ModelConfig.from_dict(c.model_config)
+    saved = ModelConfig.from_dict(c.model_config) if c.model_config is not None else cfg  # (a script's: the params')
     differ = [f for f in _FUNCTION if getattr(cfg, f) != getattr(saved, f)]
     if differ:
         raise ConfigError(f"--config {a.config} describes another model than {c.path}: {differ[0]} is "

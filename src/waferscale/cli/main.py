@@ -140,7 +140,7 @@ def _generate_seq2seq(model: "T5", tok: "Tokenizer", prompt: str, a: argparse.Na
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k or 0, top_p=1.0 if a.top_p is None else a.top_p,
                             seed=a.seed, max_tokens=a.max_new_tokens)
     out = generate_seq2seq(model, tok.encode(prompt, add_special_tokens=True), params,
-                           [tok.eos_id] if tok.eos_id is not None else [])
+                           [tok.eos_id] if tok.eos_id is not None else [], vocab_limit=tok.vocab_size)
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 

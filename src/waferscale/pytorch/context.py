@@ -1,5 +1,6 @@
 """The state of a cstorch run, in one place: the backend, the half dtype, the running data executor, the steps
-being traced, the optimizers that may bind to MemoryX and this process's place in a multi-system cluster.
+being traced and the optimizers that may bind to MemoryX. (This process's place in a multi-system run is not a
+run's: it is the process's, as torch.distributed's process group is; pytorch/distributed.py holds it.)
 
 A script has one run: the first cstorch call starts it, and everything after shares it, as on a Cerebras
 system. A process that runs several (tests, a notebook, a service) starts each afresh with `cstorch.reset()`, or
@@ -19,7 +20,6 @@ import torch
 if TYPE_CHECKING:
     from waferscale.pytorch.backend import Backend
     from waferscale.pytorch.utils.data import DataExecutor
-    from waferscale.runtime.cluster import Cluster
 
 __all__ = ["RunContext", "current", "reset", "run_context"]
 
@@ -31,12 +31,6 @@ class RunContext:
     data: DataExecutor | None = None  # the DataExecutor whose loop is running
     deferred: list[list[tuple[Callable[..., Any], tuple, dict]]] = field(default_factory=list)  # per traced step
     optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # cstorch optimizers, for MemoryX binding
-    cluster: Cluster | None = None  # this process's place in a num_csx > 1 run, once launched
-    closers: list[Callable[[], None]] = field(default_factory=list)  # run at reset (the cluster's shutdown)
-
-    def close(self) -> None:
-        while self.closers:
-            self.closers.pop()()
 
 
 _run = RunContext()
@@ -47,20 +41,18 @@ def current() -> RunContext:
 
 
 def reset() -> RunContext:
-    """Close the current run (its cluster, if it launched one) and start a fresh one; returns it."""
+    """Start a fresh run (the current one's state dropped); returns it."""
     global _run
-    old, _run = _run, RunContext()
-    old.close()
+    _run = RunContext()
     return _run
 
 
 @contextlib.contextmanager
 def run_context() -> Iterator[RunContext]:
-    """A fresh run for the block, closed at its end; the run before it is current again afterwards."""
+    """A fresh run for the block; the run before it is current again afterwards."""
     global _run
     outer, _run = _run, RunContext()
     try:
         yield _run
     finally:
-        inner, _run = _run, outer
-        inner.close()
+        _run = outer

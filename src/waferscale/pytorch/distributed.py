@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from waferscale.errors import ConfigError
-from waferscale.pytorch import context
 from waferscale.runtime import cluster as _cluster
 from waferscale.runtime.cluster import Cluster, LinkError, SwarmXFailure
 
@@ -61,19 +60,21 @@ class ClusterConfig:
             raise ConfigError(f"ClusterConfig(timeout_s=...) must be positive, got {self.timeout_s}")
 
 
+# this process's place in a multi-system run, once launched: process-wide, as torch.distributed's process group
+# is (a cstorch run context does not scope it; one cluster per script)
+_cluster_here: Cluster | None = None
+
+
 def cluster() -> Cluster | None:
-    """This process's place in the run (pytorch/context.py), once launched."""
-    return context.current().cluster
+    return _cluster_here
 
 
 def rank() -> int:
-    c = cluster()
-    return c.rank if c is not None else 0
+    return _cluster_here.rank if _cluster_here is not None else 0
 
 
 def world_size() -> int:
-    c = cluster()
-    return c.world if c is not None else 1
+    return _cluster_here.world if _cluster_here is not None else 1
 
 
 def is_master() -> bool:
@@ -97,25 +98,26 @@ def script_argv() -> list[str]:
 
 def launch(backend: "Backend") -> None:
     """Join (under torchrun) or start (locally) the N processes of `backend.cluster_config`."""
-    n, run = backend.num_csx, context.current()
-    if run.cluster is not None:
-        if run.cluster.world != n:
-            raise ConfigError(f"this process already runs with num_csx={run.cluster.world}; one cluster per script")
+    global _cluster_here
+    n = backend.num_csx
+    if _cluster_here is not None:
+        if _cluster_here.world != n:
+            raise ConfigError(f"this process already runs with num_csx={_cluster_here.world}; one cluster per script")
         return
     threads, argv = None, []
     if not _cluster.under_torchrun():  # the copies of this script share this machine's cores
         argv = script_argv()
         threads = max(1, (os.cpu_count() or 1) // n)
         torch.set_num_threads(threads)
-    run.cluster = _cluster.launch(n, argv, timeout_s=backend.cluster_config.timeout_s, label="system",
+    _cluster_here = _cluster.launch(n, argv, timeout_s=backend.cluster_config.timeout_s, label="system",
                                     advice="the checkpoints already written are complete", threads=threads,
                                     log_dir=backend.artifact_dir, needed_by=f"ClusterConfig(num_csx={n})")
-    run.closers.append(lambda: _shutdown(run))
-    atexit.register(_shutdown, run)
+    atexit.register(_shutdown)
 
 
-def _shutdown(run: context.RunContext) -> None:
-    c, run.cluster = run.cluster, None
+def _shutdown() -> None:
+    global _cluster_here
+    c, _cluster_here = _cluster_here, None
     if c is None:
         return
     if c.failure is None:
@@ -129,24 +131,22 @@ def _shutdown(run: context.RunContext) -> None:
 def step_started(step: int) -> None:
     """Each step's start: this system's heartbeat (so a hung one can be named) and the cluster's test hook
     (WSC_SWARMX_FAULT="RANK:STEP:die|hang")."""
-    c = cluster()
-    if c is not None and c.world > 1:
-        c.beat(step, "start")
-        _cluster.fault_hook(c.rank, step)
+    if _cluster_here is not None and _cluster_here.world > 1:
+        _cluster_here.beat(step, "start")
+        _cluster.fault_hook(_cluster_here.rank, step)
 
 
 def guard(what: str, fn):  # noqa: ANN001, ANN201 - passes fn's result through
     """Run `fn` (streaming work that also runs the user's code): a failed link collective becomes a
     SwarmXFailure naming its cause; any other error (the user's) passes through as it is."""
-    c = cluster()
-    if c is None:
+    if _cluster_here is None:
         return fn()
-    return c.guard(what, fn, only=(LinkError,))
+    return _cluster_here.guard(what, fn, only=(LinkError,))
 
 
 def all_mean(values: list[float]) -> list[float]:
     """Element-wise mean over the systems (main thread, default group)."""
-    c = cluster()
+    c = _cluster_here
     if c is None or c.world == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)

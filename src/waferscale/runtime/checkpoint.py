@@ -60,16 +60,18 @@ def unique_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> di
 
 
 # ---- the file: nested state, its tensors stored once each ----------------------------------------------------
-def _flatten(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[Any, str], where: str) -> Any:
+def _flatten(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[Any, tuple[str, torch.Tensor]],
+             where: str) -> Any:
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        view = tensor_identity(t)
-        if view in seen:  # the same tensor twice (tied weights): stored once
-            return {"__tensor__": seen[view]}
+        # the same tensor twice (tied weights) is stored once: told on the tensor itself, where it lives (a copy's
+        # address means nothing once freed), and each one held until the file is written
+        view = tensor_identity(obj)
+        if view is not None and (view, obj.device) in seen:
+            return {"__tensor__": seen[view, obj.device][0]}
         key = str(len(tensors))
-        tensors[key] = t.contiguous().clone()  # (safetensors stores whole, unshared tensors)
+        tensors[key] = obj.detach().cpu().contiguous().clone()  # (safetensors stores whole, unshared tensors)
         if view is not None:
-            seen[view] = key
+            seen[view, obj.device] = (key, obj)
         return {"__tensor__": key}
     if isinstance(obj, Mapping):
         if not all(isinstance(k, (str, int)) for k in obj):
@@ -122,32 +124,53 @@ def _file_meta(path: Path) -> dict[str, str]:
                               f"partially written or is another format") from None
 
 
-def load_state(path: str | os.PathLike, map_location: Any = None, tensors: bool = True) -> Any:
+def load_state(path: str | os.PathLike, map_location: Any = None, tensors: bool = True,
+               only: tuple[str, ...] | None = None) -> Any:
     """The state in checkpoint `path`, whichever format wrote it (the module's docstring): a file of ours, a first
     `wsc run` checkpoint (its manifest, tensor files or a model_dir: as the state it would be now), or a `.mdl`.
-    tensors=False: the structure alone, each tensor None (reads only the file's header)."""
+    tensors=False: the structure alone, each tensor None (reads only the file's header). only: the tensors of
+    these top-level entries alone are read (the others' are None), e.g. ("model",) without the optimizer's."""
     p = resolve_checkpoint_path(path)
     if p.suffix == ".json":
-        return _load_v1(p, tensors)
+        return _load_v1(p, tensors, map_location, only)
     if is_mdl(p):
         return load_mdl(p, map_location)  # (whole: its structure is small beside its tensors)
     meta = _file_meta(p)
     if meta.get("format") not in (FORMAT, FORMATS_V1[1]):
         raise CheckpointError(f"{p} is not a waferscale checkpoint (a safetensors file without its state's "
                               "structure): pass a checkpoint written by `wsc run` or `cstorch.save`")
-    data = None
-    if tensors:
-        try:
-            data = load_file(str(p), device=str(map_location) if map_location else "cpu")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{p} is not a complete checkpoint ({str(e).splitlines()[0][:120]}); it was "
-                                  f"partially written: use an earlier checkpoint") from None
-    return _unflatten(json.loads(meta["structure"]), data)
+    structure = json.loads(meta["structure"])
+    if not tensors:
+        return _unflatten(structure, None)
+    device = str(map_location) if map_location else "cpu"
+    try:
+        if only is None:
+            return _unflatten(structure, load_file(str(p), device=device))
+        keys = {k: v for k, v in structure.get("__dict__", [])}
+        with safe_open(str(p), framework="pt", device=device) as f:
+            return {k: _unflatten(v, _Reader(f) if k in only else None) for k, v in keys.items()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{p} is not a complete checkpoint ({str(e).splitlines()[0][:120]}); it was "
+                              f"partially written: use an earlier checkpoint") from None
+
+
+class _Reader:
+    """The tensors of an open safetensors file by key, each read once (a tied tensor is one tensor)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.read = f, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.read:
+            self.read[key] = self.f.get_tensor(key)
+        return self.read[key]
 
 
 # ---- the first `wsc run` format, read as the state it would be now --------------------------------------------
-def _load_v1(manifest_path: Path, tensors: bool) -> dict[str, Any]:
+def _load_v1(manifest_path: Path, tensors: bool, map_location: Any = None, only: tuple[str, ...] | None = None
+             ) -> dict[str, Any]:
     manifest = _read_v1_manifest(manifest_path)
+    device = str(map_location) if map_location else "cpu"
     stem = manifest_path.with_suffix("")
     model: dict[str, Any] = {}
     extra: dict[str, torch.Tensor] = {}
@@ -157,9 +180,10 @@ def _load_v1(manifest_path: Path, tensors: bool) -> dict[str, Any]:
             if not f.exists() or f.stat().st_size != size:
                 raise CheckpointError(f"checkpoint {manifest_path.name} is partial: {name} is missing or has the "
                                       f"wrong size; use an earlier checkpoint")
-        model = load_file(str(stem.with_suffix(".safetensors")))
+        model = load_file(str(stem.with_suffix(".safetensors")), device=device)
         optim = manifest_path.with_name(stem.name + ".optim.safetensors")
-        extra = load_file(str(optim)) if optim.exists() else {}
+        if optim.exists() and (only is None or {"optimizer", "rng"} & set(only)):
+            extra = load_file(str(optim), device=device)
     state = {k: v for k, v in manifest.items() if k not in ("format", "step", "files", "optimizer")}
     state.update(model=model, global_step=int(manifest["step"]))
     if tensors and "rng.torch" in extra:
@@ -253,6 +277,9 @@ def name_optimizer_state(state: dict[str, Any], index: Mapping[str, int]) -> dic
     for an optimizer given named parameters), `index` naming each parameter's index: so that a run grouped
     otherwise can take it (`regroup_optimizer_state`)."""
     name_of = {i: n for n, i in index.items()}
+    if sorted(i for g in state["param_groups"] for i in g["params"]) != sorted(name_of):
+        raise CheckpointError(f"the optimizer holds {sum(len(g['params']) for g in state['param_groups'])} "
+                              f"parameters, the model {len(name_of)}: they cannot be named")
     return {**state, "param_groups": [{**g, "param_names": [name_of[i] for i in g["params"]]}
                                       for g in state["param_groups"]]}
 
@@ -263,9 +290,12 @@ def regroup_optimizer_state(state: dict[str, Any], ours: dict[str, Any], index: 
     naming its parameters): each parameter's state moved to our index by name, the hyper-parameters ours. A state
     already grouped as ours, or without names, is returned as it is."""
     groups = state.get("param_groups", [])
-    if [len(g["params"]) for g in groups] == [len(g["params"]) for g in ours["param_groups"]] or \
-            not all("param_names" in g for g in groups):
-        return state
+    if not groups or not all("param_names" in g for g in groups):
+        return state  # (nothing to regroup by)
+    sizes = [len(g["params"]) for g in groups]
+    if sizes == [len(g["params"]) for g in ours["param_groups"]] and \
+            [n for g in groups for n in g["param_names"]] == [n for _, n in sorted((i, n) for n, i in index.items())]:
+        return state  # (grouped as ours already)
     theirs = {n: i for g in groups for n, i in zip(g["param_names"], g["params"])}
     if set(theirs) != set(index):
         missing, extra = sorted(set(index) - set(theirs)), sorted(set(theirs) - set(index))
@@ -283,13 +313,17 @@ def _int(v: Any) -> int:
 def save_checkpoint(model_dir: Path, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
                     model_config: dict[str, Any], *,
                     optimizer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write `model_dir/checkpoint_{step}.safetensors` (the module's docstring), atomically; returns its path."""
+    """Write `model_dir/checkpoint_{step}.safetensors` (the module's docstring), atomically; returns its path. A
+    first-format checkpoint of the same step (its weights file has this name) is replaced whole."""
     weights = model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)  # (tied: stored once)
     state: dict[str, Any] = {"model": weights, "global_step": step, "model_config": model_config,
                              "rng": {"torch": torch.get_rng_state()}, **(extra or {})}
     if optimizer_state is not None:
         state["optimizer"] = optimizer_state
-    return save_state(state, Path(model_dir) / f"checkpoint_{step}.safetensors")
+    path = save_state(state, Path(model_dir) / f"checkpoint_{step}.safetensors")
+    for old in (path.with_suffix(".json"), path.with_name(f"checkpoint_{step}.optim.safetensors")):
+        old.unlink(missing_ok=True)
+    return path
 
 
 def latest_checkpoint(model_dir: Path) -> Path | None:
@@ -298,13 +332,19 @@ def latest_checkpoint(model_dir: Path) -> Path | None:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return None
-    found = [(int(m.group(1)), m.group(2) == "json", p) for p in model_dir.iterdir() if (m := _NAME.match(p.name))]
-    return max(found)[2] if found else None  # (a step with both a manifest and its weights file: the manifest)
+    found = []
+    for p in model_dir.iterdir():
+        if (m := _NAME.match(p.name)) is None:
+            continue
+        if m.group(2) == "safetensors" and _first_format_weights(p):
+            continue  # (its manifest stands for it; without one it is a partial first-format checkpoint)
+        found.append((int(m.group(1)), m.group(2) != "json", p))  # (one step in both formats: the newer one)
+    return max(found)[2] if found else None
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """The checkpoint file `path` names: itself, or a model_dir's latest; a first-format checkpoint by its manifest
-    (any of its files or its stem name it)."""
+    """The checkpoint file `path` names: itself, its stem (`checkpoint_5`), or a model_dir's latest; a first-format
+    checkpoint by its manifest, whichever of its files names it."""
     p = Path(path)
     if p.is_dir():
         latest = latest_checkpoint(p)
@@ -312,15 +352,29 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
             raise CheckpointError(f"no checkpoint in {p} (no checkpoint_*.safetensors, .json or .mdl); train first "
                                   "or pass a checkpoint file")
         return latest
-    for suffix in (".optim.safetensors", ".safetensors", ".json", ""):  # (the first that ends the name)
-        if p.name.endswith(suffix):
-            v1 = p.with_name(p.name[: len(p.name) - len(suffix)] + ".json")
-            if v1.is_file() and not (suffix == ".safetensors" and is_checkpoint_file(p)):
-                return v1
-            break
-    if not p.is_file():
-        raise CheckpointError(f"no checkpoint at {p}")
-    return p
+    v1_parts = (".optim.safetensors", ".safetensors")
+    if p.is_file() and not (p.name.endswith(v1_parts[0]) or (p.suffix == v1_parts[1] and _first_format_weights(p))):
+        return p
+    stem = next((p.name[: -len(s)] for s in v1_parts if p.name.endswith(s)), p.name)
+    for name in (stem + ".json", stem + ".safetensors", stem + ".mdl"):
+        q = p.with_name(name)
+        if q.is_file() and (q.suffix != ".safetensors" or is_checkpoint_file(q)):
+            return q
+    if p.is_file():
+        raise CheckpointError(f"{p} is part of a first-format checkpoint whose manifest ({stem}.json) is missing: it "
+                              "is partial; use an earlier checkpoint")
+    raise CheckpointError(f"no checkpoint at {p}")
+
+
+def _first_format_weights(p: Path) -> bool:
+    """Whether `p` is the weights file of a first-format checkpoint: a manifest beside it, or a complete
+    safetensors file without this format's metadata. (An unreadable one is not: loading it says what is wrong.)"""
+    if p.with_suffix(".json").is_file():
+        return True
+    try:
+        return _file_meta(p).get("format") not in (FORMAT, FORMATS_V1[1])
+    except CheckpointError:
+        return False
 
 
 def is_checkpoint_file(p: Path) -> bool:
@@ -343,13 +397,14 @@ def load_checkpoint(path: str | Path, with_optimizer: bool = True, model_config:
             raise CheckpointError(f"{p} is a Cerebras checkpoint: its parameter names are mapped for a model, so "
                                   f"give the params file of the model it holds")
         return load_cerebras_checkpoint(p, model_config, optimizer_index if with_optimizer else None, lr_scales)
-    state = load_state(p)
+    state = load_state(p, only=None if with_optimizer else ("model",))  # (weights only: the optimizer's unread)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{p} holds no model weights (a checkpoint is a dict with a \"model\" state dict, as "
                               "cstorch.save({\"model\": model.state_dict(), ...}) writes)")
     rest = {k: v for k, v in state.items() if k not in ("model", "global_step")}
     if not with_optimizer:
         rest.pop("optimizer", None)
+        rest.pop("rng", None)
     return Checkpoint(step=_int(state.get("global_step", 0)), path=p, model=state["model"], state=rest)
 
 

@@ -16,6 +16,7 @@ file it was trained with, as Model Zoo's own tools take it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +67,8 @@ class ModelSource:
                 return ModelConfig.from_dict(saved)
             if self.given is None:
                 raise ConfigError(f"{self.path} holds weights without the model's architecture: give the params "
-                                  "file it was trained with (--config PARAMS.yaml; in Python resolve(..., "
-                                  "config=ModelConfig))")
+                                  "file it was trained with (--config PARAMS.yaml; `wsc compile`, which needs only "
+                                  "the architecture: --params PARAMS.yaml; in Python: resolve(..., config=...))")
             return self.given
         return self.load().config  # (an asset or a .gguf: its metadata and matrices come together)
 
@@ -118,7 +119,7 @@ def resolve(spec: str | Path | ModelSource, config: ModelConfig | None = None) -
     """The model `spec` names (see the module's docstring; a ModelSource: itself); ConfigError / CheckpointError
     naming what was tried. config: the architecture of a checkpoint that does not carry its own (a `.mdl`)."""
     if isinstance(spec, ModelSource):
-        return spec
+        return spec if config is None or spec.given is not None else dataclasses.replace(spec, given=config)
     s = str(spec)
     p = Path(s).expanduser()
     if p.exists():
@@ -132,9 +133,8 @@ def resolve(spec: str | Path | ModelSource, config: ModelConfig | None = None) -
                                   "model directory (no config.json)")
         if p.suffix == ".gguf":
             return ModelSource(s, "gguf", p)
-        path = ckpt.resolve_checkpoint_path(p)
-        if path.suffix == ".json" or is_mdl(path) or ckpt.is_checkpoint_file(path):
-            return ModelSource(s, "checkpoint", path, config)
+        if p.name.startswith("checkpoint_") or is_mdl(p) or ckpt.is_checkpoint_file(p):
+            return ModelSource(s, "checkpoint", ckpt.resolve_checkpoint_path(p), config)
         if p.suffix == ".safetensors":
             raise CheckpointError(f"{p} is a tensor file without the model's architecture: pass the checkpoint or "
                                   "model_dir it belongs to, or a Hugging Face directory holding it")
@@ -154,7 +154,7 @@ def resolve(spec: str | Path | ModelSource, config: ModelConfig | None = None) -
 
 def served_id(spec: str | ModelSource) -> tuple[str, set[str]]:
     """The id clients use for the model `spec` names, and the other names that reach it: a packaged or zoo name
-    as given (any case), a path's final component (`.gguf` dropped; a checkpoint manifest: its model_dir's),
+    as given (any case), a path's final component (`.gguf` dropped; a checkpoint_* file: its model_dir's),
     the path as given and resolved also working. Reads nothing but the path's existence (the appliance asks it
     about deployments on its own machine)."""
     spec = spec.spec if isinstance(spec, ModelSource) else spec

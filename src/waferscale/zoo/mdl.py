@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from waferscale.errors import ConfigError
 from waferscale.models import ModelConfig, build
 from waferscale.models.modelzoo import state_dict_to_zoo
 from waferscale.models.modelzoo_optim import optimizer_state_to_zoo
@@ -31,8 +32,14 @@ def zoo_checkpoint(ckpt: Checkpoint, cfg: ModelConfig, optimizer: OptimizerParam
     out: dict[str, Any] = {"model": state_dict_to_zoo(ckpt.model, cfg)}
     state = ckpt.optimizer_state()
     if state is not None:
-        scales = optimizer.adjust_learning_rate or {}
-        out["optimizer"] = optimizer_state_to_zoo(state, cfg, resident_param_index(cfg, optimizer), scales)
+        scales, index = optimizer.adjust_learning_rate or {}, resident_param_index(cfg, optimizer)
+        names = [n for g in state.get("param_groups", []) for n in g.get("param_names", [])]
+        if names and names != [n for _, n in sorted((i, n) for n, i in index.items())]:
+            raise ConfigError(f"{ckpt.path}: its optimizer state is grouped as the script that saved it grouped "
+                              "it, not as a run of this params file; resume it once with `wsc run "
+                              "--checkpoint_path` (which regroups it by parameter name) and convert that run's "
+                              "checkpoint, or save the script's checkpoint without its optimizer")
+        out["optimizer"] = optimizer_state_to_zoo(state, cfg, index, scales)
     out["global_step"] = ckpt.step
     return out
 

@@ -367,7 +367,8 @@ def _run(params: Params, opts: RunOptions, out: TextIO, device: torch.device, mo
     source = opts.checkpoint_path or ckpt.latest_checkpoint(model_dir)
     if source is not None:
         # a Cerebras .mdl's names are mapped for cfg, its optimizer state renumbered to our optimizer's indices
-        zoo_states = opts.load_checkpoint_states == "all" and Path(source).is_file() and is_mdl(source)
+        source = ckpt.resolve_checkpoint_path(source)  # (a model_dir: its latest, which may be a .mdl)
+        zoo_states = opts.load_checkpoint_states == "all" and source.suffix != ".json" and is_mdl(source)
         c = ckpt.load_checkpoint(source, model_config=cfg, optimizer_index=index if zoo_states else None,
                                  lr_scales=params.optimizer.adjust_learning_rate)
         # initializers only shape a fresh model's weights: a checkpoint's are the weights

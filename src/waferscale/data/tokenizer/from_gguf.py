@@ -146,6 +146,18 @@ def _tokenizer_from_gguf_cached(path: str, size: int, mtime_ns: int) -> HFTokeni
         raise DataError(f"{path}: rebuilt tokenizer has {n} tokens, GGUF lists {len(tokens)}")
 
     eos_id, bos_id = (metadata.get(f"tokenizer.ggml.{which}_token_id") for which in ("eos", "bos"))
+    # the special tokens an input gets (encode(add_special_tokens=True)), as llama.cpp reads them: the file's
+    # add_bos_token / add_eos_token (T5's converter writes add_eos_token, its inputs ending in </s>), else its
+    # default per tokenizer model (a SentencePiece 'llama' vocabulary starts with BOS)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    if add_bos or add_eos:
+        specials = [(tokens[int(i)], int(i)) for i, on in ((bos_id, add_bos), (eos_id, add_eos)) if on]
+        single = " ".join([*([f"{tokens[int(bos_id)]}:0"] if add_bos else []), "$A:0",
+                           *([f"{tokens[int(eos_id)]}:0"] if add_eos else [])])
+        template = processors.TemplateProcessing(single=single, special_tokens=specials)
+        tk.post_processor = template if tk.post_processor is None else \
+            processors.Sequence([tk.post_processor, template])
     return HFTokenizer(tk, eos_id=None if eos_id is None else int(eos_id),
                        bos_id=None if bos_id is None else int(bos_id),
                        chat_template=metadata.get("tokenizer.chat_template"))
