@@ -84,6 +84,9 @@ def test_every_checkpoint_format_resolves(run_dir: Path, tmp_path: Path) -> None
         got = s.load().state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want), name
     assert resolve(resolve(str(run_dir))) == src  # (a ModelSource is its own answer)
+    assert resolve(str(run_dir), config=cfg).config() == cfg  # (the same architecture given: fine)
+    with pytest.raises(ConfigError, match="describes another model than the one .* drop --config"):
+        resolve(str(run_dir), config=cfg.replace(n_layer=cfg.n_layer + 1)).config()
 
 
 def test_what_cannot_be_served_is_refused_with_the_way_out(tmp_path: Path) -> None:

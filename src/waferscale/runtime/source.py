@@ -24,6 +24,7 @@ from typing import Any
 
 from waferscale.errors import CheckpointError, ConfigError
 from waferscale.models import CausalLM, ModelConfig, build, config_from_name
+from waferscale.models.config import INITIALIZER_FIELDS
 from waferscale.models.registry import META_THRESHOLD_PARAMS, canonical_name
 from waferscale.runtime import checkpoint as ckpt
 from waferscale.runtime.mdl import is_mdl
@@ -64,7 +65,12 @@ class ModelSource:
         if self.kind == "checkpoint":
             saved = None if is_mdl(self.path) else ckpt.load_state(self.path, tensors=False).get("model_config")
             if saved is not None:
-                return ModelConfig.from_dict(saved)
+                own = ModelConfig.from_dict(saved)
+                inits = {k: getattr(own, k) for k in INITIALIZER_FIELDS}
+                if self.given is not None and self.given.replace(name=own.name, **inits) != own:
+                    raise ConfigError(f"the params file given (--config) describes another model than the one "
+                                      f"{self.path} was written for ({own.name}, which it carries): drop --config")
+                return own
             if self.given is None:
                 raise ConfigError(f"{self.path} holds weights without the model's architecture: give the params "
                                   "file it was trained with (--config PARAMS.yaml; `wsc compile`, which needs only "
