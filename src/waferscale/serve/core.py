@@ -52,6 +52,11 @@ def _core_main(conn: Any, model: Any, engine_kw: dict[str, Any]) -> None:
         return
     gc.collect()
     gc.freeze()  # the model's and the kernels' objects are never garbage: keep them out of every collection
+    # this process is the engine's: its torch ops run on one thread, set once here (the C kernels have their own
+    # pool; the step's scoped settings then change nothing)
+    import torch
+
+    torch.set_num_threads(1)
     conn.send(("ready", engine.describe()))
     try:
         while True:

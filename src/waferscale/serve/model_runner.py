@@ -373,11 +373,13 @@ class ModelRunner:
         """First stage: x is None (token ids come from the spec). Returns (N, C) activations, or (num samples,
         V) float32 logits from the last stage."""
         prev = torch.get_num_threads()
-        torch.set_num_threads(1)
+        if prev != 1:  # (in the engine's own process, already 1: serve/core.py)
+            torch.set_num_threads(1)
         try:
             return self._run(spec, x)
         finally:
-            torch.set_num_threads(prev)
+            if prev != 1:
+                torch.set_num_threads(prev)
 
     def _run(self, spec: BatchSpec, x: Tensor | None) -> Tensor:
         moe_read = sum(L.moe.read for L in self.layers if L.moe is not None)
