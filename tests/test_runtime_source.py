@@ -83,6 +83,12 @@ def test_every_checkpoint_format_resolves(run_dir: Path, tmp_path: Path) -> None
         assert s.kind == "checkpoint" and s.id == name
         got = s.load().state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want), name
+    from waferscale.serve.engine import load_named  # (what `wsc serve` and LLM load by)
+
+    zoo = resolve(str(tmp_path / "zoo.mdl"), config=cfg)
+    with pytest.raises(ConfigError, match="zoo.mdl carries no tokenizer .*--tokenizer"):
+        load_named(zoo)
+    assert load_named(zoo, tokenizer=str(run_dir / "tokenizer"))[1].vocab_size == 49152
     assert resolve(resolve(str(run_dir))) == src  # (a ModelSource is its own answer)
     assert resolve(str(run_dir), config=cfg).config() == cfg  # (the same architecture given: fine)
     with pytest.raises(ConfigError, match="describes another model than the one .* drop --config"):

@@ -352,6 +352,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     engine_kw = {"enable_prefix_caching": a.enable_prefix_caching, "dtype": a.dtype, "speculative": _speculation(a),
                  "kv_cache_dtype": a.kv_cache_dtype}
+    if a.tokenizer is not None:
+        engine_kw["tokenizer"] = a.tokenizer
     if a.max_num_seqs is not None:
         engine_kw["max_num_seqs"] = a.max_num_seqs
     serve(model=_source(a.model, a), host=a.host, port=a.port, api_key=a.api_key, stages=a.stages, target=a.target,
@@ -625,6 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--model", default="smollm2-135m-instruct", help="a packaged name, a HF dir, a .gguf or a "
                            "checkpoint (wsc run's, cstorch.save's or a .mdl), or a model_dir")
             _config_flag(p)
+            p.add_argument("--tokenizer", default=None, help="a tokenizer name or path, instead of the model's own "
+                           "(needed for a checkpoint with none beside it)")
             p.add_argument("--host", default="127.0.0.1")
             p.add_argument("--port", type=int, default=8000)
             p.add_argument("--api-key", "--api_key", dest="api_key", default=None,

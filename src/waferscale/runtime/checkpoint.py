@@ -38,7 +38,9 @@ from waferscale.runtime.mdl import is_mdl, load_mdl
 from waferscale.util.files import atomic_path
 
 FORMAT = "waferscale-checkpoint/2"
-FORMATS_V1 = ("waferscale-checkpoint-v1", "waferscale.pytorch/1")  # (a run's manifest; a cstorch.save file)
+FORMAT_V1_RUN = "waferscale-checkpoint-v1"  # the first `wsc run` format's manifest
+FORMAT_V1_CSTORCH = "waferscale.pytorch/1"  # the first `cstorch.save` files: this layout, another name
+ONE_FILE = (FORMAT, FORMAT_V1_CSTORCH)
 _NAME = re.compile(r"^checkpoint_(\d+)\.(safetensors|json|mdl)$")
 
 
@@ -124,31 +126,31 @@ def _file_meta(path: Path) -> dict[str, str]:
                               f"partially written or is another format") from None
 
 
-def load_state(path: str | os.PathLike, map_location: Any = None, tensors: bool = True,
-               only: tuple[str, ...] | None = None) -> Any:
+def load_state(path: str | os.PathLike, map_location: Any = None, only: tuple[str, ...] | None = None) -> Any:
     """The state in checkpoint `path`, whichever format wrote it (the module's docstring): a file of ours, a first
     `wsc run` checkpoint (its manifest, tensor files or a model_dir: as the state it would be now), or a `.mdl`.
-    tensors=False: the structure alone, each tensor None (reads only the file's header). only: the tensors of
-    these top-level entries alone are read (the others' are None), e.g. ("model",) without the optimizer's."""
+    only: the tensors of these top-level entries alone are read, the others' are None: ("model",) without the
+    optimizer's; () the structure alone (a file of ours: its header only)."""
     p = resolve_checkpoint_path(path)
     if p.suffix == ".json":
-        return _load_v1(p, tensors, map_location, only)
+        return _load_v1(p, map_location, only)
     if is_mdl(p):
         return load_mdl(p, map_location)  # (whole: its structure is small beside its tensors)
     meta = _file_meta(p)
-    if meta.get("format") not in (FORMAT, FORMATS_V1[1]):
+    if meta.get("format") not in ONE_FILE:
         raise CheckpointError(f"{p} is not a waferscale checkpoint (a safetensors file without its state's "
                               "structure): pass a checkpoint written by `wsc run` or `cstorch.save`")
     structure = json.loads(meta["structure"])
-    if not tensors:
+    if only is not None and "__dict__" not in structure:
+        only = None  # (not a dict of entries: all of it)
+    if only == ():
         return _unflatten(structure, None)
-    device = str(map_location) if map_location else "cpu"
     try:
-        if only is None:
-            return _unflatten(structure, load_file(str(p), device=device))
-        keys = {k: v for k, v in structure.get("__dict__", [])}
-        with safe_open(str(p), framework="pt", device=device) as f:
-            return {k: _unflatten(v, _Reader(f) if k in only else None) for k, v in keys.items()}
+        with safe_open(str(p), framework="pt", device=str(map_location) if map_location else "cpu") as f:
+            read = _Reader(f)
+            if only is None:
+                return _unflatten(structure, read)
+            return {k: _unflatten(v, read if k in only else None) for k, v in structure["__dict__"]}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{p} is not a complete checkpoint ({str(e).splitlines()[0][:120]}); it was "
                               f"partially written: use an earlier checkpoint") from None
@@ -167,14 +169,13 @@ class _Reader:
 
 
 # ---- the first `wsc run` format, read as the state it would be now --------------------------------------------
-def _load_v1(manifest_path: Path, tensors: bool, map_location: Any = None, only: tuple[str, ...] | None = None
-             ) -> dict[str, Any]:
+def _load_v1(manifest_path: Path, map_location: Any = None, only: tuple[str, ...] | None = None) -> dict[str, Any]:
     manifest = _read_v1_manifest(manifest_path)
     device = str(map_location) if map_location else "cpu"
     stem = manifest_path.with_suffix("")
     model: dict[str, Any] = {}
     extra: dict[str, torch.Tensor] = {}
-    if tensors:
+    if only != ():
         for name, size in manifest["files"].items():
             f = manifest_path.with_name(name)
             if not f.exists() or f.stat().st_size != size:
@@ -186,7 +187,7 @@ def _load_v1(manifest_path: Path, tensors: bool, map_location: Any = None, only:
             extra = load_file(str(optim), device=device)
     state = {k: v for k, v in manifest.items() if k not in ("format", "step", "files", "optimizer")}
     state.update(model=model, global_step=int(manifest["step"]))
-    if tensors and "rng.torch" in extra:
+    if "rng.torch" in extra:
         state["rng"] = {"torch": extra["rng.torch"]}
     if "optimizer" in manifest:
         opt: dict[int, dict[str, Any]] = {}
@@ -206,7 +207,7 @@ def _read_v1_manifest(manifest_path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMATS_V1[0]:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_V1_RUN:
         fmt = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"{manifest_path} is not a waferscale checkpoint (format {fmt!r})")
     return manifest
@@ -372,7 +373,7 @@ def _first_format_weights(p: Path) -> bool:
     if p.with_suffix(".json").is_file():
         return True
     try:
-        return _file_meta(p).get("format") not in (FORMAT, FORMATS_V1[1])
+        return _file_meta(p).get("format") not in ONE_FILE
     except CheckpointError:
         return False
 
@@ -380,7 +381,7 @@ def _first_format_weights(p: Path) -> bool:
 def is_checkpoint_file(p: Path) -> bool:
     """Whether `p` is a checkpoint file of ours in one file (this format, or a first `cstorch.save` file)."""
     try:
-        return p.is_file() and _file_meta(p).get("format") in (FORMAT, FORMATS_V1[1])
+        return p.is_file() and _file_meta(p).get("format") in ONE_FILE
     except CheckpointError:
         return False
 

@@ -63,7 +63,7 @@ class ModelSource:
 
             return config_from_hf(json.loads((self.path / "config.json").read_text()))
         if self.kind == "checkpoint":
-            saved = None if is_mdl(self.path) else ckpt.load_state(self.path, tensors=False).get("model_config")
+            saved = self._saved("model_config")
             if saved is not None:
                 own = ModelConfig.from_dict(saved)
                 inits = {k: getattr(own, k) for k in INITIALIZER_FIELDS}
@@ -77,6 +77,10 @@ class ModelSource:
                                   "the architecture: --params PARAMS.yaml; in Python: resolve(..., config=...))")
             return self.given
         return self.load().config  # (an asset or a .gguf: its metadata and matrices come together)
+
+    def _saved(self, key: str) -> Any:
+        """A checkpoint's own entry `key` (read from its header; a .mdl carries none of ours)."""
+        return None if is_mdl(self.path) else ckpt.load_state(self.path, only=()).get(key)
 
     def graph(self) -> Any:
         """The compiler's graph of it (compiler/capture.py's `capture_config`: shapes only, on the meta device),
@@ -115,8 +119,7 @@ class ModelSource:
         if self.kind == "zoo":
             return None
         if self.kind == "checkpoint":
-            saved = None if is_mdl(self.path) else ckpt.load_state(self.path, tensors=False).get("tokenizer")
-            tok_dir = self.path.parent / (saved or "tokenizer")
+            tok_dir = self.path.parent / (self._saved("tokenizer") or "tokenizer")
             return load_tokenizer(str(tok_dir)) if tok_dir.exists() else None
         return load_tokenizer(str(self.path))
 

@@ -69,8 +69,9 @@ def load_named(name: Any, *, dtype: str | None = None, device: Any = "cpu", toke
     src = resolve(name)
     tok = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else src.tokenizer(tokenizer)
     if tok is None:
-        raise ConfigError(f"{name} has no tokenizer of its own (a zoo name): give a tokenizer, or serve a "
-                          "checkpoint, a .gguf or a Hugging Face directory")
+        raise ConfigError(f"{src.spec} carries no tokenizer of its own (a zoo name, or a checkpoint with no "
+                          "tokenizer/ beside it): give one (--tokenizer NAME-OR-PATH), or serve a .gguf or a Hugging "
+                          "Face directory")
     return src.load(device=device, keep_quantized=dtype != "fp32"), tok
 
 
@@ -264,11 +265,11 @@ class Engine:
             self._counters.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
     @classmethod
-    def from_pretrained(cls, name: str = "smollm2-135m-instruct", **kw: Any) -> Engine:
-        """Load what `name` names (runtime/source.py: a packaged model, a .gguf, a Hugging Face directory, a `wsc
-        run` model_dir or checkpoint, a zoo name) and its tokenizer; a GGUF's matrices stay in the file's
-        precision unless kw's dtype is "fp32"."""
-        model, tok = load_named(name, dtype=kw.get("dtype"), device=kw.get("device", "cpu"))
+    def from_pretrained(cls, name: Any = "smollm2-135m-instruct", *, tokenizer: Any = None, **kw: Any) -> Engine:
+        """Load what `name` names (runtime/source.py: a packaged model, a .gguf, a Hugging Face directory, a
+        checkpoint or model_dir, a zoo name) and its tokenizer (`tokenizer`, a name or path, overrides it); a
+        GGUF's matrices stay in the file's precision unless kw's dtype is "fp32"."""
+        model, tok = load_named(name, dtype=kw.get("dtype"), device=kw.get("device", "cpu"), tokenizer=tokenizer)
         return cls(model, tok, **kw)
 
     # ---- requests --------------------------------------------------------------------------------------

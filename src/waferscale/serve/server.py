@@ -51,7 +51,7 @@ def build_app(model: str = DEFAULT_MODEL, *, api_key: str | None = None, stages:
 
         engine = Engine.from_pretrained(model, stages=stages, **(engine_kw or {}))
         aengine = AsyncEngine(engine)
-    tokenizer = source.tokenizer()
+    tokenizer = source.tokenizer((engine_kw or {}).get("tokenizer"))
     model_id, aliases = served_id(model)
     log(f"wsc serve: loaded {model_id} in {time.perf_counter() - t:.1f} s "
         f"(context {engine.max_model_len} tokens, {stages} stage{'s' if stages != 1 else ''}; "
